@@ -1,0 +1,46 @@
+"""The `offload` command line: one entry point, subcommands registered by the packages that own them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from images import build as image_build
+from modelzoo import cli as models_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="offload",
+        description=(
+            "edge-offload: run deep-learning inference for edge devices on remote GPUs. "
+            "Each subcommand has its own --help."
+        ),
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at DEBUG level instead of INFO"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    image_build.register_cli(sub)
+    models_cli.register_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

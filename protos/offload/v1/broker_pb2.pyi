@@ -1,0 +1,178 @@
+from protos.offload.v1 import node_pb2 as _node_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PriorityClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_CLASS_UNSPECIFIED: _ClassVar[PriorityClass]
+    PRIORITY_CLASS_BEST_EFFORT: _ClassVar[PriorityClass]
+    PRIORITY_CLASS_STANDARD: _ClassVar[PriorityClass]
+    PRIORITY_CLASS_CRITICAL: _ClassVar[PriorityClass]
+PRIORITY_CLASS_UNSPECIFIED: PriorityClass
+PRIORITY_CLASS_BEST_EFFORT: PriorityClass
+PRIORITY_CLASS_STANDARD: PriorityClass
+PRIORITY_CLASS_CRITICAL: PriorityClass
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("node_id", "address", "site", "inventory", "runtimes", "replicas")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    RUNTIMES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    site: str
+    inventory: _node_pb2.Inventory
+    runtimes: _containers.RepeatedScalarFieldContainer[str]
+    replicas: _containers.RepeatedCompositeFieldContainer[_node_pb2.Replica]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., site: _Optional[str] = ..., inventory: _Optional[_Union[_node_pb2.Inventory, _Mapping]] = ..., runtimes: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_ms",)
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "usage")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    usage: _node_pb2.UsageResponse
+    def __init__(self, node_id: _Optional[str] = ..., usage: _Optional[_Union[_node_pb2.UsageResponse, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelChunk(_message.Message):
+    __slots__ = ("sha256", "name", "data")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    name: str
+    data: bytes
+    def __init__(self, sha256: _Optional[str] = ..., name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UploadModelResponse(_message.Message):
+    __slots__ = ("sha256", "size_bytes", "deduplicated")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    size_bytes: int
+    deduplicated: bool
+    def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
+
+class DeployRequest(_message.Message):
+    __slots__ = ("model_sha256", "model_name", "gpus", "gpu_memory_mib", "p2p_required", "cpus", "memory_mib", "priority", "latency_slo_ms", "client_id", "site")
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    P2P_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    model_sha256: str
+    model_name: str
+    gpus: int
+    gpu_memory_mib: int
+    p2p_required: bool
+    cpus: float
+    memory_mib: int
+    priority: PriorityClass
+    latency_slo_ms: float
+    client_id: str
+    site: str
+    def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., p2p_required: _Optional[bool] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., latency_slo_ms: _Optional[float] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
+
+class Deployment(_message.Message):
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    endpoint: str
+    token: str
+    epoch: int
+    node_id: str
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    model_name: str
+    state: str
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class GetDeploymentRequest(_message.Message):
+    __slots__ = ("deployment_id",)
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
+
+class ListDeploymentsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDeploymentsResponse(_message.Message):
+    __slots__ = ("deployments",)
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    deployments: _containers.RepeatedCompositeFieldContainer[Deployment]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ...) -> None: ...
+
+class DeleteDeploymentRequest(_message.Message):
+    __slots__ = ("deployment_id",)
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
+
+class DeleteDeploymentResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchDeploymentRequest(_message.Message):
+    __slots__ = ("deployment_id",)
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
+
+class PlacementUpdate(_message.Message):
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    endpoint: str
+    token: str
+    epoch: int
+    reason: str
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportLocationRequest(_message.Message):
+    __slots__ = ("client_id", "site")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    site: str
+    def __init__(self, client_id: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
+
+class ReportLocationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

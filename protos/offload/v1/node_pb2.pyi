@@ -1,0 +1,193 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STATE_STARTING: _ClassVar[ReplicaState]
+    REPLICA_STATE_READY: _ClassVar[ReplicaState]
+    REPLICA_STATE_STOPPING: _ClassVar[ReplicaState]
+    REPLICA_STATE_EXITED: _ClassVar[ReplicaState]
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STATE_STARTING: ReplicaState
+REPLICA_STATE_READY: ReplicaState
+REPLICA_STATE_STOPPING: ReplicaState
+REPLICA_STATE_EXITED: ReplicaState
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "utilization_pct", "pci_bus_id", "numa_node", "compute_capability")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PCT_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: int
+    memory_used_mib: int
+    utilization_pct: int
+    pci_bus_id: str
+    numa_node: int
+    compute_capability: str
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., utilization_pct: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., numa_node: _Optional[int] = ..., compute_capability: _Optional[str] = ...) -> None: ...
+
+class GpuLink(_message.Message):
+    __slots__ = ("gpu_a", "gpu_b", "kind", "nvlinks")
+    GPU_A_FIELD_NUMBER: _ClassVar[int]
+    GPU_B_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NVLINKS_FIELD_NUMBER: _ClassVar[int]
+    gpu_a: str
+    gpu_b: str
+    kind: str
+    nvlinks: int
+    def __init__(self, gpu_a: _Optional[str] = ..., gpu_b: _Optional[str] = ..., kind: _Optional[str] = ..., nvlinks: _Optional[int] = ...) -> None: ...
+
+class Inventory(_message.Message):
+    __slots__ = ("gpus", "links", "driver_version", "cuda_version", "nics")
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NICS_FIELD_NUMBER: _ClassVar[int]
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    links: _containers.RepeatedCompositeFieldContainer[GpuLink]
+    driver_version: str
+    cuda_version: str
+    nics: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[GpuLink, _Mapping]]] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., nics: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReplicaSpec(_message.Message):
+    __slots__ = ("deployment_id", "epoch", "model_sha256", "model_name", "gpu_uuids", "gpu_memory_mib", "cpus", "memory_mib", "token")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    epoch: int
+    model_sha256: str
+    model_name: str
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    gpu_memory_mib: int
+    cpus: float
+    memory_mib: int
+    token: str
+    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("replica_id", "spec", "endpoint", "state", "exit_code", "log_tail")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    LOG_TAIL_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    spec: ReplicaSpec
+    endpoint: str
+    state: ReplicaState
+    exit_code: int
+    log_tail: str
+    def __init__(self, replica_id: _Optional[str] = ..., spec: _Optional[_Union[ReplicaSpec, _Mapping]] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., exit_code: _Optional[int] = ..., log_tail: _Optional[str] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("node_id", "site", "inventory", "runtimes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    RUNTIMES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    site: str
+    inventory: Inventory
+    runtimes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., site: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., runtimes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StartReplicaRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: ReplicaSpec
+    def __init__(self, spec: _Optional[_Union[ReplicaSpec, _Mapping]] = ...) -> None: ...
+
+class StartReplicaResponse(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: Replica
+    def __init__(self, replica: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
+
+class StopReplicaRequest(_message.Message):
+    __slots__ = ("replica_id", "grace_ms")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_MS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    grace_ms: int
+    def __init__(self, replica_id: _Optional[str] = ..., grace_ms: _Optional[int] = ...) -> None: ...
+
+class StopReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class UpdateResourcesRequest(_message.Message):
+    __slots__ = ("replica_id", "cpus", "memory_mib")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    cpus: float
+    memory_mib: int
+    def __init__(self, replica_id: _Optional[str] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ...) -> None: ...
+
+class UpdateResourcesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaUsage(_message.Message):
+    __slots__ = ("replica_id", "cpu_pct", "memory_used_mib")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CPU_PCT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    cpu_pct: float
+    memory_used_mib: int
+    def __init__(self, replica_id: _Optional[str] = ..., cpu_pct: _Optional[float] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
+
+class UsageResponse(_message.Message):
+    __slots__ = ("gpus", "replicas")
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaUsage]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaUsage, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,290 @@
+"""One ONNX model in one ONNX Runtime session: its metadata, input checks, and inference.
+
+Plain Python over onnxruntime and numpy; nothing here knows about gRPC. `OnnxModel.run` and
+`OnnxModel.load` block (they run the session): call them from a worker thread.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+from runtime.datatypes import NUMPY_DTYPES, datatype_from_ort
+from runtime.errors import InferenceFailed, InvalidInput, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """An input or output of the model, as the Open Inference Protocol describes it."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    """-1 marks a dynamic dimension."""
+    dim_names: tuple[str | None, ...]
+    """The symbolic name of each dynamic dimension (None for fixed or unnamed ones)."""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.datatype} {list(self.shape)})"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTensor:
+    """One input as a request carries it: raw little-endian bytes or typed values."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    raw: bytes | None = None
+    values: np.ndarray | None = None
+    """Flat array of typed contents, in the dtype of the protocol field that carried them."""
+
+
+def _spec(arg: ort.NodeArg) -> TensorSpec:
+    dims = tuple(arg.shape or ())
+    return TensorSpec(
+        name=arg.name,
+        datatype=datatype_from_ort(arg.type),
+        shape=tuple(d if isinstance(d, int) and d >= 0 else -1 for d in dims),
+        dim_names=tuple(d if isinstance(d, str) else None for d in dims),
+    )
+
+
+def _gpu_visible() -> bool:
+    # The NVIDIA container runtime (or a bare-metal driver) exposes /dev/nvidia<N> per GPU.
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def choose_providers(device: str, gpu_mem_limit_mib: int = 0) -> list[str | tuple[str, dict]]:
+    """The execution providers for `device` ("auto", "cpu" or "cuda"), best first.
+
+    "auto" takes CUDA when this onnxruntime build has it and a GPU is visible, else the CPU.
+    "cuda" insists: ModelLoadError when CUDA is not possible here.
+    """
+    if device not in DEVICES:
+        raise ModelLoadError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
+    cuda_built = CUDA in ort.get_available_providers()
+    if device == "cpu" or (device == "auto" and not (cuda_built and _gpu_visible())):
+        return [CPU]
+    if not cuda_built:
+        raise ModelLoadError(
+            "device 'cuda' asked for, but this onnxruntime has no CUDA execution provider "
+            "(install onnxruntime-gpu, or use the runtime image's cuda variant)"
+        )
+    options: dict[str, int] = {"device_id": 0}
+    if gpu_mem_limit_mib > 0:
+        options["gpu_mem_limit"] = gpu_mem_limit_mib * 1024 * 1024
+    return [(CUDA, options), CPU]
+
+
+class OnnxModel:
+    """A loaded model. Thread-safe: ONNX Runtime sessions may run concurrently."""
+
+    def __init__(self, session: ort.InferenceSession, name: str) -> None:
+        self.name = name
+        self._session = session
+        self.inputs = tuple(_spec(a) for a in session.get_inputs())
+        self.outputs = tuple(_spec(a) for a in session.get_outputs())
+        self._inputs_by_name = {s.name: s for s in self.inputs}
+        self._output_names = tuple(s.name for s in self.outputs)
+        self.provider: str = session.get_providers()[0]
+
+    @classmethod
+    def load(
+        cls,
+        path: Path,
+        name: str,
+        device: str = "auto",
+        gpu_mem_limit_mib: int = 0,
+        intra_op_threads: int = 0,
+    ) -> OnnxModel:
+        """Load `path` into a session. Blocking. ModelLoadError when it cannot be loaded."""
+        providers = choose_providers(device, gpu_mem_limit_mib)
+        options = ort.SessionOptions()
+        if intra_op_threads > 0:
+            options.intra_op_num_threads = intra_op_threads
+        try:
+            session = ort.InferenceSession(str(path), options, providers=providers)
+        except (ort_state.Fail, ort_state.InvalidGraph, ort_state.InvalidProtobuf) as err:
+            raise ModelLoadError(f"cannot load {path} as an ONNX model: {err}") from err
+        except ort_state.NoSuchFile as err:
+            raise ModelLoadError(f"model file {path} does not exist") from err
+        model = cls(session, name)
+        wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
+        if device == "cuda" and model.provider != CUDA:
+            raise ModelLoadError(
+                "device 'cuda' asked for, but ONNX Runtime could not start its CUDA provider "
+                "(see the log above: driver, CUDA or cuDNN libraries missing?)"
+            )
+        if model.provider != wanted:
+            logger.warning("model=%s wanted %s, fell back to %s", name, wanted, model.provider)
+        logger.info(
+            "model=%s loaded from %s provider=%s inputs=%s outputs=%s",
+            name,
+            path,
+            model.provider,
+            ", ".join(s.describe() for s in model.inputs),
+            ", ".join(s.describe() for s in model.outputs),
+        )
+        return model
+
+    def prepare(self, tensors: Sequence[RequestTensor]) -> dict[str, np.ndarray]:
+        """Check each tensor against the model's inputs and return the session's feeds.
+
+        InvalidInput names the input and what was expected: unknown, duplicate or missing
+        names, wrong datatype, wrong shape (dynamic dimensions take any size, but a symbolic
+        dimension shared by several inputs must agree), wrong byte length or value count.
+        """
+        feeds: dict[str, np.ndarray] = {}
+        for tensor in tensors:
+            spec = self._inputs_by_name.get(tensor.name)
+            if spec is None:
+                raise InvalidInput(
+                    f"unknown input {tensor.name!r}; the model's inputs are "
+                    f"{self._describe(self.inputs)}"
+                )
+            if tensor.name in feeds:
+                raise InvalidInput(f"input {tensor.name!r} is given more than once")
+            feeds[tensor.name] = _to_array(tensor, spec)
+        missing = [s.describe() for s in self.inputs if s.name not in feeds]
+        if missing:
+            raise InvalidInput(f"missing input(s): {', '.join(missing)}")
+        self._check_shared_dims(feeds)
+        return feeds
+
+    def output_names(self, requested: Sequence[str]) -> tuple[str, ...]:
+        """The outputs to compute: the requested ones in order, or all when none is asked."""
+        if not requested:
+            return self._output_names
+        for name in requested:
+            if name not in self._output_names:
+                raise InvalidInput(
+                    f"unknown output {name!r}; the model's outputs are "
+                    f"{self._describe(self.outputs)}"
+                )
+        if len(set(requested)) != len(requested):
+            raise InvalidInput("an output is requested more than once")
+        return tuple(requested)
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
+        """Run the session. Blocking. InvalidInput when ONNX Runtime rejects the feeds."""
+        try:
+            return self._session.run(list(outputs), dict(feeds))
+        except ort_state.InvalidArgument as err:
+            raise InvalidInput(f"ONNX Runtime rejected the inputs: {err}") from err
+        except (ort_state.Fail, ort_state.RuntimeException) as err:
+            raise InferenceFailed(f"inference failed: {err}") from err
+
+    def warm_up(self, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        """One inference on zeros, so the first real request does not pay for lazy set-up.
+
+        A dynamic dimension is 1 for the first axis (batch) and 64 elsewhere, unless `shapes`
+        gives the input's whole shape. ModelLoadError when the inference fails.
+        """
+        shapes = shapes or {}
+        unknown = set(shapes) - set(self._inputs_by_name)
+        if unknown:
+            raise ModelLoadError(
+                f"warm-up shape given for unknown input(s) {sorted(unknown)}; the model's "
+                f"inputs are {self._describe(self.inputs)}"
+            )
+        feeds = {}
+        for spec in self.inputs:
+            shape = shapes.get(spec.name) or tuple(
+                d if d >= 0 else (1 if i == 0 else 64) for i, d in enumerate(spec.shape)
+            )
+            if spec.datatype not in NUMPY_DTYPES:
+                raise ModelLoadError(f"input {spec.describe()}: datatype cannot be warmed up")
+            feeds[spec.name] = np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype])
+        try:
+            self._session.run(None, feeds)
+        except (ort_state.InvalidArgument, ort_state.Fail, ort_state.RuntimeException) as err:
+            given = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in feeds.items())
+            raise ModelLoadError(
+                f"warm-up inference failed with inputs {given}: {err}. Give the shapes "
+                "this model needs with --warmup-shape NAME=DxDx..."
+            ) from err
+
+    def _check_shared_dims(self, feeds: Mapping[str, np.ndarray]) -> None:
+        seen: dict[str, tuple[str, int]] = {}
+        for spec in self.inputs:
+            for axis, dim_name in enumerate(spec.dim_names):
+                if dim_name is None:
+                    continue
+                size = feeds[spec.name].shape[axis]
+                first = seen.setdefault(dim_name, (spec.name, size))
+                if first[1] != size:
+                    raise InvalidInput(
+                        f"inputs {first[0]!r} and {spec.name!r} disagree on dimension "
+                        f"{dim_name!r}: {first[1]} and {size}; it must be the same size"
+                    )
+
+    @staticmethod
+    def _describe(specs: Sequence[TensorSpec]) -> str:
+        return ", ".join(s.describe() for s in specs)
+
+
+def _to_array(tensor: RequestTensor, spec: TensorSpec) -> np.ndarray:
+    if tensor.datatype != spec.datatype:
+        raise InvalidInput(
+            f"input {spec.name!r} has datatype {tensor.datatype or '(empty)'}; the model "
+            f"expects {spec.datatype}"
+        )
+    dtype = NUMPY_DTYPES.get(spec.datatype)
+    if dtype is None:
+        raise InvalidInput(
+            f"input {spec.name!r}: {spec.datatype} inputs are not supported by this runtime"
+        )
+    _check_shape(tensor.shape, spec)
+    count = math.prod(tensor.shape)
+    if tensor.raw is not None:
+        if len(tensor.raw) != count * dtype.itemsize:
+            raise InvalidInput(
+                f"input {spec.name!r} has {len(tensor.raw)} bytes of raw contents; shape "
+                f"{list(tensor.shape)} of {spec.datatype} needs {count * dtype.itemsize}"
+            )
+        return np.frombuffer(tensor.raw, dtype=dtype).reshape(tensor.shape)
+    values = tensor.values if tensor.values is not None else np.empty(0, dtype)
+    if values.size != count:
+        raise InvalidInput(
+            f"input {spec.name!r} has {values.size} values in its typed contents; shape "
+            f"{list(tensor.shape)} needs {count}"
+        )
+    if dtype.kind in "iu" and values.size and values.dtype != dtype:
+        info = np.iinfo(dtype)
+        if values.min() < info.min or values.max() > info.max:
+            raise InvalidInput(
+                f"input {spec.name!r} has values outside the range of {spec.datatype} "
+                f"[{info.min}, {info.max}]"
+            )
+    return values.astype(dtype, copy=False).reshape(tensor.shape)
+
+
+def _check_shape(shape: tuple[int, ...], spec: TensorSpec) -> None:
+    expected = f"the model expects {list(spec.shape)} (-1: any size)"
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"input {spec.name!r} has shape {list(shape)}: negative size")
+    if len(shape) != len(spec.shape):
+        raise InvalidInput(
+            f"input {spec.name!r} has shape {list(shape)} of rank {len(shape)}; {expected}"
+        )
+    for axis, (got, want) in enumerate(zip(shape, spec.shape, strict=True)):
+        if want >= 0 and got != want:
+            raise InvalidInput(
+                f"input {spec.name!r} has size {got} in dimension {axis} "
+                f"(shape {list(shape)}); {expected}"
+            )

@@ -1,0 +1,124 @@
+"""`inference.GRPCInferenceService` over one `OnnxModel`: thin methods, errors mapped once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Executor
+
+import grpc
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.errors import ModelNotFound, NotReady
+from runtime.model import OnnxModel
+from runtime.rpc import convert
+from runtime.rpc.status import mapped_errors
+from runtime.version import __version__
+
+logger = logging.getLogger(__name__)
+
+SERVER_NAME = "edge-offload-runtime"
+MODEL_VERSION = "1"
+PLATFORM = "onnxruntime_onnx"
+
+
+class ServingState:
+    """What the server may do now: serve once ready, refuse new calls once draining."""
+
+    def __init__(self) -> None:
+        self.model: OnnxModel | None = None
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.model is not None and not self.draining
+
+    def accepting(self) -> OnnxModel:
+        """The model, if a new inference may start; NotReady (UNAVAILABLE) otherwise."""
+        if self.draining:
+            raise NotReady("the server is draining (shutting down); retry on the new endpoint")
+        if self.model is None:
+            raise NotReady("the model is still loading or warming up; retry shortly")
+        return self.model
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Count one accepted inference until it finishes."""
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state: ServingState, model_name: str, executor: Executor) -> None:
+        self._state = state
+        self._name = model_name
+        self._executor = executor
+
+    def _model(self, name: str, version: str) -> OnnxModel:
+        if name != self._name or version not in ("", MODEL_VERSION):
+            raise ModelNotFound(
+                f"model {name!r} version {version or '(any)'!r} is not served here; this "
+                f"server serves {self._name!r} version {MODEL_VERSION!r}"
+            )
+        return self._state.accepting()
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._state.ready)
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        served = request.name == self._name and request.version in ("", MODEL_VERSION)
+        return pb.ModelReadyResponse(ready=served and self._state.ready)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=[])
+
+    @mapped_errors
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        model = self._model(request.name, request.version)
+        return pb.ModelMetadataResponse(
+            name=self._name,
+            versions=[MODEL_VERSION],
+            platform=PLATFORM,
+            inputs=convert.tensor_metadata(model.inputs),
+            outputs=convert.tensor_metadata(model.outputs),
+        )
+
+    @mapped_errors
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        model = self._model(request.model_name, request.model_version)
+        with self._state.track():
+            feeds = model.prepare(convert.request_tensors(request))
+            names = model.output_names([o.name for o in request.outputs])
+            loop = asyncio.get_running_loop()
+            arrays = await loop.run_in_executor(self._executor, model.run, feeds, names)
+        return convert.infer_response(request, names, arrays)

@@ -1,0 +1,288 @@
+"""The inference server inside a replica: `python -m runtime.server --model PATH ...`.
+
+Serves one ONNX model over the Open Inference Protocol (grpc.aio). Start-up order: listen
+(ServerLive answers at once), load the model, run one warm-up inference, then turn
+ServerReady/ModelReady true. SIGTERM or SIGINT drains: ServerReady turns false, new
+inferences get UNAVAILABLE, the ones already accepted finish within the grace period, and the
+process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.errors import ModelLoadError
+from runtime.model import DEVICES, OnnxModel
+from runtime.rpc.auth import TokenAuthInterceptor
+from runtime.rpc.servicer import InferenceServicer, ServingState
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSettings:
+    model: Path
+    name: str
+    token: str
+    host: str = "0.0.0.0"
+    port: int = 8001
+    """0 picks a free port (logged)."""
+    device: str = "auto"
+    gpu_mem_limit_mib: int = 0
+    """The replica's share of GPU memory, 0 for no limit (ONNX Runtime's gpu_mem_limit)."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Larger requests get RESOURCE_EXHAUSTED; also the limit on responses."""
+    grace_s: float = 10.0
+    """How long accepted inferences get to finish after SIGTERM."""
+    concurrency: int = 2
+    """Inferences run at once (worker threads sharing the session)."""
+    intra_op_threads: int = 0
+    """ONNX Runtime threads per inference; 0 lets ONNX Runtime choose."""
+    warmup_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    state: ServingState
+    executor: ThreadPoolExecutor
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new inferences, let accepted ones finish within `grace_s`, then stop."""
+        self.state.draining = True
+        started = time.monotonic()
+        in_flight = self.state.in_flight
+        try:
+            await asyncio.wait_for(self.state.wait_idle(), grace_s)
+        except TimeoutError:
+            logger.warning(
+                "drain: %d inference(s) still running after %.1fs grace",
+                self.state.in_flight,
+                grace_s,
+            )
+        remaining = max(0.0, grace_s - (time.monotonic() - started))
+        await self.server.stop(remaining)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        logger.info(
+            "drained: %d in flight at the signal, stopped after %.3fs",
+            in_flight,
+            time.monotonic() - started,
+        )
+
+
+async def start_server(settings: RuntimeSettings) -> RunningServer:
+    """Listen and answer ServerLive; the model is not loaded yet (see `load_model`)."""
+    state = ServingState()
+    executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="infer")
+    limit = settings.max_message_bytes
+    server = grpc.aio.server(
+        interceptors=[TokenAuthInterceptor(settings.token)],
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ],
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+        InferenceServicer(state, settings.name, executor), server
+    )
+    try:
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    except RuntimeError as err:
+        executor.shutdown()
+        raise OSError(f"cannot listen on {settings.host}:{settings.port}: {err}") from err
+    await server.start()
+    logger.info("runtime listening on %s:%d", settings.host, port)
+    return RunningServer(server, port, state, executor)
+
+
+async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
+    """Load and warm up the model, then turn ready. ModelLoadError when either fails."""
+    started = time.monotonic()
+    model = await asyncio.to_thread(
+        OnnxModel.load,
+        settings.model,
+        settings.name,
+        settings.device,
+        settings.gpu_mem_limit_mib,
+        settings.intra_op_threads,
+    )
+    loaded = time.monotonic()
+    await asyncio.to_thread(model.warm_up, settings.warmup_shapes)
+    running.state.model = model
+    logger.info(
+        "model=%s ready provider=%s (load %.2fs, warm-up %.2fs)",
+        settings.name,
+        model.provider,
+        loaded - started,
+        time.monotonic() - loaded,
+    )
+
+
+async def serve(settings: RuntimeSettings) -> int:
+    """Run until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    running = await start_server(settings)
+    loading = asyncio.create_task(load_model(running, settings), name="load-model")
+    stopping = asyncio.create_task(stop.wait(), name="wait-for-signal")
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        stopping.cancel()
+        logger.error("%s", loading.exception())
+        await running.server.stop(0)
+        running.executor.shutdown(wait=False)
+        return 1
+    await stopping
+    logger.info("signal received: draining (grace %.1fs)", settings.grace_s)
+    if not loading.done():
+        loading.cancel()
+    await running.drain(settings.grace_s)
+    return 0
+
+
+def _shape(text: str) -> tuple[str, tuple[int, ...]]:
+    name, sep, dims = text.partition("=")
+    try:
+        shape = tuple(int(d) for d in dims.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not sep or not name or not shape or any(d <= 0 for d in shape):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=DxDx... with positive sizes, e.g. input=1x3x640x640"
+        )
+    return name, shape
+
+
+def _positive(kind: type[int] | type[float]) -> object:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m runtime.server",
+        description="Serve one ONNX model over the Open Inference Protocol (KServe v2 gRPC).",
+    )
+    p.add_argument("--model", type=Path, required=True, help="the .onnx file to serve")
+    p.add_argument("--name", help="name to serve the model under (default: the file's stem)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=_positive(int), default=8001, help="0 picks a free one")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        required=True,
+        help="file holding the deployment's bearer token; every call but ServerLive needs "
+        "'authorization: Bearer <token>'",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto: CUDA when a GPU is visible and onnxruntime-gpu is installed",
+    )
+    p.add_argument(
+        "--gpu-mem-limit-mib",
+        type=_positive(int),
+        default=0,
+        help="GPU memory share for this replica, 0 for no limit",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=_positive(int),
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="larger requests get RESOURCE_EXHAUSTED (default 64 MiB)",
+    )
+    p.add_argument(
+        "--grace",
+        type=_positive(float),
+        default=10.0,
+        help="seconds accepted inferences get to finish after SIGTERM",
+    )
+    p.add_argument(
+        "--concurrency", type=_positive(int), default=2, help="inferences run at once (default 2)"
+    )
+    p.add_argument(
+        "--intra-op-threads",
+        type=_positive(int),
+        default=0,
+        help="ONNX Runtime threads per inference (0: its default)",
+    )
+    p.add_argument(
+        "--warmup-shape",
+        type=_shape,
+        action="append",
+        default=[],
+        metavar="NAME=DxD...",
+        help="shape for an input's warm-up tensor where its dimensions are dynamic",
+    )
+    return p
+
+
+def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.model.is_file():
+        parser.error(f"--model {args.model}: no such file")
+    try:
+        token = args.token_file.read_text().strip()
+    except OSError as err:
+        parser.error(f"--token-file {args.token_file}: {err.strerror}")
+    if not token:
+        parser.error(f"--token-file {args.token_file} is empty; write the deployment token in it")
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    return RuntimeSettings(
+        model=args.model,
+        name=args.name or args.model.stem,
+        token=token,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        gpu_mem_limit_mib=args.gpu_mem_limit_mib,
+        max_message_bytes=args.max_message_bytes,
+        grace_s=args.grace,
+        concurrency=args.concurrency,
+        intra_op_threads=args.intra_op_threads,
+        warmup_shapes=dict(args.warmup_shape),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = settings_from_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return asyncio.run(serve(settings))
+    except (OSError, ModelLoadError) as err:
+        logger.error("%s", err)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Fixtures shared by every test: leak checks and small models built for the checks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+
+@pytest.fixture(autouse=True)
+async def _no_leaked_tasks() -> AsyncIterator[None]:
+    """Fail a test that leaves asyncio tasks running behind it."""
+    before = asyncio.all_tasks()
+    yield
+    await asyncio.sleep(0)
+    current = asyncio.current_task()
+    leaked = [t for t in asyncio.all_tasks() - before if t is not current and not t.done()]
+    for task in leaked:
+        task.cancel()
+    assert not leaked, f"test left asyncio tasks running: {[t.get_name() for t in leaked]}"
+
+
+@pytest.fixture(scope="session")
+def probe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with the input variety the checks need.
+
+    Inputs: `x` FP32 [N, 4] (N dynamic, named), `k` INT64 [N] (same N), `m` FP16 [2, 2].
+    Outputs: `y` = x * 2 (FP32 [N, 4]), `z` = k + 1 (INT64 [N]), `h` = m (FP16 [2, 2]).
+    """
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "two"], ["y"]),
+            helper.make_node("Add", ["k", "one"], ["z"]),
+            helper.make_node("Identity", ["m"], ["h"]),
+        ],
+        "probe",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("k", TensorProto.INT64, ["N"]),
+            helper.make_tensor_value_info("m", TensorProto.FLOAT16, [2, 2]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("z", TensorProto.INT64, ["N"]),
+            helper.make_tensor_value_info("h", TensorProto.FLOAT16, [2, 2]),
+        ],
+        initializer=[
+            helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]),
+            helper.make_tensor("one", TensorProto.INT64, [], [1]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path = tmp_path_factory.mktemp("models") / "probe.onnx"
+    onnx.save(model, path)
+    return path
+
+
+@pytest.fixture
+def probe_inputs() -> dict[str, np.ndarray]:
+    return {
+        "x": np.arange(8, dtype=np.float32).reshape(2, 4),
+        "k": np.array([5, 7], dtype=np.int64),
+        "m": np.eye(2, dtype=np.float16),
+    }
