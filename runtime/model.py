@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from runtime.datatypes import NUMPY_DTYPES, datatype_from_ort
+from runtime.datatypes import NUMPY_DTYPES, datatype_from_numpy, datatype_from_ort
 from runtime.errors import InferenceFailed, InvalidInput, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -189,34 +189,31 @@ class OnnxModel:
         except (ort_state.Fail, ort_state.RuntimeException) as err:
             raise InferenceFailed(f"inference failed: {err}") from err
 
-    def warm_up(self, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
-        """One inference on zeros, so the first real request does not pay for lazy set-up.
+    def warm_up(self, inputs: Mapping[str, np.ndarray] | None = None) -> None:
+        """One inference, so the first real request does not pay for lazy set-up.
 
-        A dynamic dimension is 1 for the first axis (batch) and 64 elsewhere, unless `shapes`
-        gives the input's whole shape. ModelLoadError when the inference fails.
+        `inputs` (every input of the model, checked like a request's) when given; otherwise
+        zeros with each dynamic dimension 1 for the first axis (batch) and 64 elsewhere.
+        ModelLoadError when the inputs are wrong or the inference fails.
         """
-        shapes = shapes or {}
-        unknown = set(shapes) - set(self._inputs_by_name)
-        if unknown:
-            raise ModelLoadError(
-                f"warm-up shape given for unknown input(s) {sorted(unknown)}; the model's "
-                f"inputs are {self._describe(self.inputs)}"
-            )
-        feeds = {}
-        for spec in self.inputs:
-            shape = shapes.get(spec.name) or tuple(
-                d if d >= 0 else (1 if i == 0 else 64) for i, d in enumerate(spec.shape)
-            )
-            if spec.datatype not in NUMPY_DTYPES:
-                raise ModelLoadError(f"input {spec.describe()}: datatype cannot be warmed up")
-            feeds[spec.name] = np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype])
+        if inputs is None:
+            feeds = {s.name: _zeros(s) for s in self.inputs}
+        else:
+            tensors = [
+                RequestTensor(name, datatype_from_numpy(a.dtype), a.shape, raw=a.tobytes())
+                for name, a in inputs.items()
+            ]
+            try:
+                feeds = self.prepare(tensors)
+            except InvalidInput as err:
+                raise ModelLoadError(f"warm-up inputs do not fit the model: {err}") from err
         try:
             self._session.run(None, feeds)
         except (ort_state.InvalidArgument, ort_state.Fail, ort_state.RuntimeException) as err:
-            given = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in feeds.items())
+            given = ", ".join(f"{k}={list(v.shape)}" for k, v in feeds.items())
             raise ModelLoadError(
-                f"warm-up inference failed with inputs {given}: {err}. Give the shapes "
-                "this model needs with --warmup-shape NAME=DxDx..."
+                f"warm-up inference failed with inputs {given}: {err}. Give inputs this "
+                "model accepts with --warmup-inputs FILE.npz"
             ) from err
 
     def _check_shared_dims(self, feeds: Mapping[str, np.ndarray]) -> None:
@@ -272,6 +269,16 @@ def _to_array(tensor: RequestTensor, spec: TensorSpec) -> np.ndarray:
                 f"[{info.min}, {info.max}]"
             )
     return values.astype(dtype, copy=False).reshape(tensor.shape)
+
+
+def _zeros(spec: TensorSpec) -> np.ndarray:
+    dtype = NUMPY_DTYPES.get(spec.datatype)
+    if dtype is None:
+        raise ModelLoadError(
+            f"input {spec.describe()} cannot be warmed up with zeros; give --warmup-inputs"
+        )
+    shape = tuple(d if d >= 0 else (1 if i == 0 else 64) for i, d in enumerate(spec.shape))
+    return np.zeros(shape, dtype=dtype)
 
 
 def _check_shape(shape: tuple[int, ...], spec: TensorSpec) -> None:

@@ -17,10 +17,11 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.errors import ModelLoadError
@@ -52,7 +53,8 @@ class RuntimeSettings:
     """Inferences run at once (worker threads sharing the session)."""
     intra_op_threads: int = 0
     """ONNX Runtime threads per inference; 0 lets ONNX Runtime choose."""
-    warmup_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    warmup_inputs: Path | None = None
+    """An .npz of every input for the warm-up inference; None warms up with zeros."""
 
 
 @dataclass(slots=True)
@@ -122,7 +124,7 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
         settings.intra_op_threads,
     )
     loaded = time.monotonic()
-    await asyncio.to_thread(model.warm_up, settings.warmup_shapes)
+    await asyncio.to_thread(model.warm_up, _read_warmup_inputs(settings.warmup_inputs))
     running.state.model = model
     logger.info(
         "model=%s ready provider=%s (load %.2fs, warm-up %.2fs)",
@@ -131,6 +133,16 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
         loaded - started,
         time.monotonic() - loaded,
     )
+
+
+def _read_warmup_inputs(path: Path | None) -> dict[str, np.ndarray] | None:
+    if path is None:
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"--warmup-inputs {path}: not a readable .npz file ({err})") from err
 
 
 async def serve(settings: RuntimeSettings) -> int:
@@ -155,19 +167,6 @@ async def serve(settings: RuntimeSettings) -> int:
         loading.cancel()
     await running.drain(settings.grace_s)
     return 0
-
-
-def _shape(text: str) -> tuple[str, tuple[int, ...]]:
-    name, sep, dims = text.partition("=")
-    try:
-        shape = tuple(int(d) for d in dims.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if not sep or not name or not shape or any(d <= 0 for d in shape):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not NAME=DxDx... with positive sizes, e.g. input=1x3x640x640"
-        )
-    return name, shape
 
 
 def _positive(kind: type[int] | type[float]) -> object:
@@ -233,12 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="ONNX Runtime threads per inference (0: its default)",
     )
     p.add_argument(
-        "--warmup-shape",
-        type=_shape,
-        action="append",
-        default=[],
-        metavar="NAME=DxD...",
-        help="shape for an input's warm-up tensor where its dimensions are dynamic",
+        "--warmup-inputs",
+        type=Path,
+        metavar="FILE.npz",
+        help="every input for the warm-up inference (np.savez); default: zeros, each dynamic "
+        "dimension 1 for the batch axis and 64 elsewhere",
     )
     return p
 
@@ -268,7 +266,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         grace_s=args.grace,
         concurrency=args.concurrency,
         intra_op_threads=args.intra_op_threads,
-        warmup_shapes=dict(args.warmup_shape),
+        warmup_inputs=args.warmup_inputs,
     )
 
 

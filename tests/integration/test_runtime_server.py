@@ -12,6 +12,7 @@ import pytest
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.errors import ModelLoadError
 from runtime.server import RunningServer, RuntimeSettings, load_model, start_server
 
 TOKEN = "s3cret-token-for-tests"
@@ -321,14 +322,51 @@ async def test_not_ready_until_loaded_and_warm(probe_model: Path, probe_inputs) 
         await running.drain(1.0)
 
 
-async def test_warmup_failure_names_the_flag(probe_model: Path) -> None:
-    from runtime.errors import ModelLoadError
-
-    settings = settings_for(probe_model, warmup_shapes={"x": (2, 5)})
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({"x": np.zeros((2, 5), np.float32)}, "input 'x' has size 5 in dimension 1"),
+        (None, "not a readable .npz file"),
+    ],
+    ids=["wrong shape", "not npz"],
+)
+async def test_bad_warmup_inputs_keep_the_server_unready(
+    probe_model: Path, probe_inputs, tmp_path: Path, arrays, message
+) -> None:
+    path = tmp_path / "warmup.npz"
+    if arrays is None:
+        path.write_text("not an archive")
+    else:
+        np.savez(path, **{**probe_inputs, **arrays})
+    settings = settings_for(probe_model, warmup_inputs=path)
     running = await start_server(settings)
     try:
-        with pytest.raises(ModelLoadError, match="--warmup-shape"):
+        with pytest.raises(ModelLoadError, match=message):
             await load_model(running, settings)
         assert not running.state.ready
+    finally:
+        await running.drain(1.0)
+
+
+async def test_warmup_inputs_make_a_picky_model_ready(tmp_path: Path) -> None:
+    # Silero VAD takes its 8 kHz branch on a zero sample rate and fails: zeros cannot warm
+    # it up, its real inputs can.
+    import modelzoo
+
+    model = modelzoo.model_path("silero_vad")
+    settings = settings_for(model, name="silero_vad")
+    running = await start_server(settings)
+    try:
+        with pytest.raises(ModelLoadError, match="--warmup-inputs"):
+            await load_model(running, settings)
+    finally:
+        await running.drain(1.0)
+    path = tmp_path / "warmup.npz"
+    np.savez(path, **modelzoo.sample_inputs(model))
+    settings = settings_for(model, name="silero_vad", warmup_inputs=path)
+    running = await start_server(settings)
+    try:
+        await load_model(running, settings)
+        assert running.state.ready
     finally:
         await running.drain(1.0)
