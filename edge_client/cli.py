@@ -1,4 +1,4 @@
-"""The `offload` command line: one entry point, subcommands registered by the packages that own them."""
+"""The `offload` command line: one entry point; the packages that own them add subcommands."""
 
 from __future__ import annotations
 

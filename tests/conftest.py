@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import docker
+import docker.errors
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+
+from node_daemon.runtimes.base import LABEL_PREFIX
+
+# Every container we start carries offload.replica (and offload.node where a node runs it).
+LABEL = f"{LABEL_PREFIX}replica"
 
 
 @pytest.fixture(autouse=True)
@@ -23,6 +30,37 @@ async def _no_leaked_tasks() -> AsyncIterator[None]:
     for task in leaked:
         task.cancel()
     assert not leaked, f"test left asyncio tasks running: {[t.get_name() for t in leaked]}"
+
+
+@pytest.fixture(scope="session")
+def _docker_or_none() -> Iterator[docker.DockerClient | None]:
+    try:
+        client = docker.from_env(timeout=10)
+        client.ping()
+    except docker.errors.DockerException:
+        yield None
+        return
+    yield client
+    client.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_containers(_docker_or_none: docker.DockerClient | None) -> Iterator[None]:
+    """Fail a test that leaves containers with our labels behind (and remove them)."""
+    if _docker_or_none is None:
+        yield
+        return
+    client = _docker_or_none
+
+    def ours() -> set[str]:
+        return {c.id for c in client.containers.list(all=True, filters={"label": LABEL})}
+
+    before = ours()
+    yield
+    leaked = ours() - before
+    for container_id in leaked:
+        client.containers.get(container_id).remove(force=True)
+    assert not leaked, f"test left {len(leaked)} container(s) labelled {LABEL} behind"
 
 
 @pytest.fixture(scope="session")

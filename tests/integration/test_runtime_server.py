@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from edge_client.rpc.tensors import infer_request, response_arrays
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.errors import ModelLoadError
@@ -40,26 +41,16 @@ async def served(
 
 
 def raw_request(inputs: dict[str, np.ndarray], **fields: object) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name="probe", **fields)
-    for name, array in inputs.items():
-        datatype = {"float32": "FP32", "int64": "INT64", "float16": "FP16", "float64": "FP64"}
-        request.inputs.add(name=name, datatype=datatype[str(array.dtype)], shape=array.shape)
-        request.raw_input_contents.append(array.tobytes())
+    request = infer_request("probe", inputs)
+    for key, value in fields.items():
+        setattr(request, key, value)
     return request
-
-
-def outputs_of(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
-    dtypes = {"FP32": np.float32, "INT64": np.int64, "FP16": np.float16}
-    return {
-        out.name: np.frombuffer(raw, dtype=dtypes[out.datatype]).reshape(tuple(out.shape))
-        for out, raw in zip(response.outputs, response.raw_output_contents, strict=True)
-    }
 
 
 async def test_raw_inference_returns_every_output(served, probe_inputs) -> None:
     _, stub = served
     response = await stub.ModelInfer(raw_request(probe_inputs, id="req-1"), metadata=AUTH)
-    got = outputs_of(response)
+    got = response_arrays(response)
     assert response.id == "req-1"
     assert [o.name for o in response.outputs] == ["y", "z", "h"]
     np.testing.assert_array_equal(got["y"], probe_inputs["x"] * 2)
@@ -74,7 +65,7 @@ async def test_requested_outputs_come_in_the_order_asked(served, probe_inputs) -
     request.outputs.add(name="y")
     response = await stub.ModelInfer(request, metadata=AUTH)
     assert [o.name for o in response.outputs] == ["z", "y"]
-    np.testing.assert_array_equal(outputs_of(response)["z"], [6, 8])
+    np.testing.assert_array_equal(response_arrays(response)["z"], [6, 8])
 
 
 async def test_typed_contents_only(probe_model: Path) -> None:

@@ -1,0 +1,57 @@
+# The two set-up commands are `make demo` and `make test`: each creates the virtual
+# environment and installs what it needs first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint bench bench-full protos image image-cuda docker-engine clean help
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "edge-offload needs Python >= 3.11 (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)  ## serve a real model in a real container and offload inference to it
+	$(VENV)/bin/offload demo
+
+test: $(STAMP)  ## run every test (Docker tests skip without an engine, fail under CI=true)
+	$(PY) -m pytest
+
+lint: $(STAMP)  ## ruff check, ruff format --check, mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)  ## every benchmark, short mode; figures beside their baselines
+	$(PY) -m bench --quick
+
+bench-full: $(STAMP)  ## every benchmark, full mode
+	$(PY) -m bench
+
+protos: $(STAMP)  ## regenerate the committed gRPC/protobuf code
+	$(PY) -m protos.generate
+
+image: $(STAMP)  ## build the cpu runtime image (cached by content)
+	$(VENV)/bin/offload image build --variant cpu
+
+image-cuda: $(STAMP)  ## build the cuda runtime image (several GB of wheels)
+	$(VENV)/bin/offload image build --variant cuda
+
+docker-engine:  ## install and start Debian's Docker engine (root; for machines without one)
+	@if docker info >/dev/null 2>&1; then echo "a Docker engine is already running"; exit 0; fi; \
+	command -v dockerd >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io; }; \
+	nohup dockerd >/var/log/dockerd.log 2>&1 & \
+	for i in $$(seq 60); do docker info >/dev/null 2>&1 && { echo "Docker engine ready"; exit 0; }; sleep 1; done; \
+	echo "dockerd did not come up; see /var/log/dockerd.log"; exit 1
+
+clean:  ## remove the virtual environment and caches (not the model/image cache)
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

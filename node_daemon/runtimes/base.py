@@ -1,0 +1,97 @@
+"""What both runtimes share: the replica spec and handle, errors, and the readiness probe."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+
+LABEL_PREFIX = "offload."
+
+
+class RuntimeUnavailable(Exception):
+    """The runtime cannot be used here (no Docker engine, no image); the message says how
+    to get one."""
+
+
+class ReplicaFailed(Exception):
+    """A replica could not start or become ready; the message carries the exit code and
+    the tail of its log when there is one."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """One inference server to run."""
+
+    replica_id: str
+    model_path: Path
+    model_name: str
+    token: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Extra labels, without the `offload.` prefix (node, deployment, epoch ...)."""
+    warmup_inputs: Path | None = None
+    host: str = "127.0.0.1"
+    """The address the replica's port is published on."""
+    concurrency: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A started replica. `ref` is the container id or the process id."""
+
+    replica_id: str
+    endpoint: str
+    """host:port for Open Inference Protocol calls."""
+    runtime: str
+    ref: str
+
+
+async def wait_ready(
+    endpoint: str,
+    token: str,
+    model_name: str,
+    timeout_s: float,
+    alive: Callable[[], Awaitable[None]] | None = None,
+    interval_s: float = 0.05,
+) -> float:
+    """Poll ServerReady and ModelReady until both are true; returns the seconds it took.
+
+    Each probe uses a fresh channel: a reused one would sit in gRPC's reconnect backoff
+    (about a second) after the first refused connection and hide the true ready time.
+    `alive` is awaited between probes and raises ReplicaFailed when the replica died.
+    TimeoutError after `timeout_s`.
+    """
+    started = time.monotonic()
+    metadata = (("authorization", f"Bearer {token}"),)
+    while True:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                server = await stub.ServerReady(
+                    pb.ServerReadyRequest(), metadata=metadata, timeout=1.0
+                )
+                model = await stub.ModelReady(
+                    pb.ModelReadyRequest(name=model_name), metadata=metadata, timeout=1.0
+                )
+                if server.ready and model.ready:
+                    return time.monotonic() - started
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
+                    raise ReplicaFailed(
+                        f"readiness probe on {endpoint} failed: {err.code().name} {err.details()}"
+                    ) from err
+        if alive is not None:
+            await alive()
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"replica at {endpoint} not ready after {timeout_s:.0f}s")
+        await asyncio.sleep(interval_s)
