@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from edge_client import demo
 from images import build as image_build
 from modelzoo import cli as models_cli
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="log at DEBUG level instead of INFO"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    demo.register_cli(sub)
     image_build.register_cli(sub)
     models_cli.register_cli(sub)
     return parser

@@ -1,0 +1,352 @@
+"""The runtime image's build inputs: tags, pins, wheel cache, build context and its hash.
+
+Tests that resolve the requirements against the package index need the network; they are
+marked `needs_network` and skipped with EDGE_OFFLOAD_OFFLINE=1. Everything else runs offline and
+without a Docker engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from images import build
+from images.build import (
+    VARIANTS,
+    ImageBuildError,
+    assemble_context,
+    canonical_name,
+    context_hash,
+    download_wheels,
+    read_pins,
+    register_cli,
+    requirements_file,
+    runtime_image_tag,
+)
+
+needs_network = pytest.mark.skipif(
+    os.environ.get("EDGE_OFFLOAD_OFFLINE") == "1",
+    reason="needs the package index (EDGE_OFFLOAD_OFFLINE=1)",
+)
+
+ARCH = platform.machine()
+OTHER_ARCH = "aarch64" if ARCH == "x86_64" else "x86_64"
+
+
+def write_wheel(directory: Path, name: str, version: str, platform_tag: str = "any") -> Path:
+    """A minimal wheel file (a valid zip) named as pip would name it."""
+    python_tag = "py3-none" if platform_tag == "any" else "cp311-cp311"
+    path = directory / f"{name.replace('-', '_')}-{version}-{python_tag}-{platform_tag}.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}-{version}.dist-info/METADATA", f"Name: {name}\n")
+    return path
+
+
+def write_pinned_wheels(directory: Path, variant: str) -> set[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    pins = read_pins(requirements_file(variant))
+    return {write_wheel(directory, name, version).name for name, version in pins.items()}
+
+
+# --- tags and pins ---------------------------------------------------------------------------
+
+
+def test_runtime_image_tags_carry_the_package_version() -> None:
+    version = importlib.metadata.version("edge-offload")
+    assert runtime_image_tag("cpu") == f"edge-offload/runtime:{version}"
+    assert runtime_image_tag("cuda") == f"edge-offload/runtime:{version}-cuda"
+    with pytest.raises(ImageBuildError, match="unknown image variant"):
+        runtime_image_tag("rocm")
+
+
+def test_variants_share_their_common_pins() -> None:
+    cpu = read_pins(requirements_file("cpu"))
+    cuda = read_pins(requirements_file("cuda"))
+    assert cuda["onnxruntime-gpu"] == cpu["onnxruntime"]
+    assert "onnxruntime" not in cuda
+    for name in set(cpu) & set(cuda):
+        assert cpu[name] == cuda[name], name
+    for name in ("grpcio", "protobuf", "numpy"):
+        assert cpu[name] == cuda[name]
+
+
+def test_read_pins_rejects_unpinned_requirements(tmp_path: Path) -> None:
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("# comment\nOnnxRuntime_GPU[cuda,cudnn]==1.0  # ok\n\nnumpy>=2\n")
+    with pytest.raises(ImageBuildError, match=r"requirements.txt:4: expected `name==version`"):
+        read_pins(requirements)
+    requirements.write_text("OnnxRuntime_GPU[cuda,cudnn]==1.0  # ok\n")
+    assert read_pins(requirements) == {"onnxruntime-gpu": "1.0"}
+
+
+def test_wheel_platforms_stop_at_the_base_image_glibc() -> None:
+    platforms = build.wheel_platforms("x86_64")
+    assert "manylinux_2_36_x86_64" in platforms
+    assert "manylinux_2_37_x86_64" not in platforms
+    assert {"manylinux_2_28_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64"} <= set(
+        platforms
+    )
+
+
+# --- wheel cache ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EDGE_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_complete_wheel_cache_needs_no_pip_and_drops_stale_wheels(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = cache / "wheels" / "cpu"
+    expected = write_pinned_wheels(directory, "cpu")
+    write_wheel(directory, "numpy", "1.26.0")  # an older pin
+    write_wheel(directory, "grpcio", read_pins(requirements_file("cpu"))["grpcio"], "linux_armv7l")
+    (directory / "onnxruntime-0.0.1-py3-none-any.whl").write_bytes(b"truncated download")
+
+    def no_pip(command: list[str], **_: object) -> None:
+        raise AssertionError(f"ran {command}")
+
+    monkeypatch.setattr(build, "_run", no_pip)
+    messages: list[str] = []
+    assert download_wheels("cpu", progress=messages.append) == directory
+    assert {path.name for path in directory.iterdir()} == expected
+    assert any("all 7 pinned wheels are cached" in message for message in messages)
+
+
+def test_missing_wheels_are_downloaded_for_the_image_interpreter(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands: list[list[str]] = []
+
+    def fake_pip(command: list[str], **_: object) -> None:
+        commands.append(command)
+        write_pinned_wheels(cache / "wheels" / "cuda", "cuda")
+
+    monkeypatch.setattr(build, "_run", fake_pip)
+    directory = download_wheels("cuda", progress=lambda _: None)
+    (command,) = commands
+    text = shlex.join(command)
+    assert command[:4] == [sys.executable, "-m", "pip", "download"]
+    for option in (
+        "--no-deps",
+        "--only-binary=:all:",
+        "--implementation cp",
+        "--python-version 3.11",
+        "--abi cp311",
+        f"--platform manylinux_2_28_{ARCH}",
+        f"--platform manylinux2014_{ARCH}",
+        f"--dest {directory}",
+        f"--requirement {requirements_file('cuda')}",
+    ):
+        assert option in text
+
+
+def test_wheels_pip_did_not_provide_are_reported(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(build, "_run", lambda command, **_: None)
+    with pytest.raises(ImageBuildError, match=r"no usable .* wheel for: .*onnxruntime"):
+        download_wheels("cpu", progress=lambda _: None)
+
+
+# --- build context and content hash -----------------------------------------------------------
+
+
+@pytest.fixture
+def context(tmp_path: Path) -> Path:
+    """The cpu build context, with stand-in wheels."""
+    wheels = tmp_path / "wheels"
+    write_pinned_wheels(wheels, "cpu")
+    context = tmp_path / "context"
+    context.mkdir()
+    assemble_context("cpu", wheels, context)
+    return context
+
+
+def test_context_holds_the_application_sources_only(context: Path) -> None:
+    app_files = sorted(path for path in (context / "app").rglob("*") if path.is_file())
+    relative = {path.relative_to(context / "app").as_posix() for path in app_files}
+    assert {"runtime/__init__.py", "protos/__init__.py"} <= relative
+    assert all(path.suffix in (".py", ".pyi") for path in app_files)
+    assert not any("__pycache__" in name for name in relative)
+    assert (context / "requirements.txt").read_bytes() == requirements_file("cpu").read_bytes()
+    for path in context.rglob("*"):
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
+
+
+def _dockerfile_instructions(dockerfile: Path) -> list[list[str]]:
+    """The instructions of a Dockerfile as word lists, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    lines = (line.strip() for line in text.splitlines())
+    return [line.split() for line in lines if line and not line.startswith("#")]
+
+
+def test_dockerfile_copies_only_what_the_context_holds(context: Path) -> None:
+    instructions = _dockerfile_instructions(context / "Dockerfile")
+    copies = [words[1:] for words in instructions if words[0] == "COPY"]
+    assert copies
+    for arguments in copies:
+        if any(argument.startswith("--from=") for argument in arguments):
+            continue
+        sources = [argument for argument in arguments if not argument.startswith("--")][:-1]
+        for source in sources:
+            assert (context / source).exists(), f"COPY {source}: not in the build context"
+    stages = {words[3] for words in instructions if words[0] == "FROM" and len(words) == 4}
+    assert {f"variant-{variant}" for variant in VARIANTS} <= stages
+
+
+def test_dockerfile_contract(context: Path) -> None:
+    instructions = [" ".join(words) for words in _dockerfile_instructions(context / "Dockerfile")]
+    assert instructions[0] == "ARG BASE=edge-offload/base:bookworm"
+    assert "FROM ${BASE} AS venv" in instructions
+    assert "USER 10001:10001" in instructions
+    assert "EXPOSE 8001" in instructions
+    assert instructions[-1] == 'ENTRYPOINT ["/opt/venv/bin/python", "-m", "runtime.server"]'
+    assert any("useradd --uid 10001" in line and line.endswith("offload") for line in instructions)
+
+
+def _mutations() -> dict[str, Callable[[Path], None]]:
+    def rewrite(relative: str, text: str) -> Callable[[Path], None]:
+        return lambda context: (context / relative).write_text(text)
+
+    def rename_wheel(context: Path) -> None:
+        wheel = next((context / "wheels").glob("numpy-*.whl"))
+        wheel.rename(wheel.with_name(wheel.name.replace("numpy-", "numpy-9")))
+
+    def replace_wheel(context: Path) -> None:
+        wheel = next((context / "wheels").glob("numpy-*.whl"))
+        wheel.unlink()  # a hard link into the wheel cache: replace it, do not write through it
+        wheel.write_bytes(b"other content")
+
+    def add_source(context: Path) -> None:
+        (context / "app" / "runtime" / "extra.py").write_text("")
+
+    return {
+        "Dockerfile": rewrite("Dockerfile", "FROM scratch\n"),
+        "requirements": rewrite("requirements.txt", "numpy==1\n"),
+        "wheel content": replace_wheel,
+        "wheel name": rename_wheel,
+        "app source": rewrite("app/runtime/__init__.py", "changed = True\n"),
+        "new app file": add_source,
+    }
+
+
+@pytest.mark.parametrize("change", list(_mutations()))
+def test_context_hash_follows_every_input(context: Path, change: str) -> None:
+    before = context_hash(context, "sha256:base", "cpu")
+    _mutations()[change](context)
+    assert context_hash(context, "sha256:base", "cpu") != before
+
+
+def test_context_hash_follows_base_and_variant(context: Path) -> None:
+    digest = context_hash(context, "sha256:base", "cpu")
+    assert context_hash(context, "sha256:other", "cpu") != digest
+    assert context_hash(context, "sha256:base", "cuda") != digest
+
+
+def test_context_hash_ignores_location_and_times(context: Path, tmp_path: Path) -> None:
+    digest = context_hash(context, "sha256:base", "cpu")
+    assert re.fullmatch(r"[0-9a-f]{64}", digest)
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(context, copy)
+    for path in copy.rglob("*"):
+        os.utime(path, (0, 0))
+    assert context_hash(copy, "sha256:base", "cpu") == digest
+
+    rebuilt = tmp_path / "rebuilt"
+    rebuilt.mkdir()
+    assemble_context("cpu", tmp_path / "wheels", rebuilt)
+    assert context_hash(rebuilt, "sha256:base", "cpu") == digest
+
+
+# --- errors and the command line --------------------------------------------------------------
+
+
+def test_base_image_needs_debootstrap_and_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda *_, **__: None)
+    with pytest.raises(ImageBuildError, match="apt-get install debootstrap"):
+        build._check_can_debootstrap()
+    monkeypatch.setattr(shutil, "which", lambda *_, **__: "/usr/sbin/debootstrap")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ImageBuildError, match="needs root"):
+        build._check_can_debootstrap()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_cli_options() -> None:
+    args = _parser().parse_args(["image", "build"])
+    assert (args.variant, args.base, args.force) == ("cpu", None, False)
+    args = _parser().parse_args(
+        ["image", "build", "--variant", "cuda", "--base", "python:3.11-slim", "--force"]
+    )
+    assert (args.variant, args.base, args.force) == ("cuda", "python:3.11-slim", True)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["image", "build", "--variant", "rocm"])
+
+
+def test_unreachable_engine_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+    args = _parser().parse_args(["image", "build"])
+    assert args.func(args) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("offload image build: cannot reach the Docker engine")
+    assert "make docker-engine" in captured.err
+    assert "Traceback" not in captured.err
+
+
+# --- resolution against the package index -----------------------------------------------------
+
+
+@needs_network
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_requirements_are_a_complete_lock(variant: str, tmp_path: Path) -> None:
+    """pip resolves the requirements, dependencies included, to exactly the pinned set.
+
+    `--dry-run --report` with fast-deps reads wheel metadata only (PEP 658 files or HTTP range
+    requests) instead of downloading the wheels, several GB for cuda.
+    """
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
+    command += ["--use-feature=fast-deps", "--no-cache-dir", "--progress-bar", "off"]
+    command += build.pip_target_options(ARCH)
+    command += ["--target", str(tmp_path / "target"), "--report", str(report)]
+    command += ["--requirement", str(requirements_file(variant))]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    resolved = {
+        canonical_name(item["metadata"]["name"]): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert resolved == read_pins(requirements_file(variant))
+    if variant == "cuda":
+        assert "onnxruntime-gpu" in resolved
+        assert "nvidia-cuda-runtime" in resolved
+        assert any(name.startswith("nvidia-cudnn") for name in resolved)
+    assert not (tmp_path / "target").exists()
+    full_downloads = re.findall(r"Downloading \S+\.whl \(", result.stdout)
+    assert not full_downloads, "the dry run downloaded whole wheels"
