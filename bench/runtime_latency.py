@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -113,7 +114,7 @@ async def bench_model(
     metadata = (("authorization", f"Bearer {TOKEN}"),)
     async with contextlib.AsyncExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        np.savez(tmp / "warmup.npz", **inputs)
+        np.savez(tmp / "warmup.npz", **cast(dict[str, Any], inputs))
         response_bytes = 0
         for kind, runtime in runtimes.items():
             spec = ReplicaSpec(f"bench-{name}-{kind}", model, name, TOKEN, {"node": "bench"},
@@ -123,7 +124,8 @@ async def bench_model(
             channel = await stack.enter_async_context(channel_to(replica.endpoint))
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             calls[kind] = functools.partial(stub.ModelInfer, request, metadata=metadata)
-            response_bytes = (await calls[kind]()).ByteSize()
+            response = await stub.ModelInfer(request, metadata=metadata)
+            response_bytes = response.ByteSize()
         figures["response_bytes"] = response_bytes
         echo_channel = await stack.enter_async_context(channel_to(echo))
         payload = response_bytes.to_bytes(8, "little") + request_bytes[8:]

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -68,9 +69,7 @@ class _Graph:
             self._scalars[value] = self.const("scalar", np.array(value, dtype=np.float32))
         return self._scalars[value]
 
-    def op(
-        self, op_type: str, inputs: list[str], output: str | None = None, **attrs: object
-    ) -> str:
+    def op(self, op_type: str, inputs: list[str], output: str | None = None, **attrs: Any) -> str:
         out = output or self._fresh(op_type.lower())
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
         return out

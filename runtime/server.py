@@ -15,7 +15,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +169,7 @@ async def serve(settings: RuntimeSettings) -> int:
     return 0
 
 
-def _positive(kind: type[int] | type[float]) -> object:
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
