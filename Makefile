@@ -30,6 +30,7 @@ lint: $(STAMP)  ## ruff check, ruff format --check, mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)  ## every benchmark, short mode; figures beside their baselines
 	$(PY) -m bench --quick

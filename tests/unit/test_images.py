@@ -21,6 +21,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+import docker
+import docker.errors
 import pytest
 
 from images import build
@@ -43,7 +45,6 @@ needs_network = pytest.mark.skipif(
 )
 
 ARCH = platform.machine()
-OTHER_ARCH = "aarch64" if ARCH == "x86_64" else "x86_64"
 
 
 def write_wheel(directory: Path, name: str, version: str, platform_tag: str = "any") -> Path:
@@ -221,8 +222,8 @@ def test_dockerfile_contract(context: Path) -> None:
     assert any("useradd --uid 10001" in line and line.endswith("offload") for line in instructions)
 
 
-def _mutations() -> dict[str, Callable[[Path], None]]:
-    def rewrite(relative: str, text: str) -> Callable[[Path], None]:
+def _mutations() -> dict[str, Callable[[Path], object]]:
+    def rewrite(relative: str, text: str) -> Callable[[Path], object]:
         return lambda context: (context / relative).write_text(text)
 
     def rename_wheel(context: Path) -> None:
@@ -306,9 +307,17 @@ def test_cli_options() -> None:
 
 
 def test_unreachable_engine_is_a_clear_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+    def unreachable() -> None:
+        # What docker.from_env() raises without an engine. (A real attempt would also leak the
+        # SDK's socket, which this suite's warning filter turns into an error.)
+        raise docker.errors.DockerException(
+            "Error while fetching server API version: ('Connection aborted.', "
+            "FileNotFoundError(2, 'No such file or directory'))"
+        )
+
+    monkeypatch.setattr(docker, "from_env", unreachable)
     args = _parser().parse_args(["image", "build"])
     assert args.func(args) == 1
     captured = capsys.readouterr()
@@ -316,6 +325,22 @@ def test_unreachable_engine_is_a_clear_error(
     assert captured.err.startswith("offload image build: cannot reach the Docker engine")
     assert "make docker-engine" in captured.err
     assert "Traceback" not in captured.err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+def test_base_build_dir_is_unmounted_before_deletion(tmp_path: Path) -> None:
+    """What debootstrap leaves mounted in its target must not be deleted through."""
+    workdir = tmp_path / "work"
+    mount_point = workdir / "rootfs" / "dev pts"
+    mount_point.mkdir(parents=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mount_point)], check=False)
+    if mount.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    (mount_point / "file").write_text("")
+    assert build._mount_points_under(workdir) == [mount_point]
+    build._remove_build_dir(workdir)
+    assert not workdir.exists()
+    assert build._mount_points_under(workdir) == []
 
 
 # --- resolution against the package index -----------------------------------------------------
