@@ -39,6 +39,9 @@ from typing import Any
 import docker
 import docker.errors
 
+from node_daemon.runtimes.base import RuntimeUnavailable
+from node_daemon.runtimes.docker_runtime import connect_docker
+
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
@@ -85,10 +88,6 @@ _BASE_RECIPE: dict[str, Any] = {
     ],
 }
 
-_ENGINE_HINT = (
-    "start one with `make docker-engine` (or `sudo dockerd &`), "
-    "or point DOCKER_HOST at a running engine"
-)
 _OUTPUT_TAIL_LINES = 40
 
 
@@ -293,11 +292,9 @@ def download_wheels(variant: str = "cpu", *, progress: Progress = _print_progres
 
 def _connect() -> docker.DockerClient:
     try:
-        client = docker.from_env()
-        client.ping()
-    except docker.errors.DockerException as exc:
-        raise ImageBuildError(f"cannot reach the Docker engine ({exc}); {_ENGINE_HINT}") from exc
-    return client
+        return connect_docker()
+    except RuntimeUnavailable as err:
+        raise ImageBuildError(str(err)) from err
 
 
 def _inspect(client: docker.DockerClient, reference: str) -> dict[str, Any] | None:

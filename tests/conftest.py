@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import docker
-import docker.errors
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from node_daemon.runtimes.base import LABEL_PREFIX
+from node_daemon.runtimes.base import LABEL_PREFIX, RuntimeUnavailable
+from node_daemon.runtimes.docker_runtime import connect_docker
 
 # Every container we start carries offload.replica (and offload.node where a node runs it).
 LABEL = f"{LABEL_PREFIX}replica"
@@ -35,9 +35,8 @@ async def _no_leaked_tasks() -> AsyncIterator[None]:
 @pytest.fixture(scope="session")
 def _docker_or_none() -> Iterator[docker.DockerClient | None]:
     try:
-        client = docker.from_env(timeout=10)
-        client.ping()
-    except docker.errors.DockerException:
+        client = connect_docker()
+    except RuntimeUnavailable:
         yield None
         return
     yield client

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 
 import docker
-import docker.errors
 import pytest
+
+from node_daemon.runtimes.base import RuntimeUnavailable
+from node_daemon.runtimes.docker_runtime import connect_docker
 
 
 def require_docker() -> docker.DockerClient:
@@ -16,14 +18,8 @@ def require_docker() -> docker.DockerClient:
     where the engine is part of the test environment. The caller closes the client.
     """
     try:
-        client = docker.from_env()
-        client.ping()
-    except docker.errors.DockerException as exc:
-        message = (
-            f"no Docker engine is reachable ({exc}); "
-            "start one with `make docker-engine` (or `sudo dockerd &`)"
-        )
+        return connect_docker()
+    except RuntimeUnavailable as err:
         if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return client
+            pytest.fail(str(err))
+        pytest.skip(str(err))

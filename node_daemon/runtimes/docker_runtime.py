@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 CONTAINER_PORT = 8001
 RUNTIME_UID = 10001  # the image's `offload` user
 _ENGINE_HINT = (
-    "start a Docker engine (`make docker-engine` installs and starts Debian's), or run "
-    "with the process runtime"
+    "start one with `make docker-engine` (installs and starts Debian's engine, as root) or "
+    "`sudo dockerd &`, or point DOCKER_HOST at a running engine"
 )
 
 
@@ -42,8 +42,12 @@ def connect_docker() -> docker.DockerClient:
     """A client for the local engine; RuntimeUnavailable (saying how to get one) if none."""
     try:
         client = docker.from_env(timeout=30)
+    except docker.errors.DockerException as err:
+        raise RuntimeUnavailable(f"no Docker engine is reachable ({err}); {_ENGINE_HINT}") from err
+    try:
         client.ping()
     except docker.errors.DockerException as err:
+        client.close()
         raise RuntimeUnavailable(f"no Docker engine is reachable ({err}); {_ENGINE_HINT}") from err
     return client
 

@@ -21,8 +21,6 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-import docker
-import docker.errors
 import pytest
 
 from images import build
@@ -306,25 +304,20 @@ def test_cli_options() -> None:
         _parser().parse_args(["image", "build", "--variant", "rocm"])
 
 
-def test_unreachable_engine_is_a_clear_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    def unreachable() -> None:
-        # What docker.from_env() raises without an engine. (A real attempt would also leak the
-        # SDK's socket, which this suite's warning filter turns into an error.)
-        raise docker.errors.DockerException(
-            "Error while fetching server API version: ('Connection aborted.', "
-            "FileNotFoundError(2, 'No such file or directory'))"
-        )
-
-    monkeypatch.setattr(docker, "from_env", unreachable)
-    args = _parser().parse_args(["image", "build"])
-    assert args.func(args) == 1
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("offload image build: cannot reach the Docker engine")
-    assert "make docker-engine" in captured.err
-    assert "Traceback" not in captured.err
+def test_unreachable_engine_is_a_clear_error() -> None:
+    # Through the real CLI in its own process, against a socket where no engine listens.
+    done = subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "image", "build"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"},
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "offload image build: no Docker engine is reachable" in done.stderr
+    assert "make docker-engine" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
