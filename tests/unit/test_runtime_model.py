@@ -1,0 +1,52 @@
+"""Execution provider choice and start-up checks of `runtime.model`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+from runtime.errors import ModelLoadError
+from runtime.model import CPU, CUDA, OnnxModel, choose_providers
+
+HAS_CUDA_BUILD = CUDA in ort.get_available_providers()
+
+
+def test_cpu_is_cpu() -> None:
+    assert choose_providers("cpu") == [CPU]
+
+
+@pytest.mark.skipif(HAS_CUDA_BUILD, reason="this onnxruntime has a CUDA provider")
+def test_auto_without_cuda_build_is_cpu_and_cuda_is_refused() -> None:
+    assert choose_providers("auto") == [CPU]
+    with pytest.raises(ModelLoadError, match="no CUDA execution provider"):
+        choose_providers("cuda")
+
+
+def test_unknown_device_is_refused() -> None:
+    with pytest.raises(ModelLoadError, match="unknown device 'tpu'"):
+        choose_providers("tpu")
+
+
+def test_load_logs_the_provider(probe_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="runtime.model"):
+        model = OnnxModel.load(probe_model, "probe", device="cpu")
+    assert model.provider == CPU
+    assert f"model=probe loaded from {probe_model} provider={CPU}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "does not exist"), (b"not a model", "cannot load")],
+    ids=["missing", "garbage"],
+)
+def test_unloadable_model_is_a_load_error(
+    tmp_path: Path, content: bytes | None, message: str
+) -> None:
+    path = tmp_path / "model.onnx"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ModelLoadError, match=message):
+        OnnxModel.load(path, "m", device="cpu")
