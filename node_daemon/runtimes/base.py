@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 
 LABEL_PREFIX = "offload."
+# The runtime server's log line naming the port it listens on (see runtime.server).
+LISTENING = re.compile(r"runtime listening on [^ ]+:(\d+)")
 
 
 class RuntimeUnavailable(Exception):

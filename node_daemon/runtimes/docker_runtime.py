@@ -21,6 +21,7 @@ from docker.models.containers import Container
 
 from node_daemon.runtimes.base import (
     LABEL_PREFIX,
+    LISTENING,
     Replica,
     ReplicaFailed,
     ReplicaSpec,
@@ -31,6 +32,7 @@ from node_daemon.runtimes.base import (
 logger = logging.getLogger(__name__)
 
 CONTAINER_PORT = 8001
+NETWORKS = ("bridge", "host")
 RUNTIME_UID = 10001  # the image's `offload` user
 _ENGINE_HINT = (
     "start one with `make docker-engine` (installs and starts Debian's engine, as root) or "
@@ -61,13 +63,20 @@ class _Started:
 class DockerRuntime:
     name = "docker"
 
-    def __init__(self, image: str, client: docker.DockerClient) -> None:
+    def __init__(self, image: str, client: docker.DockerClient, network: str = "bridge") -> None:
+        """`network`: "bridge" publishes the container's port 8001 on the replica's host
+        address (a port Docker picks); "host" shares the node's network namespace and the
+        server binds a free port on that address itself: no Docker proxy on the data path
+        (see docs/BENCHMARKS.md for what that saves), no network isolation."""
+        if network not in NETWORKS:
+            raise ValueError(f"unknown network {network!r}; use one of {', '.join(NETWORKS)}")
         self.image = image
+        self.network = network
         self._client = client
         self._started: dict[str, _Started] = {}
 
     @classmethod
-    def connect(cls, image: str) -> DockerRuntime:
+    def connect(cls, image: str, network: str = "bridge") -> DockerRuntime:
         """Blocking. RuntimeUnavailable when there is no engine or no such image."""
         client = connect_docker()
         try:
@@ -77,7 +86,7 @@ class DockerRuntime:
             raise RuntimeUnavailable(
                 f"image {image} is not built here; build it with `offload image build`"
             ) from err
-        return cls(image, client)
+        return cls(image, client, network)
 
     async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica:
         """Start a container and return once it is ready. ReplicaFailed (exit code and log
@@ -99,7 +108,10 @@ class DockerRuntime:
             raise
         self._started[spec.replica_id] = _Started(container, secrets)
         try:
-            endpoint = await asyncio.to_thread(self._endpoint, container, spec.host)
+            if self.network == "host":
+                endpoint = await self._logged_endpoint(container, spec.host, ready_timeout_s)
+            else:
+                endpoint = await asyncio.to_thread(self._published_endpoint, container, spec.host)
             await wait_ready(
                 endpoint,
                 spec.token,
@@ -119,7 +131,7 @@ class DockerRuntime:
     def _run(self, spec: ReplicaSpec, token_file: Path) -> Container:
         command = [
             "--model", "/models/model.onnx", "--name", spec.model_name,
-            "--host", "0.0.0.0", "--port", str(CONTAINER_PORT),
+            *self._listen_args(spec.host),
             "--token-file", "/run/secrets/offload-token",
             "--concurrency", str(spec.concurrency),
         ]  # fmt: skip
@@ -143,7 +155,7 @@ class DockerRuntime:
                 name=f"offload-{spec.replica_id}",
                 detach=True,
                 labels=labels,
-                ports={f"{CONTAINER_PORT}/tcp": (spec.host, None)},
+                **self._network_kwargs(spec.host),
                 volumes=volumes,
             )
         except docker.errors.ImageNotFound as err:
@@ -159,8 +171,30 @@ class DockerRuntime:
         with contextlib.suppress(docker.errors.NotFound):
             self._client.containers.get(name).remove(force=True)
 
+    def _listen_args(self, host: str) -> list[str]:
+        if self.network == "host":
+            return ["--host", host, "--port", "0"]
+        return ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT)]
+
+    def _network_kwargs(self, host: str) -> dict[str, object]:
+        if self.network == "host":
+            return {"network_mode": "host"}
+        return {"ports": {f"{CONTAINER_PORT}/tcp": (host, None)}}
+
+    async def _logged_endpoint(self, container: Container, host: str, timeout_s: float) -> str:
+        """With host networking the server picks its port and logs it; wait for that line."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            logs = await asyncio.to_thread(container.logs)
+            if match := LISTENING.search(logs.decode(errors="replace")):
+                return f"{host}:{match.group(1)}"
+            await asyncio.to_thread(self._check_alive, container)
+            await asyncio.sleep(0.02)
+        raise TimeoutError(f"the replica did not listen within {timeout_s:.0f}s")
+
     @staticmethod
-    def _endpoint(container: Container, host: str) -> str:
+    def _published_endpoint(container: Container, host: str) -> str:
         container.reload()
         bindings = container.attrs["NetworkSettings"]["Ports"].get(f"{CONTAINER_PORT}/tcp")
         if not bindings:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import shutil
 import signal
 import sys
@@ -17,11 +16,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from node_daemon.runtimes.base import Replica, ReplicaFailed, ReplicaSpec, wait_ready
+from node_daemon.runtimes.base import LISTENING, Replica, ReplicaFailed, ReplicaSpec, wait_ready
 
 logger = logging.getLogger(__name__)
 
-_LISTENING = re.compile(r"runtime listening on [^ ]+:(\d+)")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -98,7 +96,7 @@ class ProcessRuntime:
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
             text = running.log_path.read_text(errors="replace")
-            if match := _LISTENING.search(text):
+            if match := LISTENING.search(text):
                 return int(match.group(1))
             if running.process.returncode is not None:
                 raise ReplicaFailed(f"exited with code {running.process.returncode}")

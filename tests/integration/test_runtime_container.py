@@ -9,13 +9,16 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 import modelzoo
+from edge_client.rpc.tensors import infer_request, response_arrays
 from images.build import build_image
 from node_daemon.runtimes import DockerRuntime, ReplicaSpec
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.docker_support import require_docker
 
 pytestmark = pytest.mark.docker
@@ -81,3 +84,26 @@ async def test_tritonclient_gets_onnxruntime_outputs(
             assert got[output].shape == value.shape, output
             assert np.allclose(got[output], value, rtol=1e-4, atol=1e-5), output
     assert await docker_runtime.stop(replica.replica_id, grace_s=5) == 0
+
+
+async def test_host_network_replica_listens_where_it_logs(runtime_image: str) -> None:
+    runtime = DockerRuntime.connect(runtime_image, network="host")
+    model = modelzoo.model_path("mlp")
+    try:
+        replica = await runtime.start(ReplicaSpec("test-host-net", model, "mlp", TOKEN))
+        host, port = replica.endpoint.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) != 8001
+        async with grpc.aio.insecure_channel(replica.endpoint) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            request = infer_request("mlp", modelzoo.sample_inputs(model))
+            response = await stub.ModelInfer(
+                request, metadata=(("authorization", f"Bearer {TOKEN}"),)
+            )
+        assert response_arrays(response)["logits"].shape == (1, 10)
+    finally:
+        await runtime.close()
+
+
+def test_unknown_network_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown network 'overlay'"):
+        DockerRuntime("image", client=None, network="overlay")  # type: ignore[arg-type]
