@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ import docker.errors
 
 from node_daemon.runtimes.base import RuntimeUnavailable
 from node_daemon.runtimes.docker_runtime import connect_docker
+from runtime.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -144,12 +144,11 @@ def _check_variant(variant: str) -> None:
 def runtime_image_tag(variant: str) -> str:
     """The tag of the runtime image: edge-offload/runtime:<version>[-cuda].
 
-    <version> is the installed version of the edge-offload distribution.
+    <version> is the project's version (runtime/version.py, which pyproject reads too).
     """
     _check_variant(variant)
-    version = importlib.metadata.version("edge-offload")
     suffix = "" if variant == "cpu" else f"-{variant}"
-    return f"{RUNTIME_REPOSITORY}:{version}{suffix}"
+    return f"{RUNTIME_REPOSITORY}:{__version__}{suffix}"
 
 
 def requirements_file(variant: str) -> Path:
