@@ -1,12 +1,17 @@
 """Where replicas run: `DockerRuntime` (a container per replica) or `ProcessRuntime` (a
 subprocess per replica, where no Docker engine is reachable). Both start the same
-`runtime.server` and answer with the same `Replica` handle.
+`runtime.server`, answer with the same `Replica` handle, and share one interface: start,
+stop, status, stats, update, adopt (after a daemon restart), detach, close.
 """
 
 from node_daemon.runtimes.base import (
     Replica,
     ReplicaFailed,
     ReplicaSpec,
+    ReplicaStats,
+    ReplicaStatus,
+    ResourceUpdateUnsupported,
+    Runtime,
     RuntimeUnavailable,
     wait_ready,
 )
@@ -19,6 +24,10 @@ __all__ = [
     "Replica",
     "ReplicaFailed",
     "ReplicaSpec",
+    "ReplicaStats",
+    "ReplicaStatus",
+    "ResourceUpdateUnsupported",
+    "Runtime",
     "RuntimeUnavailable",
     "wait_ready",
 ]

@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
@@ -43,17 +44,61 @@ class ReplicaSpec:
     host: str = "127.0.0.1"
     """The address the replica's port is published on."""
     concurrency: int = 2
+    gpu_uuids: tuple[str, ...] = ()
+    """Exactly these GPUs go into the replica; empty: CPU."""
+    gpu_memory_mib: int = 0
+    """GPU memory share per GPU (ONNX Runtime's gpu_mem_limit); 0: no limit."""
+    cpus: float = 0.0
+    """CPU limit in cores; 0: none."""
+    memory_mib: int = 0
+    """Memory limit; 0: none."""
 
 
 @dataclass(frozen=True, slots=True)
 class Replica:
-    """A started replica. `ref` is the container id or the process id."""
+    """A started (or adopted) replica. `ref` is the container id or the process id."""
 
     replica_id: str
     endpoint: str
     """host:port for Open Inference Protocol calls."""
     runtime: str
     ref: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The labels it was started with, without the `offload.` prefix."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    running: bool
+    exit_code: int | None = None
+    """Set once it exited; None while running or when unknown (an adopted process)."""
+    log_tail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    cpu_pct: float
+    """Percent of one core."""
+    memory_used_mib: int
+
+
+class ResourceUpdateUnsupported(Exception):
+    """This runtime cannot change a running replica's limits."""
+
+
+class Runtime(Protocol):
+    """What the node daemon needs of a runtime; `DockerRuntime` and `ProcessRuntime` are it."""
+
+    name: str
+
+    async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica: ...
+    async def stop(self, replica_id: str, grace_s: float = 10.0) -> int | None: ...
+    async def status(self, replica_id: str) -> ReplicaStatus | None: ...
+    async def stats(self, replica_id: str) -> ReplicaStats | None: ...
+    async def update(self, replica_id: str, cpus: float, memory_mib: int) -> None: ...
+    async def adopt(self, selector: Mapping[str, str]) -> list[Replica]: ...
+    async def detach(self) -> None: ...
+    async def close(self) -> None: ...
 
 
 async def wait_ready(

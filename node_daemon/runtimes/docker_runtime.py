@@ -2,6 +2,10 @@
 
 The Docker SDK is blocking: every call here runs in `asyncio.to_thread`. `docker.errors`
 never leave this module: they become `RuntimeUnavailable` or `ReplicaFailed`.
+
+Everything needed to adopt a container after a daemon restart is in its labels
+(`offload.*`): the replica id, the caller's labels, the host address and the folder of
+its token on the host.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import docker
 import docker.errors
+import docker.types
 from docker.models.containers import Container
 
 from node_daemon.runtimes.base import (
@@ -25,6 +32,8 @@ from node_daemon.runtimes.base import (
     Replica,
     ReplicaFailed,
     ReplicaSpec,
+    ReplicaStats,
+    ReplicaStatus,
     RuntimeUnavailable,
     wait_ready,
 )
@@ -34,10 +43,13 @@ logger = logging.getLogger(__name__)
 CONTAINER_PORT = 8001
 NETWORKS = ("bridge", "host")
 RUNTIME_UID = 10001  # the image's `offload` user
+CPU_PERIOD_US = 100_000
 _ENGINE_HINT = (
     "start one with `make docker-engine` (installs and starts Debian's engine, as root) or "
     "`sudo dockerd &`, or point DOCKER_HOST at a running engine"
 )
+# Labels this runtime owns (the caller's labels must not use them).
+_OWN = ("replica", "host", "secrets", "gpu-mode")
 
 
 def connect_docker() -> docker.DockerClient:
@@ -58,41 +70,62 @@ def connect_docker() -> docker.DockerClient:
 class _Started:
     container: Container
     secrets: Path
+    replica: Replica | None = None
 
 
 class DockerRuntime:
     name = "docker"
 
-    def __init__(self, image: str, client: docker.DockerClient, network: str = "bridge") -> None:
+    def __init__(
+        self,
+        image: str,
+        client: docker.DockerClient,
+        network: str = "bridge",
+        gpu_image: str | None = None,
+    ) -> None:
         """`network`: "bridge" publishes the container's port 8001 on the replica's host
         address (a port Docker picks); "host" shares the node's network namespace and the
         server binds a free port on that address itself: no Docker proxy on the data path
-        (see docs/BENCHMARKS.md for what that saves), no network isolation."""
+        (see docs/BENCHMARKS.md for what that saves), no network isolation.
+        `gpu_image` (the cuda variant) runs replicas that get GPUs, when the engine has the
+        NVIDIA runtime; otherwise they run `image` on the CPU, and a warning says so."""
         if network not in NETWORKS:
             raise ValueError(f"unknown network {network!r}; use one of {', '.join(NETWORKS)}")
         self.image = image
+        self.gpu_image = gpu_image
         self.network = network
         self._client = client
         self._started: dict[str, _Started] = {}
+        self._nvidia: bool | None = None
 
     @classmethod
-    def connect(cls, image: str, network: str = "bridge") -> DockerRuntime:
+    def connect(
+        cls, image: str, network: str = "bridge", gpu_image: str | None = None
+    ) -> DockerRuntime:
         """Blocking. RuntimeUnavailable when there is no engine or no such image."""
         client = connect_docker()
-        try:
-            client.images.get(image)
-        except docker.errors.ImageNotFound as err:
-            client.close()
-            raise RuntimeUnavailable(
-                f"image {image} is not built here; build it with `offload image build`"
-            ) from err
-        return cls(image, client, network)
+        for tag in filter(None, (image, gpu_image)):
+            try:
+                client.images.get(tag)
+            except docker.errors.ImageNotFound as err:
+                client.close()
+                raise RuntimeUnavailable(
+                    f"image {tag} is not built here; build it with `offload image build`"
+                ) from err
+        return cls(image, client, network, gpu_image)
+
+    def _engine_has_nvidia(self) -> bool:
+        if self._nvidia is None:
+            self._nvidia = "nvidia" in (self._client.info().get("Runtimes") or {})
+        return self._nvidia
 
     async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica:
         """Start a container and return once it is ready. ReplicaFailed (exit code and log
         tail) when it exits or is not ready in time; the container is removed then."""
         if spec.replica_id in self._started:
             raise ValueError(f"replica {spec.replica_id} is already running here")
+        if clash := set(spec.labels) & set(_OWN):
+            raise ValueError(f"labels {sorted(clash)} are the runtime's own")
         secrets = Path(tempfile.mkdtemp(prefix=f"offload-{spec.replica_id}-"))
         token_file = secrets / "token"
         token_file.write_text(spec.token)
@@ -102,16 +135,13 @@ class DockerRuntime:
         else:  # the directory stays private to this user on the host
             token_file.chmod(0o444)
         try:
-            container = await asyncio.to_thread(self._run, spec, token_file)
+            container = await asyncio.to_thread(self._run, spec, secrets)
         except BaseException:
             shutil.rmtree(secrets, ignore_errors=True)
             raise
         self._started[spec.replica_id] = _Started(container, secrets)
         try:
-            if self.network == "host":
-                endpoint = await self._logged_endpoint(container, spec.host, ready_timeout_s)
-            else:
-                endpoint = await asyncio.to_thread(self._published_endpoint, container, spec.host)
+            endpoint = await self._endpoint(container, spec.host, ready_timeout_s)
             await wait_ready(
                 endpoint,
                 spec.token,
@@ -126,18 +156,42 @@ class DockerRuntime:
         logger.info(
             "replica=%s container=%s ready at %s", spec.replica_id, container.short_id, endpoint
         )
-        return Replica(spec.replica_id, endpoint, self.name, container.id)
+        replica = Replica(spec.replica_id, endpoint, self.name, container.id, dict(spec.labels))
+        self._started[spec.replica_id].replica = replica
+        return replica
 
-    def _run(self, spec: ReplicaSpec, token_file: Path) -> Container:
+    def _run(self, spec: ReplicaSpec, secrets: Path) -> Container:
+        image = self.image
+        gpu_mode = "none"
+        kwargs: dict[str, object] = {}
+        if spec.gpu_uuids:
+            if self._engine_has_nvidia():
+                gpu_mode = "device-request"
+                image = self.gpu_image or self.image
+                kwargs["device_requests"] = [
+                    docker.types.DeviceRequest(
+                        driver="nvidia", device_ids=list(spec.gpu_uuids), capabilities=[["gpu"]]
+                    )
+                ]
+            else:
+                gpu_mode = "cpu-fallback"
+                logger.warning(
+                    "replica=%s: the engine has no NVIDIA runtime; starting on the CPU "
+                    "(intended GPUs %s recorded in its labels)",
+                    spec.replica_id,
+                    ",".join(spec.gpu_uuids),
+                )
         command = [
             "--model", "/models/model.onnx", "--name", spec.model_name,
             *self._listen_args(spec.host),
             "--token-file", "/run/secrets/offload-token",
             "--concurrency", str(spec.concurrency),
         ]  # fmt: skip
+        if spec.gpu_memory_mib and gpu_mode == "device-request":
+            command += ["--gpu-mem-limit-mib", str(spec.gpu_memory_mib)]
         volumes = {
             str(spec.model_path.resolve()): {"bind": "/models/model.onnx", "mode": "ro"},
-            str(token_file): {"bind": "/run/secrets/offload-token", "mode": "ro"},
+            str(secrets / "token"): {"bind": "/run/secrets/offload-token", "mode": "ro"},
         }
         if spec.warmup_inputs is not None:
             volumes[str(spec.warmup_inputs.resolve())] = {
@@ -146,30 +200,37 @@ class DockerRuntime:
             }
             command += ["--warmup-inputs", "/models/warmup.npz"]
         labels = {f"{LABEL_PREFIX}{k}": v for k, v in spec.labels.items()}
-        labels[f"{LABEL_PREFIX}replica"] = spec.replica_id
-        labels[f"{LABEL_PREFIX}model"] = spec.model_name
+        labels |= {
+            f"{LABEL_PREFIX}replica": spec.replica_id,
+            f"{LABEL_PREFIX}host": spec.host,
+            f"{LABEL_PREFIX}secrets": str(secrets),
+            f"{LABEL_PREFIX}gpu-mode": gpu_mode,
+        }
+        if spec.cpus > 0:
+            kwargs |= {"cpu_period": CPU_PERIOD_US, "cpu_quota": int(spec.cpus * CPU_PERIOD_US)}
+        if spec.memory_mib > 0:
+            kwargs |= {"mem_limit": f"{spec.memory_mib}m", "memswap_limit": f"{spec.memory_mib}m"}
+        name = f"offload-{spec.replica_id}"
         try:
             return self._client.containers.run(
-                self.image,
+                image,
                 command,
-                name=f"offload-{spec.replica_id}",
+                name=name,
                 detach=True,
                 labels=labels,
-                **self._network_kwargs(spec.host),
                 volumes=volumes,
+                **self._network_kwargs(spec.host),
+                **kwargs,
             )
         except docker.errors.ImageNotFound as err:
             raise ReplicaFailed(
-                f"image {self.image} not found; build it with `offload image build`"
+                f"image {image} not found; build it with `offload image build`"
             ) from err
         except docker.errors.APIError as err:
-            self._remove_named(f"offload-{spec.replica_id}")
-            raise ReplicaFailed(f"cannot start a container of {self.image}: {err}") from err
-
-    def _remove_named(self, name: str) -> None:
-        # A container whose start failed stays in Created state: remove it.
-        with contextlib.suppress(docker.errors.NotFound):
-            self._client.containers.get(name).remove(force=True)
+            # A container whose start failed (a GPU device request, say) stays Created.
+            with contextlib.suppress(docker.errors.NotFound):
+                self._client.containers.get(name).remove(force=True)
+            raise ReplicaFailed(f"cannot start a container of {image}: {err}") from err
 
     def _listen_args(self, host: str) -> list[str]:
         if self.network == "host":
@@ -181,25 +242,24 @@ class DockerRuntime:
             return {"network_mode": "host"}
         return {"ports": {f"{CONTAINER_PORT}/tcp": (host, None)}}
 
-    async def _logged_endpoint(self, container: Container, host: str, timeout_s: float) -> str:
-        """With host networking the server picks its port and logs it; wait for that line."""
+    async def _endpoint(self, container: Container, host: str, timeout_s: float) -> str:
+        """host:port of the replica: the published port (bridge), or the port the server
+        logs (host networking: it picks a free one)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
+            await asyncio.to_thread(container.reload)
+            if container.attrs["HostConfig"]["NetworkMode"] != "host":
+                bindings = container.attrs["NetworkSettings"]["Ports"].get(f"{CONTAINER_PORT}/tcp")
+                if not bindings:
+                    raise ReplicaFailed(f"container {container.short_id} has no published port")
+                return f"{host}:{bindings[0]['HostPort']}"
             logs = await asyncio.to_thread(container.logs)
             if match := LISTENING.search(logs.decode(errors="replace")):
                 return f"{host}:{match.group(1)}"
             await asyncio.to_thread(self._check_alive, container)
             await asyncio.sleep(0.02)
         raise TimeoutError(f"the replica did not listen within {timeout_s:.0f}s")
-
-    @staticmethod
-    def _published_endpoint(container: Container, host: str) -> str:
-        container.reload()
-        bindings = container.attrs["NetworkSettings"]["Ports"].get(f"{CONTAINER_PORT}/tcp")
-        if not bindings:
-            raise ReplicaFailed(f"container {container.short_id} has no published port")
-        return f"{host}:{bindings[0]['HostPort']}"
 
     @staticmethod
     def _check_alive(container: Container) -> None:
@@ -215,10 +275,86 @@ class DockerRuntime:
         except docker.errors.APIError:
             return ""
 
-    def log_tail(self, replica_id: str, lines: int = 40) -> str:
-        """Blocking. The last `lines` lines of the replica's log ("" when it is gone)."""
+    async def adopt(self, selector: Mapping[str, str]) -> list[Replica]:
+        """Take over the containers (running or exited) whose labels include `selector`,
+        e.g. {"node": node_id}: they keep serving through a daemon restart."""
+        filters = {"label": [f"{LABEL_PREFIX}{k}={v}" for k, v in selector.items()]}
+        try:
+            containers = await asyncio.to_thread(
+                self._client.containers.list, all=True, filters=filters
+            )
+        except docker.errors.APIError as err:
+            raise RuntimeUnavailable(f"cannot list containers: {err}") from err
+        adopted = []
+        for container in containers:
+            labels = {
+                k.removeprefix(LABEL_PREFIX): v
+                for k, v in container.labels.items()
+                if k.startswith(LABEL_PREFIX)
+            }
+            replica_id = labels.get("replica")
+            if not replica_id or replica_id in self._started:
+                continue
+            started = _Started(container, Path(labels.get("secrets", "")))
+            self._started[replica_id] = started
+            endpoint = ""
+            if container.status == "running":
+                try:
+                    endpoint = await self._endpoint(container, labels.get("host", ""), 5.0)
+                except (ReplicaFailed, TimeoutError) as err:
+                    logger.warning("replica=%s adopted without an endpoint: %s", replica_id, err)
+            caller_labels = {k: v for k, v in labels.items() if k not in _OWN}
+            started.replica = Replica(replica_id, endpoint, self.name, container.id, caller_labels)
+            adopted.append(started.replica)
+            logger.info(
+                "replica=%s container=%s adopted (%s) at %s",
+                replica_id,
+                container.short_id,
+                container.status,
+                endpoint or "-",
+            )
+        return adopted
+
+    async def status(self, replica_id: str) -> ReplicaStatus | None:
+        """Running or not, with the exit code and log tail once it exited; None if unknown."""
         started = self._started.get(replica_id)
-        return "" if started is None else self._log_tail(started.container, lines)
+        if started is None:
+            return None
+        try:
+            await asyncio.to_thread(started.container.reload)
+        except docker.errors.NotFound:
+            return ReplicaStatus(False, None, "the container was removed outside the daemon")
+        if started.container.status in ("running", "created", "restarting"):
+            return ReplicaStatus(running=True)
+        code = started.container.attrs["State"]["ExitCode"]
+        tail = await asyncio.to_thread(self._log_tail, started.container)
+        return ReplicaStatus(False, int(code), tail)
+
+    async def stats(self, replica_id: str) -> ReplicaStats | None:
+        """CPU (average since start) and memory from one stats sample; None when not running."""
+        started = self._started.get(replica_id)
+        if started is None:
+            return None
+        try:
+            sample = await asyncio.to_thread(started.container.stats, stream=False, one_shot=True)
+            await asyncio.to_thread(started.container.reload)
+        except docker.errors.APIError:
+            return None
+        return _stats_from(sample, started.container.attrs["State"]["StartedAt"])
+
+    async def update(self, replica_id: str, cpus: float, memory_mib: int) -> None:
+        """Change a running container's CPU (cores) and memory limits; 0 leaves one as is.
+        KeyError when no such replica runs here."""
+        started = self._started[replica_id]
+        kwargs: dict[str, object] = {}
+        if cpus > 0:
+            kwargs |= {"cpu_period": CPU_PERIOD_US, "cpu_quota": int(cpus * CPU_PERIOD_US)}
+        if memory_mib > 0:
+            kwargs |= {"mem_limit": f"{memory_mib}m", "memswap_limit": f"{memory_mib}m"}
+        try:
+            await asyncio.to_thread(started.container.update, **kwargs)
+        except docker.errors.APIError as err:
+            raise ReplicaFailed(f"cannot update replica {replica_id}: {err}") from err
 
     async def stop(self, replica_id: str, grace_s: float = 10.0) -> int | None:
         """`docker stop` (SIGTERM, then SIGKILL after `grace_s`), then remove.
@@ -231,7 +367,8 @@ class DockerRuntime:
         try:
             return await asyncio.to_thread(self._stop, started.container, grace_s)
         finally:
-            shutil.rmtree(started.secrets, ignore_errors=True)
+            if started.secrets.name.startswith("offload-"):
+                shutil.rmtree(started.secrets, ignore_errors=True)
 
     @staticmethod
     def _stop(container: Container, grace_s: float) -> int | None:
@@ -244,7 +381,23 @@ class DockerRuntime:
         return int(code)
 
     async def close(self) -> None:
-        """Stop every replica this runtime started, then close the client."""
+        """Stop every replica this runtime runs, then close the client."""
         for replica_id in list(self._started):
             await self.stop(replica_id)
         await asyncio.to_thread(self._client.close)
+
+    async def detach(self) -> None:
+        """Forget every replica without stopping it (they keep serving, to be adopted by the
+        next daemon), then close the client."""
+        self._started.clear()
+        await asyncio.to_thread(self._client.close)
+
+
+def _stats_from(sample: Mapping, started_at: str) -> ReplicaStats:
+    cpu_ns = sample.get("cpu_stats", {}).get("cpu_usage", {}).get("total_usage", 0)
+    # Docker's timestamps carry nanoseconds; Python parses microseconds.
+    started = datetime.fromisoformat(started_at[:26].rstrip("Z") + "+00:00")
+    age_s = max(1e-3, (datetime.now(UTC) - started).total_seconds())
+    memory = sample.get("memory_stats", {})
+    used = memory.get("usage", 0) - memory.get("stats", {}).get("inactive_file", 0)
+    return ReplicaStats(cpu_pct=100.0 * cpu_ns / 1e9 / age_s, memory_used_mib=max(0, used) >> 20)

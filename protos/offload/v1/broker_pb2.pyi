@@ -53,16 +53,6 @@ class HeartbeatResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ModelChunk(_message.Message):
-    __slots__ = ("sha256", "name", "data")
-    SHA256_FIELD_NUMBER: _ClassVar[int]
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    sha256: str
-    name: str
-    data: bytes
-    def __init__(self, sha256: _Optional[str] = ..., name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
-
 class UploadModelResponse(_message.Message):
     __slots__ = ("sha256", "size_bytes", "deduplicated")
     SHA256_FIELD_NUMBER: _ClassVar[int]

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.offload.v1 import broker_pb2 as protos_dot_offload_dot_v1_dot_broker__pb2
+from protos.offload.v1 import node_pb2 as protos_dot_offload_dot_v1_dot_node__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -158,7 +159,7 @@ class EdgeBrokerStub:
         """
         self.UploadModel = channel.stream_unary(
                 '/offload.v1.EdgeBroker/UploadModel',
-                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ModelChunk.SerializeToString,
+                request_serializer=protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.UploadModelResponse.FromString,
                 _registered_method=True)
         self.Deploy = channel.unary_unary(
@@ -248,7 +249,7 @@ def add_EdgeBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'UploadModel': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadModel,
-                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ModelChunk.FromString,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.UploadModelResponse.SerializeToString,
             ),
             'Deploy': grpc.unary_unary_rpc_method_handler(
@@ -308,7 +309,7 @@ class EdgeBroker:
             request_iterator,
             target,
             '/offload.v1.EdgeBroker/UploadModel',
-            protos_dot_offload_dot_v1_dot_broker__pb2.ModelChunk.SerializeToString,
+            protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.SerializeToString,
             protos_dot_offload_dot_v1_dot_broker__pb2.UploadModelResponse.FromString,
             options,
             channel_credentials,

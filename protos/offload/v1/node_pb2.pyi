@@ -69,7 +69,7 @@ class Inventory(_message.Message):
     def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[GpuLink, _Mapping]]] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., nics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaSpec(_message.Message):
-    __slots__ = ("deployment_id", "epoch", "model_sha256", "model_name", "gpu_uuids", "gpu_memory_mib", "cpus", "memory_mib", "token")
+    __slots__ = ("deployment_id", "epoch", "model_sha256", "model_name", "gpu_uuids", "gpu_memory_mib", "cpus", "memory_mib", "token", "gpu_count", "p2p_required", "warmup_inputs_sha256")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,9 @@ class ReplicaSpec(_message.Message):
     CPUS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    P2P_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_INPUTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     epoch: int
     model_sha256: str
@@ -88,23 +91,30 @@ class ReplicaSpec(_message.Message):
     cpus: float
     memory_mib: int
     token: str
-    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+    gpu_count: int
+    p2p_required: bool
+    warmup_inputs_sha256: str
+    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ..., gpu_count: _Optional[int] = ..., p2p_required: _Optional[bool] = ..., warmup_inputs_sha256: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("replica_id", "spec", "endpoint", "state", "exit_code", "log_tail")
+    __slots__ = ("replica_id", "spec", "endpoint", "state", "exit_code", "log_tail", "runtime", "ref")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     LOG_TAIL_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     spec: ReplicaSpec
     endpoint: str
     state: ReplicaState
     exit_code: int
     log_tail: str
-    def __init__(self, replica_id: _Optional[str] = ..., spec: _Optional[_Union[ReplicaSpec, _Mapping]] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., exit_code: _Optional[int] = ..., log_tail: _Optional[str] = ...) -> None: ...
+    runtime: str
+    ref: str
+    def __init__(self, replica_id: _Optional[str] = ..., spec: _Optional[_Union[ReplicaSpec, _Mapping]] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., exit_code: _Optional[int] = ..., log_tail: _Optional[str] = ..., runtime: _Optional[str] = ..., ref: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -191,3 +201,23 @@ class UsageResponse(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaUsage]
     def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaUsage, _Mapping]]] = ...) -> None: ...
+
+class ModelChunk(_message.Message):
+    __slots__ = ("sha256", "name", "data")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    name: str
+    data: bytes
+    def __init__(self, sha256: _Optional[str] = ..., name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutModelResponse(_message.Message):
+    __slots__ = ("sha256", "size_bytes", "deduplicated")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    size_bytes: int
+    deduplicated: bool
+    def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., deduplicated: _Optional[bool] = ...) -> None: ...

@@ -65,6 +65,11 @@ class NodeAgentStub:
                 request_serializer=protos_dot_offload_dot_v1_dot_node__pb2.UsageRequest.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.UsageResponse.FromString,
                 _registered_method=True)
+        self.PutModel = channel.stream_unary(
+                '/offload.v1.NodeAgent/PutModel',
+                request_serializer=protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.PutModelResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -109,6 +114,14 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutModel(self, request_iterator, context):
+        """A client stream of chunks into the node's model cache; the declared sha256 is checked
+        before the file is kept. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +154,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Usage,
                     request_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.UsageRequest.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_node__pb2.UsageResponse.SerializeToString,
+            ),
+            'PutModel': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutModel,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_node__pb2.PutModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +324,33 @@ class NodeAgent:
             '/offload.v1.NodeAgent/Usage',
             protos_dot_offload_dot_v1_dot_node__pb2.UsageRequest.SerializeToString,
             protos_dot_offload_dot_v1_dot_node__pb2.UsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutModel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/offload.v1.NodeAgent/PutModel',
+            protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.SerializeToString,
+            protos_dot_offload_dot_v1_dot_node__pb2.PutModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
