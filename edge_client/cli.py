@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from edge_client import demo
 from images import build as image_build
 from modelzoo import cli as models_cli
+from node_daemon import server as node_server
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register_cli(sub)
     image_build.register_cli(sub)
     models_cli.register_cli(sub)
+    node_server.register_cli(sub)
     return parser
 
 

@@ -1,10 +1,10 @@
-"""The one table that maps the runtime's errors to gRPC status codes."""
+"""Error-to-status mapping for servicers, and the runtime's own table."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -20,8 +20,36 @@ from runtime.errors import (
 
 logger = logging.getLogger(__name__)
 
-# Most specific first; the first match wins.
-STATUS_TABLE: tuple[tuple[type[RuntimeServerError], grpc.StatusCode], ...] = (
+R = TypeVar("R")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+StatusTable = Sequence[tuple[type[Exception], grpc.StatusCode]]
+
+
+def error_mapper(table: StatusTable) -> Callable[[Handler[R]], Handler[R]]:
+    """A decorator for servicer methods: an exception of a type in `table` (first match
+    wins, so list the most specific first) aborts the call with its status and message.
+
+    Anything else propagates, and grpc reports it as UNKNOWN: a bug, not a caller's mistake.
+    """
+    kinds = tuple(kind for kind, _ in table)
+
+    def decorate(method: Handler[R]) -> Handler[R]:
+        @functools.wraps(method)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+            try:
+                return await method(self, request, context)
+            except kinds as err:
+                code = next(code for kind, code in table if isinstance(err, kind))
+                logger.debug("%s -> %s: %s", method.__name__, code.name, err)
+                await context.abort(code, str(err))
+                raise AssertionError("context.abort returned") from err  # it always raises
+
+        return wrapper
+
+    return decorate
+
+
+STATUS_TABLE: StatusTable = (
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (ModelNotFound, grpc.StatusCode.NOT_FOUND),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
@@ -30,29 +58,4 @@ STATUS_TABLE: tuple[tuple[type[RuntimeServerError], grpc.StatusCode], ...] = (
     (RuntimeServerError, grpc.StatusCode.INTERNAL),
 )
 
-
-def status_for(error: RuntimeServerError) -> grpc.StatusCode:
-    return next(code for kind, code in STATUS_TABLE if isinstance(error, kind))
-
-
-R = TypeVar("R")
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
-
-
-def mapped_errors(method: Handler[R]) -> Handler[R]:
-    """Decorate a servicer method so our errors abort the call with their mapped status.
-
-    Anything else propagates, and grpc reports it as UNKNOWN: a bug, not a caller's mistake.
-    """
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
-        try:
-            return await method(self, request, context)
-        except RuntimeServerError as err:
-            code = status_for(err)
-            logger.debug("%s -> %s: %s", method.__name__, code.name, err)
-            await context.abort(code, str(err))
-            raise AssertionError("context.abort returned") from err  # abort always raises
-
-    return wrapper
+mapped_errors = error_mapper(STATUS_TABLE)

@@ -1,0 +1,329 @@
+"""The node agent's domain: replicas on this node, their GPUs, models and lifecycle.
+
+Plain Python over a `Runtime`, a `ModelCache` and a `GpuAllocator`; the gRPC servicer in
+`node_daemon.rpc` is a thin layer over it. Replica ids are `<deployment>-<epoch>`, so
+starting the same deployment epoch twice is refused rather than run twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import re
+from dataclasses import dataclass, replace
+
+from node_daemon.errors import (
+    AlreadyExists,
+    InvalidRequest,
+    NodeError,
+    ReplicaNotFound,
+    StartFailed,
+)
+from node_daemon.gpu_allocator import GpuAllocator
+from node_daemon.inventory import Gpu, Inventory
+from node_daemon.model_cache import ModelCache, check_sha256
+from node_daemon.runtimes import (
+    Replica,
+    ReplicaFailed,
+    ReplicaSpec,
+    ResourceUpdateUnsupported,
+    Runtime,
+)
+
+logger = logging.getLogger(__name__)
+
+_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class ReplicaState(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+@dataclass(frozen=True, slots=True)
+class StartRequest:
+    deployment_id: str
+    epoch: int
+    model_sha256: str
+    model_name: str
+    token: str
+    gpu_uuids: tuple[str, ...] = ()
+    gpu_count: int = 0
+    gpu_memory_mib: int = 0
+    p2p_required: bool = False
+    cpus: float = 0.0
+    memory_mib: int = 0
+    warmup_inputs_sha256: str = ""
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.deployment_id}-{self.epoch}"
+
+    def validate(self) -> None:
+        """InvalidRequest naming the first field that is wrong and what it must be."""
+        if not _ID.fullmatch(self.deployment_id):
+            raise InvalidRequest(
+                f"deployment_id {self.deployment_id!r} must be 1-40 characters of a-z, 0-9 "
+                "and '-', starting with a letter or digit"
+            )
+        if self.epoch < 0:
+            raise InvalidRequest(f"epoch {self.epoch} must not be negative")
+        check_sha256(self.model_sha256, "model_sha256")
+        if self.warmup_inputs_sha256:
+            check_sha256(self.warmup_inputs_sha256, "warmup_inputs_sha256")
+        if not _MODEL_NAME.fullmatch(self.model_name):
+            raise InvalidRequest(
+                f"model_name {self.model_name!r} must be 1-64 characters of letters, digits, "
+                "'_', '.' and '-'"
+            )
+        if len(self.token) < 16:
+            raise InvalidRequest("token must be at least 16 characters")
+        if self.cpus < 0 or self.memory_mib < 0 or self.gpu_memory_mib < 0:
+            raise InvalidRequest("cpus, memory_mib and gpu_memory_mib must not be negative")
+
+    def labels(self, node_id: str, gpus: tuple[Gpu, ...]) -> dict[str, str]:
+        """What the runtime keeps with the replica, enough to adopt it (never the token)."""
+        return {
+            "node": node_id,
+            "deployment": self.deployment_id,
+            "epoch": str(self.epoch),
+            "model": self.model_name,
+            "model-sha256": self.model_sha256,
+            "gpus": ",".join(str(g.index) for g in gpus),
+            "gpu-uuids": ",".join(g.uuid for g in gpus),
+            "gpu-memory-mib": str(self.gpu_memory_mib),
+            "cpus": str(self.cpus),
+            "memory-mib": str(self.memory_mib),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What the node reports about one replica."""
+
+    replica_id: str
+    request: StartRequest
+    """As started; the token is blanked."""
+    gpus: tuple[int, ...]
+    state: ReplicaState
+    endpoint: str = ""
+    runtime: str = ""
+    ref: str = ""
+    exit_code: int | None = None
+    log_tail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaUsage:
+    replica_id: str
+    cpu_pct: float
+    memory_used_mib: int
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        node_id: str,
+        site: str,
+        inventory: Inventory,
+        runtime: Runtime,
+        cache: ModelCache,
+        host: str = "127.0.0.1",
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        self.node_id = node_id
+        self.site = site
+        self.inventory = inventory
+        self.runtime = runtime
+        self.cache = cache
+        self.host = host
+        self.ready_timeout_s = ready_timeout_s
+        self.allocator = GpuAllocator(inventory)
+        self._replicas: dict[str, ReplicaView] = {}
+
+    async def adopt(self) -> list[ReplicaView]:
+        """Take over the replicas with this node's label that survived a daemon restart."""
+        adopted = []
+        for replica in await self.runtime.adopt({"node": self.node_id}):
+            try:
+                view = self._view_from_labels(replica)
+                self.allocator.restore(view.replica_id, view.gpus, view.request.gpu_memory_mib)
+            except (KeyError, ValueError, NodeError) as err:
+                logger.error(
+                    "replica=%s cannot be adopted (%s): stopping it", replica.replica_id, err
+                )
+                await self.runtime.stop(replica.replica_id, grace_s=0)
+                continue
+            self._replicas[view.replica_id] = view
+            adopted.append(view)
+        await self.refresh()
+        return [self._replicas[v.replica_id] for v in adopted]
+
+    def _view_from_labels(self, replica: Replica) -> ReplicaView:
+        labels = replica.labels
+        request = StartRequest(
+            deployment_id=labels["deployment"],
+            epoch=int(labels["epoch"]),
+            model_sha256=labels["model-sha256"],
+            model_name=labels["model"],
+            token="",
+            gpu_uuids=tuple(u for u in labels.get("gpu-uuids", "").split(",") if u),
+            gpu_memory_mib=int(labels.get("gpu-memory-mib", "0")),
+            cpus=float(labels.get("cpus", "0")),
+            memory_mib=int(labels.get("memory-mib", "0")),
+        )
+        gpus = tuple(int(i) for i in labels.get("gpus", "").split(",") if i)
+        state = ReplicaState.READY if replica.endpoint else ReplicaState.EXITED
+        return ReplicaView(
+            replica.replica_id,
+            request,
+            gpus,
+            state,
+            replica.endpoint,
+            replica.runtime,
+            replica.ref,
+        )
+
+    async def start_replica(self, request: StartRequest) -> ReplicaView:
+        """Start a replica and return once it is ready.
+
+        InvalidRequest, ModelNotCached, GpusExhausted, AlreadyExists or StartFailed; on any
+        failure its GPUs are released and nothing of it is left running.
+        """
+        request.validate()
+        replica_id = request.replica_id
+        if replica_id in self._replicas:
+            raise AlreadyExists(f"replica {replica_id} already exists on node {self.node_id}")
+        model = await asyncio.to_thread(self.cache.path, request.model_sha256)
+        warmup = None
+        if request.warmup_inputs_sha256:
+            warmup = await asyncio.to_thread(self.cache.path, request.warmup_inputs_sha256)
+        allocation = self.allocator.allocate(
+            replica_id,
+            count=request.gpu_count,
+            uuids=request.gpu_uuids,
+            memory_mib=request.gpu_memory_mib,
+            p2p_required=request.p2p_required,
+        )
+        gpus = tuple(self.inventory.gpus[i] for i in allocation.gpus)
+        shown = replace(request, token="", gpu_uuids=tuple(g.uuid for g in gpus))
+        self._replicas[replica_id] = ReplicaView(
+            replica_id, shown, allocation.gpus, ReplicaState.STARTING
+        )
+        spec = ReplicaSpec(
+            replica_id=replica_id,
+            model_path=model,
+            model_name=request.model_name,
+            token=request.token,
+            labels=shown.labels(self.node_id, gpus),
+            warmup_inputs=warmup,
+            host=self.host,
+            gpu_uuids=tuple(g.uuid for g in gpus),
+            gpu_memory_mib=request.gpu_memory_mib,
+            cpus=request.cpus,
+            memory_mib=request.memory_mib,
+        )
+        logger.info(
+            "replica=%s starting model=%s gpus=%s", replica_id, request.model_name, allocation.gpus
+        )
+        try:
+            replica = await self.runtime.start(spec, self.ready_timeout_s)
+        except BaseException as err:
+            del self._replicas[replica_id]
+            self.allocator.release(replica_id)
+            if isinstance(err, ReplicaFailed):
+                raise StartFailed(str(err)) from err
+            raise
+        view = replace(
+            self._replicas[replica_id],
+            state=ReplicaState.READY,
+            endpoint=replica.endpoint,
+            runtime=replica.runtime,
+            ref=replica.ref,
+        )
+        self._replicas[replica_id] = view
+        return view
+
+    async def stop_replica(self, replica_id: str, grace_s: float) -> None:
+        """Drain and remove the replica, and free its GPUs. ReplicaNotFound if unknown."""
+        view = self._replicas.get(replica_id)
+        if view is None:
+            raise ReplicaNotFound(f"no replica {replica_id} on node {self.node_id}")
+        self._replicas[replica_id] = replace(view, state=ReplicaState.STOPPING)
+        try:
+            code = await self.runtime.stop(replica_id, grace_s)
+        finally:
+            del self._replicas[replica_id]
+            self.allocator.release(replica_id)
+        logger.info("replica=%s stopped exit_code=%s", replica_id, code)
+
+    async def refresh(self) -> list[ReplicaView]:
+        """Check every ready replica; one that died becomes EXITED (exit code, log tail)
+        and its GPUs are freed. Returns the replicas that died since the last check."""
+        died = []
+        for replica_id, view in list(self._replicas.items()):
+            if view.state is not ReplicaState.READY:
+                continue
+            status = await self.runtime.status(replica_id)
+            if status is None or status.running:
+                continue
+            exited = replace(
+                view,
+                state=ReplicaState.EXITED,
+                exit_code=status.exit_code,
+                log_tail=status.log_tail,
+            )
+            self._replicas[replica_id] = exited
+            self.allocator.release(replica_id)
+            died.append(exited)
+            logger.error(
+                "replica=%s died exit_code=%s; log tail:\n%s",
+                replica_id,
+                status.exit_code,
+                status.log_tail,
+            )
+        return died
+
+    async def list_replicas(self) -> list[ReplicaView]:
+        await self.refresh()
+        return sorted(self._replicas.values(), key=lambda v: v.replica_id)
+
+    async def update_resources(self, replica_id: str, cpus: float, memory_mib: int) -> None:
+        view = self._replicas.get(replica_id)
+        if view is None:
+            raise ReplicaNotFound(f"no replica {replica_id} on node {self.node_id}")
+        if cpus < 0 or memory_mib < 0 or (cpus == 0 and memory_mib == 0):
+            raise InvalidRequest("give a positive cpus and/or memory_mib")
+        try:
+            await self.runtime.update(replica_id, cpus, memory_mib)
+        except ResourceUpdateUnsupported as err:
+            raise InvalidRequest(str(err)) from err
+        except ReplicaFailed as err:
+            raise StartFailed(str(err)) from err
+        request = replace(
+            view.request,
+            cpus=cpus or view.request.cpus,
+            memory_mib=memory_mib or view.request.memory_mib,
+        )
+        self._replicas[replica_id] = replace(view, request=request)
+
+    async def usage(self) -> tuple[tuple[Gpu, ...], list[ReplicaUsage]]:
+        usages = []
+        for replica_id, view in self._replicas.items():
+            if view.state is not ReplicaState.READY:
+                continue
+            stats = await self.runtime.stats(replica_id)
+            if stats is not None:
+                usages.append(ReplicaUsage(replica_id, stats.cpu_pct, stats.memory_used_mib))
+        return self.inventory.gpus, usages
+
+    async def close(self, stop_replicas: bool) -> None:
+        """Stop every replica, or leave them serving for the next daemon to adopt."""
+        if stop_replicas:
+            await self.runtime.close()
+        else:
+            await self.runtime.detach()

@@ -1,0 +1,56 @@
+"""Errors of the node daemon's domain, mapped to gRPC status codes in `node_daemon.rpc.status`.
+
+Hierarchy::
+
+    NodeError
+    ├── InvalidRequest        a field is malformed or inconsistent (INVALID_ARGUMENT)
+    ├── NotFound              (NOT_FOUND)
+    │   ├── ModelNotCached    no model of that sha256 in the node's cache
+    │   └── ReplicaNotFound   no replica of that id on this node
+    ├── ResourceExhausted     (RESOURCE_EXHAUSTED)
+    │   ├── GpusExhausted     not enough free GPUs (or GPU memory) for the request
+    │   └── ModelTooLarge     an upload over the cache's size limit
+    ├── AlreadyExists         a replica of that id runs already (ALREADY_EXISTS)
+    └── StartFailed           the replica could not start or become ready
+                              (FAILED_PRECONDITION; the message has its exit code and log)
+"""
+
+
+class NodeError(Exception):
+    """Base class of the node daemon's errors; the message is meant for the caller."""
+
+
+class InvalidRequest(NodeError):
+    pass
+
+
+class NotFound(NodeError):
+    pass
+
+
+class ModelNotCached(NotFound):
+    pass
+
+
+class ReplicaNotFound(NotFound):
+    pass
+
+
+class ResourceExhausted(NodeError):
+    pass
+
+
+class GpusExhausted(ResourceExhausted):
+    pass
+
+
+class ModelTooLarge(ResourceExhausted):
+    pass
+
+
+class AlreadyExists(NodeError):
+    pass
+
+
+class StartFailed(NodeError):
+    pass

@@ -1,0 +1,149 @@
+"""The node's model cache: ONNX files (and warm-up .npz files) named by their sha256.
+
+A file enters only through `Upload.commit`, which checks the sha256 the sender declared
+against the content and renames a complete temporary file into place: nothing half-written
+is ever visible under its hash. `path` checks the content again before a file is used
+(once per file and modification), so a file damaged on disk is refused, not served.
+File I/O blocks: callers on an event loop use `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from node_daemon.errors import InvalidRequest, ModelNotCached, ModelTooLarge
+
+logger = logging.getLogger(__name__)
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+DEFAULT_MAX_BYTES = 2 * 1024**3
+
+
+def check_sha256(value: str, what: str = "sha256") -> str:
+    """`value` if it is 64 lowercase hex digits; InvalidRequest otherwise."""
+    if not _SHA256.fullmatch(value):
+        raise InvalidRequest(f"{what} {value!r} is not 64 lowercase hex digits")
+    return value
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    sha256: str
+    size_bytes: int
+    deduplicated: bool
+
+
+class Upload:
+    """One file being received. `write` each chunk, then `commit` (or `abort`)."""
+
+    def __init__(self, cache: ModelCache, sha256: str, max_bytes: int) -> None:
+        self._cache = cache
+        self.sha256 = check_sha256(sha256, "declared sha256")
+        self._max = max_bytes
+        self._digest = hashlib.sha256()
+        self._size = 0
+        fd, name = tempfile.mkstemp(prefix=".upload-", dir=cache.root)
+        self._tmp = Path(name)
+        self._file = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._max:
+            self.abort()
+            raise ModelTooLarge(
+                f"upload of {self.sha256[:12]} exceeds the node's limit of {self._max} bytes"
+            )
+        self._digest.update(data)
+        self._file.write(data)
+
+    def commit(self) -> PutResult:
+        """Check the content against the declared sha256 and make the file visible."""
+        self._file.close()
+        actual = self._digest.hexdigest()
+        if actual != self.sha256:
+            self._tmp.unlink(missing_ok=True)
+            raise InvalidRequest(
+                f"declared sha256 {self.sha256} but the {self._size} bytes sent hash to "
+                f"{actual}; nothing was stored"
+            )
+        if self._size == 0:
+            self._tmp.unlink(missing_ok=True)
+            raise InvalidRequest("the upload is empty")
+        target = self._cache.root / self.sha256
+        if target.exists():
+            self._tmp.unlink(missing_ok=True)
+            return PutResult(self.sha256, self._size, deduplicated=True)
+        self._tmp.chmod(0o644)  # replicas run as another user and read it read-only
+        os.replace(self._tmp, target)
+        logger.info("model cache: stored %s (%d bytes)", self.sha256[:12], self._size)
+        return PutResult(self.sha256, self._size, deduplicated=False)
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+class ModelCache:
+    def __init__(self, root: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".upload-*"):  # left by a crash mid-upload
+            stale.unlink(missing_ok=True)
+        self._verified: dict[str, tuple[int, int]] = {}
+
+    def upload(self, sha256: str) -> Upload:
+        return Upload(self, sha256, self.max_bytes)
+
+    def put_file(self, path: Path) -> PutResult:
+        """Copy a local file in (for tools and tests that have the file at hand)."""
+        upload = self.upload(file_sha256(path))
+        try:
+            with path.open("rb") as file:
+                while chunk := file.read(1 << 20):
+                    upload.write(chunk)
+        except BaseException:
+            upload.abort()
+            raise
+        return upload.commit()
+
+    def path(self, sha256: str) -> Path:
+        """The cached file of `sha256`, its content checked. ModelNotCached when absent;
+        a file whose content no longer matches is removed and reported absent."""
+        check_sha256(sha256)
+        path = self.root / sha256
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            raise ModelNotCached(
+                f"model {sha256} is not in this node's cache; upload it with PutModel first"
+            ) from None
+        key = (stat.st_size, stat.st_mtime_ns)
+        if self._verified.get(sha256) != key:
+            if file_sha256(path) != sha256:
+                path.unlink(missing_ok=True)
+                self._verified.pop(sha256, None)
+                raise ModelNotCached(
+                    f"model {sha256} in this node's cache was damaged and has been removed; "
+                    "upload it again"
+                )
+            self._verified[sha256] = key
+        return path
+
+    def has(self, sha256: str) -> bool:
+        return (self.root / sha256).is_file()

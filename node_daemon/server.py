@@ -1,0 +1,309 @@
+"""The node daemon: `offload node --listen ADDR --site SITE ...` serving `offload.v1.NodeAgent`.
+
+Start-up: read the inventory, connect the runtime, adopt the replicas an earlier daemon of
+this node left running, then listen. A background loop notices replicas that die. SIGTERM or
+SIGINT stops listening and, by default, leaves the replicas serving for the next daemon
+(`--stop-replicas-on-exit` stops them instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from images.build import runtime_image_tag
+from node_daemon.agent import NodeAgent
+from node_daemon.inventory import (
+    GpuSpec,
+    Inventory,
+    InventoryError,
+    NvmlInventory,
+    TopologyFileInventory,
+    cpu_only_inventory,
+)
+from node_daemon.model_cache import DEFAULT_MAX_BYTES, ModelCache
+from node_daemon.rpc.servicer import NodeAgentServicer
+from node_daemon.runtimes import DockerRuntime, ProcessRuntime, Runtime, RuntimeUnavailable
+from protos.offload.v1 import node_pb2_grpc as pb_grpc
+from runtime.rpc.auth import TokenAuthInterceptor
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    listen: str
+    """host:port for the NodeAgent service; port 0 picks a free one (logged)."""
+    site: str
+    node_id: str
+    state_dir: Path
+    """models/ (the cache) and replicas/ (process replicas' folders) live here."""
+    topology_file: Path | None = None
+    gpu_spec: GpuSpec | None = None
+    nvml: bool = False
+    runtime: str = "auto"
+    """"docker", "process", or "auto" (Docker when an engine is reachable)."""
+    network: str = "bridge"
+    advertise_host: str = ""
+    """The address replicas are published on; default: the --listen host (127.0.0.1 for
+    a wildcard)."""
+    agent_token: str = ""
+    """When set, every NodeAgent call needs `authorization: Bearer <token>`."""
+    image: str = ""
+    max_model_bytes: int = DEFAULT_MAX_BYTES
+    stop_replicas_on_exit: bool = False
+    monitor_interval_s: float = 2.0
+    ready_timeout_s: float = 60.0
+
+    @property
+    def replica_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        host = self.listen.rpartition(":")[0].strip("[]")
+        return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def read_inventory(settings: NodeSettings) -> Inventory:
+    """Blocking. InventoryError or OSError when the chosen source cannot be read."""
+    if settings.topology_file is not None:
+        assert settings.gpu_spec is not None
+        return TopologyFileInventory(settings.topology_file, settings.gpu_spec).read()
+    if settings.nvml:
+        return NvmlInventory().read()
+    return cpu_only_inventory()
+
+
+def connect_runtime(settings: NodeSettings, inventory: Inventory) -> Runtime:
+    """Blocking. RuntimeUnavailable when `--runtime docker` cannot be had."""
+    if settings.runtime in ("docker", "auto"):
+        image = settings.image or runtime_image_tag("cpu")
+        gpu_image = None
+        if inventory.gpus and not settings.image:
+            gpu_image = runtime_image_tag("cuda")
+        try:
+            try:
+                return DockerRuntime.connect(image, settings.network, gpu_image)
+            except RuntimeUnavailable:
+                if gpu_image is None:
+                    raise
+                logger.warning("no %s image here: GPU replicas will run %s", gpu_image, image)
+                return DockerRuntime.connect(image, settings.network)
+        except RuntimeUnavailable as err:
+            if settings.runtime == "docker":
+                raise
+            logger.warning(
+                "Docker is not usable (%s). Running replicas as local processes instead: "
+                "no isolation, no resource limits.",
+                err,
+            )
+    return ProcessRuntime(workdir=settings.state_dir / "replicas")
+
+
+async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, NodeAgent]:
+    """Read the inventory, connect the runtime, adopt surviving replicas, and listen."""
+    inventory = await asyncio.to_thread(read_inventory, settings)
+    runtime = await asyncio.to_thread(connect_runtime, settings, inventory)
+    cache = ModelCache(settings.state_dir / "models", settings.max_model_bytes)
+    agent = NodeAgent(
+        settings.node_id,
+        settings.site,
+        inventory,
+        runtime,
+        cache,
+        host=settings.replica_host,
+        ready_timeout_s=settings.ready_timeout_s,
+    )
+    adopted = await agent.adopt()
+    logger.info(
+        "node=%s site=%s runtime=%s gpus=%d adopted=%d replica(s): %s",
+        settings.node_id,
+        settings.site,
+        runtime.name,
+        len(inventory.gpus),
+        len(adopted),
+        ", ".join(f"{v.replica_id} ({v.state})" for v in adopted) or "-",
+    )
+    interceptors = []
+    if settings.agent_token:
+        interceptors.append(TokenAuthInterceptor(settings.agent_token, open_methods=()))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    pb_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent), server)
+    try:
+        port = server.add_insecure_port(settings.listen)
+    except RuntimeError as err:
+        await agent.close(stop_replicas=False)
+        raise OSError(f"cannot listen on {settings.listen}: {err}") from err
+    await server.start()
+    logger.info("node agent listening on %s:%d", settings.listen.rpartition(":")[0], port)
+    return server, port, agent
+
+
+async def _monitor(agent: NodeAgent, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await agent.refresh()
+
+
+async def serve(settings: NodeSettings) -> int:
+    """Run until SIGTERM/SIGINT. Returns the process exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server, _port, agent = await start_node(settings)
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            monitor = tasks.create_task(
+                _monitor(agent, settings.monitor_interval_s), name="replica-monitor"
+            )
+            await stop.wait()
+            monitor.cancel()
+    finally:
+        logger.info(
+            "stopping: %s replicas", "stopping" if settings.stop_replicas_on_exit else "keeping"
+        )
+        await server.stop(5.0)
+        await agent.close(stop_replicas=settings.stop_replicas_on_exit)
+    return 0
+
+
+def _is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host == "localhost"
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "node",
+        help="run a node daemon: GPU inventory, replicas, the NodeAgent service",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--listen", required=True, help="host:port for NodeAgent (port 0: any)")
+    p.add_argument("--site", required=True, help="the edge site this node is at")
+    p.add_argument("--node-id", default=socket.gethostname().lower(), help="default: hostname")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--topology-file", type=Path, help="a `nvidia-smi topo -m` capture (needs --gpu-spec)"
+    )
+    source.add_argument("--nvml", action="store_true", help="read the GPUs through NVML")
+    source.add_argument("--no-gpu", action="store_true", help="a CPU-only node (the default)")
+    p.add_argument(
+        "--gpu-spec",
+        metavar="NAME:MIB",
+        help="with --topology-file: every GPU's model and memory, e.g. A100:81920",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=["auto", "docker", "process"],
+        default="auto",
+        help="auto: Docker when an engine is reachable, else local processes",
+    )
+    p.add_argument(
+        "--network",
+        choices=["bridge", "host"],
+        default="bridge",
+        help="Docker replicas: published port (bridge) or host networking",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="model cache and replica folders (default ~/.local/state/edge-offload/<node-id>)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="address replicas are published on (default: the --listen host)",
+    )
+    p.add_argument(
+        "--agent-token-file",
+        type=Path,
+        help="require this bearer token on every NodeAgent call (needed unless "
+        "--listen is a loopback address)",
+    )
+    p.add_argument("--image", default="", help="runtime image (default: the cpu/cuda builds)")
+    p.add_argument("--max-model-bytes", type=int, default=DEFAULT_MAX_BYTES)
+    p.add_argument(
+        "--stop-replicas-on-exit",
+        action="store_true",
+        help="stop replicas when the daemon exits (default: they keep serving)",
+    )
+    p.set_defaults(func=_main)
+
+
+def settings_from_args(args: argparse.Namespace) -> NodeSettings:
+    """Validated settings; ValueError saying which flag is wrong."""
+    if args.topology_file is not None and not args.gpu_spec:
+        raise ValueError("--topology-file needs --gpu-spec NAME:MIB (what the capture omits)")
+    if args.gpu_spec and args.topology_file is None:
+        raise ValueError("--gpu-spec only goes with --topology-file")
+    _host, colon, port = args.listen.rpartition(":")
+    if not colon or not port.isdigit():
+        raise ValueError(f"--listen {args.listen!r} is not host:port")
+    token = ""
+    if args.agent_token_file is not None:
+        token = args.agent_token_file.read_text().strip()
+        if not token:
+            raise ValueError(f"--agent-token-file {args.agent_token_file} is empty")
+    elif not _is_loopback(args.listen):
+        raise ValueError(
+            f"--listen {args.listen} is reachable from other hosts: give --agent-token-file "
+            "so that only the broker can start containers here"
+        )
+    if args.max_model_bytes <= 0:
+        raise ValueError("--max-model-bytes must be positive")
+    state_dir = args.state_dir or (
+        Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+        / "edge-offload"
+        / args.node_id
+    )
+    return NodeSettings(
+        listen=args.listen,
+        site=args.site,
+        node_id=args.node_id,
+        state_dir=state_dir,
+        topology_file=args.topology_file,
+        gpu_spec=GpuSpec.parse(args.gpu_spec) if args.gpu_spec else None,
+        nvml=args.nvml,
+        runtime=args.runtime,
+        network=args.network,
+        advertise_host=args.advertise_host,
+        agent_token=token,
+        image=args.image,
+        max_model_bytes=args.max_model_bytes,
+        stop_replicas_on_exit=args.stop_replicas_on_exit,
+    )
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except (ValueError, OSError) as err:
+        print(f"offload node: {err}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(settings))
+    except (InventoryError, RuntimeUnavailable, OSError) as err:
+        print(f"offload node: {err}", file=sys.stderr)
+        return 1

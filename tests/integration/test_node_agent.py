@@ -1,0 +1,293 @@
+"""The node daemon through its NodeAgent API, as the broker will drive it, on both runtimes.
+
+The daemon runs as a real process (`offload node`); replicas are real containers or
+processes; inference goes through tritonclient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import modelzoo
+from images.build import build_image
+from node_daemon.model_cache import file_sha256
+from protos.offload.v1 import node_pb2 as pb
+from protos.offload.v1 import node_pb2_grpc as pb_grpc
+from tests.docker_support import require_docker
+
+CAPTURES = Path(__file__).resolve().parents[3] / "shared" / "topologies"
+DGX1 = CAPTURES / "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
+PROBE = Path(__file__).resolve().parents[1] / "triton_probe.py"
+TOKEN = "replica-token-for-node-tests"
+LISTENING = re.compile(r"node agent listening on [^ ]+:(\d+)")
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+async def start_daemon(runtime: str, node_id: str, state: Path, log: Path) -> Daemon:
+    command = [
+        sys.executable, "-m", "edge_client.cli", "node", "--listen", "127.0.0.1:0",
+        "--site", "site-a", "--node-id", node_id, "--runtime", runtime,
+        "--topology-file", str(DGX1), "--gpu-spec", "Tesla V100-SXM2-16GB:16384",
+        "--state-dir", str(state),
+    ]  # fmt: skip
+    offset = log.stat().st_size if log.exists() else 0  # an earlier daemon's lines come first
+    process = await asyncio.to_thread(_spawn, command, log)
+    for _ in range(1200):
+        text = (await asyncio.to_thread(log.read_text, errors="replace"))[offset:]
+        if match := LISTENING.findall(text):
+            return Daemon(process, int(match[-1]), log)
+        if process.poll() is not None:
+            break
+        await asyncio.sleep(0.05)
+    process.kill()
+    process.wait()
+    text = await asyncio.to_thread(log.read_text, errors="replace")
+    raise AssertionError("node daemon did not start:\n" + text)
+
+
+def _spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+
+
+def triton_infer(endpoint: str, model: str, inputs_file: Path, out: Path) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(PROBE), "--url", endpoint, "--model", model, "--token", TOKEN,
+         "--inputs", str(inputs_file), "--outputs", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+async def put_model(stub: pb_grpc.NodeAgentStub, path: Path) -> str:
+    sha = file_sha256(path)
+    data = await asyncio.to_thread(path.read_bytes)
+
+    def chunks() -> Iterator[pb.ModelChunk]:
+        yield pb.ModelChunk(sha256=sha, name=path.name, data=data[: 1 << 20])
+        for offset in range(1 << 20, len(data), 1 << 20):
+            yield pb.ModelChunk(data=data[offset : offset + (1 << 20)])
+
+    response = await stub.PutModel(chunks())
+    assert response.sha256 == sha
+    return sha
+
+
+@pytest.fixture(params=["process", "docker"])
+def runtime(request: pytest.FixtureRequest) -> str:
+    if request.param == "docker":
+        require_docker().close()
+        build_image("cpu", progress=lambda _line: None)
+    return request.param
+
+
+@pytest.fixture
+def daemon_paths(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    yield tmp_path / "state", tmp_path / "daemon.log"
+
+
+async def test_replicas_survive_a_daemon_kill(
+    runtime: str, daemon_paths: tuple[Path, Path], tmp_path: Path
+) -> None:
+    state, log = daemon_paths
+    node_id = f"test-node-{runtime}"
+    mlp, cnn = modelzoo.model_path("mlp"), modelzoo.model_path("mobilenetv2")
+    inputs = {name: tmp_path / f"{name}.npz" for name in ("mlp", "mobilenetv2")}
+    for name, path in (("mlp", mlp), ("mobilenetv2", cnn)):
+        np.savez(inputs[name], **modelzoo.sample_inputs(path))
+    daemon = await start_daemon(runtime, node_id, state, log)
+    started: list[str] = []
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            shas = {"mlp": await put_model(stub, mlp), "mobilenetv2": await put_model(stub, cnn)}
+            described = await stub.Describe(pb.DescribeRequest())
+            assert described.node_id == node_id and len(described.inventory.gpus) == 8
+            replicas = {}
+            for name, gpus in (("mlp", 1), ("mobilenetv2", 4)):
+                spec = pb.ReplicaSpec(
+                    deployment_id=f"dep-{name}", epoch=1, model_sha256=shas[name],
+                    model_name=name, token=TOKEN, gpu_count=gpus, p2p_required=gpus > 1,
+                )  # fmt: skip
+                response = await stub.StartReplica(pb.StartReplicaRequest(spec=spec))
+                replicas[name] = response.replica
+                started.append(response.replica.replica_id)
+                assert response.replica.state == pb.REPLICA_STATE_READY
+            # The 4-GPU P2P request got an NVLink quad of the hybrid cube-mesh.
+            quad = replicas["mobilenetv2"].spec.gpu_uuids
+            assert len(quad) == 4 and len(set(quad) & set(replicas["mlp"].spec.gpu_uuids)) == 0
+            for name, replica in replicas.items():
+                report = await asyncio.to_thread(
+                    triton_infer, replica.endpoint, name, inputs[name], tmp_path / "o.npz"
+                )
+                assert report["model_ready"]
+
+        daemon.process.send_signal(signal.SIGKILL)
+        daemon.process.wait()
+        daemon = await start_daemon(runtime, node_id, state, log)
+
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            listed = (await stub.ListReplicas(pb.ListReplicasRequest())).replicas
+            assert {r.replica_id: r.endpoint for r in listed} == {
+                r.replica_id: r.endpoint for r in replicas.values()
+            }
+            assert all(r.state == pb.REPLICA_STATE_READY for r in listed)
+            for name, replica in replicas.items():
+                report = await asyncio.to_thread(
+                    triton_infer, replica.endpoint, name, inputs[name], tmp_path / "o.npz"
+                )
+                assert report["model_ready"]
+            # The adopted replicas still hold their GPUs: 3 are free, 4 do not fit.
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.StartReplica(
+                    pb.StartReplicaRequest(
+                        spec=pb.ReplicaSpec(
+                            deployment_id="dep-big",
+                            epoch=1,
+                            model_sha256=shas["mlp"],
+                            model_name="mlp",
+                            token=TOKEN,
+                            gpu_count=4,
+                        )
+                    )
+                )
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "asked for 4 GPU(s); GPUs free:" in caught.value.details()
+            assert "(3 of 8)" in caught.value.details()
+
+            replica_id = replicas["mlp"].replica_id
+            await stub.StopReplica(pb.StopReplicaRequest(replica_id=replica_id, grace_ms=2000))
+            started.remove(replica_id)
+            listed = (await stub.ListReplicas(pb.ListReplicasRequest())).replicas
+            assert [r.replica_id for r in listed] == [replicas["mobilenetv2"].replica_id]
+            assert not _replica_exists(runtime, replicas["mlp"])
+    finally:
+        await _cleanup(daemon, started)
+
+
+async def test_unknown_model_and_bad_requests(
+    runtime: str, daemon_paths: tuple[Path, Path]
+) -> None:
+    state, log = daemon_paths
+    daemon = await start_daemon(runtime, f"test-node-{runtime}-errors", state, log)
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            spec = pb.ReplicaSpec(
+                deployment_id="dep-x", epoch=1, model_sha256="ab" * 32, model_name="m",
+                token=TOKEN,
+            )  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.StartReplica(pb.StartReplicaRequest(spec=spec))
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "not in this node's cache" in caught.value.details()
+            spec.deployment_id = "Bad Name!"
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.StartReplica(pb.StartReplicaRequest(spec=spec))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.StopReplica(pb.StopReplicaRequest(replica_id="nope-1"))
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await _cleanup(daemon, [])
+
+
+async def test_a_dead_replica_is_reported_with_exit_code_and_log(
+    runtime: str, daemon_paths: tuple[Path, Path]
+) -> None:
+    state, log = daemon_paths
+    daemon = await start_daemon(runtime, f"test-node-{runtime}-dies", state, log)
+    started: list[str] = []
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            sha = await put_model(stub, modelzoo.model_path("mlp"))
+            spec = pb.ReplicaSpec(
+                deployment_id="dep-dies", epoch=3, model_sha256=sha, model_name="mlp",
+                token=TOKEN, gpu_count=1,
+            )  # fmt: skip
+            replica = (await stub.StartReplica(pb.StartReplicaRequest(spec=spec))).replica
+            started.append(replica.replica_id)
+            _kill_replica(runtime, replica)
+            for _ in range(100):
+                listed = (await stub.ListReplicas(pb.ListReplicasRequest())).replicas
+                if listed[0].state == pb.REPLICA_STATE_EXITED:
+                    break
+                await asyncio.sleep(0.1)
+            dead = listed[0]
+            assert dead.state == pb.REPLICA_STATE_EXITED
+            assert "runtime listening on" in dead.log_tail
+            if runtime == "docker":
+                assert dead.exit_code == 137
+            # Its GPU is free again.
+            usage = await stub.Usage(pb.UsageRequest())
+            assert len(usage.gpus) == 8
+    finally:
+        await _cleanup(daemon, started)
+
+
+def _kill_replica(runtime: str, replica: pb.Replica) -> None:
+    if runtime == "docker":
+        client = require_docker()
+        client.containers.get(replica.ref).kill()
+        client.close()
+    else:
+        os.kill(int(replica.ref), signal.SIGKILL)
+
+
+def _replica_exists(runtime: str, replica: pb.Replica) -> bool:
+    if runtime == "docker":
+        import docker.errors
+
+        client = require_docker()
+        try:
+            client.containers.get(replica.ref)
+        except docker.errors.NotFound:
+            return False
+        finally:
+            client.close()
+        return True
+    try:  # an orphan that exited may stay a zombie when PID 1 does not reap
+        return Path(f"/proc/{replica.ref}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def _cleanup(daemon: Daemon, replica_ids: list[str]) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            for replica_id in replica_ids:
+                await stub.StopReplica(pb.StopReplicaRequest(replica_id=replica_id, grace_ms=1000))
+    daemon.process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.to_thread(daemon.process.wait, 30)
+    except subprocess.TimeoutExpired:
+        daemon.process.kill()
+        daemon.process.wait()
