@@ -1,0 +1,10 @@
+"""The inventory of a node that offers no GPU (`--no-gpu`)."""
+
+from __future__ import annotations
+
+from node_daemon.inventory.model import Inventory
+
+
+def cpu_only_inventory() -> Inventory:
+    """No GPUs, no links, no NICs: replicas on this node run on the CPU."""
+    return Inventory(gpus=(), links={})
