@@ -54,8 +54,7 @@ async def start_daemon(runtime: str, node_id: str, state: Path, log: Path) -> Da
         "--topology-file", str(DGX1), "--gpu-spec", "Tesla V100-SXM2-16GB:16384",
         "--state-dir", str(state),
     ]  # fmt: skip
-    offset = log.stat().st_size if log.exists() else 0  # an earlier daemon's lines come first
-    process = await asyncio.to_thread(_spawn, command, log)
+    process, offset = await asyncio.to_thread(_spawn, command, log)
     for _ in range(1200):
         text = (await asyncio.to_thread(log.read_text, errors="replace"))[offset:]
         if match := LISTENING.findall(text):
@@ -69,9 +68,12 @@ async def start_daemon(runtime: str, node_id: str, state: Path, log: Path) -> Da
     raise AssertionError("node daemon did not start:\n" + text)
 
 
-def _spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(command: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """The daemon, and where its lines start in the log (an earlier daemon's come first)."""
+    offset = log.stat().st_size if log.exists() else 0
     with log.open("ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+    return process, offset
 
 
 def triton_infer(endpoint: str, model: str, inputs_file: Path, out: Path) -> dict:
