@@ -19,6 +19,7 @@ from node_daemon.errors import (
     NodeError,
     ReplicaNotFound,
     StartFailed,
+    Unsupported,
 )
 from node_daemon.gpu_allocator import GpuAllocator
 from node_daemon.inventory import Gpu, Inventory
@@ -30,6 +31,7 @@ from node_daemon.runtimes import (
     ResourceUpdateUnsupported,
     Runtime,
 )
+from node_daemon.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +144,8 @@ class NodeAgent:
         self.cache = cache
         self.host = host
         self.ready_timeout_s = ready_timeout_s
-        self.allocator = GpuAllocator(inventory)
+        self.topology = Topology.from_inventory(inventory)
+        self.allocator = GpuAllocator(inventory, self.topology)
         self._replicas: dict[str, ReplicaView] = {}
 
     async def adopt(self) -> list[ReplicaView]:
@@ -301,7 +304,7 @@ class NodeAgent:
         try:
             await self.runtime.update(replica_id, cpus, memory_mib)
         except ResourceUpdateUnsupported as err:
-            raise InvalidRequest(str(err)) from err
+            raise Unsupported(str(err)) from err
         except ReplicaFailed as err:
             raise StartFailed(str(err)) from err
         request = replace(

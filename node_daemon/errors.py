@@ -11,6 +11,7 @@ Hierarchy::
     │   ├── GpusExhausted     not enough free GPUs (or GPU memory) for the request
     │   └── ModelTooLarge     an upload over the cache's size limit
     ├── AlreadyExists         a replica of that id runs already (ALREADY_EXISTS)
+    ├── Unsupported           this node's runtime cannot do that (FAILED_PRECONDITION)
     └── StartFailed           the replica could not start or become ready
                               (FAILED_PRECONDITION; the message has its exit code and log)
 """
@@ -49,6 +50,10 @@ class ModelTooLarge(ResourceExhausted):
 
 
 class AlreadyExists(NodeError):
+    pass
+
+
+class Unsupported(NodeError):
     pass
 
 

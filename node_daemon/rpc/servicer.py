@@ -32,6 +32,7 @@ class NodeAgentServicer(pb_grpc.NodeAgentServicer):
             site=agent.site,
             inventory=convert.inventory(agent.inventory),
             runtimes=[agent.runtime.name],
+            topology=agent.topology.describe(),
         )
 
     @mapped_errors

@@ -11,6 +11,7 @@ from node_daemon.errors import (
     NotFound,
     ResourceExhausted,
     StartFailed,
+    Unsupported,
 )
 from runtime.rpc.status import StatusTable, error_mapper
 
@@ -20,6 +21,7 @@ STATUS_TABLE: StatusTable = (
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (StartFailed, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
     (NodeError, grpc.StatusCode.INTERNAL),
 )
 

@@ -293,3 +293,79 @@ async def _cleanup(daemon: Daemon, replica_ids: list[str]) -> None:
     except subprocess.TimeoutExpired:
         daemon.process.kill()
         daemon.process.wait()
+
+
+async def test_resources_usage_and_topology(runtime: str, daemon_paths: tuple[Path, Path]) -> None:
+    state, log = daemon_paths
+    daemon = await start_daemon(runtime, f"test-node-{runtime}-res", state, log)
+    started: list[str] = []
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            described = await stub.Describe(pb.DescribeRequest())
+            assert "NUMA node (CPUs 0-11,24-35): GPU0 GPU1 GPU2 GPU3" in described.topology
+            assert described.runtimes == [runtime]
+            sha = await put_model(stub, modelzoo.model_path("mlp"))
+            spec = pb.ReplicaSpec(
+                deployment_id="dep-res", epoch=1, model_sha256=sha, model_name="mlp",
+                token=TOKEN, gpu_count=2, cpus=1.5, memory_mib=1024,
+            )  # fmt: skip
+            replica = (await stub.StartReplica(pb.StartReplicaRequest(spec=spec))).replica
+            started.append(replica.replica_id)
+            usage = await stub.Usage(pb.UsageRequest())
+            assert [u.replica_id for u in usage.replicas] == [replica.replica_id]
+            assert usage.replicas[0].memory_used_mib > 0
+            update = pb.UpdateResourcesRequest(
+                replica_id=replica.replica_id, cpus=0.5, memory_mib=768
+            )
+            if runtime == "process":
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.UpdateResources(update)
+                assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "use the Docker runtime" in caught.value.details()
+                return
+            client = require_docker()
+            try:
+                container = client.containers.get(replica.ref)
+                assert container.attrs["HostConfig"]["CpuQuota"] == 150_000
+                # GPUs without an NVIDIA runtime: started on the CPU, the intent recorded.
+                assert container.labels["offload.gpu-mode"] == "cpu-fallback"
+                assert container.labels["offload.gpu-uuids"] == ",".join(replica.spec.gpu_uuids)
+                await stub.UpdateResources(update)
+                container.reload()
+                assert container.attrs["HostConfig"]["CpuQuota"] == 50_000
+                assert container.attrs["HostConfig"]["Memory"] == 768 * 1024 * 1024
+            finally:
+                client.close()
+    finally:
+        await _cleanup(daemon, started)
+
+
+async def test_agent_token_guards_every_call(tmp_path: Path) -> None:
+    token_file = tmp_path / "agent-token"
+    token_file.write_text("agent-secret-0123456789")
+    log = tmp_path / "daemon.log"
+    command = [
+        sys.executable, "-m", "edge_client.cli", "node", "--listen", "127.0.0.1:0",
+        "--site", "site-a", "--node-id", "test-node-auth", "--runtime", "process",
+        "--state-dir", str(tmp_path / "state"), "--agent-token-file", str(token_file),
+    ]  # fmt: skip
+    process, _ = await asyncio.to_thread(_spawn, command, log)
+    for _ in range(600):
+        if match := LISTENING.search(await asyncio.to_thread(log.read_text)):
+            break
+        await asyncio.sleep(0.05)
+    daemon = Daemon(process, int(match.group(1)), log)
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Describe(pb.DescribeRequest())
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            described = await stub.Describe(
+                pb.DescribeRequest(),
+                metadata=(("authorization", "Bearer agent-secret-0123456789"),),
+            )
+            assert described.node_id == "test-node-auth" and not described.inventory.gpus
+    finally:
+        await _cleanup(daemon, [])

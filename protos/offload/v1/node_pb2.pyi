@@ -121,16 +121,18 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("node_id", "site", "inventory", "runtimes")
+    __slots__ = ("node_id", "site", "inventory", "runtimes", "topology")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     RUNTIMES_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     site: str
     inventory: Inventory
     runtimes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., site: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., runtimes: _Optional[_Iterable[str]] = ...) -> None: ...
+    topology: str
+    def __init__(self, node_id: _Optional[str] = ..., site: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., runtimes: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ...) -> None: ...
 
 class StartReplicaRequest(_message.Message):
     __slots__ = ("spec",)

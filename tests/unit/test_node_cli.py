@@ -1,0 +1,63 @@
+"""`offload node` refuses inconsistent flags before it starts anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge_client.cli import build_parser
+from node_daemon.server import settings_from_args
+
+
+def settings(*argv: str) -> object:
+    return settings_from_args(build_parser().parse_args(["node", *argv]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--listen", "127.0.0.1:0", "--site", "a", "--topology-file", "x"], "needs --gpu-spec"),
+        (["--listen", "127.0.0.1:0", "--site", "a", "--gpu-spec", "A:1"], "only goes with"),
+        (["--listen", "127.0.0.1", "--site", "a"], "is not host:port"),
+        (["--listen", "0.0.0.0:7000", "--site", "a"], "give --agent-token-file"),
+        (["--listen", "127.0.0.1:0", "--site", "a", "--max-model-bytes", "0"], "positive"),
+        (["--listen", "127.0.0.1:0", "--site", "a", "--topology-file", "x", "--gpu-spec", "A"],
+         "expected NAME:MIB"),
+    ],
+)  # fmt: skip
+def test_bad_flags_say_what_is_wrong(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        settings(*argv)
+
+
+def test_defaults(tmp_path: Path) -> None:
+    s = settings("--listen", "127.0.0.1:0", "--site", "a", "--node-id", "n1")
+    assert s.replica_host == "127.0.0.1"
+    assert s.state_dir.parts[-2:] == ("edge-offload", "n1")
+    assert (s.runtime, s.network, s.stop_replicas_on_exit) == ("auto", "bridge", False)
+
+
+def test_bad_flags_exit_2_with_the_message() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "node", "--listen", "0.0.0.0:7000",
+         "--site", "a"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "offload node: --listen 0.0.0.0:7000 is reachable from other hosts" in done.stderr
+
+
+def test_unreadable_capture_exits_1_naming_the_line(tmp_path: Path) -> None:
+    capture = tmp_path / "topo.txt"
+    capture.write_text("        GPU0    GPU1\nGPU0     X      NV2\nGPU1    NV2     QQQ\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "node", "--listen", "127.0.0.1:0",
+         "--site", "a", "--runtime", "process", "--state-dir", str(tmp_path / "s"),
+         "--topology-file", str(capture), "--gpu-spec", "A100:81920"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "line 3" in done.stderr and "Traceback" not in done.stderr
