@@ -97,6 +97,7 @@ class DockerRuntime:
         self._client = client
         self._started: dict[str, _Started] = {}
         self._nvidia: bool | None = None
+        self._warned_no_nvidia = False
 
     @classmethod
     def connect(
@@ -175,7 +176,9 @@ class DockerRuntime:
                 ]
             else:
                 gpu_mode = "cpu-fallback"
-                logger.warning(
+                log = logger.warning if not self._warned_no_nvidia else logger.info
+                self._warned_no_nvidia = True
+                log(
                     "replica=%s: the engine has no NVIDIA runtime; starting on the CPU "
                     "(intended GPUs %s recorded in its labels)",
                     spec.replica_id,
