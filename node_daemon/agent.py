@@ -11,11 +11,14 @@ import asyncio
 import enum
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from node_daemon.errors import (
     AlreadyExists,
     InvalidRequest,
+    ModelNotCached,
     NodeError,
     ReplicaNotFound,
     StartFailed,
@@ -147,6 +150,8 @@ class NodeAgent:
         self.topology = Topology.from_inventory(inventory)
         self.allocator = GpuAllocator(inventory, self.topology)
         self._replicas: dict[str, ReplicaView] = {}
+        self.fetch_model: Callable[[str], Awaitable[None]] | None = None
+        """Set when the node has joined a broker: copies a model into the cache."""
 
     async def adopt(self) -> list[ReplicaView]:
         """Take over the replicas with this node's label that survived a daemon restart."""
@@ -201,10 +206,10 @@ class NodeAgent:
         replica_id = request.replica_id
         if replica_id in self._replicas:
             raise AlreadyExists(f"replica {replica_id} already exists on node {self.node_id}")
-        model = await asyncio.to_thread(self.cache.path, request.model_sha256)
+        model = await self._cached(request.model_sha256)
         warmup = None
         if request.warmup_inputs_sha256:
-            warmup = await asyncio.to_thread(self.cache.path, request.warmup_inputs_sha256)
+            warmup = await self._cached(request.warmup_inputs_sha256)
         allocation = self.allocator.allocate(
             replica_id,
             count=request.gpu_count,
@@ -250,6 +255,16 @@ class NodeAgent:
         )
         self._replicas[replica_id] = view
         return view
+
+    async def _cached(self, sha256: str) -> Path:
+        """The cached file; fetched from the broker first when this node has joined one."""
+        try:
+            return await asyncio.to_thread(self.cache.path, sha256)
+        except ModelNotCached:
+            if self.fetch_model is None:
+                raise
+        await self.fetch_model(sha256)
+        return await asyncio.to_thread(self.cache.path, sha256)
 
     async def stop_replica(self, replica_id: str, grace_s: float) -> None:
         """Drain and remove the replica, and free its GPUs. ReplicaNotFound if unknown."""

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import grpc
 
 from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
+from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import (
     GpuSpec,
     Inventory,
@@ -62,6 +64,9 @@ class NodeSettings:
     a wildcard)."""
     agent_token: str = ""
     """When set, every NodeAgent call needs `authorization: Bearer <token>`."""
+    broker: str = ""
+    """host:port of the broker's NodeRegistry to join; empty: a standalone node."""
+    join_token: str = ""
     image: str = ""
     max_model_bytes: int = DEFAULT_MAX_BYTES
     stop_replicas_on_exit: bool = False
@@ -163,27 +168,55 @@ async def _monitor(agent: NodeAgent, interval_s: float) -> None:
         await agent.refresh()
 
 
+async def _guard(name: str, coro: Awaitable[None], stop: asyncio.Event) -> None:
+    """Run a loop that should never end; if it does (or fails), say so loudly and stop."""
+    try:
+        await coro
+        logger.error("%s ended unexpectedly: stopping the daemon", name)
+    except grpc.aio.AioRpcError as err:
+        logger.error("%s failed: %s %s; stopping the daemon", name, err.code().name, err.details())
+    stop.set()
+
+
 async def serve(settings: NodeSettings) -> int:
     """Run until SIGTERM/SIGINT. Returns the process exit code."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server, _port, agent = await start_node(settings)
+    server, port, agent = await start_node(settings)
+    link = None
+    if settings.broker:
+        link = BrokerLink(
+            settings.broker, settings.join_token, agent, f"{settings.replica_host}:{port}"
+        )
+        agent.fetch_model = link.fetch_model
+    failed = False
     try:
         async with asyncio.TaskGroup() as tasks:
-            monitor = tasks.create_task(
-                _monitor(agent, settings.monitor_interval_s), name="replica-monitor"
-            )
+            loops = [
+                tasks.create_task(
+                    _guard("replica monitor", _monitor(agent, settings.monitor_interval_s), stop),
+                    name="replica-monitor",
+                )
+            ]
+            if link is not None:
+                loops.append(
+                    tasks.create_task(_guard("broker link", link.run(), stop), name="broker-link")
+                )
             await stop.wait()
-            monitor.cancel()
+            failed = any(task.done() for task in loops)
+            for task in loops:
+                task.cancel()
     finally:
+        if link is not None:
+            await link.close()
         logger.info(
             "stopping: %s replicas", "stopping" if settings.stop_replicas_on_exit else "keeping"
         )
         await server.stop(5.0)
         await agent.close(stop_replicas=settings.stop_replicas_on_exit)
-    return 0
+    return 1 if failed else 0
 
 
 def _is_loopback(listen: str) -> bool:
@@ -242,6 +275,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="require this bearer token on every NodeAgent call (needed unless "
         "--listen is a loopback address)",
     )
+    p.add_argument("--broker", default="", help="host:port of the broker to join")
+    p.add_argument(
+        "--join-token-file",
+        type=Path,
+        help="the cluster's join token (with --broker); it also guards NodeAgent "
+        "unless --agent-token-file is given",
+    )
     p.add_argument("--image", default="", help="runtime image (default: the cpu/cuda builds)")
     p.add_argument("--max-model-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument(
@@ -250,6 +290,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="stop replicas when the daemon exits (default: they keep serving)",
     )
     p.set_defaults(func=_main)
+
+
+def _read_token(path: Path, flag: str) -> str:
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError(f"{flag} {path} is empty")
+    return token
 
 
 def settings_from_args(args: argparse.Namespace) -> NodeSettings:
@@ -261,12 +308,15 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     _host, colon, port = args.listen.rpartition(":")
     if not colon or not port.isdigit():
         raise ValueError(f"--listen {args.listen!r} is not host:port")
-    token = ""
+    join_token = ""
+    if bool(args.broker) != (args.join_token_file is not None):
+        raise ValueError("--broker and --join-token-file go together")
+    if args.join_token_file is not None:
+        join_token = _read_token(args.join_token_file, "--join-token-file")
+    token = join_token
     if args.agent_token_file is not None:
-        token = args.agent_token_file.read_text().strip()
-        if not token:
-            raise ValueError(f"--agent-token-file {args.agent_token_file} is empty")
-    elif not _is_loopback(args.listen):
+        token = _read_token(args.agent_token_file, "--agent-token-file")
+    elif not token and not _is_loopback(args.listen):
         raise ValueError(
             f"--listen {args.listen} is reachable from other hosts: give --agent-token-file "
             "so that only the broker can start containers here"
@@ -290,6 +340,8 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         network=args.network,
         advertise_host=args.advertise_host,
         agent_token=token,
+        broker=args.broker,
+        join_token=join_token,
         image=args.image,
         max_model_bytes=args.max_model_bytes,
         stop_replicas_on_exit=args.stop_replicas_on_exit,

@@ -25,49 +25,51 @@ _sym_db = _symbol_database.Default()
 from protos.offload.v1 import node_pb2 as protos_dot_offload_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/offload/v1/broker.proto\x12\noffload.v1\x1a\x1cprotos/offload/v1/node.proto\"\xa4\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04site\x18\x03 \x01(\t\x12(\n\tinventory\x18\x04 \x01(\x0b\x32\x15.offload.v1.Inventory\x12\x10\n\x08runtimes\x18\x05 \x03(\t\x12%\n\x08replicas\x18\x06 \x03(\x0b\x32\x13.offload.v1.Replica\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\"M\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12(\n\x05usage\x18\x02 \x01(\x0b\x32\x19.offload.v1.UsageResponse\"\x13\n\x11HeartbeatResponse\"O\n\x13UploadModelResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\x08\"\xfd\x01\n\rDeployRequest\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x01(\x05\x12\x16\n\x0egpu_memory_mib\x18\x04 \x01(\x03\x12\x14\n\x0cp2p_required\x18\x05 \x01(\x08\x12\x0c\n\x04\x63pus\x18\x06 \x01(\x01\x12\x12\n\nmemory_mib\x18\x07 \x01(\x03\x12+\n\x08priority\x18\x08 \x01(\x0e\x32\x19.offload.v1.PriorityClass\x12\x16\n\x0elatency_slo_ms\x18\t \x01(\x01\x12\x11\n\tclient_id\x18\n \x01(\t\x12\x0c\n\x04site\x18\x0b \x01(\t\"\x9a\x01\n\nDeployment\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x11\n\tgpu_uuids\x18\x06 \x03(\t\x12\x12\n\nmodel_name\x18\x07 \x01(\t\x12\r\n\x05state\x18\x08 \x01(\t\"-\n\x14GetDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"\x18\n\x16ListDeploymentsRequest\"F\n\x17ListDeploymentsResponse\x12+\n\x0b\x64\x65ployments\x18\x01 \x03(\x0b\x32\x16.offload.v1.Deployment\"0\n\x17\x44\x65leteDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65leteDeploymentResponse\"/\n\x16WatchDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"h\n\x0fPlacementUpdate\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"8\n\x15ReportLocationRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\"\x18\n\x16ReportLocationResponse*\x89\x01\n\rPriorityClass\x12\x1e\n\x1aPRIORITY_CLASS_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_BEST_EFFORT\x10\x01\x12\x1b\n\x17PRIORITY_CLASS_STANDARD\x10\x02\x12\x1b\n\x17PRIORITY_CLASS_CRITICAL\x10\x03\x32\xa3\x01\n\x0cNodeRegistry\x12G\n\x08Register\x12\x1b.offload.v1.RegisterRequest\x1a\x1c.offload.v1.RegisterResponse\"\x00\x12J\n\tHeartbeat\x12\x1c.offload.v1.HeartbeatRequest\x1a\x1d.offload.v1.HeartbeatResponse\"\x00\x32\xd6\x04\n\nEdgeBroker\x12J\n\x0bUploadModel\x12\x16.offload.v1.ModelChunk\x1a\x1f.offload.v1.UploadModelResponse\"\x00(\x01\x12=\n\x06\x44\x65ploy\x12\x19.offload.v1.DeployRequest\x1a\x16.offload.v1.Deployment\"\x00\x12K\n\rGetDeployment\x12 .offload.v1.GetDeploymentRequest\x1a\x16.offload.v1.Deployment\"\x00\x12\\\n\x0fListDeployments\x12\".offload.v1.ListDeploymentsRequest\x1a#.offload.v1.ListDeploymentsResponse\"\x00\x12_\n\x10\x44\x65leteDeployment\x12#.offload.v1.DeleteDeploymentRequest\x1a$.offload.v1.DeleteDeploymentResponse\"\x00\x12V\n\x0fWatchDeployment\x12\".offload.v1.WatchDeploymentRequest\x1a\x1b.offload.v1.PlacementUpdate\"\x00\x30\x01\x12Y\n\x0eReportLocation\x12!.offload.v1.ReportLocationRequest\x1a\".offload.v1.ReportLocationResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/offload/v1/broker.proto\x12\noffload.v1\x1a\x1cprotos/offload/v1/node.proto\"\xa4\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04site\x18\x03 \x01(\t\x12(\n\tinventory\x18\x04 \x01(\x0b\x32\x15.offload.v1.Inventory\x12\x10\n\x08runtimes\x18\x05 \x03(\t\x12%\n\x08replicas\x18\x06 \x03(\x0b\x32\x13.offload.v1.Replica\"H\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x15\n\rlost_after_ms\x18\x02 \x01(\x05\"t\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12(\n\x05usage\x18\x02 \x01(\x0b\x32\x19.offload.v1.UsageResponse\x12%\n\x08replicas\x18\x03 \x03(\x0b\x32\x13.offload.v1.Replica\"\x13\n\x11HeartbeatResponse\"#\n\x11\x46\x65tchModelRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"O\n\x13UploadModelResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\x08\"\xfd\x01\n\rDeployRequest\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x01(\x05\x12\x16\n\x0egpu_memory_mib\x18\x04 \x01(\x03\x12\x14\n\x0cp2p_required\x18\x05 \x01(\x08\x12\x0c\n\x04\x63pus\x18\x06 \x01(\x01\x12\x12\n\nmemory_mib\x18\x07 \x01(\x03\x12+\n\x08priority\x18\x08 \x01(\x0e\x32\x19.offload.v1.PriorityClass\x12\x16\n\x0elatency_slo_ms\x18\t \x01(\x01\x12\x11\n\tclient_id\x18\n \x01(\t\x12\x0c\n\x04site\x18\x0b \x01(\t\"\xa8\x02\n\nDeployment\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x11\n\tgpu_uuids\x18\x06 \x03(\t\x12\x12\n\nmodel_name\x18\x07 \x01(\t\x12\r\n\x05state\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x18\n\x10\x65xplanation_json\x18\n \x01(\t\x12\x11\n\tclient_id\x18\x0b \x01(\t\x12\x0c\n\x04site\x18\x0c \x01(\t\x12+\n\x08priority\x18\r \x01(\x0e\x32\x19.offload.v1.PriorityClass\x12\x14\n\x0cmodel_sha256\x18\x0e \x01(\t\"-\n\x14GetDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"\x18\n\x16ListDeploymentsRequest\"F\n\x17ListDeploymentsResponse\x12+\n\x0b\x64\x65ployments\x18\x01 \x03(\x0b\x32\x16.offload.v1.Deployment\"0\n\x17\x44\x65leteDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65leteDeploymentResponse\"/\n\x16WatchDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"h\n\x0fPlacementUpdate\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"8\n\x15ReportLocationRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\"\x18\n\x16ReportLocationResponse*\x89\x01\n\rPriorityClass\x12\x1e\n\x1aPRIORITY_CLASS_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_BEST_EFFORT\x10\x01\x12\x1b\n\x17PRIORITY_CLASS_STANDARD\x10\x02\x12\x1b\n\x17PRIORITY_CLASS_CRITICAL\x10\x03\x32\xec\x01\n\x0cNodeRegistry\x12G\n\x08Register\x12\x1b.offload.v1.RegisterRequest\x1a\x1c.offload.v1.RegisterResponse\"\x00\x12J\n\tHeartbeat\x12\x1c.offload.v1.HeartbeatRequest\x1a\x1d.offload.v1.HeartbeatResponse\"\x00\x12G\n\nFetchModel\x12\x1d.offload.v1.FetchModelRequest\x1a\x16.offload.v1.ModelChunk\"\x00\x30\x01\x32\xd6\x04\n\nEdgeBroker\x12J\n\x0bUploadModel\x12\x16.offload.v1.ModelChunk\x1a\x1f.offload.v1.UploadModelResponse\"\x00(\x01\x12=\n\x06\x44\x65ploy\x12\x19.offload.v1.DeployRequest\x1a\x16.offload.v1.Deployment\"\x00\x12K\n\rGetDeployment\x12 .offload.v1.GetDeploymentRequest\x1a\x16.offload.v1.Deployment\"\x00\x12\\\n\x0fListDeployments\x12\".offload.v1.ListDeploymentsRequest\x1a#.offload.v1.ListDeploymentsResponse\"\x00\x12_\n\x10\x44\x65leteDeployment\x12#.offload.v1.DeleteDeploymentRequest\x1a$.offload.v1.DeleteDeploymentResponse\"\x00\x12V\n\x0fWatchDeployment\x12\".offload.v1.WatchDeploymentRequest\x1a\x1b.offload.v1.PlacementUpdate\"\x00\x30\x01\x12Y\n\x0eReportLocation\x12!.offload.v1.ReportLocationRequest\x1a\".offload.v1.ReportLocationResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.offload.v1.broker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITYCLASS']._serialized_start=1351
-  _globals['_PRIORITYCLASS']._serialized_end=1488
+  _globals['_PRIORITYCLASS']._serialized_start=1592
+  _globals['_PRIORITYCLASS']._serialized_end=1729
   _globals['_REGISTERREQUEST']._serialized_start=77
   _globals['_REGISTERREQUEST']._serialized_end=241
   _globals['_REGISTERRESPONSE']._serialized_start=243
-  _globals['_REGISTERRESPONSE']._serialized_end=292
-  _globals['_HEARTBEATREQUEST']._serialized_start=294
-  _globals['_HEARTBEATREQUEST']._serialized_end=371
-  _globals['_HEARTBEATRESPONSE']._serialized_start=373
-  _globals['_HEARTBEATRESPONSE']._serialized_end=392
-  _globals['_UPLOADMODELRESPONSE']._serialized_start=394
-  _globals['_UPLOADMODELRESPONSE']._serialized_end=473
-  _globals['_DEPLOYREQUEST']._serialized_start=476
-  _globals['_DEPLOYREQUEST']._serialized_end=729
-  _globals['_DEPLOYMENT']._serialized_start=732
-  _globals['_DEPLOYMENT']._serialized_end=886
-  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=888
-  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=933
-  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_start=935
-  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_end=959
-  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_start=961
-  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_end=1031
-  _globals['_DELETEDEPLOYMENTREQUEST']._serialized_start=1033
-  _globals['_DELETEDEPLOYMENTREQUEST']._serialized_end=1081
-  _globals['_DELETEDEPLOYMENTRESPONSE']._serialized_start=1083
-  _globals['_DELETEDEPLOYMENTRESPONSE']._serialized_end=1109
-  _globals['_WATCHDEPLOYMENTREQUEST']._serialized_start=1111
-  _globals['_WATCHDEPLOYMENTREQUEST']._serialized_end=1158
-  _globals['_PLACEMENTUPDATE']._serialized_start=1160
-  _globals['_PLACEMENTUPDATE']._serialized_end=1264
-  _globals['_REPORTLOCATIONREQUEST']._serialized_start=1266
-  _globals['_REPORTLOCATIONREQUEST']._serialized_end=1322
-  _globals['_REPORTLOCATIONRESPONSE']._serialized_start=1324
-  _globals['_REPORTLOCATIONRESPONSE']._serialized_end=1348
-  _globals['_NODEREGISTRY']._serialized_start=1491
-  _globals['_NODEREGISTRY']._serialized_end=1654
-  _globals['_EDGEBROKER']._serialized_start=1657
-  _globals['_EDGEBROKER']._serialized_end=2255
+  _globals['_REGISTERRESPONSE']._serialized_end=315
+  _globals['_HEARTBEATREQUEST']._serialized_start=317
+  _globals['_HEARTBEATREQUEST']._serialized_end=433
+  _globals['_HEARTBEATRESPONSE']._serialized_start=435
+  _globals['_HEARTBEATRESPONSE']._serialized_end=454
+  _globals['_FETCHMODELREQUEST']._serialized_start=456
+  _globals['_FETCHMODELREQUEST']._serialized_end=491
+  _globals['_UPLOADMODELRESPONSE']._serialized_start=493
+  _globals['_UPLOADMODELRESPONSE']._serialized_end=572
+  _globals['_DEPLOYREQUEST']._serialized_start=575
+  _globals['_DEPLOYREQUEST']._serialized_end=828
+  _globals['_DEPLOYMENT']._serialized_start=831
+  _globals['_DEPLOYMENT']._serialized_end=1127
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=1129
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=1174
+  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_start=1176
+  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_end=1200
+  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_start=1202
+  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_end=1272
+  _globals['_DELETEDEPLOYMENTREQUEST']._serialized_start=1274
+  _globals['_DELETEDEPLOYMENTREQUEST']._serialized_end=1322
+  _globals['_DELETEDEPLOYMENTRESPONSE']._serialized_start=1324
+  _globals['_DELETEDEPLOYMENTRESPONSE']._serialized_end=1350
+  _globals['_WATCHDEPLOYMENTREQUEST']._serialized_start=1352
+  _globals['_WATCHDEPLOYMENTREQUEST']._serialized_end=1399
+  _globals['_PLACEMENTUPDATE']._serialized_start=1401
+  _globals['_PLACEMENTUPDATE']._serialized_end=1505
+  _globals['_REPORTLOCATIONREQUEST']._serialized_start=1507
+  _globals['_REPORTLOCATIONREQUEST']._serialized_end=1563
+  _globals['_REPORTLOCATIONRESPONSE']._serialized_start=1565
+  _globals['_REPORTLOCATIONRESPONSE']._serialized_end=1589
+  _globals['_NODEREGISTRY']._serialized_start=1732
+  _globals['_NODEREGISTRY']._serialized_end=1968
+  _globals['_EDGEBROKER']._serialized_start=1971
+  _globals['_EDGEBROKER']._serialized_end=2569
 # @@protoc_insertion_point(module_scope)

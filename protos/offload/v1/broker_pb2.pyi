@@ -36,22 +36,32 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., site: _Optional[str] = ..., inventory: _Optional[_Union[_node_pb2.Inventory, _Mapping]] = ..., runtimes: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms",)
+    __slots__ = ("heartbeat_interval_ms", "lost_after_ms")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    LOST_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    lost_after_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lost_after_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "usage")
+    __slots__ = ("node_id", "usage", "replicas")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     usage: _node_pb2.UsageResponse
-    def __init__(self, node_id: _Optional[str] = ..., usage: _Optional[_Union[_node_pb2.UsageResponse, _Mapping]] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[_node_pb2.Replica]
+    def __init__(self, node_id: _Optional[str] = ..., usage: _Optional[_Union[_node_pb2.UsageResponse, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FetchModelRequest(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
 
 class UploadModelResponse(_message.Message):
     __slots__ = ("sha256", "size_bytes", "deduplicated")
@@ -90,7 +100,7 @@ class DeployRequest(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., p2p_required: _Optional[bool] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., latency_slo_ms: _Optional[float] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state")
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state", "reason", "explanation_json", "client_id", "site", "priority", "model_sha256")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +109,12 @@ class Deployment(_message.Message):
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     endpoint: str
     token: str
@@ -107,7 +123,13 @@ class Deployment(_message.Message):
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     model_name: str
     state: str
-    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+    reason: str
+    explanation_json: str
+    client_id: str
+    site: str
+    priority: PriorityClass
+    model_sha256: str
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., explanation_json: _Optional[str] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., model_sha256: _Optional[str] = ...) -> None: ...
 
 class GetDeploymentRequest(_message.Message):
     __slots__ = ("deployment_id",)

@@ -27,8 +27,8 @@ if _version_not_supported:
 
 
 class NodeRegistryStub:
-    """Served by the broker; node daemons call it. Authenticated by a join token in the
-    `authorization` metadata.
+    """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
+    the `authorization` metadata ("Bearer <token>").
     """
 
     def __init__(self, channel):
@@ -47,21 +47,36 @@ class NodeRegistryStub:
                 request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.FetchModel = channel.unary_stream(
+                '/offload.v1.NodeRegistry/FetchModel',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.FetchModelRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.FromString,
+                _registered_method=True)
 
 
 class NodeRegistryServicer:
-    """Served by the broker; node daemons call it. Authenticated by a join token in the
-    `authorization` metadata.
+    """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
+    the `authorization` metadata ("Bearer <token>").
     """
 
     def Register(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Idempotent: a node registering again (after its restart, or the broker's) replaces its
+        record and reports the replicas it runs, which the broker reconciles.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """NOT_FOUND when the broker does not know the node: register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchModel(self, request, context):
+        """A stored model by sha256, in chunks (the first carries the sha256). NOT_FOUND if absent.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -79,6 +94,11 @@ def add_NodeRegistryServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.SerializeToString,
             ),
+            'FetchModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchModel,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.FetchModelRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'offload.v1.NodeRegistry', rpc_method_handlers)
@@ -88,8 +108,8 @@ def add_NodeRegistryServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class NodeRegistry:
-    """Served by the broker; node daemons call it. Authenticated by a join token in the
-    `authorization` metadata.
+    """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
+    the `authorization` metadata ("Bearer <token>").
     """
 
     @staticmethod
@@ -136,6 +156,33 @@ class NodeRegistry:
             '/offload.v1.NodeRegistry/Heartbeat',
             protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.SerializeToString,
             protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/offload.v1.NodeRegistry/FetchModel',
+            protos_dot_offload_dot_v1_dot_broker__pb2.FetchModelRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,56 @@
+"""The broker's client of one node's NodeAgent: every call with the cluster token and a
+deadline; gRPC errors become the broker's own (they never leave this module)."""
+
+from __future__ import annotations
+
+import grpc
+
+from broker.errors import NodeUnavailable, ResourceExhausted
+from protos.offload.v1 import node_pb2 as pb
+from protos.offload.v1 import node_pb2_grpc as pb_grpc
+
+START_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 15.0
+
+
+class NodeClient:
+    def __init__(self, node_id: str, address: str, token: str) -> None:
+        self.node_id = node_id
+        self.address = address
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.NodeAgentStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _error(self, action: str, err: grpc.aio.AioRpcError) -> Exception:
+        message = f"node {self.node_id} could not {action}: {err.code().name} {err.details()}"
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ResourceExhausted(message)
+        return NodeUnavailable(message)
+
+    async def start_replica(self, spec: pb.ReplicaSpec) -> pb.Replica:
+        """Start a replica and return it once ready (the node fetches the model from the
+        broker when its cache lacks it). NodeUnavailable or ResourceExhausted on failure."""
+        try:
+            reply = await self._stub.StartReplica(
+                pb.StartReplicaRequest(spec=spec), metadata=self._metadata, timeout=START_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as err:
+            raise self._error("start a replica", err) from err
+        return reply.replica
+
+    async def stop_replica(self, replica_id: str, grace_ms: int) -> bool:
+        """Stop a replica; False when the node does not have it (already gone)."""
+        try:
+            await self._stub.StopReplica(
+                pb.StopReplicaRequest(replica_id=replica_id, grace_ms=grace_ms),
+                metadata=self._metadata,
+                timeout=CALL_TIMEOUT_S + grace_ms / 1000,
+            )
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise self._error(f"stop replica {replica_id}", err) from err
+        return True

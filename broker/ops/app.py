@@ -1,0 +1,176 @@
+"""The broker's ops HTTP server (aiohttp): health, metrics, JSON API and the live dashboard.
+
+Routes, all GET (HEAD too, as HTTP wants; any other method is 405):
+
+- `/healthz`: `ok`, text/plain.
+- `/metrics`: Prometheus text format. The state gauges are set from the view at each scrape.
+- `/api/nodes`, `/api/deployments`, `/api/migrations`: what `OpsView` returns, as JSON, with
+  `Cache-Control: no-store`.
+- `/`: the dashboard page; it polls the `/api/...` routes every second (`static/`).
+
+Every error is JSON, `{"error": message, "status": code}`: 404 for an unknown path, 405 for
+another method, 500 when the view fails (logged with its traceback). The page only loads files
+from this server (its Content-Security-Policy says so): the broker host may have no Internet.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from broker.ops.metrics import BrokerMetrics
+from broker.ops.view import DeploymentInfo, NodeInfo, OpsView
+
+logger = logging.getLogger(__name__)
+
+_STATIC_FILES = {
+    "index.html": "text/html",
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+}
+"""The dashboard's files (package data under `static/`) and their media types."""
+
+_PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'self'; object-src 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
+
+_VIEW_KEY = web.AppKey("ops_view", OpsView)
+_METRICS_KEY = web.AppKey("ops_metrics", BrokerMetrics)
+_STATIC_KEY = web.AppKey("ops_static", dict[str, bytes])
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ViewError(Exception):
+    """A call to the `OpsView` failed, or returned what JSON cannot carry."""
+
+
+def create_ops_app(view: OpsView, metrics: BrokerMetrics) -> web.Application:
+    """The ops application over `view` and `metrics`.
+
+    Reads the dashboard's files now, so that a broker installed without its package data fails
+    at start, not when an operator opens the page.
+    """
+    app = web.Application(middlewares=[_json_errors])
+    app[_VIEW_KEY] = view
+    app[_METRICS_KEY] = metrics
+    static = resources.files("broker.ops") / "static"
+    app[_STATIC_KEY] = {name: (static / name).read_bytes() for name in _STATIC_FILES}
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/api/nodes", _api_nodes)
+    app.router.add_get("/api/deployments", _api_deployments)
+    app.router.add_get("/api/migrations", _api_migrations)
+    app.router.add_get("/", _static_file)
+    app.router.add_get("/static/{name}", _static_file)
+    return app
+
+
+async def start_ops_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (port 0: any free one); returns the runner and the bound port.
+
+    The caller stops it with `await runner.cleanup()`.
+    """
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_port: int = runner.addresses[0][1]
+    logger.info("ops HTTP serving on %s:%d", host, bound_port)
+    return runner, bound_port
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        headers = {"Allow": err.headers["Allow"]} if "Allow" in err.headers else None
+        return _error(err.status, f"{err.reason}: {request.method} {request.path}", headers)
+    except ViewError as err:
+        logger.exception("ops: %s %s failed", request.method, request.path)
+        return _error(500, str(err))
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(
+        {"error": message, "status": status},
+        status=status,
+        headers={"Cache-Control": "no-store", **(headers or {})},
+    )
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok", headers={"Cache-Control": "no-store"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    view = request.app[_VIEW_KEY]
+    metrics = request.app[_METRICS_KEY]
+    nodes: list[NodeInfo] = await _call(view.nodes)
+    deployments: list[DeploymentInfo] = await _call(view.deployments)
+    gpus = [gpu for node in nodes for gpu in node["gpus"]]
+    free = sum(1 for gpu in gpus if gpu["free"])
+    metrics.set_nodes(collections.Counter(node["state"] for node in nodes))
+    metrics.set_gpus(free=free, used=len(gpus) - free)
+    metrics.set_deployments(collections.Counter(d["state"] for d in deployments))
+    body, content_type = metrics.render()
+    return web.Response(
+        body=body, headers={"Content-Type": content_type, "Cache-Control": "no-store"}
+    )
+
+
+async def _api_nodes(request: web.Request) -> web.Response:
+    return _json(await _call(request.app[_VIEW_KEY].nodes))
+
+
+async def _api_deployments(request: web.Request) -> web.Response:
+    return _json(await _call(request.app[_VIEW_KEY].deployments))
+
+
+async def _api_migrations(request: web.Request) -> web.Response:
+    return _json(await _call(request.app[_VIEW_KEY].migrations))
+
+
+async def _call[T](method: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await method()
+    except Exception as err:
+        raise ViewError(f"{method.__name__}: {type(err).__name__}: {err}") from err
+
+
+def _json(data: Any) -> web.Response:
+    try:
+        # allow_nan=False: NaN/Infinity are not JSON and would break the page's JSON.parse.
+        text = json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ViewError(f"not JSON-serialisable: {err}") from err
+    return web.Response(
+        text=text, content_type="application/json", headers={"Cache-Control": "no-store"}
+    )
+
+
+async def _static_file(request: web.Request) -> web.Response:
+    name = request.match_info.get("name", "index.html")
+    if name not in _STATIC_FILES:
+        raise web.HTTPNotFound()
+    return web.Response(
+        body=request.app[_STATIC_KEY][name],
+        content_type=_STATIC_FILES[name],
+        charset="utf-8",
+        headers=_PAGE_HEADERS,
+    )

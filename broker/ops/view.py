@@ -1,0 +1,133 @@
+"""What the ops HTTP server reads: the `OpsView` protocol and the JSON shapes it returns.
+
+The broker implements `OpsView` over its registry, deployments and migration records; the ops
+app serialises what it returns as JSON, unchanged, for `/api/...` and the dashboard page. Every
+value is plain JSON data (str, int, float, bool, None, lists, dicts): no enums, no datetimes.
+Times are Unix seconds (`float`), durations carry their unit in the key (`_s`, `_ms`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypedDict
+
+
+class GpuInfo(TypedDict):
+    """One GPU of a node, as placement sees it."""
+
+    index: int
+    """The GPU's index on its node (`nvidia-smi` order)."""
+    uuid: str
+    name: str
+    memory_total_mib: int
+    free: bool
+    """True when no deployment holds the GPU."""
+    holders: list[str]
+    """Ids of the deployments that hold the GPU (several when they share it by memory)."""
+
+
+class LinkInfo(TypedDict):
+    """A GPU-to-GPU link of a node; each unordered pair appears once."""
+
+    a: int
+    """GPU index of one end."""
+    b: int
+    """GPU index of the other end."""
+    kind: str
+    """In `nvidia-smi topo -m` terms: "NV12", "PIX", "PXB", "PHB", "NODE", "SYS"."""
+
+
+class NodeInfo(TypedDict):
+    """A node the registry knows, with its GPUs and their topology."""
+
+    node_id: str
+    site: str
+    state: str
+    """The node's state ("ready", "lost", ...)."""
+    address: str
+    """The node daemon's gRPC address, host:port."""
+    last_heartbeat_age_s: float | None
+    """Seconds since the last heartbeat; None before the first one."""
+    runtime: str
+    """The container runtime the node runs replicas with ("docker", "process")."""
+    gpus: list[GpuInfo]
+    links: list[LinkInfo]
+    topology_text: str
+    """The topology as `nvidia-smi topo -m` prints it (a matrix), for operators to read."""
+
+
+class DeploymentInfo(TypedDict):
+    """A client deployment and where it runs."""
+
+    deployment_id: str
+    client_id: str
+    model_name: str
+    state: str
+    """The deployment's state ("pending", "running", "migrating", ...)."""
+    node_id: str | None
+    """The node serving it; None while it has none (pending)."""
+    gpus: list[int]
+    """GPU indices on `node_id`."""
+    endpoint: str | None
+    """host:port clients call for inference; None while it has none."""
+    epoch: int
+    """Placement epoch: +1 at every switch of the endpoint."""
+    priority: str
+    """The priority class."""
+    site: str
+    """The client's current site."""
+    reason: str | None
+    """Why it is in its state (pending, preempted, failed), when there is a reason."""
+    explanation: str
+    """One-line summary of the placement explanation (the deciding terms)."""
+
+
+class TimelineEvent(TypedDict):
+    """One step of a migration."""
+
+    event: str
+    """What happened ("triggered", "target_ready", "switched", "drained", "rolled_back" ...)."""
+    at: float
+    """When, in Unix seconds."""
+
+
+class MigrationInfo(TypedDict):
+    """A migration of one deployment, finished or under way."""
+
+    migration_id: str
+    deployment_id: str
+    trigger: str
+    """Why it started ("mobility", "node_lost", "drain", "rebalance", "operator")."""
+    source: str | None
+    """Node id it moves from; None when the source is gone before the record starts."""
+    target: str | None
+    """Node id it moves to; None until one is chosen."""
+    strategy: str
+    """Either "make-before-break" or "stop-start" (the baseline)."""
+    outcome: str | None
+    """One of "succeeded", "rolled_back", "failed"; None while under way."""
+    downtime_ms: float | None
+    """The longest gap the client observed, in milliseconds; None until reported."""
+    failed_requests: int | None
+    """Requests the client saw fail during the migration; None until reported."""
+    timeline: list[TimelineEvent]
+    """Steps in the order they happened."""
+
+
+class OpsView(Protocol):
+    """The broker's read-only view for operators; each call returns a fresh snapshot.
+
+    Calls must not block the event loop (read in-memory state, or go through a thread). An
+    exception from a call becomes a 500 response naming it; it is logged by the ops app.
+    """
+
+    async def nodes(self) -> list[NodeInfo]:
+        """Every node the registry knows, lost ones included, in a stable order."""
+        ...
+
+    async def deployments(self) -> list[DeploymentInfo]:
+        """Every deployment not deleted, in a stable order."""
+        ...
+
+    async def migrations(self) -> list[MigrationInfo]:
+        """Recent migrations, newest first; how many is the broker's choice."""
+        ...

@@ -1,0 +1,136 @@
+"""The node's link to the broker: register, heartbeat, and fetch models by sha256.
+
+`BrokerLink.run` registers (retrying with backoff while the broker is unreachable), then
+heartbeats every interval the broker asked for, with the node's usage and replicas; when
+the broker answers NOT_FOUND (it lost its state, or marked the node lost and dropped it) the
+node registers again. Every call has a deadline; only UNAVAILABLE and DEADLINE_EXCEEDED are
+retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from node_daemon.agent import NodeAgent
+from node_daemon.errors import ModelNotCached
+from node_daemon.rpc import convert
+from protos.offload.v1 import broker_pb2 as bpb
+from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
+from protos.offload.v1 import node_pb2 as npb
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+CALL_TIMEOUT_S = 10.0
+MAX_BACKOFF_S = 5.0
+
+
+class BrokerLink:
+    def __init__(self, broker: str, join_token: str, agent: NodeAgent, agent_address: str) -> None:
+        self.broker = broker
+        self._metadata = (("authorization", f"Bearer {join_token}"),)
+        self._agent = agent
+        self._agent_address = agent_address
+        self._channel = grpc.aio.insecure_channel(
+            broker,
+            options=[("grpc.max_receive_message_length", 8 * 1024 * 1024)],
+        )
+        self._stub = bpb_grpc.NodeRegistryStub(self._channel)
+        self.registered = asyncio.Event()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _register(self) -> float:
+        """Register until it succeeds; returns the heartbeat interval in seconds."""
+        backoff = 0.2
+        while True:
+            replicas = await self._agent.list_replicas()
+            request = bpb.RegisterRequest(
+                node_id=self._agent.node_id,
+                address=self._agent_address,
+                site=self._agent.site,
+                inventory=convert.inventory(self._agent.inventory),
+                runtimes=[self._agent.runtime.name],
+                replicas=[convert.replica(v) for v in replicas],
+            )
+            try:
+                reply = await self._stub.Register(
+                    request, metadata=self._metadata, timeout=CALL_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE:
+                    raise
+                logger.warning(
+                    "broker %s unreachable (%s); retrying in %.1fs",
+                    self.broker,
+                    err.code().name,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+                continue
+            logger.info(
+                "node=%s registered with broker %s (%d replica(s))",
+                self._agent.node_id,
+                self.broker,
+                len(replicas),
+            )
+            self.registered.set()
+            return max(0.05, reply.heartbeat_interval_ms / 1000)
+
+    async def run(self) -> None:
+        """Register, then heartbeat until cancelled. Raises on a non-retryable refusal
+        (a wrong join token: UNAUTHENTICATED), which stops the daemon."""
+        interval = await self._register()
+        while True:
+            await asyncio.sleep(interval)
+            gpus, usages = await self._agent.usage()
+            replicas = await self._agent.list_replicas()
+            request = bpb.HeartbeatRequest(
+                node_id=self._agent.node_id,
+                usage=npb.UsageResponse(
+                    gpus=[convert.gpu(g) for g in gpus],
+                    replicas=[convert.replica_usage(u) for u in usages],
+                ),
+                replicas=[convert.replica(v) for v in replicas],
+            )
+            try:
+                await self._stub.Heartbeat(
+                    request, metadata=self._metadata, timeout=CALL_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    self.registered.clear()
+                    interval = await self._register()
+                elif err.code() in RETRYABLE:
+                    logger.warning("heartbeat to %s failed: %s", self.broker, err.code().name)
+                else:
+                    raise
+
+    async def fetch_model(self, sha256: str) -> None:
+        """Copy a model from the broker into the node's cache. ModelNotCached when the
+        broker does not have it either."""
+        upload = self._agent.cache.upload(sha256)
+        try:
+            stream = self._stub.FetchModel(
+                bpb.FetchModelRequest(sha256=sha256), metadata=self._metadata, timeout=300
+            )
+            async for chunk in stream:
+                await asyncio.to_thread(upload.write, chunk.data)
+            await asyncio.to_thread(upload.commit)
+        except grpc.aio.AioRpcError as err:
+            upload.abort()
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                raise ModelNotCached(f"model {sha256} is neither here nor at the broker") from err
+            raise ModelNotCached(
+                f"model {sha256} is not here and fetching it from the broker failed: "
+                f"{err.code().name} {err.details()}"
+            ) from err
+        except BaseException:
+            upload.abort()
+            raise
+        logger.info("model %s fetched from broker %s", sha256[:12], self.broker)
