@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -45,6 +45,8 @@ _PAGE_HEADERS = {
 _VIEW_KEY = web.AppKey("ops_view", OpsView)
 _METRICS_KEY = web.AppKey("ops_metrics", BrokerMetrics)
 _STATIC_KEY = web.AppKey("ops_static", dict[str, bytes])
+
+T = TypeVar("T")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -74,7 +76,9 @@ def create_ops_app(view: OpsView, metrics: BrokerMetrics) -> web.Application:
     return app
 
 
-async def start_ops_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def start_ops_server(
+    app: web.Application, host: str, port: int
+) -> tuple[web.AppRunner, int]:
     """Serve `app` on host:port (port 0: any free one); returns the runner and the bound port.
 
     The caller stops it with `await runner.cleanup()`.
@@ -146,7 +150,7 @@ async def _api_migrations(request: web.Request) -> web.Response:
     return _json(await _call(request.app[_VIEW_KEY].migrations))
 
 
-async def _call[T](method: Callable[[], Awaitable[T]]) -> T:
+async def _call(method: Callable[[], Awaitable[T]]) -> T:
     try:
         return await method()
     except Exception as err:

@@ -73,7 +73,10 @@ class BrokerMetrics:
         self.registry = CollectorRegistry()
         """Where every metric below is registered; `render` exposes exactly this registry."""
         self._nodes = Gauge(
-            "offload_nodes", "Nodes the registry knows, by state.", ["state"], registry=self.registry
+            "offload_nodes",
+            "Nodes the registry knows, by state.",
+            ["state"],
+            registry=self.registry,
         )
         self._gpus = Gauge(
             "offload_gpus",

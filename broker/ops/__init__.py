@@ -1,0 +1,30 @@
+"""The broker's ops surface for operators: `/metrics`, `/api/...` and a live dashboard page.
+
+`create_ops_app(view, metrics)` builds the aiohttp application over an `OpsView` (the broker's
+read-only snapshot of nodes, deployments and migrations) and a `BrokerMetrics`.
+"""
+
+from broker.ops.app import create_ops_app, start_ops_server
+from broker.ops.metrics import BrokerMetrics
+from broker.ops.view import (
+    DeploymentInfo,
+    GpuInfo,
+    LinkInfo,
+    MigrationInfo,
+    NodeInfo,
+    OpsView,
+    TimelineEvent,
+)
+
+__all__ = [
+    "BrokerMetrics",
+    "DeploymentInfo",
+    "GpuInfo",
+    "LinkInfo",
+    "MigrationInfo",
+    "NodeInfo",
+    "OpsView",
+    "TimelineEvent",
+    "create_ops_app",
+    "start_ops_server",
+]

@@ -1,0 +1,252 @@
+"""The dashboard page in real headless Chromium, served by the real ops app on loopback.
+
+Chromium (Debian's `chromium`, at /usr/bin/chromium) loads `/`, runs the page's JavaScript, which
+fetches `/api/...` from the server, and then either dumps the DOM (the test checks what it says)
+or takes a screenshot (the test decodes the PNG and checks that the GPUs were drawn, free and
+used). Without Chromium the tests skip, and fail under CI=true, where .ci/run installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import re
+import struct
+import zlib
+from collections.abc import AsyncIterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from broker.ops import BrokerMetrics, create_ops_app, start_ops_server
+from tests.ops_support import DEPLOYMENT_ID, StaticOpsView
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_TIMEOUT_S = 120.0
+WINDOW = (1400, 1000)
+DASHBOARD_CSS = Path(__file__).parents[2] / "broker" / "ops" / "static" / "dashboard.css"
+
+# Flags for this closed network: without the background-networking ones Chromium keeps trying
+# Google's hosts. --no-sandbox because CI runs as root.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    f"--window-size={WINDOW[0]},{WINDOW[1]}",
+    # Virtual time: the page loads, fetches and renders (it polls every second) before the
+    # dump or screenshot, without a wall-clock sleep.
+    "--virtual-time-budget=5000",
+]
+
+
+def require_chromium() -> str:
+    """The Chromium binary; skips the test without one, or fails it under CI=true."""
+    if os.access(CHROMIUM, os.X_OK):
+        return CHROMIUM
+    reason = f"{CHROMIUM} not found: install Debian's chromium (apt-get install chromium)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+async def run_chromium(binary: str, profile: Path, *args: str) -> str:
+    """Run Chromium with a fresh profile and `args`; returns its stdout. Fails on an error exit."""
+    proc = await asyncio.create_subprocess_exec(
+        binary,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile}",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), CHROMIUM_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        pytest.fail(f"chromium did not finish within {CHROMIUM_TIMEOUT_S} s")
+    if proc.returncode != 0:
+        pytest.fail(
+            f"chromium exited {proc.returncode}: {stderr.decode(errors='replace')[-3000:]}"
+        )
+    return stdout.decode()
+
+
+async def serve(view: StaticOpsView) -> AsyncIterator[str]:
+    runner, port = await start_ops_server(create_ops_app(view, BrokerMetrics()), "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def page_url() -> AsyncIterator[str]:
+    """The dashboard over two nodes (8 NVLink GPUs, 4 PCIe GPUs), a deployment, a migration."""
+    async for url in serve(StaticOpsView()):
+        yield url
+
+
+@pytest.fixture
+async def empty_page_url() -> AsyncIterator[str]:
+    """The dashboard of a broker that knows nothing yet."""
+    async for url in serve(StaticOpsView(node_list=[], deployment_list=[], migration_list=[])):
+        yield url
+
+
+class Element:
+    def __init__(self, tag: str, attrs: dict[str, str]) -> None:
+        self.tag = tag
+        self.attrs = attrs
+
+
+class DomDump(HTMLParser):
+    """Every element of a dumped DOM with its attributes, and the page's text."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.elements: list[Element] = []
+        self.text: list[str] = []
+        self.feed(html)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.elements.append(Element(tag, {k: v or "" for k, v in attrs}))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+    def having(self, attr: str) -> list[Element]:
+        return [e for e in self.elements if attr in e.attrs]
+
+
+def element_text(html: str, element_id: str) -> str:
+    """The text inside the element with this id (no nested element of the same tag)."""
+    match = re.search(rf'<(\w+)[^>]*\bid="{element_id}"[^>]*>(.*?)</\1>', html, re.S)
+    assert match, f"no element with id {element_id}"
+    return re.sub(r"<[^>]+>", "", match.group(2))
+
+
+def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
+    """Width, height and the RGB rows of an 8-bit, non-interlaced RGB or RGBA PNG."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat = 8, []
+    width = height = channels = 0
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        pos += 12 + length
+        if kind == b"IHDR":
+            width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
+            assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
+            channels = 3 if color == 2 else 4
+        elif kind == b"IDAT":
+            idat.append(body)
+    raw = zlib.decompress(b"".join(idat))
+    stride = width * channels
+    previous = bytearray(stride)
+    rows = []
+    for y in range(height):
+        start = y * (stride + 1)
+        line = bytearray(raw[start + 1 : start + 1 + stride])
+        unfilter(raw[start], line, previous, channels)
+        rows.append(bytes(line) if channels == 3 else bytes(_drop_alpha(line)))
+        previous = line
+    return width, height, rows
+
+
+def unfilter(kind: int, line: bytearray, previous: bytearray, bpp: int) -> None:
+    """Undo PNG filter `kind` on `line` in place (PNG spec, section 9)."""
+    if kind == 1:
+        for i in range(bpp, len(line)):
+            line[i] = (line[i] + line[i - bpp]) & 0xFF
+    elif kind == 2:
+        line[:] = bytes((a + b) & 0xFF for a, b in zip(line, previous, strict=True))
+    elif kind == 3:
+        for i in range(len(line)):
+            left = line[i - bpp] if i >= bpp else 0
+            line[i] = (line[i] + ((left + previous[i]) >> 1)) & 0xFF
+    elif kind == 4:
+        for i in range(len(line)):
+            a, c = (line[i - bpp], previous[i - bpp]) if i >= bpp else (0, 0)
+            b = previous[i]
+            p = a + b - c
+            pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+            predictor = a if pa <= pb and pa <= pc else b if pb <= pc else c
+            line[i] = (line[i] + predictor) & 0xFF
+    else:
+        assert kind == 0, f"unknown PNG filter {kind}"
+
+
+def _drop_alpha(line: bytearray) -> bytearray:
+    return bytearray(b for i, b in enumerate(line) if i % 4 != 3)
+
+
+def css_color(variable: str) -> bytes:
+    """The RGB bytes of a `--variable: #rrggbb` in the dashboard's stylesheet."""
+    match = re.search(rf"--{variable}:\s*#([0-9a-fA-F]{{6}});", DASHBOARD_CSS.read_text())
+    assert match, f"--{variable} not in {DASHBOARD_CSS}"
+    return bytes.fromhex(match.group(1))
+
+
+async def test_page_renders_nodes_topology_and_deployment(page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    html = await run_chromium(chromium, tmp_path / "profile", "--dump-dom", page_url)
+    dom = DomDump(html)
+
+    assert element_text(html, "status").startswith("last updated"), element_text(html, "status")
+    nodes = [e.attrs["data-node-id"] for e in dom.having("data-node-id")]
+    assert nodes == ["node-dgx-a", "node-ws-b"]
+
+    gpus = [e for e in dom.having("data-gpu-index") if e.tag == "g"]
+    assert len(gpus) == 12
+    used = [e for e in gpus if e.attrs["data-state"] == "used"]
+    assert len(used) == 4
+    assert {e.attrs["data-holders"] for e in used} == {DEPLOYMENT_ID}
+    kinds = collections.Counter(e.attrs["data-kind"] for e in dom.having("data-kind"))
+    assert kinds == {"NV12": 28, "PIX": 2, "SYS": 4}
+
+    rows = [e.attrs["data-deployment-id"] for e in dom.having("data-deployment-id")]
+    assert rows == [DEPLOYMENT_ID]
+    assert [e.attrs["data-migration-id"] for e in dom.having("data-migration-id")] == ["mig-0001"]
+    events = [e.attrs["data-event"] for e in dom.having("data-event")]
+    assert events == ["triggered", "target_ready", "switched", "drained"]
+    text = " ".join(dom.text)
+    for expected in ["node-dgx-a", DEPLOYMENT_ID, "resnet50", "127.0.0.1:9001", "42.5 ms"]:
+        assert expected in text
+
+
+async def test_empty_broker_page_says_so(empty_page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    html = await run_chromium(chromium, tmp_path / "profile", "--dump-dom", empty_page_url)
+    assert element_text(html, "status").startswith("last updated")
+    assert element_text(html, "nodes") == "no nodes registered yet"
+    assert element_text(html, "deployments") == "no deployments yet"
+    assert element_text(html, "migrations") == "no migrations yet"
+
+
+async def test_screenshot_shows_free_and_used_gpus(page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    png = tmp_path / "ops-page.png"
+    await run_chromium(chromium, tmp_path / "profile", f"--screenshot={png}", page_url)
+
+    width, height, rows = decode_png(png.read_bytes())
+    assert (width, height) == WINDOW
+    pixels = collections.Counter(row[x : x + 3] for row in rows for x in range(0, len(row), 3))
+    background, most = pixels.most_common(1)[0]
+    assert background == css_color("bg")
+    # Not blank: a good part of the window is something other than the page background.
+    assert sum(pixels.values()) - most > 0.2 * width * height
+    # The GPU boxes are drawn: fills of free and of used (held by the deployment) GPUs.
+    # Each box is about 110 x 52 px; four used and eight free GPUs are on the first screen.
+    box = 100 * 40
+    assert pixels[css_color("used")] > 3 * box
+    assert pixels[css_color("free")] > 6 * box

@@ -1,0 +1,137 @@
+"""An in-memory `OpsView` (the data-source seam the broker implements) for the ops tests.
+
+A DGX-like node (8 GPUs, NV12 between every pair), a 4-GPU PCIe workstation, one deployment
+on four NVLink GPUs and one finished migration.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from broker.ops import DeploymentInfo, GpuInfo, LinkInfo, MigrationInfo, NodeInfo
+
+DEPLOYMENT_ID = "dep-7f3a"
+
+
+def _gpus(prefix: str, name: str, memory_mib: int, count: int, held: set[int]) -> list[GpuInfo]:
+    return [
+        {
+            "index": i,
+            "uuid": f"GPU-{prefix}-{i:04d}",
+            "name": name,
+            "memory_total_mib": memory_mib,
+            "free": i not in held,
+            "holders": [DEPLOYMENT_ID] if i in held else [],
+        }
+        for i in range(count)
+    ]
+
+
+def _pcie_kind(a: int, b: int) -> str:
+    # Two PCIe switches of two GPUs each, one per CPU socket.
+    return "PIX" if a // 2 == b // 2 else "SYS"
+
+
+def sample_nodes() -> list[NodeInfo]:
+    """Two nodes: 8 NVLink GPUs (four held by the deployment) and 4 PCIe GPUs."""
+    dgx_links: list[LinkInfo] = [
+        {"a": a, "b": b, "kind": "NV12"} for a, b in itertools.combinations(range(8), 2)
+    ]
+    pcie_links: list[LinkInfo] = [
+        {"a": a, "b": b, "kind": _pcie_kind(a, b)} for a, b in itertools.combinations(range(4), 2)
+    ]
+    return [
+        {
+            "node_id": "node-dgx-a",
+            "site": "metro-east",
+            "state": "ready",
+            "address": "127.0.0.1:7070",
+            "last_heartbeat_age_s": 1.5,
+            "runtime": "docker",
+            "gpus": _gpus("a", "NVIDIA A100-SXM4-40GB", 40960, 8, held={0, 1, 2, 3}),
+            "links": dgx_links,
+            "topology_text": "\tGPU0\tGPU1\nGPU0\t X \tNV12\nGPU1\tNV12\t X \n",
+        },
+        {
+            "node_id": "node-ws-b",
+            "site": "campus-west",
+            "state": "ready",
+            "address": "127.0.0.1:7071",
+            "last_heartbeat_age_s": None,
+            "runtime": "process",
+            "gpus": _gpus("b", "NVIDIA RTX 6000 Ada Generation", 49140, 4, held=set()),
+            "links": pcie_links,
+            "topology_text": "",
+        },
+    ]
+
+
+def sample_deployments() -> list[DeploymentInfo]:
+    return [
+        {
+            "deployment_id": DEPLOYMENT_ID,
+            "client_id": "car-12",
+            "model_name": "resnet50",
+            "state": "running",
+            "node_id": "node-dgx-a",
+            "gpus": [0, 1, 2, 3],
+            "endpoint": "127.0.0.1:9001",
+            "epoch": 2,
+            "priority": "high",
+            "site": "metro-east",
+            "reason": None,
+            "explanation": "latency 2.0 ms; NV12 group; load 0.5",
+        }
+    ]
+
+
+def sample_migrations() -> list[MigrationInfo]:
+    start = time.time() - 30.0
+    return [
+        {
+            "migration_id": "mig-0001",
+            "deployment_id": DEPLOYMENT_ID,
+            "trigger": "mobility",
+            "source": "node-ws-b",
+            "target": "node-dgx-a",
+            "strategy": "make-before-break",
+            "outcome": "succeeded",
+            "downtime_ms": 42.5,
+            "failed_requests": 0,
+            "timeline": [
+                {"event": "triggered", "at": start},
+                {"event": "target_ready", "at": start + 1.8},
+                {"event": "switched", "at": start + 1.85},
+                {"event": "drained", "at": start + 2.4},
+            ],
+        }
+    ]
+
+
+@dataclass
+class StaticOpsView:
+    """An `OpsView` over fixed lists; `failure`, when set, is raised by every call."""
+
+    node_list: list[NodeInfo] = field(default_factory=sample_nodes)
+    deployment_list: list[DeploymentInfo] = field(default_factory=sample_deployments)
+    migration_list: list[MigrationInfo] = field(default_factory=sample_migrations)
+    failure: Exception | None = None
+
+    async def nodes(self) -> list[NodeInfo]:
+        self._maybe_fail()
+        return copy.deepcopy(self.node_list)
+
+    async def deployments(self) -> list[DeploymentInfo]:
+        self._maybe_fail()
+        return copy.deepcopy(self.deployment_list)
+
+    async def migrations(self) -> list[MigrationInfo]:
+        self._maybe_fail()
+        return copy.deepcopy(self.migration_list)
+
+    def _maybe_fail(self) -> None:
+        if self.failure is not None:
+            raise self.failure

@@ -1,0 +1,203 @@
+"""The ops HTTP server over real HTTP on loopback: routes, content types, JSON shapes, errors.
+
+`StaticOpsView` is an in-memory `OpsView` (the data-source seam the broker implements), with a
+DGX-like node (8 GPUs, NV12 between every pair), a 4-GPU PCIe workstation, one deployment on
+four NVLink GPUs and one finished migration.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+from broker.ops import (
+    BrokerMetrics,
+    create_ops_app,
+    start_ops_server,
+)
+from tests.ops_support import DEPLOYMENT_ID, StaticOpsView, sample_deployments, sample_nodes
+
+
+@dataclass
+class OpsServer:
+    base_url: str
+    view: StaticOpsView
+    metrics: BrokerMetrics
+    http: aiohttp.ClientSession
+
+
+@pytest.fixture
+async def ops() -> AsyncIterator[OpsServer]:
+    view = StaticOpsView()
+    metrics = BrokerMetrics()
+    runner, port = await start_ops_server(create_ops_app(view, metrics), "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as http:
+            yield OpsServer(f"http://127.0.0.1:{port}", view, metrics, http)
+    finally:
+        await runner.cleanup()
+
+
+async def test_healthz_is_plain_ok(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/healthz") as response:
+        assert response.status == 200
+        assert response.content_type == "text/plain"
+        assert await response.text() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [("/api/nodes", sample_nodes()), ("/api/deployments", sample_deployments())],
+)
+async def test_api_returns_the_view_as_json(ops: OpsServer, path: str, expected: list) -> None:
+    async with ops.http.get(ops.base_url + path) as response:
+        assert response.status == 200
+        assert response.content_type == "application/json"
+        assert response.headers["Cache-Control"] == "no-store"
+        assert await response.json() == expected
+
+
+async def test_api_nodes_shape(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/api/nodes") as response:
+        nodes = await response.json()
+    assert [n["node_id"] for n in nodes] == ["node-dgx-a", "node-ws-b"]
+    dgx, workstation = nodes
+    assert len(dgx["gpus"]) == 8
+    assert len(dgx["links"]) == 28
+    assert {link["kind"] for link in dgx["links"]} == {"NV12"}
+    assert {link["kind"] for link in workstation["links"]} == {"PIX", "SYS"}
+    assert [g["holders"] for g in dgx["gpus"][:4]] == [[DEPLOYMENT_ID]] * 4
+    assert all(g["free"] for g in workstation["gpus"])
+    assert set(dgx["gpus"][0]) == {"index", "uuid", "name", "memory_total_mib", "free", "holders"}
+    assert workstation["last_heartbeat_age_s"] is None
+
+
+async def test_api_migrations_keeps_the_timeline(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/api/migrations") as response:
+        assert response.status == 200
+        assert response.headers["Cache-Control"] == "no-store"
+        (migration,) = await response.json()
+    assert migration["migration_id"] == "mig-0001"
+    assert migration["downtime_ms"] == 42.5
+    assert [e["event"] for e in migration["timeline"]] == [
+        "triggered",
+        "target_ready",
+        "switched",
+        "drained",
+    ]
+    assert migration["timeline"] == ops.view.migration_list[0]["timeline"]
+
+
+async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
+    ops.metrics.observe_placement(0.0012)
+    ops.metrics.record_migration("succeeded", 0.0425)
+    ops.metrics.record_migration("rolled_back", None)
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        assert response.status == 200
+        assert response.content_type == "text/plain"
+        assert "version=" in response.headers["Content-Type"]
+        text = await response.text()
+    assert 'offload_nodes{state="ready"} 2.0' in text
+    assert 'offload_gpus{state="free"} 8.0' in text
+    assert 'offload_gpus{state="used"} 4.0' in text
+    assert 'offload_deployments{state="running"} 1.0' in text
+    assert "offload_placement_seconds_count 1.0" in text
+    assert 'offload_placement_seconds_bucket{le="0.002"} 1.0' in text
+    assert 'offload_placement_seconds_bucket{le="0.001"} 0.0' in text
+    assert "offload_migration_downtime_seconds_count 1.0" in text
+    assert 'offload_migration_downtime_seconds_bucket{le="0.05"} 1.0' in text
+    assert 'offload_migrations_total{outcome="succeeded"} 1.0' in text
+    assert 'offload_migrations_total{outcome="rolled_back"} 1.0' in text
+
+
+async def test_metrics_state_that_empties_reads_zero(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        assert 'offload_deployments{state="running"} 1.0' in await response.text()
+    ops.view.deployment_list = []
+    ops.view.node_list[1]["state"] = "lost"
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        text = await response.text()
+    assert 'offload_deployments{state="running"} 0.0' in text
+    assert 'offload_nodes{state="ready"} 1.0' in text
+    assert 'offload_nodes{state="lost"} 1.0' in text
+
+
+def test_metrics_refuse_negative_or_nan_seconds() -> None:
+    metrics = BrokerMetrics()
+    with pytest.raises(ValueError, match="placement time"):
+        metrics.observe_placement(-0.001)
+    with pytest.raises(ValueError, match="migration downtime"):
+        metrics.record_migration("succeeded", float("nan"))
+    body, _ = metrics.render()
+    # The refused migration was not counted either.
+    assert b"offload_migrations_total{" not in body
+
+
+def test_registries_are_independent() -> None:
+    first, second = BrokerMetrics(), BrokerMetrics()
+    first.observe_placement(0.01)
+    assert b"offload_placement_seconds_count 1.0" in first.render()[0]
+    assert b"offload_placement_seconds_count 0.0" in second.render()[0]
+
+
+async def test_page_and_its_files_are_served(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/") as response:
+        assert response.status == 200
+        assert response.content_type == "text/html"
+        assert "default-src 'self'" in response.headers["Content-Security-Policy"]
+        page = await response.text()
+    assert '<script src="/static/dashboard.js"' in page
+    for path, content_type in [
+        ("/static/dashboard.js", "text/javascript"),
+        ("/static/dashboard.css", "text/css"),
+    ]:
+        async with ops.http.get(ops.base_url + path) as response:
+            assert response.status == 200
+            assert response.content_type == content_type
+            assert len(await response.read()) > 0
+
+
+@pytest.mark.parametrize("path", ["/nope", "/api/nodes/extra", "/static/missing.js", "/api"])
+async def test_unknown_path_is_json_404(ops: OpsServer, path: str) -> None:
+    async with ops.http.get(ops.base_url + path) as response:
+        assert response.status == 404
+        assert response.content_type == "application/json"
+        body = await response.json()
+    assert body["status"] == 404
+    assert path in body["error"]
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
+@pytest.mark.parametrize("path", ["/api/nodes", "/metrics", "/healthz", "/"])
+async def test_other_methods_are_json_405(ops: OpsServer, method: str, path: str) -> None:
+    async with ops.http.request(method, ops.base_url + path) as response:
+        assert response.status == 405
+        assert response.content_type == "application/json"
+        assert "GET" in response.headers["Allow"]
+        assert (await response.json())["status"] == 405
+
+
+@pytest.mark.parametrize("path", ["/api/nodes", "/api/deployments", "/api/migrations", "/metrics"])
+async def test_view_failure_is_logged_json_500(
+    ops: OpsServer, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    ops.view.failure = RuntimeError("registry unavailable")
+    with caplog.at_level(logging.ERROR, logger="broker.ops.app"):
+        async with ops.http.get(ops.base_url + path) as response:
+            assert response.status == 500
+            assert response.content_type == "application/json"
+            body = await response.json()
+    assert body["status"] == 500
+    assert "RuntimeError: registry unavailable" in body["error"]
+    assert any(path in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+async def test_view_data_json_cannot_carry_is_500(ops: OpsServer) -> None:
+    ops.view.deployment_list[0]["epoch"] = float("nan")  # type: ignore[typeddict-item]
+    async with ops.http.get(f"{ops.base_url}/api/deployments") as response:
+        assert response.status == 500
+        assert "not JSON-serialisable" in (await response.json())["error"]
