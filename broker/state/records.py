@@ -1,0 +1,160 @@
+"""The broker's durable records: what `StateStore` keeps and returns.
+
+Plain frozen values, no I/O. Times are float seconds since the epoch (`time.time()`).
+Fields named `*_json` hold JSON text that the store checks is valid JSON and otherwise keeps
+as given: their shape belongs to the code that writes them (the registry, placement, the
+migration orchestrator), not to the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class NodeState(StrEnum):
+    READY = "ready"
+    """Registered and heartbeating: placement may use it."""
+    LOST = "lost"
+    """Missed heartbeats past the timeout; its deployments are to be re-placed."""
+    DRAINING = "draining"
+    """An operator is taking it out: nothing new lands on it."""
+
+
+class DeploymentState(StrEnum):
+    PENDING = "pending"
+    """Waiting for a node that fits (`reason` says why none does yet)."""
+    STARTING = "starting"
+    """Placed: the node is starting its replica."""
+    RUNNING = "running"
+    """The replica is ready; `endpoint`, `token` and `epoch` are what clients use."""
+    FAILED = "failed"
+    """Gave up (`reason` says why)."""
+    DELETING = "deleting"
+    """The client asked to delete it; its replica is being stopped."""
+    DELETED = "deleted"
+    """Gone; the row stays for the audit trail and the migration history."""
+
+
+class MigrationTrigger(StrEnum):
+    MOBILITY = "mobility"
+    NODE_LOST = "node_lost"
+    DRAIN = "drain"
+    REBALANCE = "rebalance"
+    OPERATOR = "operator"
+
+
+class MigrationStrategy(StrEnum):
+    MAKE_BEFORE_BREAK = "make_before_break"
+    """Start and warm the target, switch clients to it, then drain and stop the source."""
+    STOP_START = "stop_start"
+    """The baseline: stop the source, then start the target (break before make)."""
+
+
+class MigrationState(StrEnum):
+    PREPARING = "preparing"
+    SWITCHING = "switching"
+    DRAINING = "draining"
+    COMPLETED = "completed"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRecord:
+    client_id: str
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    node_id: str
+    address: str
+    """host:port of the node's NodeAgent service."""
+    site: str
+    """The edge site the node sits at (a vertex of the broker's network graph)."""
+    state: NodeState
+    inventory_json: str
+    """GPUs, links and versions as the node registered them."""
+    runtimes: tuple[str, ...]
+    registered_at: float
+    last_heartbeat_at: float
+    usage_json: str
+    """The usage the last heartbeat reported."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecord:
+    sha256: str
+    name: str
+    """The name the uploader gave; informational, not unique."""
+    size_bytes: int
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentRecord:
+    deployment_id: str
+    client_id: str
+    """The client that owns it; no other client may see it."""
+    model_sha256: str
+    model_name: str
+    request_json: str
+    """The full deploy request, so the deployment can be placed again after a restart."""
+    priority: int
+    """Higher is more important; only a higher priority may preempt a lower one."""
+    site: str
+    """The client's site when it deployed."""
+    state: DeploymentState
+    node_id: str | None
+    """The node it is placed on; None while it has none."""
+    gpus: tuple[int, ...]
+    """GPU indices on `node_id`; empty for a CPU-only replica or while unplaced."""
+    gpu_uuids: tuple[str, ...]
+    endpoint: str
+    """host:port clients call for inference; "" until the replica is ready."""
+    token: str
+    """The per-deployment token the replica checks; "" until the replica is ready."""
+    epoch: int
+    """Bumped on every switch to a new replica; clients drop replies of older epochs."""
+    explanation_json: str
+    """The placement decision and its score terms (`offload explain`)."""
+    reason: str
+    """Why it is pending or failed; "" otherwise."""
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationRecord:
+    migration_id: str
+    deployment_id: str
+    trigger: MigrationTrigger
+    source_node: str
+    target_node: str
+    strategy: MigrationStrategy
+    state: MigrationState
+    timeline_json: str
+    """The timed steps (prepare, ready, switch, drained, stopped ...) as they happened."""
+    outcome: str
+    """A one-line summary once it finished; "" before."""
+    reason: str
+    """Why it was started, or why it failed or rolled back."""
+    downtime_ms: float | None
+    """The longest gap clients saw; None until measured."""
+    failed_requests: int | None
+    """Requests that failed during the move; None until known."""
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    seq: int
+    """Increases with every event appended; never reused."""
+    at: float
+    kind: str
+    """What happened, e.g. "deployment.placed" or "node.lost"."""
+    subject: str
+    """The id of what it happened to."""
+    detail_json: str

@@ -1,0 +1,111 @@
+"""The state file's schema, as an ordered list of migration scripts.
+
+`MIGRATIONS[i]` takes a file from schema version `i` to `i + 1`; the version is SQLite's
+`PRAGMA user_version` (0 for a new file). `StateStore` applies the missing scripts at open,
+each in its own transaction together with the new version number, so a crash mid-migration
+leaves the file at the previous version. Rules for adding one:
+
+- append, never edit a released script (files in the field have run it already);
+- a new enum member of a column with a CHECK on its values needs a script that rebuilds the
+  table (SQLite cannot alter a CHECK); the migrations table has no such CHECKs on purpose, as
+  its enums are young;
+- scripts hold no BEGIN/COMMIT: the store wraps them.
+
+Tables are STRICT (column types enforced, SQLite >= 3.37) and JSON columns are checked with
+`json_valid` (SQLite >= 3.38); `StateStore` refuses an older SQLite with a clear error.
+"""
+
+from __future__ import annotations
+
+_V1 = """
+CREATE TABLE clients (
+    client_id  TEXT PRIMARY KEY CHECK (client_id <> ''),
+    key_hash   TEXT NOT NULL,
+    created_at REAL NOT NULL
+) STRICT;
+
+CREATE TABLE client_sites (
+    client_id  TEXT PRIMARY KEY REFERENCES clients (client_id),
+    site       TEXT NOT NULL CHECK (site <> ''),
+    updated_at REAL NOT NULL
+) STRICT;
+
+CREATE TABLE nodes (
+    node_id           TEXT PRIMARY KEY CHECK (node_id <> ''),
+    address           TEXT NOT NULL,
+    site              TEXT NOT NULL,
+    state             TEXT NOT NULL CHECK (state IN ('ready', 'lost', 'draining')),
+    inventory_json    TEXT NOT NULL CHECK (json_valid(inventory_json)),
+    runtimes_json     TEXT NOT NULL
+                      CHECK (json_valid(runtimes_json) AND json_type(runtimes_json) = 'array'),
+    registered_at     REAL NOT NULL,
+    last_heartbeat_at REAL NOT NULL,
+    usage_json        TEXT NOT NULL CHECK (json_valid(usage_json))
+) STRICT;
+
+CREATE TABLE models (
+    sha256     TEXT PRIMARY KEY
+               CHECK (length(sha256) = 64 AND NOT sha256 GLOB '*[^0-9a-f]*'),
+    name       TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL CHECK (size_bytes > 0),
+    created_at REAL NOT NULL
+) STRICT;
+
+CREATE TABLE deployments (
+    deployment_id    TEXT PRIMARY KEY CHECK (deployment_id <> ''),
+    client_id        TEXT NOT NULL REFERENCES clients (client_id),
+    model_sha256     TEXT NOT NULL REFERENCES models (sha256),
+    model_name       TEXT NOT NULL,
+    request_json     TEXT NOT NULL CHECK (json_valid(request_json)),
+    priority         INTEGER NOT NULL,
+    site             TEXT NOT NULL,
+    state            TEXT NOT NULL CHECK (
+                         state IN ('pending', 'starting', 'running', 'failed', 'deleting',
+                                   'deleted')
+                     ),
+    node_id          TEXT REFERENCES nodes (node_id),
+    gpus_json        TEXT NOT NULL
+                     CHECK (json_valid(gpus_json) AND json_type(gpus_json) = 'array'),
+    gpu_uuids_json   TEXT NOT NULL
+                     CHECK (json_valid(gpu_uuids_json) AND json_type(gpu_uuids_json) = 'array'),
+    endpoint         TEXT NOT NULL,
+    token            TEXT NOT NULL,
+    epoch            INTEGER NOT NULL CHECK (epoch >= 0),
+    explanation_json TEXT NOT NULL CHECK (json_valid(explanation_json)),
+    reason           TEXT NOT NULL,
+    created_at       REAL NOT NULL,
+    updated_at       REAL NOT NULL
+) STRICT;
+CREATE INDEX deployments_by_client ON deployments (client_id);
+CREATE INDEX deployments_by_state ON deployments (state);
+CREATE INDEX deployments_by_node ON deployments (node_id);
+
+CREATE TABLE migrations (
+    migration_id    TEXT PRIMARY KEY CHECK (migration_id <> ''),
+    deployment_id   TEXT NOT NULL REFERENCES deployments (deployment_id),
+    trigger         TEXT NOT NULL,
+    source_node     TEXT NOT NULL REFERENCES nodes (node_id),
+    target_node     TEXT NOT NULL REFERENCES nodes (node_id),
+    strategy        TEXT NOT NULL,
+    state           TEXT NOT NULL,
+    timeline_json   TEXT NOT NULL CHECK (json_valid(timeline_json)),
+    outcome         TEXT NOT NULL,
+    reason          TEXT NOT NULL,
+    downtime_ms     REAL CHECK (downtime_ms >= 0),
+    failed_requests INTEGER CHECK (failed_requests >= 0),
+    created_at      REAL NOT NULL,
+    updated_at      REAL NOT NULL
+) STRICT;
+CREATE INDEX migrations_by_deployment ON migrations (deployment_id);
+
+CREATE TABLE events (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    at          REAL NOT NULL,
+    kind        TEXT NOT NULL CHECK (kind <> ''),
+    subject     TEXT NOT NULL,
+    detail_json TEXT NOT NULL CHECK (json_valid(detail_json))
+) STRICT;
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1,)
+"""The scripts in order; `len(MIGRATIONS)` is the schema version this broker writes."""

@@ -1,0 +1,607 @@
+"""The broker's state in a real SQLite file: schema, every method, transactions, crashes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import broker.state.store
+from broker.state import (
+    DB_FILENAME,
+    ConstraintError,
+    DeploymentRecord,
+    DeploymentState,
+    MigrationRecord,
+    MigrationState,
+    MigrationStrategy,
+    MigrationTrigger,
+    ModelRecord,
+    NodeRecord,
+    NodeState,
+    SchemaError,
+    StateStore,
+    new_api_key,
+    parse_api_key,
+)
+from broker.state.schema import MIGRATIONS
+
+REPO = Path(__file__).resolve().parents[2]
+SHA = hashlib.sha256(b"model").hexdigest()
+KEY = "alice.s3cret-s3cret-s3cret-0123456789"
+
+
+class Clock:
+    """A clock the test moves by hand, so `updated_at` values are known."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock) -> Iterator[StateStore]:
+    with StateStore(tmp_path, clock=clock) as opened:
+        yield opened
+
+
+def inspect(path: Path, sql: str) -> list[tuple[object, ...]]:
+    """Read the file through a connection of its own, as another process would."""
+    with closing(sqlite3.connect(path)) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def node(node_id: str = "n1", **changes: Any) -> NodeRecord:
+    record = NodeRecord(
+        node_id=node_id,
+        address="10.0.0.1:7000",
+        site="site-a",
+        state=NodeState.READY,
+        inventory_json='{"gpus": [{"index": 0}]}',
+        runtimes=("docker", "process"),
+        registered_at=10.0,
+        last_heartbeat_at=10.0,
+        usage_json="{}",
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def model(sha: str = SHA, **changes: Any) -> ModelRecord:
+    return dataclasses.replace(ModelRecord(sha, "mlp", 1234, 20.0), **changes)
+
+
+def deployment(deployment_id: str = "d1", **changes: Any) -> DeploymentRecord:
+    record = DeploymentRecord(
+        deployment_id=deployment_id,
+        client_id="alice",
+        model_sha256=SHA,
+        model_name="mlp",
+        request_json='{"gpus": 1}',
+        priority=1,
+        site="site-a",
+        state=DeploymentState.PENDING,
+        node_id=None,
+        gpus=(),
+        gpu_uuids=(),
+        endpoint="",
+        token="",
+        epoch=0,
+        explanation_json="null",
+        reason="waiting for a node",
+        created_at=30.0,
+        updated_at=30.0,
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def migration(migration_id: str = "m1", **changes: Any) -> MigrationRecord:
+    record = MigrationRecord(
+        migration_id=migration_id,
+        deployment_id="d1",
+        trigger=MigrationTrigger.MOBILITY,
+        source_node="n1",
+        target_node="n2",
+        strategy=MigrationStrategy.MAKE_BEFORE_BREAK,
+        state=MigrationState.PREPARING,
+        timeline_json="[]",
+        outcome="",
+        reason="client moved to site-b",
+        downtime_ms=None,
+        failed_requests=None,
+        created_at=40.0,
+        updated_at=40.0,
+    )
+    return dataclasses.replace(record, **changes)
+
+
+@pytest.fixture
+def populated(store: StateStore) -> StateStore:
+    """A client, a model and two nodes: what a deployment refers to."""
+    store.put_client("alice", KEY)
+    store.put_model(model())
+    store.upsert_node(node("n1"))
+    store.upsert_node(node("n2", site="site-b"))
+    return store
+
+
+# -- the file -----------------------------------------------------------------------------
+
+
+def test_a_new_file_is_at_the_latest_schema_in_wal_mode(store: StateStore, tmp_path: Path) -> None:
+    path = tmp_path / DB_FILENAME
+    assert store.path == path
+    assert inspect(path, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+    assert inspect(path, "PRAGMA journal_mode") == [("wal",)]
+    tables = {name for (name,) in inspect(path, "SELECT name FROM sqlite_master")}
+    assert {"clients", "client_sites", "nodes", "models", "deployments", "migrations"} <= tables
+    assert {"events"} <= tables
+    # foreign_keys is a per-connection setting: only the store's own connection can tell.
+    assert store._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_reopening_applies_nothing_twice_and_keeps_the_data(tmp_path: Path) -> None:
+    with StateStore(tmp_path) as store:
+        store.put_model(model())
+    schema = inspect(tmp_path / DB_FILENAME, "SELECT sql FROM sqlite_master ORDER BY name")
+    for _ in range(2):
+        with StateStore(tmp_path) as store:
+            assert store.list_models() == [model()]
+    assert inspect(tmp_path / DB_FILENAME, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+    assert inspect(tmp_path / DB_FILENAME, "SELECT sql FROM sqlite_master ORDER BY name") == schema
+
+
+def test_a_newer_schema_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    path = tmp_path / DB_FILENAME
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    with pytest.raises(SchemaError, match=f"schema version {len(MIGRATIONS) + 1}, newer than"):
+        StateStore(tmp_path)
+    assert inspect(path, "SELECT name FROM sqlite_master") == []
+    assert inspect(path, "PRAGMA journal_mode") == [("delete",)]
+
+
+def test_a_later_migration_applies_once_and_then_older_brokers_refuse_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    StateStore(tmp_path).close()
+    newer = (*MIGRATIONS, "CREATE TABLE extra (a INTEGER) STRICT;\nINSERT INTO extra VALUES (1);")
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", newer)
+    for _ in range(2):
+        StateStore(tmp_path).close()
+    assert inspect(tmp_path / DB_FILENAME, "SELECT a FROM extra") == [(1,)]
+    assert inspect(tmp_path / DB_FILENAME, "PRAGMA user_version") == [(len(newer),)]
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
+    with pytest.raises(SchemaError, match="newer than"):
+        StateStore(tmp_path)
+
+
+def test_a_failing_migration_leaves_the_file_at_the_previous_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    StateStore(tmp_path).close()
+    broken = (*MIGRATIONS, "CREATE TABLE extra (a INTEGER) STRICT;\nCREATE TABLE clients (b);")
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", broken)
+    with pytest.raises(SchemaError, match=r"to schema version 2 failed, it stays at version 1"):
+        StateStore(tmp_path)
+    path = tmp_path / DB_FILENAME
+    assert inspect(path, "PRAGMA user_version") == [(1,)]
+    assert inspect(path, "SELECT name FROM sqlite_master WHERE name = 'extra'") == []
+
+
+def test_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
+    (tmp_path / DB_FILENAME).write_bytes(b"not a database" * 100)
+    with pytest.raises(broker.state.StorageError, match="cannot open the state file"):
+        StateStore(tmp_path)
+
+
+# -- clients and API keys -----------------------------------------------------------------
+
+
+def test_the_right_key_authenticates_its_client(store: StateStore) -> None:
+    store.put_client("alice", KEY)
+    assert store.client_for_api_key(KEY) == "alice"
+    assert store.list_clients()[0].client_id == "alice"
+
+
+@pytest.mark.parametrize(
+    "api_key",
+    [
+        "alice.s3cret-s3cret-s3cret-0123456780",  # wrong secret
+        "bob.s3cret-s3cret-s3cret-0123456789",  # unknown client, same secret
+        "",
+        "alice",
+        "alice.",
+        ".s3cret-s3cret-s3cret-0123456789",
+        "alice.short",
+        "alice.s3cret-s3cret-s3cret-0123456789.more",
+        "al ice.s3cret-s3cret-s3cret-0123456789",
+        "alice.s3cret-s3cret-s3cret-012345678\u00e9",
+    ],
+    ids=["wrong-secret", "unknown-client", "empty", "no-dot", "no-secret", "no-id", "short",
+         "two-dots", "space", "non-ascii"],
+)  # fmt: skip
+def test_any_other_key_authenticates_nobody(store: StateStore, api_key: str) -> None:
+    store.put_client("alice", KEY)
+    assert store.client_for_api_key(api_key) is None
+
+
+def test_only_a_salted_hash_is_stored_and_a_new_key_replaces_the_old(
+    store: StateStore, clock: Clock
+) -> None:
+    store.put_client("alice", KEY)
+    store.put_client("bob", "bob." + KEY.split(".")[1])
+    hashes = [str(h) for (h,) in inspect(store.path, "SELECT key_hash FROM clients")]
+    secret = KEY.split(".")[1]
+    assert all(secret not in h for h in hashes)
+    assert hashes[0].split("$")[-2:] != hashes[1].split("$")[-2:]  # same secret, other salt
+    assert secret.encode() not in store.path.read_bytes()
+
+    rotated = new_api_key("alice")
+    clock.now += 5
+    store.put_client("alice", rotated)
+    assert store.client_for_api_key(rotated) == "alice"
+    assert store.client_for_api_key(KEY) is None
+    assert [(c.client_id, c.created_at) for c in store.list_clients()] == [
+        ("alice", 1000.0),
+        ("bob", 1000.0),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("client_id", "api_key", "message"),
+    [
+        ("alice", "bob.s3cret-s3cret-s3cret-0123456789", "must look like 'alice.<secret>'"),
+        ("alice", "alice.short", "must look like"),
+        ("al.ice", "al.ice.s3cret-s3cret-s3cret-0123456789", "must be 1 to 64 characters"),
+        ("", ".s3cret-s3cret-s3cret-0123456789", "must be 1 to 64 characters"),
+    ],
+)
+def test_malformed_clients_and_keys_are_refused(
+    store: StateStore, client_id: str, api_key: str, message: str
+) -> None:
+    with pytest.raises(ConstraintError, match=message):
+        store.put_client(client_id, api_key)
+    assert store.list_clients() == []
+
+
+def test_new_api_keys_parse_back() -> None:
+    key = new_api_key("edge-7")
+    assert parse_api_key(key) == ("edge-7", key.removeprefix("edge-7."))
+    assert key != new_api_key("edge-7")
+    with pytest.raises(ValueError, match="client id"):
+        new_api_key("no.dots")
+
+
+def test_client_sites(store: StateStore) -> None:
+    store.put_client("alice", KEY)
+    assert store.client_site("alice") is None
+    store.set_client_site("alice", "site-a")
+    store.set_client_site("alice", "site-b")
+    assert store.client_site("alice") == "site-b"
+    assert store.client_site("nobody") is None
+    with pytest.raises(KeyError, match="client 'nobody' is unknown"):
+        store.set_client_site("nobody", "site-a")
+    with pytest.raises(ConstraintError):
+        store.set_client_site("alice", "")
+    assert store.client_site("alice") == "site-b"
+
+
+# -- nodes --------------------------------------------------------------------------------
+
+
+def test_nodes_register_heartbeat_and_change_state(store: StateStore) -> None:
+    store.upsert_node(node("n2"))
+    store.upsert_node(node("n1"))
+    assert store.get_node("n1") == node("n1")
+    assert isinstance(store.get_node("n1").state, NodeState)  # type: ignore[union-attr]
+    assert [n.node_id for n in store.list_nodes()] == ["n1", "n2"]
+
+    assert store.heartbeat("n1", 55.5, '{"gpu_util": [0.5]}')
+    assert not store.heartbeat("ghost", 55.5, "{}")
+    stored = store.get_node("n1")
+    assert stored is not None
+    assert (stored.last_heartbeat_at, stored.usage_json) == (55.5, '{"gpu_util": [0.5]}')
+
+    store.set_node_state("n1", NodeState.LOST)
+    store.set_node_state("n1", NodeState.LOST)
+    assert store.get_node("n1") == node("n1", state=NodeState.LOST, last_heartbeat_at=55.5,
+                                        usage_json='{"gpu_util": [0.5]}')  # fmt: skip
+    with pytest.raises(KeyError, match="node 'ghost' is unknown"):
+        store.set_node_state("ghost", NodeState.READY)
+    with pytest.raises(ConstraintError, match="'gone' is not one of: ready, lost, draining"):
+        store.set_node_state("n1", "gone")  # type: ignore[arg-type]
+
+    # A node that registers again replaces its record wholesale.
+    store.upsert_node(node("n1", address="10.0.0.9:7000", runtimes=("process",)))
+    assert store.get_node("n1") == node("n1", address="10.0.0.9:7000", runtimes=("process",))
+    assert store.get_node("ghost") is None
+
+
+def test_a_node_with_invalid_json_is_refused(store: StateStore) -> None:
+    with pytest.raises(ConstraintError, match="CHECK constraint failed"):
+        store.upsert_node(node(inventory_json="{not json"))
+    assert store.list_nodes() == []
+
+
+# -- models -------------------------------------------------------------------------------
+
+
+def test_models_are_deduplicated_by_hash(store: StateStore) -> None:
+    other = hashlib.sha256(b"other").hexdigest()
+    assert store.put_model(model())
+    assert not store.put_model(model(name="renamed", created_at=99.0))
+    assert store.put_model(model(other, created_at=10.0))
+    assert store.get_model(SHA) == model()
+    assert store.get_model(hashlib.sha256(b"none").hexdigest()) is None
+    assert [m.sha256 for m in store.list_models()] == [other, SHA]
+    with pytest.raises(ConstraintError, match="recorded with 1234 bytes, not 5"):
+        store.put_model(model(size_bytes=5))
+
+
+@pytest.mark.parametrize("sha", ["abc", SHA.upper(), SHA[:-1] + "g"])
+def test_a_malformed_model_hash_is_refused(store: StateStore, sha: str) -> None:
+    with pytest.raises(ConstraintError):
+        store.put_model(model(sha))
+    assert store.list_models() == []
+
+
+# -- deployments --------------------------------------------------------------------------
+
+
+def test_deployments_are_created_listed_and_filtered(populated: StateStore) -> None:
+    store = populated
+    store.put_client("bob", new_api_key("bob"))
+    running = deployment("d2", client_id="bob", state=DeploymentState.RUNNING, node_id="n1",
+                         gpus=(0, 3), gpu_uuids=("GPU-a", "GPU-b"), created_at=31.0)  # fmt: skip
+    store.create_deployment(deployment("d1"))
+    store.create_deployment(running)
+    assert store.get_deployment("d2") == running
+    assert store.get_deployment("nope") is None
+    assert [d.deployment_id for d in store.list_deployments()] == ["d1", "d2"]
+    assert store.list_deployments(client_id="bob") == [running]
+    assert store.list_deployments(states={DeploymentState.RUNNING}) == [running]
+    assert store.list_deployments(client_id="alice", states=[DeploymentState.RUNNING]) == []
+    assert store.list_deployments(states=()) == []
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        (deployment(client_id="mallory"), "client 'mallory' is unknown"),
+        (deployment(model_sha256=hashlib.sha256(b"x").hexdigest()), "model '.*' is unknown"),
+        (deployment(node_id="ghost"), "node 'ghost' is unknown"),
+        (deployment(epoch=-1), "CHECK constraint failed"),
+        (deployment(request_json="{"), "CHECK constraint failed"),
+        (deployment(state="lost"), "'lost' is not one of: pending, starting"),
+    ],
+)
+def test_a_deployment_breaking_a_rule_is_refused(
+    populated: StateStore, record: DeploymentRecord, message: str
+) -> None:
+    with pytest.raises(ConstraintError, match=message):
+        populated.create_deployment(record)
+    assert populated.list_deployments() == []
+
+
+def test_a_deployment_id_is_never_reused(populated: StateStore) -> None:
+    populated.create_deployment(deployment())
+    populated.delete_deployment("d1")
+    with pytest.raises(ConstraintError, match="deployment 'd1' exists already"):
+        populated.create_deployment(deployment())
+
+
+def test_updates_change_the_named_fields_and_bump_updated_at(
+    populated: StateStore, clock: Clock
+) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    clock.now = 2000.0
+    updated = store.update_deployment(
+        "d1", state=DeploymentState.RUNNING, node_id="n2", gpus=(1,), gpu_uuids=("GPU-x",),
+        endpoint="10.0.0.2:9000", token="t0k", epoch=1, reason="",
+    )  # fmt: skip
+    expected = deployment(state=DeploymentState.RUNNING, node_id="n2", gpus=(1,),
+                          gpu_uuids=("GPU-x",), endpoint="10.0.0.2:9000", token="t0k", epoch=1,
+                          reason="", updated_at=2000.0)  # fmt: skip
+    assert updated == expected
+    assert store.get_deployment("d1") == expected
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"colour": "red"}, TypeError, "DeploymentRecord has no field colour"),
+        ({"created_at": 1.0}, TypeError, "created_at cannot be changed"),
+        ({"deployment_id": "d9"}, TypeError, "deployment_id"),
+        ({"node_id": "ghost"}, ConstraintError, "node 'ghost' is unknown"),
+        ({"state": "bogus"}, ConstraintError, "'bogus' is not one of"),
+        ({"priority": "high"}, ConstraintError, "cannot store TEXT value in INTEGER column"),
+    ],
+)
+def test_a_wrong_update_changes_nothing(
+    populated: StateStore, changes: dict[str, object], error: type[Exception], message: str
+) -> None:
+    populated.create_deployment(deployment())
+    with pytest.raises(error, match=message):
+        populated.update_deployment("d1", **changes)
+    assert populated.get_deployment("d1") == deployment()
+
+
+def test_unknown_deployments_are_key_errors(populated: StateStore) -> None:
+    with pytest.raises(KeyError, match="deployment 'ghost' is unknown"):
+        populated.update_deployment("ghost", epoch=2)
+    with pytest.raises(KeyError, match="deployment 'ghost' is unknown"):
+        populated.delete_deployment("ghost")
+
+
+def test_delete_marks_the_deployment_deleted_once(populated: StateStore, clock: Clock) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    clock.now = 3000.0
+    deleted = store.delete_deployment("d1")
+    assert deleted == deployment(state=DeploymentState.DELETED, updated_at=3000.0)
+    clock.now = 4000.0
+    assert store.delete_deployment("d1") == deleted
+    assert store.list_deployments(states=[DeploymentState.DELETED]) == [deleted]
+
+
+# -- migrations ---------------------------------------------------------------------------
+
+
+def test_migrations_are_recorded_and_updated(populated: StateStore, clock: Clock) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    store.create_deployment(deployment("d2"))
+    store.create_migration(migration())
+    store.create_migration(migration("m2", deployment_id="d2", created_at=41.0))
+    assert store.list_migrations() == [migration(), migration("m2", deployment_id="d2",
+                                                              created_at=41.0)]  # fmt: skip
+    clock.now = 5000.0
+    done = store.update_migration(
+        "m1", state=MigrationState.COMPLETED, outcome="moved to n2", downtime_ms=12.5,
+        failed_requests=0, timeline_json='[["prepare", 1.0], ["switch", 2.0]]',
+    )  # fmt: skip
+    assert done == migration(state=MigrationState.COMPLETED, outcome="moved to n2",
+                             downtime_ms=12.5, failed_requests=0, updated_at=5000.0,
+                             timeline_json='[["prepare", 1.0], ["switch", 2.0]]')  # fmt: skip
+    assert store.list_migrations("d1") == [done]
+    assert store.list_migrations("d3") == []
+    with pytest.raises(KeyError, match="migration 'ghost' is unknown"):
+        store.update_migration("ghost", outcome="x")
+    with pytest.raises(ConstraintError, match="'teleport' is not one of"):
+        store.update_migration("m1", strategy="teleport")
+    with pytest.raises(ConstraintError, match="exists already"):
+        store.create_migration(migration())
+    with pytest.raises(ConstraintError, match="deployment 'd9' is unknown"):
+        store.create_migration(migration("m3", deployment_id="d9"))
+    with pytest.raises(ConstraintError, match="target node 'ghost' is unknown"):
+        store.create_migration(migration("m3", target_node="ghost"))
+    with pytest.raises(ConstraintError, match="CHECK constraint failed"):
+        store.update_migration("m1", downtime_ms=-1.0)
+    assert store.list_migrations("d1") == [done]
+
+
+# -- events -------------------------------------------------------------------------------
+
+
+def test_events_are_appended_and_listed_newest_first(store: StateStore, clock: Clock) -> None:
+    first = store.append_event("node.registered", "n1", '{"site": "a"}')
+    clock.now += 1
+    second = store.append_event("node.lost", "n1", "{}")
+    assert second.seq > first.seq
+    assert (second.at, second.kind, second.subject) == (1001.0, "node.lost", "n1")
+    assert store.list_events() == [second, first]
+    assert store.list_events(limit=1) == [second]
+    with pytest.raises(ConstraintError):
+        store.append_event("node.lost", "n1", "not json")
+    assert store.list_events() == [second, first]
+
+
+# -- transactions -------------------------------------------------------------------------
+
+
+def test_a_transaction_that_raises_leaves_nothing(populated: StateStore) -> None:
+    store = populated
+    with pytest.raises(RuntimeError, match="crash mid-way"), store.transaction():
+        store.create_deployment(deployment())
+        store.set_node_state("n1", NodeState.DRAINING)
+        store.append_event("deployment.created", "d1", "{}")
+        raise RuntimeError("crash mid-way")
+    assert store.list_deployments() == []
+    assert store.get_node("n1") == node("n1")
+    assert store.list_events() == []
+
+
+def test_a_failing_change_undoes_the_ones_before_it(populated: StateStore) -> None:
+    store = populated
+    with pytest.raises(ConstraintError), store.transaction():
+        store.create_deployment(deployment())
+        store.append_event("deployment.created", "d1", "{}")
+        store.create_deployment(deployment("d2", node_id="ghost"))
+    assert store.list_deployments() == []
+    assert store.list_events() == []
+
+
+def test_a_nested_block_that_raises_undoes_only_itself(populated: StateStore) -> None:
+    store = populated
+    with store.transaction():
+        store.create_deployment(deployment())
+        with pytest.raises(KeyError), store.transaction():
+            store.append_event("deployment.placed", "d1", "{}")
+            store.update_deployment("ghost", epoch=1)
+        store.append_event("deployment.created", "d1", "{}")
+    assert [d.deployment_id for d in store.list_deployments()] == ["d1"]
+    assert [e.kind for e in store.list_events()] == ["deployment.created"]
+
+
+def test_worker_threads_share_one_store(store: StateStore) -> None:
+    def append(i: int) -> int:
+        with store.transaction():
+            return store.append_event("tick", str(i), "{}").seq
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        seqs = list(pool.map(append, range(200)))
+    assert len(set(seqs)) == 200
+    assert len(store.list_events(limit=1000)) == 200
+
+
+CRASHING_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    from broker.state import StateStore
+    from tests.unit.test_state import KEY, deployment, model, node
+
+    store = StateStore(Path(sys.argv[1]))
+    store.put_client("alice", KEY)
+    store.put_model(model())
+    store.upsert_node(node("n1"))
+    with store.transaction():
+        store.create_deployment(deployment())
+        store.set_node_state("n1", "draining")
+        for i in range(5000):  # 5 MB: more than the page cache, so some reaches the WAL
+            store.append_event("bulk", str(i), '{"pad": "%s"}' % ("x" * 1000))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_process_killed_mid_transaction_leaves_nothing_of_it(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", CRASHING_WRITER, str(tmp_path)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    # Uncommitted pages spilled into the WAL before the kill: recovery must ignore them.
+    assert (tmp_path / f"{DB_FILENAME}-wal").stat().st_size > 2**20
+    with StateStore(tmp_path) as store:
+        assert store.client_for_api_key(KEY) == "alice"
+        assert store.list_models() == [model()]
+        assert store.get_node("n1") == node("n1")
+        assert store.list_deployments() == []
+        assert store.list_events() == []
+    assert inspect(tmp_path / DB_FILENAME, "PRAGMA integrity_check") == [("ok",)]
