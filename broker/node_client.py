@@ -3,6 +3,8 @@ deadline; gRPC errors become the broker's own (they never leave this module)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from broker.errors import NodeUnavailable, ResourceExhausted
@@ -30,16 +32,40 @@ class NodeClient:
             return ResourceExhausted(message)
         return NodeUnavailable(message)
 
-    async def start_replica(self, spec: pb.ReplicaSpec) -> pb.Replica:
-        """Start a replica and return it once ready (the node fetches the model from the
-        broker when its cache lacks it). NodeUnavailable or ResourceExhausted on failure."""
+    async def start_replica(
+        self,
+        *,
+        deployment_id: str,
+        epoch: int,
+        model_sha256: str,
+        model_name: str,
+        gpu_uuids: Sequence[str],
+        gpu_memory_mib: int,
+        cpus: float,
+        memory_mib: int,
+        token: str,
+    ) -> str:
+        """Start a replica and return its endpoint once it is ready (the node fetches the
+        model from the broker when its cache lacks it). NodeUnavailable or ResourceExhausted
+        on failure."""
+        spec = pb.ReplicaSpec(
+            deployment_id=deployment_id,
+            epoch=epoch,
+            model_sha256=model_sha256,
+            model_name=model_name,
+            gpu_uuids=gpu_uuids,
+            gpu_memory_mib=gpu_memory_mib,
+            cpus=cpus,
+            memory_mib=memory_mib,
+            token=token,
+        )
         try:
             reply = await self._stub.StartReplica(
                 pb.StartReplicaRequest(spec=spec), metadata=self._metadata, timeout=START_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as err:
             raise self._error("start a replica", err) from err
-        return reply.replica
+        return reply.replica.endpoint
 
     async def stop_replica(self, replica_id: str, grace_ms: int) -> bool:
         """Stop a replica; False when the node does not have it (already gone)."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -21,11 +22,11 @@ from runtime.errors import (
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+F = TypeVar("F", bound=Callable[..., Any])
 StatusTable = Sequence[tuple[type[Exception], grpc.StatusCode]]
 
 
-def error_mapper(table: StatusTable) -> Callable[[Handler[R]], Handler[R]]:
+def error_mapper(table: StatusTable) -> Callable[[F], F]:
     """A decorator for servicer methods: an exception of a type in `table` (first match
     wins, so list the most specific first) aborts the call with its status and message.
 
@@ -33,18 +34,34 @@ def error_mapper(table: StatusTable) -> Callable[[Handler[R]], Handler[R]]:
     """
     kinds = tuple(kind for kind, _ in table)
 
-    def decorate(method: Handler[R]) -> Handler[R]:
+    async def abort(method: Any, err: Exception, context: grpc.aio.ServicerContext) -> None:
+        code = next(code for kind, code in table if isinstance(err, kind))
+        logger.debug("%s -> %s: %s", method.__name__, code.name, err)
+        await context.abort(code, str(err))
+        raise AssertionError("context.abort returned") from err  # it always raises
+
+    def decorate(method: F) -> F:
+        if inspect.isasyncgenfunction(method):  # a server-streaming method
+
+            @functools.wraps(method)
+            async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    async for item in method(self, request, context):
+                        yield item
+                except kinds as err:
+                    await abort(method, err, context)
+
+            return cast(F, stream)
+
         @functools.wraps(method)
         async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
             try:
                 return await method(self, request, context)
             except kinds as err:
-                code = next(code for kind, code in table if isinstance(err, kind))
-                logger.debug("%s -> %s: %s", method.__name__, code.name, err)
-                await context.abort(code, str(err))
-                raise AssertionError("context.abort returned") from err  # it always raises
+                await abort(method, err, context)
+                raise  # not reached: abort raises
 
-        return wrapper
+        return cast(F, wrapper)
 
     return decorate
 

@@ -1,0 +1,124 @@
+"""`BrokerOpsView`: the `OpsView` the ops HTTP server reads, over the broker's state."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from broker.ops import DeploymentInfo, MigrationInfo, NodeInfo
+from broker.placement import PriorityClass
+from broker.service import VISIBLE, Broker, NodeEntry
+from broker.state import DeploymentRecord
+
+
+def topology_matrix(entry: NodeEntry) -> str:
+    """The node's GPU links as `nvidia-smi topo -m` prints them."""
+    inventory = entry.inventory
+    names = [f"GPU{g.index}" for g in inventory.gpus]
+    rows = ["\t" + "\t".join(names)]
+    for a in inventory.gpus:
+        cells = [
+            " X " if a.index == b.index else str(inventory.link(a.index, b.index))
+            for b in inventory.gpus
+        ]
+        rows.append(f"GPU{a.index}\t" + "\t".join(cells))
+    return "\n".join(rows) if inventory.gpus else "(no GPUs)"
+
+
+def _summary(record: DeploymentRecord) -> str:
+    try:
+        explanation = json.loads(record.explanation_json or "{}")
+    except json.JSONDecodeError:
+        return ""
+    chosen = explanation.get("chosen")
+    if not chosen:
+        return explanation.get("note", "")
+    deciding = ", ".join(explanation.get("deciding", [])) or "only candidate"
+    return f"latency {chosen['latency_ms']:.1f} ms; deciding: {deciding}"
+
+
+class BrokerOpsView:
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+
+    async def _active(self) -> list[DeploymentRecord]:
+        broker = self._broker
+        return await broker.db(broker.store.list_deployments, states=VISIBLE)
+
+    async def nodes(self) -> list[NodeInfo]:
+        holders: dict[tuple[str, int], list[str]] = {}
+        for record in await self._active():
+            if record.node_id and record.state.value in ("starting", "running"):
+                for index in record.gpus:
+                    holders.setdefault((record.node_id, index), []).append(record.deployment_id)
+        now = time.monotonic()
+        nodes: list[NodeInfo] = []
+        for node_id in sorted(self._broker.nodes):
+            entry = self._broker.nodes[node_id]
+            nodes.append(
+                {
+                    "node_id": node_id,
+                    "site": entry.record.site,
+                    "state": str(entry.record.state),
+                    "address": entry.record.address,
+                    "last_heartbeat_age_s": round(now - entry.last_heartbeat, 3),
+                    "runtime": ",".join(entry.record.runtimes),
+                    "gpus": [
+                        {
+                            "index": g.index,
+                            "uuid": g.uuid,
+                            "name": g.name,
+                            "memory_total_mib": g.memory_total_mib,
+                            "free": (node_id, g.index) not in holders,
+                            "holders": holders.get((node_id, g.index), []),
+                        }
+                        for g in entry.inventory.gpus
+                    ],
+                    "links": [
+                        {"a": a, "b": b, "kind": str(link)}
+                        for (a, b), link in sorted(entry.inventory.links.items())
+                    ],
+                    "topology_text": topology_matrix(entry),
+                }
+            )
+        return nodes
+
+    async def deployments(self) -> list[DeploymentInfo]:
+        return [
+            {
+                "deployment_id": r.deployment_id,
+                "client_id": r.client_id,
+                "model_name": r.model_name,
+                "state": str(r.state),
+                "node_id": r.node_id,
+                "gpus": list(r.gpus),
+                "endpoint": r.endpoint or None,
+                "epoch": r.epoch,
+                "priority": PriorityClass(r.priority).name.lower(),
+                "site": r.site,
+                "reason": r.reason or None,
+                "explanation": _summary(r),
+            }
+            for r in sorted(await self._active(), key=lambda r: r.created_at)
+        ]
+
+    async def migrations(self) -> list[MigrationInfo]:
+        broker = self._broker
+        records = await broker.db(broker.store.list_migrations)
+        out: list[MigrationInfo] = []
+        for m in sorted(records, key=lambda m: m.created_at, reverse=True)[:50]:
+            out.append(
+                {
+                    "migration_id": m.migration_id,
+                    "deployment_id": m.deployment_id,
+                    "trigger": str(m.trigger),
+                    "source": m.source_node,
+                    "target": m.target_node,
+                    "strategy": str(m.strategy).replace("_", "-"),
+                    "outcome": m.outcome or None,
+                    "downtime_ms": m.downtime_ms,
+                    "failed_requests": m.failed_requests,
+                    "timeline": json.loads(m.timeline_json or "[]"),
+                }
+            )
+        return out

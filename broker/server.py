@@ -1,0 +1,251 @@
+"""The broker: `offload broker --listen ADDR --ops-listen ADDR --state-dir DIR --cluster FILE`.
+
+Serves `offload.v1.NodeRegistry` (nodes join with the cluster's join token) and
+`offload.v1.EdgeBroker` (clients with API keys) on one gRPC port, and the ops HTTP server
+(`/healthz`, `/metrics`, `/api/...`, the dashboard) on another. State lives in SQLite under
+the state dir; a restarted broker reloads it, and nodes re-register and are reconciled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from broker.model_store import ModelStore
+from broker.network import ClusterConfigError, EdgeNetwork
+from broker.ops import BrokerMetrics, create_ops_app, start_ops_server
+from broker.ops_view import BrokerOpsView
+from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer
+from broker.service import Broker, BrokerSettings
+from broker.state import StateError, StateStore, new_api_key, parse_api_key
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_MODEL_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    listen: str
+    ops_listen: str
+    state_dir: Path
+    cluster: Path
+    join_token: str
+    api_keys: tuple[str, ...] = ()
+    """`<client id>.<secret>` keys to accept (stored hashed in the state)."""
+    max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES
+    settings: BrokerSettings = field(default_factory=BrokerSettings)
+
+
+@dataclass(slots=True)
+class RunningBroker:
+    broker: Broker
+    server: grpc.aio.Server
+    port: int
+    ops_runner: object
+    ops_port: int
+    store: StateStore
+
+    async def stop(self) -> None:
+        await self.server.stop(2.0)
+        await self.ops_runner.cleanup()  # type: ignore[attr-defined]
+        await self.broker.close()
+        self.store.close()
+
+
+async def start_broker(config: BrokerConfig) -> RunningBroker:
+    """Open the state, load the cluster file, listen on both ports."""
+    network = EdgeNetwork.from_yaml(config.cluster.read_text(), str(config.cluster))
+    store = await asyncio.to_thread(StateStore, config.state_dir)
+    try:
+        for key in config.api_keys:
+            client_id, _secret = parse_api_key(key) or ("", "")
+            await asyncio.to_thread(store.put_client, client_id, key)
+        models = ModelStore(config.state_dir / "models", config.max_model_bytes)
+        metrics = BrokerMetrics()
+        broker = Broker(store, models, network, config.join_token, config.settings, metrics)
+        await broker.load()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
+        pb_grpc.add_NodeRegistryServicer_to_server(NodeRegistryServicer(broker), server)
+        pb_grpc.add_EdgeBrokerServicer_to_server(EdgeBrokerServicer(broker), server)
+        try:
+            port = server.add_insecure_port(config.listen)
+        except RuntimeError as err:
+            raise OSError(f"cannot listen on {config.listen}: {err}") from err
+        await server.start()
+        host, _, ops_port_text = config.ops_listen.rpartition(":")
+        runner, ops_port = await start_ops_server(
+            create_ops_app(BrokerOpsView(broker), metrics), host, int(ops_port_text)
+        )
+    except BaseException:
+        store.close()
+        raise
+    logger.info(
+        "broker listening on %s:%d, ops on http://%s:%d/",
+        config.listen.rpartition(":")[0],
+        port,
+        host,
+        ops_port,
+    )
+    return RunningBroker(broker, server, port, runner, ops_port, store)
+
+
+async def _every(interval_s: float, action: Callable[[], Awaitable[object]]) -> None:
+    """Run `action` every `interval_s`; a failure is logged and the loop goes on."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await action()
+        except Exception:
+            logger.exception("%s failed", getattr(action, "__name__", action))
+
+
+async def serve(config: BrokerConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    running = await start_broker(config)
+    broker = running.broker
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            loops = [
+                tasks.create_task(_every(1.0, broker.mark_lost_nodes), name="lost-node-check"),
+                tasks.create_task(
+                    _every(config.settings.pending_retry_s, broker.retry_pending),
+                    name="pending-retry",
+                ),
+            ]
+            await stop.wait()
+            for task in loops:
+                task.cancel()
+    finally:
+        await running.stop()
+    return 0
+
+
+def _read_secret(path: Path, flag: str) -> str:
+    text = path.read_text().strip()
+    if not text:
+        raise ValueError(f"{flag} {path} is empty")
+    return text
+
+
+def config_from_args(args: argparse.Namespace) -> BrokerConfig:
+    """Validated configuration; ValueError or OSError saying which flag is wrong."""
+    for flag, value in (("--listen", args.listen), ("--ops-listen", args.ops_listen)):
+        host, colon, port = value.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"{flag} {value!r} is not host:port")
+    keys: list[str] = []
+    if args.api_keys_file is not None:
+        for number, line in enumerate(args.api_keys_file.read_text().splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if parse_api_key(line) is None:
+                raise ValueError(
+                    f"{args.api_keys_file}, line {number}: not an API key "
+                    "(<client id>.<secret>; make one with `offload keygen CLIENT_ID`)"
+                )
+            keys.append(line)
+    return BrokerConfig(
+        listen=args.listen,
+        ops_listen=args.ops_listen,
+        state_dir=args.state_dir,
+        cluster=args.cluster,
+        join_token=_read_secret(args.join_token_file, "--join-token-file"),
+        api_keys=tuple(keys),
+        max_model_bytes=args.max_model_bytes,
+        settings=BrokerSettings(
+            heartbeat_interval_s=args.heartbeat_interval,
+            lost_after_s=args.lost_after,
+            orphan_grace_s=args.orphan_grace,
+        ),
+    )
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "broker",
+        help="run the broker: node registry, placement, deployments, ops page",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--listen", required=True, help="host:port for gRPC (port 0: any, logged)")
+    p.add_argument("--ops-listen", required=True, help="host:port for the ops HTTP server")
+    p.add_argument("--state-dir", type=Path, required=True, help="SQLite state and models")
+    p.add_argument(
+        "--cluster",
+        type=Path,
+        required=True,
+        help="the cluster file (YAML): sites, links with latencies, nodes",
+    )
+    p.add_argument(
+        "--join-token-file",
+        type=Path,
+        required=True,
+        help="the token nodes join with (offload node --join-token-file)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        type=Path,
+        help="client API keys, one per line (make them with `offload keygen`)",
+    )
+    p.add_argument("--max-model-bytes", type=int, default=DEFAULT_MAX_MODEL_BYTES)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument(
+        "--lost-after",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="mark a node lost after this long without a heartbeat",
+    )
+    p.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="stop a replica no deployment claims after this long",
+    )
+    p.set_defaults(func=_main)
+    k = subparsers.add_parser("keygen", help="print a new API key for a client")
+    k.add_argument("client_id")
+    k.set_defaults(func=_keygen)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    try:
+        print(new_api_key(args.client_id))
+    except ValueError as err:
+        print(f"offload keygen: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as err:
+        print(f"offload broker: {err}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(config))
+    except (ClusterConfigError, StateError, OSError) as err:
+        print(f"offload broker: {err}", file=sys.stderr)
+        return 1

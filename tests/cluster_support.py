@@ -1,0 +1,209 @@
+"""A real cluster on loopback for tests: a broker process and node daemon processes.
+
+Ports are picked free up front (the broker keeps its port across a restart, so the nodes find
+it again). Logs go to files under the test's tmp_path; `wait_for_log` polls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+import modelzoo
+from edge_client.rpc.tensors import infer_request
+from node_daemon.model_cache import file_sha256
+from protos.inference import grpc_service_pb2_grpc as infer_grpc
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+from protos.offload.v1 import node_pb2 as npb
+
+CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "topologies"
+JOIN_TOKEN = "join-token-for-tests-0123456789"
+CLUSTER_YAML = """\
+sites: [site-a, site-b, site-c]
+links:
+  - {a: site-a, b: site-b, latency_ms: 10}
+  - {a: site-b, b: site-c, latency_ms: 10}
+  - {a: site-a, b: site-c, latency_ms: 25}
+"""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node_id: str
+    site: str
+    capture: str
+    gpu_spec: str
+
+
+THREE_NODES = (
+    NodePlan("node-a", "site-a", "24_asus-esc8000a-e12-4xRTX6000Ada-2socket-4nic.txt",
+             "RTX 6000 Ada:49140"),
+    NodePlan("node-b", "site-b", "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt",
+             "Tesla V100-SXM2-16GB:16384"),
+    NodePlan("node-c", "site-c", "12_dgx-a100-8gpu-nv12-10nic-nps4.txt", "A100-SXM4-40GB:40960"),
+)  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+
+
+async def wait_for_log(log: Path, pattern: str, after: int = 0, timeout_s: float = 60) -> str:
+    """The first match of `pattern` in the log past byte `after`, waiting up to `timeout_s`."""
+    regex = re.compile(pattern)
+    for _ in range(int(timeout_s / 0.05)):
+        text = (await asyncio.to_thread(log.read_bytes))[after:].decode(errors="replace")
+        if match := regex.search(text):
+            return match.group(0)
+        await asyncio.sleep(0.05)
+    text = await asyncio.to_thread(log.read_text, errors="replace")
+    raise AssertionError(f"no {pattern!r} in {log} within {timeout_s}s:\n{text[-4000:]}")
+
+
+@dataclass
+class Cluster:
+    root: Path
+    broker_port: int = field(default_factory=free_port)
+    ops_port: int = field(default_factory=free_port)
+    broker: subprocess.Popen[bytes] | None = None
+    nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    api_keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def broker_address(self) -> str:
+        return f"127.0.0.1:{self.broker_port}"
+
+    @property
+    def broker_log(self) -> Path:
+        return self.root / "broker.log"
+
+    def node_log(self, node_id: str) -> Path:
+        return self.root / f"{node_id}.log"
+
+    async def start_broker(self, *extra: str) -> None:
+        (self.root / "cluster.yaml").write_text(CLUSTER_YAML)
+        (self.root / "join-token").write_text(JOIN_TOKEN)
+        if not self.api_keys:
+            for client in ("alice", "bob"):
+                self.api_keys[client] = f"{client}.secret-key-of-{client}-0123456789"
+        (self.root / "api-keys").write_text("\n".join(self.api_keys.values()) + "\n")
+        offset = self.broker_log.stat().st_size if self.broker_log.exists() else 0
+        self.broker = spawn(
+            [
+                sys.executable, "-m", "edge_client.cli", "broker",
+                "--listen", self.broker_address, "--ops-listen", f"127.0.0.1:{self.ops_port}",
+                "--state-dir", str(self.root / "broker-state"),
+                "--cluster", str(self.root / "cluster.yaml"),
+                "--join-token-file", str(self.root / "join-token"),
+                "--api-keys-file", str(self.root / "api-keys"),
+                "--heartbeat-interval", "0.2", "--lost-after", "3", "--orphan-grace", "3",
+                *extra,
+            ],
+            self.broker_log,
+        )  # fmt: skip
+        await wait_for_log(self.broker_log, r"broker listening on", after=offset)
+
+    async def start_node(self, plan: NodePlan, runtime: str = "process") -> None:
+        log = self.node_log(plan.node_id)
+        offset = log.stat().st_size if log.exists() else 0
+        self.nodes[plan.node_id] = spawn(
+            [
+                sys.executable, "-m", "edge_client.cli", "node", "--listen", "127.0.0.1:0",
+                "--site", plan.site, "--node-id", plan.node_id, "--runtime", runtime,
+                "--topology-file", str(CAPTURES / plan.capture), "--gpu-spec", plan.gpu_spec,
+                "--state-dir", str(self.root / f"{plan.node_id}-state"),
+                "--broker", self.broker_address,
+                "--join-token-file", str(self.root / "join-token"),
+            ],
+            log,
+        )  # fmt: skip
+        await wait_for_log(log, r"registered with broker", after=offset)
+
+    def kill_broker(self) -> None:
+        assert self.broker is not None
+        self.broker.send_signal(signal.SIGKILL)
+        self.broker.wait()
+
+    async def stop(self) -> None:
+        """SIGTERM every process; nodes stop their replicas on the way out."""
+        for process in (*self.nodes.values(), self.broker):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in (*self.nodes.values(), self.broker):
+            if process is None:
+                continue
+            try:
+                await asyncio.to_thread(process.wait, 30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def metadata(self, client: str) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_keys[client]}"),)
+
+    @contextlib.asynccontextmanager
+    async def edge(self, client: str) -> AsyncIterator[EdgeClient]:
+        async with grpc.aio.insecure_channel(self.broker_address) as channel:
+            yield EdgeClient(pb_grpc.EdgeBrokerStub(channel), self.metadata(client))
+
+
+@dataclass
+class EdgeClient:
+    """EdgeBroker calls with one client's API key."""
+
+    stub: pb_grpc.EdgeBrokerStub
+    metadata: tuple[tuple[str, str], ...]
+
+    async def upload(self, path: Path, sha: str | None = None) -> pb.UploadModelResponse:
+        data = await asyncio.to_thread(path.read_bytes)
+        declared = sha or file_sha256(path)
+
+        def chunks() -> Iterator[npb.ModelChunk]:
+            yield npb.ModelChunk(sha256=declared, name=path.stem, data=data[: 1 << 20])
+            for offset in range(1 << 20, len(data), 1 << 20):
+                yield npb.ModelChunk(data=data[offset : offset + (1 << 20)])
+
+        return await self.stub.UploadModel(chunks(), metadata=self.metadata)
+
+    async def deploy(self, **fields: object) -> pb.Deployment:
+        return await self.stub.Deploy(pb.DeployRequest(**fields), metadata=self.metadata)
+
+    async def get(self, deployment_id: str) -> pb.Deployment:
+        return await self.stub.GetDeployment(
+            pb.GetDeploymentRequest(deployment_id=deployment_id), metadata=self.metadata
+        )
+
+    async def list(self) -> list[pb.Deployment]:
+        reply = await self.stub.ListDeployments(
+            pb.ListDeploymentsRequest(), metadata=self.metadata
+        )
+        return list(reply.deployments)
+
+
+async def infer_once(deployment: pb.Deployment, model: str = "mlp") -> None:
+    """One ModelInfer on the deployment's replica; raises AioRpcError on failure."""
+    inputs = modelzoo.sample_inputs(modelzoo.model_path(model))
+    async with grpc.aio.insecure_channel(deployment.endpoint) as channel:
+        await infer_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            infer_request(model, inputs),
+            metadata=(("authorization", f"Bearer {deployment.token}"),),
+            timeout=10,
+        )
