@@ -7,9 +7,15 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
+import grpc
 import pytest
 
 import modelzoo
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+from protos.offload.v1 import node_pb2 as npb
+from protos.offload.v1 import node_pb2_grpc as npb_grpc
 from tests.cluster_support import THREE_NODES, Cluster, infer_once
 
 
@@ -52,3 +58,182 @@ async def test_placement_follows_the_client_and_the_topology(cluster: Cluster) -
             assert explanation["chosen"]["node_id"] == node
             assert "latency" in explanation["deciding"], explanation
             await infer_once(deployment)
+
+
+async def _ops(cluster: Cluster, path: str) -> list[dict]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{cluster.ops_port}{path}") as response,
+    ):
+        assert response.status == 200
+        return await response.json()
+
+
+async def test_every_refusal_has_its_status_and_changes_nothing(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    model = modelzoo.model_path("mlp")
+    async with cluster.edge("alice") as alice, cluster.edge("bob") as bob:
+        sha = (await alice.upload(model)).sha256
+        mine = await alice.deploy(model_sha256=sha, model_name="mlp", gpus=1, site="site-a")
+        before = (await _ops(cluster, "/api/deployments"), await _ops(cluster, "/api/nodes"))
+
+        async def refused(call: object, code: grpc.StatusCode, message: str) -> None:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call  # type: ignore[misc]
+            assert caught.value.code() == code, caught.value.details()
+            assert message in caught.value.details(), caught.value.details()
+
+        async with grpc.aio.insecure_channel(cluster.broker_address) as channel:
+            registry = pb_grpc.NodeRegistryStub(channel)
+            await refused(
+                registry.Register(
+                    pb.RegisterRequest(node_id="intruder", address="127.0.0.1:1", site="site-a"),
+                    metadata=(("authorization", "Bearer not-the-join-token"),),
+                ),
+                grpc.StatusCode.UNAUTHENTICATED,
+                "join token",
+            )
+            edge = pb_grpc.EdgeBrokerStub(channel)
+            await refused(
+                edge.ListDeployments(
+                    pb.ListDeploymentsRequest(),
+                    metadata=(("authorization", "Bearer alice.wrong-secret-0123456789"),),
+                ),
+                grpc.StatusCode.UNAUTHENTICATED,
+                "API key",
+            )
+        await refused(bob.get(mine.deployment_id), grpc.StatusCode.NOT_FOUND, "not found")
+        await refused(
+            bob.stub.DeleteDeployment(
+                pb.DeleteDeploymentRequest(deployment_id=mine.deployment_id),
+                metadata=bob.metadata,
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "not found",
+        )
+        garbage = tmp_path / "garbage.onnx"
+        garbage.write_bytes(b"this is not an ONNX model" * 100)
+        await refused(alice.upload(garbage), grpc.StatusCode.INVALID_ARGUMENT, "ONNX")
+        truncated = tmp_path / "truncated.onnx"
+        truncated.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+        await refused(alice.upload(truncated), grpc.StatusCode.INVALID_ARGUMENT, "ONNX")
+        await refused(
+            alice.upload(model, sha="0" * 64), grpc.StatusCode.INVALID_ARGUMENT, "sha256"
+        )
+        await refused(
+            alice.deploy(model_sha256=sha, model_name="mlp", gpus=9, site="site-a"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "the largest node has 8",
+        )
+        await refused(
+            alice.deploy(model_sha256="ab" * 32, model_name="mlp", gpus=1, site="site-a"),
+            grpc.StatusCode.NOT_FOUND,
+            "not uploaded",
+        )
+        await refused(
+            alice.deploy(model_sha256=sha, model_name="mlp", gpus=1, site="mars"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "site 'mars' is unknown",
+        )
+        after = (await _ops(cluster, "/api/deployments"), await _ops(cluster, "/api/nodes"))
+        for nodes in (before[1], after[1]):
+            for node in nodes:
+                node.pop("last_heartbeat_age_s")
+        assert after == before
+        assert [d.deployment_id for d in await alice.list()] == [mine.deployment_id]
+        assert await bob.list() == []
+        await infer_once(mine)
+
+
+async def test_broker_killed_and_restarted_keeps_every_deployment_serving(
+    cluster: Cluster,
+) -> None:
+    async with cluster.edge("alice") as alice:
+        sha = (await alice.upload(modelzoo.model_path("mlp"))).sha256
+        deployments = [
+            await alice.deploy(model_sha256=sha, model_name="mlp", gpus=1, site=site)
+            for site in ("site-a", "site-b", "site-c")
+        ]
+    failures: list[str] = []
+    successes = 0
+    stop = asyncio.Event()
+
+    async def keep_inferring() -> None:
+        nonlocal successes
+        while not stop.is_set():
+            for deployment in deployments:
+                try:
+                    await infer_once(deployment)
+                    successes += 1
+                except grpc.aio.AioRpcError as err:
+                    failures.append(f"{deployment.deployment_id}: {err.code().name}")
+            await asyncio.sleep(0.02)
+
+    load = asyncio.create_task(keep_inferring(), name="inference-load")
+    try:
+        await asyncio.sleep(0.5)
+        cluster.kill_broker()
+        during = successes
+        await asyncio.sleep(1.0)  # broker down: the replicas keep serving
+        assert successes > during
+        await cluster.start_broker()
+        # The restarted broker reloads the nodes from its state and hears from each again.
+        for _ in range(200):
+            nodes = await _ops(cluster, "/api/nodes")
+            if len(nodes) == 3 and all(n["last_heartbeat_age_s"] < 0.5 for n in nodes):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"nodes did not check in again: {nodes}")
+        await asyncio.sleep(1.0)
+    finally:
+        stop.set()
+        await load
+    assert not failures, failures
+    async with cluster.edge("alice") as alice:
+        after = {d.deployment_id: d for d in await alice.list()}
+    assert {d.deployment_id: (d.endpoint, d.epoch, d.state) for d in deployments} == {
+        k: (d.endpoint, d.epoch, d.state) for k, d in after.items()
+    }
+    # No duplicate replicas: each node runs exactly the replica it ran before.
+    nodes = await _ops(cluster, "/api/nodes")
+    for node in nodes:
+        async with grpc.aio.insecure_channel(node["address"]) as channel:
+            listed = await npb_grpc.NodeAgentStub(channel).ListReplicas(
+                npb.ListReplicasRequest(),
+                metadata=(("authorization", "Bearer join-token-for-tests-0123456789"),),
+            )
+        expected = [
+            f"{d.deployment_id}-{d.epoch}" for d in deployments if d.node_id == node["node_id"]
+        ]
+        assert [r.replica_id for r in listed.replicas] == expected
+
+
+async def test_priority_preempts_lower_and_never_equal(cluster: Cluster) -> None:
+    async with cluster.edge("alice") as alice:
+        sha = (await alice.upload(modelzoo.model_path("mlp"))).sha256
+        # Fill every GPU of every node with best-effort work: 4 + 8 + 8 GPUs.
+        low = [
+            await alice.deploy(
+                model_sha256=sha, model_name="mlp", gpus=4, site="site-a",
+                priority=pb.PRIORITY_CLASS_BEST_EFFORT,
+            )
+            for _ in range(5)
+        ]  # fmt: skip
+        assert sorted(d.node_id for d in low) == ["node-a", "node-b", "node-b", "node-c", "node-c"]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await alice.deploy(
+                model_sha256=sha, model_name="mlp", gpus=4, site="site-a",
+                priority=pb.PRIORITY_CLASS_BEST_EFFORT,
+            )  # fmt: skip
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        critical = await alice.deploy(
+            model_sha256=sha, model_name="mlp", gpus=4, site="site-a",
+            priority=pb.PRIORITY_CLASS_CRITICAL,
+        )  # fmt: skip
+        assert critical.node_id == "node-a"
+        evicted = [d for d in await alice.list() if d.state == "pending"]
+        assert [d.deployment_id for d in evicted] == [low[0].deployment_id]
+        assert f"preempted by {critical.deployment_id}" in evicted[0].reason
+        await infer_once(critical)
