@@ -554,7 +554,9 @@ class Broker:
                 endpoint="",
                 token=secrets.token_urlsafe(24),
                 epoch=epoch,
-                explanation_json=json.dumps(decision.explanation.to_dict()),
+                explanation_json=json.dumps(
+                    {**decision.explanation.to_dict(), "text": decision.explanation.render()}
+                ),
                 reason="",
                 created_at=now,
                 updated_at=now,

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -12,11 +16,12 @@ import grpc
 import pytest
 
 import modelzoo
+from node_daemon.model_cache import file_sha256
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 from protos.offload.v1 import node_pb2_grpc as npb_grpc
-from tests.cluster_support import THREE_NODES, Cluster, infer_once
+from tests.cluster_support import JOIN_TOKEN, THREE_NODES, Cluster, infer_once, wait_for_log
 
 
 @pytest.fixture
@@ -237,3 +242,103 @@ async def test_priority_preempts_lower_and_never_equal(cluster: Cluster) -> None
         assert [d.deployment_id for d in evicted] == [low[0].deployment_id]
         assert f"preempted by {critical.deployment_id}" in evicted[0].reason
         await infer_once(critical)
+
+
+def _offload(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+async def test_cli_shows_nodes_deployments_and_explanations(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    async with cluster.edge("alice") as alice:
+        sha = (await alice.upload(modelzoo.model_path("mlp"))).sha256
+        deployment = await alice.deploy(model_sha256=sha, model_name="mlp", gpus=2, site="site-c")
+    key_file = tmp_path / "alice.key"
+    key_file.write_text(cluster.api_keys["alice"])
+    env = {"OFFLOAD_BROKER": cluster.broker_address, "OFFLOAD_API_KEY_FILE": str(key_file)}
+    ops = f"http://127.0.0.1:{cluster.ops_port}"
+    nodes = await asyncio.to_thread(_offload, "nodes", "--ops", ops)
+    assert nodes.returncode == 0, nodes.stderr
+    for node in ("node-a", "node-b", "node-c"):
+        assert node in nodes.stdout
+    assert "6/8" in nodes.stdout  # node-c gave 2 of its 8 GPUs
+    listed = await asyncio.to_thread(_offload, "deployments", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert [d["deployment_id"] for d in json.loads(listed.stdout)] == [deployment.deployment_id]
+    explained = await asyncio.to_thread(_offload, "explain", deployment.deployment_id, env=env)
+    assert explained.returncode == 0, explained.stderr
+    assert "chosen: node-c at site-c, GPUs" in explained.stdout
+    assert "deciding: latency" in explained.stdout
+    missing = await asyncio.to_thread(_offload, "explain", "d-nope", env=env)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    no_key = await asyncio.to_thread(_offload, "deployments", "--broker", cluster.broker_address)
+    assert no_key.returncode == 1 and "--api-key-file" in no_key.stderr
+
+
+async def test_lost_nodes_and_vanished_replicas(cluster: Cluster) -> None:
+    async with cluster.edge("alice") as alice:
+        sha = (await alice.upload(modelzoo.model_path("mlp"))).sha256
+        deployment = await alice.deploy(model_sha256=sha, model_name="mlp", gpus=1, site="site-a")
+        # A replica that vanishes from its node is placed again, at the next epoch.
+        os.kill(int(_replica_pid(cluster, deployment)), signal.SIGKILL)
+        for _ in range(200):
+            again = await alice.get(deployment.deployment_id)
+            if again.epoch == 2 and again.state == "running":
+                break
+            await asyncio.sleep(0.05)
+        assert (again.epoch, again.state) == (2, "running"), again
+        await infer_once(again)
+    # A node that stops heartbeating is marked lost.
+    cluster.nodes["node-b"].send_signal(signal.SIGKILL)
+    cluster.nodes["node-b"].wait()
+    for _ in range(200):
+        states = {n["node_id"]: n["state"] for n in await _ops(cluster, "/api/nodes")}
+        if states["node-b"] == "lost":
+            break
+        await asyncio.sleep(0.05)
+    assert states == {"node-a": "ready", "node-b": "lost", "node-c": "ready"}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{cluster.ops_port}/metrics") as response,
+    ):
+        metrics = await response.text()
+    assert 'offload_nodes{state="lost"} 1.0' in metrics
+
+
+async def test_a_replica_no_deployment_claims_is_stopped(cluster: Cluster) -> None:
+    plan = THREE_NODES[0]
+    address = await wait_for_log(cluster.node_log(plan.node_id), r"127\.0\.0\.1:\d+")
+    sha = file_sha256(modelzoo.model_path("mlp"))
+    metadata = (("authorization", f"Bearer {JOIN_TOKEN}"),)
+    async with grpc.aio.insecure_channel(address) as channel:
+        agent = npb_grpc.NodeAgentStub(channel)
+
+        def chunks() -> Iterator[npb.ModelChunk]:
+            yield npb.ModelChunk(sha256=sha, data=modelzoo.model_path("mlp").read_bytes())
+
+        await agent.PutModel(chunks(), metadata=metadata)
+        stray = npb.ReplicaSpec(
+            deployment_id="stray", epoch=1, model_sha256=sha, model_name="mlp",
+            token="stray-token-0123456789",
+        )  # fmt: skip
+        await agent.StartReplica(npb.StartReplicaRequest(spec=stray), metadata=metadata)
+        for _ in range(300):
+            listed = await agent.ListReplicas(npb.ListReplicasRequest(), metadata=metadata)
+            if not listed.replicas:
+                break
+            await asyncio.sleep(0.05)
+        assert list(listed.replicas) == []
+    await wait_for_log(cluster.broker_log, r"replica=stray-1: no deployment claims it; stopping")
+
+
+def _replica_pid(cluster: Cluster, deployment: pb.Deployment) -> str:
+    state = cluster.root / f"{deployment.node_id}-state" / "replicas"
+    record = state / f"{deployment.deployment_id}-{deployment.epoch}" / "replica.json"
+    return str(json.loads(record.read_text())["pid"])

@@ -1,0 +1,176 @@
+"""`offload nodes`, `offload deployments`, `offload explain`: what runs where, and why.
+
+`nodes` reads the broker's ops API (`--ops URL`, or $OFFLOAD_OPS); `deployments` and
+`explain` call the broker's EdgeBroker service with a client's API key (`--broker HOST:PORT
+--api-key-file F`, or $OFFLOAD_BROKER and $OFFLOAD_API_KEY_FILE). Tables for people, `--json`
+for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+from rich.console import Console
+from rich.table import Table
+
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+
+_PRIORITY = {1: "best-effort", 2: "standard", 3: "critical"}
+
+
+class CommandError(Exception):
+    """A problem the user can fix; the message says how."""
+
+
+def _api_key(args: argparse.Namespace) -> str:
+    path = args.api_key_file or os.environ.get("OFFLOAD_API_KEY_FILE")
+    if not path:
+        raise CommandError("give --api-key-file F (or set OFFLOAD_API_KEY_FILE)")
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as err:
+        raise CommandError(f"cannot read the API key file {path}: {err.strerror}") from err
+    if not key:
+        raise CommandError(f"the API key file {path} is empty")
+    return key
+
+
+def _broker(args: argparse.Namespace) -> str:
+    address = args.broker or os.environ.get("OFFLOAD_BROKER")
+    if not address:
+        raise CommandError("give --broker HOST:PORT (or set OFFLOAD_BROKER)")
+    return address
+
+
+async def _edge_call(args: argparse.Namespace, method: str, request: Any) -> Any:
+    metadata = (("authorization", f"Bearer {_api_key(args)}"),)
+    async with grpc.aio.insecure_channel(_broker(args)) as channel:
+        stub = pb_grpc.EdgeBrokerStub(channel)
+        try:
+            return await getattr(stub, method)(request, metadata=metadata, timeout=15)
+        except grpc.aio.AioRpcError as err:
+            raise CommandError(f"{err.code().name}: {err.details()}") from err
+
+
+async def _nodes(args: argparse.Namespace) -> int:
+    url = (args.ops or os.environ.get("OFFLOAD_OPS") or "").rstrip("/")
+    if not url:
+        raise CommandError("give --ops URL, the broker's ops address (or set OFFLOAD_OPS)")
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
+            http.get(f"{url}/api/nodes") as response,
+        ):
+            if response.status != 200:
+                raise CommandError(f"{url}/api/nodes answered HTTP {response.status}")
+            nodes = await response.json()
+    except aiohttp.ClientError as err:
+        raise CommandError(f"cannot reach the broker's ops API at {url}: {err}") from err
+    if args.json:
+        print(json.dumps(nodes, indent=2))
+        return 0
+    table = Table("node", "site", "state", "GPUs free", "GPU model", "heartbeat", "address")
+    for n in nodes:
+        gpus = n["gpus"]
+        age = n["last_heartbeat_age_s"]
+        table.add_row(
+            n["node_id"],
+            n["site"],
+            n["state"],
+            f"{sum(g['free'] for g in gpus)}/{len(gpus)}",
+            gpus[0]["name"] if gpus else "-",
+            "never" if age is None else f"{age:.1f}s ago",
+            n["address"],
+        )
+    Console().print(table)
+    return 0
+
+
+async def _deployments(args: argparse.Namespace) -> int:
+    reply = await _edge_call(args, "ListDeployments", pb.ListDeploymentsRequest())
+    deployments = list(reply.deployments)
+    if args.json:
+        print(json.dumps([_deployment_dict(d) for d in deployments], indent=2))
+        return 0
+    table = Table("deployment", "model", "state", "node", "GPUs", "endpoint", "epoch", "priority")
+    for d in deployments:
+        table.add_row(
+            d.deployment_id,
+            d.model_name,
+            d.state + (f" ({d.reason})" if d.reason else ""),
+            d.node_id or "-",
+            str(len(d.gpu_uuids)),
+            d.endpoint or "-",
+            str(d.epoch),
+            _PRIORITY.get(d.priority, str(d.priority)),
+        )
+    Console().print(table)
+    return 0
+
+
+def _deployment_dict(d: pb.Deployment) -> dict[str, Any]:
+    return {
+        "deployment_id": d.deployment_id,
+        "model_name": d.model_name,
+        "model_sha256": d.model_sha256,
+        "state": d.state,
+        "reason": d.reason,
+        "node_id": d.node_id,
+        "gpu_uuids": list(d.gpu_uuids),
+        "endpoint": d.endpoint,
+        "epoch": d.epoch,
+        "priority": _PRIORITY.get(d.priority, str(d.priority)),
+        "site": d.site,
+    }
+
+
+async def _explain(args: argparse.Namespace) -> int:
+    d = await _edge_call(
+        args, "GetDeployment", pb.GetDeploymentRequest(deployment_id=args.deployment)
+    )
+    explanation = json.loads(d.explanation_json or "{}")
+    if args.json:
+        print(json.dumps({**_deployment_dict(d), "explanation": explanation}, indent=2))
+        return 0
+    print(f"deployment {d.deployment_id} ({d.model_name}) is {d.state}" + (
+        f": {d.reason}" if d.reason else ""))  # fmt: skip
+    print(explanation.get("text") or "(no placement recorded)")
+    return 0
+
+
+def _run(handler: Any) -> Any:
+    def main(args: argparse.Namespace) -> int:
+        try:
+            return int(asyncio.run(handler(args)))
+        except CommandError as err:
+            print(f"offload {args.command}: {err}", file=sys.stderr)
+            return 1
+
+    return main
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    nodes = subparsers.add_parser("nodes", help="the broker's nodes, their GPUs and state")
+    nodes.add_argument("--ops", help="the broker's ops URL, e.g. http://broker:8080")
+    nodes.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    nodes.set_defaults(func=_run(_nodes))
+    for name, helptext, handler in (
+        ("deployments", "your deployments and where they run", _deployments),
+        ("explain", "why a deployment runs where it does", _explain),
+    ):
+        p = subparsers.add_parser(name, help=helptext)
+        if name == "explain":
+            p.add_argument("deployment", help="the deployment id")
+        p.add_argument("--broker", help="the broker's gRPC address HOST:PORT")
+        p.add_argument("--api-key-file", help="file holding your API key")
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
+        p.set_defaults(func=_run(handler))
