@@ -21,6 +21,7 @@ from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 from protos.offload.v1 import node_pb2_grpc as npb_grpc
+from tests.chromium_support import DomDump, require_chromium, run_chromium
 from tests.cluster_support import JOIN_TOKEN, THREE_NODES, Cluster, infer_once, wait_for_log
 
 
@@ -342,3 +343,27 @@ def _replica_pid(cluster: Cluster, deployment: pb.Deployment) -> str:
     state = cluster.root / f"{deployment.node_id}-state" / "replicas"
     record = state / f"{deployment.deployment_id}-{deployment.epoch}" / "replica.json"
     return str(json.loads(record.read_text())["pid"])
+
+
+async def test_dashboard_shows_the_live_cluster(cluster: Cluster, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with cluster.edge("alice") as alice:
+        sha = (await alice.upload(modelzoo.model_path("mlp"))).sha256
+        deployment = await alice.deploy(
+            model_sha256=sha, model_name="mlp", gpus=4, p2p_required=True, site="site-b"
+        )
+    url = f"http://127.0.0.1:{cluster.ops_port}/"
+    dom = DomDump(await run_chromium(chromium, tmp_path / "profile", "--dump-dom", url))
+    assert [e.attrs["data-node-id"] for e in dom.having("data-node-id")] == [
+        "node-a",
+        "node-b",
+        "node-c",
+    ]
+    used = [e for e in dom.having("data-gpu-index") if e.attrs.get("data-state") == "used"]
+    assert {e.attrs["data-holders"] for e in used} == {deployment.deployment_id}
+    assert len(used) == 4
+    rows = [e.attrs["data-deployment-id"] for e in dom.having("data-deployment-id")]
+    assert rows == [deployment.deployment_id]
+    screenshot = tmp_path / "dashboard.png"
+    await run_chromium(chromium, tmp_path / "profile2", f"--screenshot={screenshot}", url)
+    assert screenshot.stat().st_size > 10_000
