@@ -3,8 +3,8 @@ are computed once for all of them.
 
 A kind answers "which GPUs would a node of this kind give this request, and what are their
 score terms" from the node's free and shared GPUs alone, memoized: a cluster of 10,000 nodes
-of five models sees a few hundred distinct answers, so placement costs dict lookups. GPUs are
-addressed inside a kind by position (the p-th smallest index), sets of them as bitmasks.
+of five models sees a few thousand distinct answers, so placement mostly costs dict lookups.
+GPUs are addressed inside a kind by position (the p-th smallest index), sets as bitmasks.
 
 Memos grow only with distinct (request, GPU state) pairs and are emptied past `MEMO_LIMIT`
 entries. Safe to share between threads under CPython (a race recomputes an entry).
@@ -222,7 +222,8 @@ class NodeKind:
 
 class KindRegistry:
     """Interns `NodeKind`s by `NodeKind.signature`, with a fast path for a `Topology` object
-    seen before. Shared by a snapshot and every snapshot derived from it."""
+    seen before (by identity; the entry keeps it alive, and the table is emptied past
+    `MEMO_LIMIT` entries)."""
 
     __slots__ = ("_by_signature", "_by_topology")
 

@@ -357,7 +357,7 @@ class Explanation:
         if self.note:
             lines.append(f"note: {self.note}")
         if self.top:
-            lines.append(f"top candidates ({self.scored} of {self.nodes} nodes scored):")
+            lines.append(f"top candidates ({self.scored:,} of {self.nodes:,} nodes scored):")
             for candidate in self.top:
                 terms = "  ".join(
                     f"{t.name}={t.value:.3g}x{t.weight:g}" for t in candidate.score.terms

@@ -55,7 +55,7 @@ from broker.placement.model import (
     parse_cuda,
 )
 from broker.placement.scoring import GroupTerms, latency_bound, penalty, score_terms
-from broker.placement.snapshot import Bucket, BucketKey, ClusterSnapshot, SiteIndex
+from broker.placement.snapshot import Bucket, BucketKey, ClusterSnapshot, SiteIndex, bucket_key
 
 TOP_CANDIDATES = 3
 """Candidates kept, scored and explained (the chosen one and its runners-up)."""
@@ -287,9 +287,10 @@ class _Search:
                 self._try_eviction(node.node_id, latency)
 
     def _key(self, node: NodeSnapshot) -> BucketKey:
-        kind = self.snapshot._kind(node.node_id)
-        shares = kind.shares(node.shared_mib)
-        return (kind, kind.mask(node.free), shares, node.runtimes, node.cuda_version)
+        """The bucket key of a ready node, as the snapshot's index computes it."""
+        key = bucket_key(node, self.snapshot._kind(node.node_id))
+        assert key is not None, "only ready nodes have a bucket"
+        return key
 
     # --- shared by both -----------------------------------------------------------------------
 
@@ -344,13 +345,19 @@ class _Search:
             (a for a in node.allocations if a.priority < request.priority),
             key=lambda a: (a.priority, a.deployment_id),
         )[:MAX_EVICTABLE]
-        if not evictable or self._room_after(kind, node, evictable) is None:
+        if not evictable:
             return
-        bound = self.preemptions.worst() if self.preemptions.full() else None
+        # Keys start (evictions, priorities, latency): nothing here beats `bound` once this
+        # node's cheapest conceivable start does not.
+        bound = self.preemptions.worst()[:3] if self.preemptions.full() else None
+        if bound is not None and (1, (int(evictable[0].priority),), latency) > bound:
+            return
+        if self._room_after(kind, node, evictable) is None:
+            return
         for count in range(1, len(evictable) + 1):
             for subset in sorted(itertools.combinations(evictable, count), key=_priorities):
                 cost = (count, _priorities(subset))
-                if bound is not None and cost > bound[:2]:
+                if bound is not None and (*cost, latency) > bound:
                     return
                 terms = self._room_after(kind, node, subset)
                 if terms is not None:

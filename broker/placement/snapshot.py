@@ -14,8 +14,9 @@ old one. Three structures, each copied only where a change lands:
 - the largest node (most GPUs, then smallest id), kept up to date in O(1) unless that node
   leaves or shrinks (then one scan).
 
-At 10,000 nodes x 8 GPUs over 50 sites a one-node change costs tens of microseconds where
-copying every node would cost milliseconds.
+At 10,000 nodes x 8 GPUs over 50 sites a one-node change (`commit`, validation included)
+takes about 0.1 ms at p99 (`python -m bench.placement`), where copying every node would cost
+milliseconds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from broker.placement.model import Allocation, Decision, NodeSnapshot, Placement
 
 CHUNKS = 64
 """Dicts the node map is split into (copy-on-write unit)."""
+KINDS = KindRegistry()
+"""Node kinds of every snapshot in the process: their memos outlive any one snapshot, so a
+snapshot rebuilt from scratch still finds its group choices computed."""
 
 BucketKey = tuple[NodeKind, int, Shares, frozenset[str], str]
 """(kind, free-GPU mask, shares, runtimes, CUDA version) shared by every node in a bucket."""
@@ -64,26 +68,24 @@ class ClusterSnapshot:
     `release`: each returns a new snapshot and leaves this one as it was.
     """
 
-    __slots__ = ("_chunks", "_kinds", "_largest", "_sites", "_size")
+    __slots__ = ("_chunks", "_largest", "_sites", "_size")
 
     def __init__(
         self,
         chunks: tuple[Mapping[str, _Entry], ...],
         sites: Mapping[str, SiteIndex],
-        kinds: KindRegistry,
         size: int,
         largest: tuple[int, str] | None,
     ) -> None:
         """Internal: use `empty` or `of`."""
         self._chunks = chunks
         self._sites = sites
-        self._kinds = kinds
         self._size = size
         self._largest = largest
 
     @classmethod
     def empty(cls) -> ClusterSnapshot:
-        return cls(tuple({} for _ in range(CHUNKS)), {}, KindRegistry(), 0, None)
+        return cls(tuple({} for _ in range(CHUNKS)), {}, 0, None)
 
     @classmethod
     def of(cls, nodes: Iterable[NodeSnapshot]) -> ClusterSnapshot:
@@ -178,6 +180,7 @@ class ClusterSnapshot:
 
 
 def bucket_key(node: NodeSnapshot, kind: NodeKind) -> BucketKey | None:
+    """The bucket a node sits in; None for a node that is not ready (it sits in none)."""
     if not node.ready:
         return None
     return (
@@ -261,7 +264,7 @@ class _Editor:
         if old is not None and old.node.topology is node.topology:
             kind = old.kind
         else:
-            kind = self._base._kinds.kind_of(node.topology)
+            kind = KINDS.kind_of(node.topology)
         entry = _Entry(node, kind, bucket_key(node, kind))
         if old is None:
             self._size += 1
@@ -305,7 +308,7 @@ class _Editor:
                 default=None,
             )
             largest = None if first is None else (-first[0], first[1])
-        return ClusterSnapshot(tuple(chunks), sites, self._base._kinds, self._size, largest)
+        return ClusterSnapshot(tuple(chunks), sites, self._size, largest)
 
     def _chunk(self, node_id: str) -> dict[str, _Entry]:
         i = hash(node_id) % CHUNKS
