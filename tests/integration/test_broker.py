@@ -283,19 +283,40 @@ async def test_cli_shows_nodes_deployments_and_explanations(
     assert no_key.returncode == 1 and "--api-key-file" in no_key.stderr
 
 
-async def test_lost_nodes_and_vanished_replicas(cluster: Cluster) -> None:
+async def test_lost_nodes_vanished_replicas_and_the_watch_stream(cluster: Cluster) -> None:
     async with cluster.edge("alice") as alice:
         sha = (await alice.upload(modelzoo.model_path("mlp"))).sha256
         deployment = await alice.deploy(model_sha256=sha, model_name="mlp", gpus=1, site="site-a")
-        # A replica that vanishes from its node is placed again, at the next epoch.
+        watch = alice.stub.WatchDeployment(
+            pb.WatchDeploymentRequest(deployment_id=deployment.deployment_id),
+            metadata=alice.metadata,
+        )
+        current = await watch.read()
+        assert (current.epoch, current.endpoint, current.reason) == (
+            1,
+            deployment.endpoint,
+            "current",
+        )
+        # A replica that vanishes from its node is placed again, at the next epoch, and the
+        # watch stream says so.
         os.kill(int(_replica_pid(cluster, deployment)), signal.SIGKILL)
-        for _ in range(200):
-            again = await alice.get(deployment.deployment_id)
-            if again.epoch == 2 and again.state == "running":
-                break
-            await asyncio.sleep(0.05)
-        assert (again.epoch, again.state) == (2, "running"), again
+        while (
+            update := await asyncio.wait_for(watch.read(), 30)
+        ).epoch != 2 or not update.endpoint:
+            pass
+        assert update.reason == "replaced" and update.endpoint != deployment.endpoint
+        watch.cancel()
+        again = await alice.get(deployment.deployment_id)
+        assert (again.epoch, again.state, again.endpoint) == (2, "running", update.endpoint)
         await infer_once(again)
+        await alice.stub.ReportLocation(
+            pb.ReportLocationRequest(site="site-c"), metadata=alice.metadata
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await alice.stub.ReportLocation(
+                pb.ReportLocationRequest(site="atlantis"), metadata=alice.metadata
+            )
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # A node that stops heartbeating is marked lost.
     cluster.nodes["node-b"].send_signal(signal.SIGKILL)
     cluster.nodes["node-b"].wait()
