@@ -19,13 +19,15 @@ from pathlib import Path
 
 import grpc
 
+from broker.migrations import Migrations
 from broker.model_store import ModelStore
 from broker.network import ClusterConfigError, EdgeNetwork
 from broker.ops import BrokerMetrics, create_ops_app, start_ops_server
 from broker.ops_view import BrokerOpsView
-from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer
+from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer, OperatorServicer
 from broker.service import Broker, BrokerSettings
 from broker.state import StateError, StateStore, new_api_key, parse_api_key
+from migration.policy import Hysteresis
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -45,11 +47,14 @@ class BrokerConfig:
     """`<client id>.<secret>` keys to accept (stored hashed in the state)."""
     max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES
     settings: BrokerSettings = field(default_factory=BrokerSettings)
+    hysteresis: Hysteresis = field(default_factory=Hysteresis)
+    drain_timeout_s: float = 5.0
 
 
 @dataclass(slots=True)
 class RunningBroker:
     broker: Broker
+    migrations: Migrations
     server: grpc.aio.Server
     port: int
     ops_runner: object
@@ -81,8 +86,11 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ]
         )
+        migrations = Migrations(broker, config.hysteresis, config.drain_timeout_s)
+        await migrations.resume_after_restart()
         pb_grpc.add_NodeRegistryServicer_to_server(NodeRegistryServicer(broker), server)
-        pb_grpc.add_EdgeBrokerServicer_to_server(EdgeBrokerServicer(broker), server)
+        pb_grpc.add_EdgeBrokerServicer_to_server(EdgeBrokerServicer(broker, migrations), server)
+        pb_grpc.add_OperatorServicer_to_server(OperatorServicer(migrations), server)
         try:
             port = server.add_insecure_port(config.listen)
         except RuntimeError as err:
@@ -102,7 +110,7 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
         host,
         ops_port,
     )
-    return RunningBroker(broker, server, port, runner, ops_port, store)
+    return RunningBroker(broker, migrations, server, port, runner, ops_port, store)
 
 
 async def _every(interval_s: float, action: Callable[[], Awaitable[object]]) -> None:
@@ -122,10 +130,15 @@ async def serve(config: BrokerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     running = await start_broker(config)
     broker = running.broker
+
+    async def fail_over() -> None:
+        for node_id in await broker.mark_lost_nodes():
+            await running.migrations.on_node_lost(node_id)
+
     try:
         async with asyncio.TaskGroup() as tasks:
             loops = [
-                tasks.create_task(_every(1.0, broker.mark_lost_nodes), name="lost-node-check"),
+                tasks.create_task(_every(1.0, fail_over), name="lost-node-check"),
                 tasks.create_task(
                     _every(config.settings.pending_retry_s, broker.retry_pending),
                     name="pending-retry",
@@ -177,6 +190,8 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
             lost_after_s=args.lost_after,
             orphan_grace_s=args.orphan_grace,
         ),
+        hysteresis=Hysteresis(args.min_gain_ms, args.min_gain_ratio, args.cooldown),
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -222,6 +237,32 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         metavar="SECONDS",
         help="stop a replica no deployment claims after this long",
+    )
+    p.add_argument(
+        "--min-gain-ms",
+        type=float,
+        default=2.0,
+        help="mobility hysteresis: migrate only to gain at least this many ms...",
+    )
+    p.add_argument(
+        "--min-gain-ratio",
+        type=float,
+        default=0.2,
+        help="...and at least this fraction of the current latency (default 0.2)",
+    )
+    p.add_argument(
+        "--cooldown",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="no mobility migration sooner than this after the last one",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long the old replica waits for the client's switch ack",
     )
     p.set_defaults(func=_main)
     k = subparsers.add_parser("keygen", help="print a new API key for a client")

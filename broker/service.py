@@ -137,6 +137,18 @@ class PlacementUpdate:
     epoch: int
     reason: str
     state: DeploymentState
+    migration_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """GPUs held outside a deployment's record: a migration's target before the switch,
+    its source after it until the old replica stops."""
+
+    node_id: str
+    gpus: tuple[int, ...]
+    memory_mib: int
+    priority: PriorityClass
 
 
 @dataclass(slots=True)
@@ -224,12 +236,14 @@ class Broker:
         self._join_token = join_token
         self._db_executor = ThreadPoolExecutor(1, thread_name_prefix="state")
         self.nodes: dict[str, NodeEntry] = {}
-        self._placing = asyncio.Lock()
-        self._watchers = _Watchers()
+        self.placing = asyncio.Lock()
+        self.watchers = _Watchers()
         self._orphans: dict[tuple[str, str], float] = {}
         """(node id, replica id) -> when first seen unclaimed (monotonic)."""
         self._key_cache: dict[str, str] = {}
         self._replacing: set[str] = set()
+        self.holds: dict[tuple[str, int], Hold] = {}
+        """(deployment id, epoch) -> GPUs held for that replica beyond the records."""
         self._tasks: set[asyncio.Task[None]] = set()
         """Background work started by a change (placing again, publishing updates)."""
 
@@ -262,7 +276,7 @@ class Broker:
             "state loaded: %d node(s), %d deployment(s)", len(self.nodes), len(deployments)
         )
 
-    def _background(self, coro: Any, name: str) -> None:
+    def background(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -274,8 +288,8 @@ class Broker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for entry in self.nodes.values():
             await entry.client.close()
-        for deployment_id in list(self._watchers.queues):
-            self._watchers.push(deployment_id, None)
+        for deployment_id in list(self.watchers.queues):
+            self.watchers.push(deployment_id, None)
         self._db_executor.shutdown(wait=True)
 
     # --- authentication ------------------------------------------------------------------
@@ -481,8 +495,24 @@ class Broker:
                 node = node.with_allocation(
                     Allocation(d.deployment_id, spec.priority, d.gpus, spec.gpu_memory_mib)
                 )
+            for (deployment_id, epoch), hold in self.holds.items():
+                if hold.node_id == node_id:
+                    node = node.with_allocation(
+                        Allocation(
+                            f"{deployment_id}@{epoch}", hold.priority, hold.gpus, hold.memory_mib
+                        )
+                    )
             nodes.append(node)
         return ClusterSnapshot.of(nodes)
+
+    async def current_snapshot(self) -> ClusterSnapshot:
+        """The cluster as placement sees it now (call under `placing`)."""
+        return self._snapshot(await self.db(self.store.list_deployments, states=ACTIVE))
+
+    async def set_node_state(self, node_id: str, state: NodeState) -> None:
+        entry = self.nodes[node_id]
+        entry.record = replace(entry.record, state=state)
+        await self.db(self.store.set_node_state, node_id, state)
 
     async def deploy(self, client_id: str, spec: DeploySpec) -> DeploymentRecord:
         """Place and start a deployment; returns it once its replica is ready.
@@ -508,9 +538,8 @@ class Broker:
     async def _reserve(
         self, deployment_id: str, client_id: str, spec: DeploySpec, epoch: int
     ) -> tuple[DeploymentRecord, Decision]:
-        async with self._placing:
-            deployments = await self.db(self.store.list_deployments, states=ACTIVE)
-            snapshot = self._snapshot(deployments)
+        async with self.placing:
+            snapshot = await self.current_snapshot()
             largest, largest_node = snapshot.largest()
             if spec.gpus > largest:
                 raise Impossible(
@@ -616,7 +645,7 @@ class Broker:
             state=DeploymentState.RUNNING,
             endpoint=endpoint,
         )
-        self._watchers.push(record.deployment_id, _update(record, reason))
+        self.watchers.push(record.deployment_id, placement_update(record, reason))
         logger.info(
             "deployment=%s running at %s epoch=%d",
             record.deployment_id,
@@ -661,7 +690,7 @@ class Broker:
         if deployment_id in self._replacing:
             return
         self._replacing.add(deployment_id)
-        self._background(self._replace(deployment_id), f"replace-{deployment_id}")
+        self.background(self._replace(deployment_id), f"replace-{deployment_id}")
 
     async def _replace(self, deployment_id: str) -> None:
         """Place a pending deployment again, at the next epoch; it stays pending with the
@@ -724,16 +753,16 @@ class Broker:
                     "deployment=%s: %s (the node will stop it later)", deployment_id, err
                 )
         await self.db(self.store.delete_deployment, deployment_id)
-        self._watchers.push(deployment_id, None)
+        self.watchers.push(deployment_id, None)
         logger.info("deployment=%s deleted", deployment_id)
 
     def _publish(self, deployment_id: str) -> None:
-        self._background(self._publish_now(deployment_id), f"publish-{deployment_id}")
+        self.background(self._publish_now(deployment_id), f"publish-{deployment_id}")
 
     async def _publish_now(self, deployment_id: str) -> None:
         record = await self.db(self.store.get_deployment, deployment_id)
         if record is not None:
-            self._watchers.push(
+            self.watchers.push(
                 deployment_id,
                 PlacementUpdate(
                     deployment_id,
@@ -748,13 +777,13 @@ class Broker:
     async def watch(self, client_id: str, deployment_id: str) -> AsyncIterator[PlacementUpdate]:
         """The current placement, then one update per change; ends when it is deleted."""
         record = await self.get(client_id, deployment_id)
-        queue = self._watchers.add(deployment_id)
+        queue = self.watchers.add(deployment_id)
         try:
-            yield _update(record, "current")
+            yield placement_update(record, "current")
             while (update := await queue.get()) is not None:
                 yield update
         finally:
-            self._watchers.remove(deployment_id, queue)
+            self.watchers.remove(deployment_id, queue)
 
     async def report_location(self, client_id: str, site: str) -> None:
         if site not in self.network.sites:
@@ -764,9 +793,17 @@ class Broker:
         await self.db(self.store.set_client_site, client_id, site)
 
 
-def _update(record: DeploymentRecord, reason: str) -> PlacementUpdate:
+def placement_update(
+    record: DeploymentRecord, reason: str, migration_id: str = ""
+) -> PlacementUpdate:
     return PlacementUpdate(
-        record.deployment_id, record.endpoint, record.token, record.epoch, reason, record.state
+        record.deployment_id,
+        record.endpoint,
+        record.token,
+        record.epoch,
+        reason,
+        record.state,
+        migration_id,
     )
 
 

@@ -81,6 +81,7 @@ async def wait_for_log(log: Path, pattern: str, after: int = 0, timeout_s: float
 @dataclass
 class Cluster:
     root: Path
+    cluster_yaml: str = CLUSTER_YAML
     broker_port: int = field(default_factory=free_port)
     ops_port: int = field(default_factory=free_port)
     broker: subprocess.Popen[bytes] | None = None
@@ -99,7 +100,7 @@ class Cluster:
         return self.root / f"{node_id}.log"
 
     async def start_broker(self, *extra: str) -> None:
-        (self.root / "cluster.yaml").write_text(CLUSTER_YAML)
+        (self.root / "cluster.yaml").write_text(self.cluster_yaml)
         (self.root / "join-token").write_text(JOIN_TOKEN)
         if not self.api_keys:
             for client in ("alice", "bob"):
@@ -121,7 +122,7 @@ class Cluster:
         )  # fmt: skip
         await wait_for_log(self.broker_log, r"broker listening on", after=offset)
 
-    async def start_node(self, plan: NodePlan, runtime: str = "process") -> None:
+    async def start_node(self, plan: NodePlan, runtime: str = "process", *extra: str) -> None:
         log = self.node_log(plan.node_id)
         offset = log.stat().st_size if log.exists() else 0
         self.nodes[plan.node_id] = spawn(
@@ -131,7 +132,7 @@ class Cluster:
                 "--topology-file", str(CAPTURES / plan.capture), "--gpu-spec", plan.gpu_spec,
                 "--state-dir", str(self.root / f"{plan.node_id}-state"),
                 "--broker", self.broker_address,
-                "--join-token-file", str(self.root / "join-token"),
+                "--join-token-file", str(self.root / "join-token"), *extra,
             ],
             log,
         )  # fmt: skip

@@ -137,6 +137,12 @@ class BrokerMetrics:
             self._downtime.observe(downtime_s)
         self._migrations.labels(outcome=outcome).inc()
 
+    def observe_downtime(self, seconds: float) -> None:
+        """The longest gap a client observed across one migration (it reports it after the
+        migration is counted). Raises ValueError below 0."""
+        _check_seconds("migration downtime", seconds)
+        self._downtime.observe(seconds)
+
     def render(self) -> tuple[bytes, str]:
         """The registry in Prometheus' text exposition format, and its Content-Type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -7,18 +7,21 @@ as `authorization: Bearer ...`; a missing or wrong one is UNAUTHENTICATED.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import cast
 
 import grpc
 
-from broker.errors import InvalidRequest, Unauthenticated
+from broker.errors import InvalidRequest, NotFound, Unauthenticated
+from broker.migrations import Migrations
 from broker.model_store import Upload
 from broker.placement import PriorityClass
 from broker.rpc.convert import inventory_from_proto
 from broker.rpc.status import mapped_errors
 from broker.service import Broker, DeploySpec
-from broker.state import DeploymentRecord
+from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
+from migration.mechanism import Strategy
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
@@ -133,9 +136,45 @@ def deploy_spec(request: pb.DeployRequest) -> DeploySpec:
     )
 
 
+def migration_message(m: MigrationRecord) -> pb.Migration:
+    return pb.Migration(
+        migration_id=m.migration_id,
+        deployment_id=m.deployment_id,
+        trigger=str(m.trigger),
+        source_node=m.source_node,
+        target_node=m.target_node,
+        strategy=str(m.strategy),
+        state=str(m.state),
+        timeline=[
+            pb.MigrationEvent(event=e["event"], at=e["at"]) for e in json.loads(m.timeline_json)
+        ],
+        outcome=m.outcome,
+        reason=m.reason,
+        downtime_ms=-1.0 if m.downtime_ms is None else m.downtime_ms,
+        failed_requests=-1 if m.failed_requests is None else m.failed_requests,
+    )
+
+
+def _strategy(name: str) -> Strategy:
+    if name in ("", "make_before_break"):
+        return Strategy.MAKE_BEFORE_BREAK
+    if name == "stop_start":
+        return Strategy.STOP_START
+    raise InvalidRequest(f"strategy {name!r}: use make_before_break or stop_start")
+
+
+async def _migration(migrations: Migrations, migration_id: str) -> pb.Migration:
+    broker = migrations.broker
+    for m in await broker.db(broker.store.list_migrations):
+        if m.migration_id == migration_id:
+            return migration_message(m)
+    raise NotFound(f"migration {migration_id} not found")
+
+
 class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, migrations: Migrations) -> None:
         self._broker = broker
+        self._migrations = migrations
 
     async def _client(self, context: grpc.aio.ServicerContext) -> str:
         client_id = await self._broker.client_for(_authorization(context))
@@ -218,6 +257,8 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
                 token=update.token,
                 epoch=update.epoch,
                 reason=update.reason,
+                migration_id=update.migration_id,
+                state=str(update.state),
             )
 
     @mapped_errors
@@ -229,5 +270,89 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
             raise InvalidRequest(
                 f"client_id {request.client_id!r} is not the API key's client {client_id!r}"
             )
-        await self._broker.report_location(client_id, request.site)
-        return pb.ReportLocationResponse()
+        started = await self._migrations.on_location(client_id, request.site)
+        return pb.ReportLocationResponse(migration_id=started[0] if started else "")
+
+    @mapped_errors
+    async def AckSwitch(
+        self, request: pb.AckSwitchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AckSwitchResponse:
+        client_id = await self._client(context)
+        await self._broker.get(client_id, request.deployment_id)
+        self._migrations.on_ack(request.deployment_id, request.epoch)
+        return pb.AckSwitchResponse()
+
+    @mapped_errors
+    async def ReportObservation(
+        self, request: pb.ObservationReport, context: grpc.aio.ServicerContext
+    ) -> pb.ObservationAck:
+        client_id = await self._client(context)
+        await self._migrations.on_observation(
+            client_id,
+            request.deployment_id,
+            request.migration_id,
+            request.longest_gap_ms,
+            request.failed_requests,
+        )
+        return pb.ObservationAck()
+
+    @mapped_errors
+    async def Migrate(
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Migration:
+        client_id = await self._client(context)
+        migration_id = await self._migrations.migrate(
+            request.deployment_id,
+            request.to_node,
+            _strategy(request.strategy),
+            MigrationTrigger.OPERATOR,
+            client_id=client_id,
+        )
+        return await _migration(self._migrations, migration_id)
+
+    @mapped_errors
+    async def ListMigrations(
+        self, request: pb.ListMigrationsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListMigrationsResponse:
+        client_id = await self._client(context)
+        await self._broker.get(client_id, request.deployment_id)
+        records = await self._broker.db(self._broker.store.list_migrations, request.deployment_id)
+        return pb.ListMigrationsResponse(migrations=[migration_message(m) for m in records])
+
+
+class OperatorServicer(pb_grpc.OperatorServicer):
+    """Cluster operations, authenticated by the join token (the cluster's own secret)."""
+
+    def __init__(self, migrations: Migrations) -> None:
+        self._migrations = migrations
+
+    def _check(self, context: grpc.aio.ServicerContext) -> None:
+        if not self._migrations.broker.check_join_token(_authorization(context)):
+            raise Unauthenticated("operator calls need 'authorization: Bearer <join token>'")
+
+    @mapped_errors
+    async def DrainNode(
+        self, request: pb.DrainNodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainNodeResponse:
+        self._check(context)
+        started = await self._migrations.drain(request.node_id)
+        return pb.DrainNodeResponse(migration_ids=started)
+
+    @mapped_errors
+    async def Migrate(
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Migration:
+        self._check(context)
+        migration_id = await self._migrations.migrate(
+            request.deployment_id, request.to_node, _strategy(request.strategy)
+        )
+        return await _migration(self._migrations, migration_id)
+
+    @mapped_errors
+    async def ListMigrations(
+        self, request: pb.ListMigrationsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListMigrationsResponse:
+        self._check(context)
+        broker = self._migrations.broker
+        records = await broker.db(broker.store.list_migrations, request.deployment_id or None)
+        return pb.ListMigrationsResponse(migrations=[migration_message(m) for m in records])

@@ -49,6 +49,8 @@ class MigrationStrategy(StrEnum):
     """Start and warm the target, switch clients to it, then drain and stop the source."""
     STOP_START = "stop_start"
     """The baseline: stop the source, then start the target (break before make)."""
+    FAILOVER = "failover"
+    """The source is gone (node lost): start the target and switch."""
 
 
 class MigrationState(StrEnum):

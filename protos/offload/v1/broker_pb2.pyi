@@ -164,18 +164,22 @@ class WatchDeploymentRequest(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
 
 class PlacementUpdate(_message.Message):
-    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason")
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason", "migration_id", "state")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     endpoint: str
     token: str
     epoch: int
     reason: str
-    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    migration_id: str
+    state: str
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., migration_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class ReportLocationRequest(_message.Message):
     __slots__ = ("client_id", "site")
@@ -186,5 +190,107 @@ class ReportLocationRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
 
 class ReportLocationResponse(_message.Message):
+    __slots__ = ("migration_id",)
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    def __init__(self, migration_id: _Optional[str] = ...) -> None: ...
+
+class AckSwitchRequest(_message.Message):
+    __slots__ = ("deployment_id", "epoch")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    epoch: int
+    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class AckSwitchResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ObservationReport(_message.Message):
+    __slots__ = ("deployment_id", "migration_id", "longest_gap_ms", "failed_requests", "requests")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_GAP_MS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    migration_id: str
+    longest_gap_ms: float
+    failed_requests: int
+    requests: int
+    def __init__(self, deployment_id: _Optional[str] = ..., migration_id: _Optional[str] = ..., longest_gap_ms: _Optional[float] = ..., failed_requests: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+
+class ObservationAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("deployment_id", "to_node", "strategy")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_NODE_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    to_node: str
+    strategy: str
+    def __init__(self, deployment_id: _Optional[str] = ..., to_node: _Optional[str] = ..., strategy: _Optional[str] = ...) -> None: ...
+
+class MigrationEvent(_message.Message):
+    __slots__ = ("event", "at")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    event: str
+    at: float
+    def __init__(self, event: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+
+class Migration(_message.Message):
+    __slots__ = ("migration_id", "deployment_id", "trigger", "source_node", "target_node", "strategy", "state", "timeline", "outcome", "reason", "downtime_ms", "failed_requests")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NODE_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    deployment_id: str
+    trigger: str
+    source_node: str
+    target_node: str
+    strategy: str
+    state: str
+    timeline: _containers.RepeatedCompositeFieldContainer[MigrationEvent]
+    outcome: str
+    reason: str
+    downtime_ms: float
+    failed_requests: int
+    def __init__(self, migration_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., trigger: _Optional[str] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., strategy: _Optional[str] = ..., state: _Optional[str] = ..., timeline: _Optional[_Iterable[_Union[MigrationEvent, _Mapping]]] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., downtime_ms: _Optional[float] = ..., failed_requests: _Optional[int] = ...) -> None: ...
+
+class DrainNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DrainNodeResponse(_message.Message):
+    __slots__ = ("migration_ids",)
+    MIGRATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    migration_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, migration_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListMigrationsRequest(_message.Message):
+    __slots__ = ("deployment_id",)
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
+
+class ListMigrationsResponse(_message.Message):
+    __slots__ = ("migrations",)
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    migrations: _containers.RepeatedCompositeFieldContainer[Migration]
+    def __init__(self, migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...

@@ -239,6 +239,26 @@ class EdgeBrokerStub:
                 request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ReportLocationRequest.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ReportLocationResponse.FromString,
                 _registered_method=True)
+        self.AckSwitch = channel.unary_unary(
+                '/offload.v1.EdgeBroker/AckSwitch',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.AckSwitchRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.AckSwitchResponse.FromString,
+                _registered_method=True)
+        self.ReportObservation = channel.unary_unary(
+                '/offload.v1.EdgeBroker/ReportObservation',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ObservationReport.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ObservationAck.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/offload.v1.EdgeBroker/Migrate',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.Migration.FromString,
+                _registered_method=True)
+        self.ListMigrations = channel.unary_unary(
+                '/offload.v1.EdgeBroker/ListMigrations',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.FromString,
+                _registered_method=True)
 
 
 class EdgeBrokerServicer:
@@ -286,6 +306,32 @@ class EdgeBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportLocation(self, request, context):
+        """The client's new site; past the hysteresis it starts a migration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckSwitch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportObservation(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """The client's own deployment, moved now (to a node, or the best for its site).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMigrations(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -328,6 +374,26 @@ def add_EdgeBrokerServicer_to_server(servicer, server):
                     servicer.ReportLocation,
                     request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ReportLocationRequest.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ReportLocationResponse.SerializeToString,
+            ),
+            'AckSwitch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckSwitch,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.AckSwitchRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.AckSwitchResponse.SerializeToString,
+            ),
+            'ReportObservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportObservation,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ObservationReport.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ObservationAck.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.MigrateRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.Migration.SerializeToString,
+            ),
+            'ListMigrations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMigrations,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -520,6 +586,277 @@ class EdgeBroker:
             '/offload.v1.EdgeBroker/ReportLocation',
             protos_dot_offload_dot_v1_dot_broker__pb2.ReportLocationRequest.SerializeToString,
             protos_dot_offload_dot_v1_dot_broker__pb2.ReportLocationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckSwitch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/AckSwitch',
+            protos_dot_offload_dot_v1_dot_broker__pb2.AckSwitchRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.AckSwitchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportObservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/ReportObservation',
+            protos_dot_offload_dot_v1_dot_broker__pb2.ObservationReport.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.ObservationAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/Migrate',
+            protos_dot_offload_dot_v1_dot_broker__pb2.MigrateRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.Migration.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMigrations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/ListMigrations',
+            protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class OperatorStub:
+    """Served by the broker for operators; authenticated by the cluster's join token.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.DrainNode = channel.unary_unary(
+                '/offload.v1.Operator/DrainNode',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/offload.v1.Operator/Migrate',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.Migration.FromString,
+                _registered_method=True)
+        self.ListMigrations = channel.unary_unary(
+                '/offload.v1.Operator/ListMigrations',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.FromString,
+                _registered_method=True)
+
+
+class OperatorServicer:
+    """Served by the broker for operators; authenticated by the cluster's join token.
+    """
+
+    def DrainNode(self, request, context):
+        """Move every deployment off the node (make-before-break); the node takes no new ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """Any deployment, moved now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMigrations(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_OperatorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.MigrateRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.Migration.SerializeToString,
+            ),
+            'ListMigrations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMigrations,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'offload.v1.Operator', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('offload.v1.Operator', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Operator:
+    """Served by the broker for operators; authenticated by the cluster's join token.
+    """
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.Operator/DrainNode',
+            protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.Operator/Migrate',
+            protos_dot_offload_dot_v1_dot_broker__pb2.MigrateRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.Migration.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMigrations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.Operator/ListMigrations',
+            protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.FromString,
             options,
             channel_credentials,
             insecure,
