@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from broker import server as broker_server
-from edge_client import commands, demo
+from edge_client import commands, demo, ops_commands
 from images import build as image_build
 from modelzoo import cli as models_cli
 from node_daemon import server as node_server
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo.register_cli(sub)
     commands.register_cli(sub)
+    ops_commands.register_cli(sub)
     broker_server.register_cli(sub)
     image_build.register_cli(sub)
     models_cli.register_cli(sub)

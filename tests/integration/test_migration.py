@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import grpc
+import numpy as np
 import pytest
 
 import modelzoo
@@ -18,7 +23,7 @@ from edge_client.rpc.tensors import infer_request
 from images.build import BASE_IMAGE, build_image
 from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import broker_pb2 as pb
-from tests.cluster_support import THREE_NODES, Cluster, EdgeClient
+from tests.cluster_support import JOIN_TOKEN, THREE_NODES, Cluster, EdgeClient
 from tests.docker_support import require_docker
 
 NODE_A, NODE_B, NODE_C = THREE_NODES
@@ -208,7 +213,6 @@ async def test_a_move_under_the_hysteresis_does_not_migrate(cluster: Cluster) ->
 
 
 async def test_node_lost_fails_over_and_the_client_continues(cluster: Cluster) -> None:
-    import os
     import signal
 
     async with cluster.edge("alice") as alice:
@@ -271,3 +275,69 @@ async def test_a_target_that_cannot_start_rolls_back(tmp_path: Path) -> None:
     assert [e.event for e in record.timeline][-2:] == ["target_failed", "rolled_back"]
     assert stream.failed == []
     assert stream.epoch == 1
+
+
+async def test_the_cli_deploys_infers_moves_migrates_and_drains(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "alice.key"
+    key_file.write_text(cluster.api_keys["alice"])
+    (tmp_path / "join").write_text(JOIN_TOKEN)
+    env = {
+        **os.environ,
+        "OFFLOAD_BROKER": cluster.broker_address,
+        "OFFLOAD_API_KEY_FILE": str(key_file),
+        "OFFLOAD_OPS": f"http://127.0.0.1:{cluster.ops_port}",
+    }
+
+    def offload(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "edge_client.cli", *args],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    model = modelzoo.model_path("mlp")
+    deployed = await asyncio.to_thread(offload, "deploy", str(model), "--site", "site-a", "--json")
+    deployment = json.loads(deployed.stdout)
+    assert deployment["node_id"] == "node-a"
+    assert "uploading" in deployed.stderr and "ready in" in deployed.stderr
+    np.save(tmp_path / "x.npy", modelzoo.sample_inputs(model)["input"])
+    inferred = await asyncio.to_thread(
+        offload, "infer", deployment["deployment_id"], "--input", f"input={tmp_path / 'x.npy'}",
+        "--output-dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert "logits: float32 [1, 10]" in inferred.stdout
+    assert np.load(tmp_path / "out" / "logits.npy").shape == (1, 10)
+    moved = await asyncio.to_thread(offload, "move", "alice", "--site", "site-c")
+    assert "migration m-" in moved.stdout
+    for _ in range(300):
+        status = json.loads((await asyncio.to_thread(offload, "status", "--json")).stdout)
+        last = status["last_migration"]
+        if last and last["outcome"]:
+            break
+        await asyncio.sleep(0.1)
+    assert last["outcome"] == "succeeded" and last["target"] == "node-c"
+    back = await asyncio.to_thread(
+        offload, "migrate", deployment["deployment_id"], "--to", "node-a", "--strategy",
+        "stop_start",
+    )  # fmt: skip
+    assert "node-c -> node-a stop_start: completed" in back.stdout
+    assert "old_stopped" in back.stderr
+    listed = await asyncio.to_thread(offload, "migrations", "--json")
+    assert [m["trigger"] for m in json.loads(listed.stdout)] == ["operator", "mobility"]
+    drained = await asyncio.to_thread(
+        offload, "drain", "node-a", "--join-token-file", str(tmp_path / "join")
+    )
+    assert "node-a -> node-c make_before_break: completed" in drained.stdout
+    nodes = {n["node_id"]: n["state"] for n in await _ops(cluster, "/api/nodes")}
+    assert nodes == {"node-a": "draining", "node-c": "ready"}
+
+
+async def _ops(cluster: Cluster, path: str) -> list[dict]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{cluster.ops_port}{path}") as response,
+    ):
+        return await response.json()

@@ -1,0 +1,352 @@
+"""The people-facing `offload` commands of deployment and mobility:
+
+- `offload deploy MODEL.onnx [--gpus N --gpu-memory MIB --p2p --priority P --site S]`
+- `offload infer DEPLOYMENT --input NAME=FILE.npy [--output-dir DIR]`
+- `offload move CLIENT --site S` (a client's new site; may start a migration)
+- `offload migrate DEPLOYMENT [--to NODE] [--strategy make_before_break|stop_start]`
+- `offload drain NODE` (operator: the join token)
+- `offload migrations [--deployment ID]` and `offload status`
+
+Client commands use `--broker`/$OFFLOAD_BROKER and `--api-key-file`/$OFFLOAD_API_KEY_FILE;
+operator ones `--join-token-file`/$OFFLOAD_JOIN_TOKEN_FILE; read-only views `--ops`/
+$OFFLOAD_OPS. Long operations print their progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from edge_client.client import OffloadClient
+from edge_client.commands import CommandError, _api_key, _broker, _run
+from edge_client.errors import OffloadError
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+
+FINISHED = ("completed", "rolled_back", "failed")
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+async def _deploy(args: argparse.Namespace) -> int:
+    if not args.model.is_file():
+        raise CommandError(f"{args.model}: no such file")
+    started = time.monotonic()
+    async with OffloadClient(_broker(args), _api_key(args)) as client:
+        _say(f"uploading {args.model} ({args.model.stat().st_size / 1e6:.1f} MB) ...")
+        try:
+            sha = await client.upload_model(args.model)
+            _say(f"uploaded, sha256 {sha[:12]}; deploying for site {args.site} ...")
+            deployment = await client.deploy(
+                sha,
+                args.name or args.model.stem,
+                gpus=args.gpus,
+                gpu_memory_mib=args.gpu_memory,
+                p2p=args.p2p,
+                priority=args.priority,
+                site=args.site,
+            )
+        except OffloadError as err:
+            raise CommandError(str(err)) from err
+    _say(f"ready in {time.monotonic() - started:.1f}s")
+    if args.json:
+        print(json.dumps(dataclasses.asdict(deployment), indent=2))
+    else:
+        print(
+            f"{deployment.deployment_id} running on {deployment.node_id} at {deployment.endpoint}"
+        )
+    return 0
+
+
+def _inputs(pairs: list[str]) -> dict[str, np.ndarray]:
+    inputs = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise CommandError(f"--input {pair!r} is not NAME=FILE.npy")
+        try:
+            inputs[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise CommandError(f"--input {pair}: cannot read a .npy array ({err})") from err
+    if not inputs:
+        raise CommandError("give at least one --input NAME=FILE.npy")
+    return inputs
+
+
+async def _infer(args: argparse.Namespace) -> int:
+    inputs = _inputs(args.input)
+    async with OffloadClient(_broker(args), _api_key(args)) as client:
+        try:
+            await client.attach(args.deployment)
+            started = time.perf_counter()
+            outputs = await client.infer(inputs)
+        except OffloadError as err:
+            raise CommandError(str(err)) from err
+        elapsed_ms = (time.perf_counter() - started) * 1000
+    for name, array in outputs.items():
+        line = f"{name}: {array.dtype} {list(array.shape)}"
+        if args.output_dir is not None:
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+            np.save(args.output_dir / f"{name}.npy", array)
+            line += f" -> {args.output_dir / (name + '.npy')}"
+        print(line)
+    _say(f"inference took {elapsed_ms:.1f} ms")
+    return 0
+
+
+async def _edge(args: argparse.Namespace, method: str, request: Any) -> Any:
+    metadata = (("authorization", f"Bearer {_api_key(args)}"),)
+    async with grpc.aio.insecure_channel(_broker(args)) as channel:
+        try:
+            return await getattr(pb_grpc.EdgeBrokerStub(channel), method)(
+                request, metadata=metadata, timeout=30
+            )
+        except grpc.aio.AioRpcError as err:
+            raise CommandError(f"{err.code().name}: {err.details()}") from err
+
+
+def _read_token(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError as err:
+        raise CommandError(f"cannot read the join token file {path}: {err.strerror}") from err
+
+
+async def _operator(args: argparse.Namespace, method: str, request: Any) -> Any:
+    path = args.join_token_file or os.environ.get("OFFLOAD_JOIN_TOKEN_FILE")
+    if not path:
+        raise CommandError("give --join-token-file F (or set OFFLOAD_JOIN_TOKEN_FILE)")
+    token = _read_token(Path(path))
+    metadata = (("authorization", f"Bearer {token}"),)
+    async with grpc.aio.insecure_channel(_broker(args)) as channel:
+        try:
+            return await getattr(pb_grpc.OperatorStub(channel), method)(
+                request, metadata=metadata, timeout=30
+            )
+        except grpc.aio.AioRpcError as err:
+            raise CommandError(f"{err.code().name}: {err.details()}") from err
+
+
+async def _move(args: argparse.Namespace) -> int:
+    reply = await _edge(
+        args, "ReportLocation", pb.ReportLocationRequest(client_id=args.client, site=args.site)
+    )
+    if reply.migration_id:
+        print(f"{args.client} is at {args.site}: migration {reply.migration_id} started")
+    else:
+        print(f"{args.client} is at {args.site}: no migration (see the broker log for why)")
+    return 0
+
+
+def _describe(m: pb.Migration) -> str:
+    gap = "-" if m.downtime_ms < 0 else f"{m.downtime_ms:.1f} ms"
+    return (
+        f"{m.migration_id} {m.deployment_id} {m.trigger} {m.source_node} -> {m.target_node} "
+        f"{m.strategy}: {m.state}{f' ({m.reason})' if m.reason else ''}; client gap {gap}"
+    )
+
+
+async def _wait(args: argparse.Namespace, migration: pb.Migration, operator: bool) -> pb.Migration:
+    seen: set[str] = set()
+    started = time.monotonic()
+    while True:
+        request = pb.ListMigrationsRequest(deployment_id=migration.deployment_id)
+        if operator:
+            reply = await _operator(args, "ListMigrations", request)
+        else:
+            reply = await _edge(args, "ListMigrations", request)
+        current = next(m for m in reply.migrations if m.migration_id == migration.migration_id)
+        for event in current.timeline:
+            if event.event not in seen:
+                seen.add(event.event)
+                _say(f"  +{(event.at - current.timeline[0].at) * 1000:7.1f} ms  {event.event}")
+        if current.state in FINISHED:
+            return current
+        if time.monotonic() - started > 300:
+            raise CommandError(f"migration {migration.migration_id} not finished after 300 s")
+        await asyncio.sleep(0.2)
+
+
+async def _migrate(args: argparse.Namespace) -> int:
+    request = pb.MigrateRequest(
+        deployment_id=args.deployment, to_node=args.to or "", strategy=args.strategy
+    )
+    if args.join_token_file or os.environ.get("OFFLOAD_JOIN_TOKEN_FILE"):
+        migration, operator = await _operator(args, "Migrate", request), True
+    else:
+        migration, operator = await _edge(args, "Migrate", request), False
+    _say(f"migration {migration.migration_id}: {migration.source_node} -> {migration.target_node}")
+    done = await _wait(args, migration, operator)
+    print(_describe(done))
+    return 0 if done.outcome == "succeeded" else 1
+
+
+async def _drain(args: argparse.Namespace) -> int:
+    reply = await _operator(args, "DrainNode", pb.DrainNodeRequest(node_id=args.node))
+    if not reply.migration_ids:
+        print(f"{args.node} drained: nothing ran there")
+        return 0
+    _say(f"draining {args.node}: {len(reply.migration_ids)} migration(s)")
+    failed = 0
+    for migration_id in reply.migration_ids:
+        listed = await _operator(args, "ListMigrations", pb.ListMigrationsRequest())
+        migration = next(m for m in listed.migrations if m.migration_id == migration_id)
+        done = await _wait(args, migration, operator=True)
+        print(_describe(done))
+        failed += done.outcome != "succeeded"
+    return 1 if failed else 0
+
+
+async def _ops_get(args: argparse.Namespace, path: str) -> Any:
+    url = (args.ops or os.environ.get("OFFLOAD_OPS") or "").rstrip("/")
+    if not url:
+        raise CommandError("give --ops URL, the broker's ops address (or set OFFLOAD_OPS)")
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
+            http.get(f"{url}{path}") as response,
+        ):
+            if response.status != 200:
+                raise CommandError(f"{url}{path} answered HTTP {response.status}")
+            return await response.json()
+    except aiohttp.ClientError as err:
+        raise CommandError(f"cannot reach the broker's ops API at {url}: {err}") from err
+
+
+async def _migrations(args: argparse.Namespace) -> int:
+    migrations = await _ops_get(args, "/api/migrations")
+    if args.deployment:
+        migrations = [m for m in migrations if m["deployment_id"] == args.deployment]
+    if args.json:
+        print(json.dumps(migrations, indent=2))
+        return 0
+    table = Table("migration", "deployment", "trigger", "from", "to", "strategy", "outcome",
+                  "client gap", "failed")  # fmt: skip
+    for m in migrations:
+        gap = m["downtime_ms"]
+        table.add_row(
+            m["migration_id"], m["deployment_id"], m["trigger"], m["source"] or "-",
+            m["target"] or "-", m["strategy"], m["outcome"] or "under way",
+            "-" if gap is None else f"{gap:.1f} ms",
+            "-" if m["failed_requests"] is None else str(m["failed_requests"]),
+        )  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    nodes = await _ops_get(args, "/api/nodes")
+    deployments = await _ops_get(args, "/api/deployments")
+    migrations = await _ops_get(args, "/api/migrations")
+    gpus = [g for n in nodes for g in n["gpus"]]
+    node_states = Counter(n["state"] for n in nodes)
+    deployment_states = Counter(d["state"] for d in deployments)
+    free = sum(g["free"] for g in gpus)
+    last = migrations[0] if migrations else None
+    if args.json:
+        summary = {
+            "nodes": node_states,
+            "gpus": {"total": len(gpus), "free": free},
+            "deployments": deployment_states,
+            "migrations": len(migrations),
+            "last_migration": last,
+        }
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"nodes        {_listing(node_states)}")
+    print(f"GPUs         {free} free of {len(gpus)}")
+    print(f"deployments  {_listing(deployment_states)}")
+    print(
+        f"migrations   {len(migrations)}"
+        + (f"; last {last['migration_id']} {last['outcome'] or 'under way'}" if last else "")
+    )
+    return 0
+
+
+def _listing(counts: Counter[str]) -> str:
+    return ", ".join(f"{n} {state}" for state, n in counts.items()) or "none"
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", help="the broker's gRPC address HOST:PORT ($OFFLOAD_BROKER)")
+    p.add_argument("--api-key-file", help="file holding your API key ($OFFLOAD_API_KEY_FILE)")
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("deploy", help="upload a model and deploy it; prints its id")
+    p.add_argument("model", type=Path, help="the .onnx file")
+    p.add_argument("--name", help="the name to serve it under (default: the file's stem)")
+    p.add_argument("--gpus", type=int, default=0)
+    p.add_argument(
+        "--gpu-memory",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="a memory share per GPU instead of whole GPUs",
+    )
+    p.add_argument("--p2p", action="store_true", help="the GPUs must be P2P-linked")
+    p.add_argument(
+        "--priority", default="standard", choices=["best-effort", "standard", "critical"]
+    )
+    p.add_argument("--site", required=True, help="where the client is now")
+    p.add_argument("--json", action="store_true")
+    _client_flags(p)
+    p.set_defaults(func=_run(_deploy))
+
+    p = subparsers.add_parser("infer", help="one inference on a deployment")
+    p.add_argument("deployment")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
+    p.add_argument("--output-dir", type=Path, help="save each output as NAME.npy here")
+    _client_flags(p)
+    p.set_defaults(func=_run(_infer))
+
+    p = subparsers.add_parser("move", help="report a client's new site (may migrate)")
+    p.add_argument("client", help="the client id (must be the API key's)")
+    p.add_argument("--site", required=True)
+    _client_flags(p)
+    p.set_defaults(func=_run(_move))
+
+    p = subparsers.add_parser("migrate", help="move a deployment now, with progress")
+    p.add_argument("deployment")
+    p.add_argument("--to", help="the target node (default: the best for its site)")
+    p.add_argument(
+        "--strategy", default="make_before_break", choices=["make_before_break", "stop_start"]
+    )
+    p.add_argument(
+        "--join-token-file", help="act as operator (any deployment) ($OFFLOAD_JOIN_TOKEN_FILE)"
+    )
+    _client_flags(p)
+    p.set_defaults(func=_run(_migrate))
+
+    p = subparsers.add_parser("drain", help="move every deployment off a node (operator)")
+    p.add_argument("node")
+    p.add_argument("--broker", help="the broker's gRPC address HOST:PORT ($OFFLOAD_BROKER)")
+    p.add_argument("--join-token-file", help="the cluster's join token ($OFFLOAD_JOIN_TOKEN_FILE)")
+    p.set_defaults(func=_run(_drain))
+
+    for name, helptext, handler in (
+        ("migrations", "migrations with their outcome and client-observed gap", _migrations),
+        ("status", "the cluster at a glance", _status),
+    ):
+        p = subparsers.add_parser(name, help=helptext)
+        if name == "migrations":
+            p.add_argument("--deployment", help="only this deployment's")
+        p.add_argument("--ops", help="the broker's ops URL ($OFFLOAD_OPS)")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=_run(handler))
