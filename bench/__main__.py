@@ -9,13 +9,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import gpu_allocation, placement, replica_start, runtime_latency
+from bench import gpu_allocation, migration, placement, replica_start, runtime_latency
 
 BENCHMARKS = {
     "runtime_latency": runtime_latency.main,
     "replica_start": replica_start.main,
     "gpu_allocation": gpu_allocation.main,
     "placement": placement.main,
+    "migration": migration.main,
 }
 
 

@@ -290,6 +290,7 @@ class Migrations:
             target_node, target_gpus, spec.gpu_memory_mib, spec.priority
         )
         self._running.add(record.deployment_id)
+        self.broker.busy.add(record.deployment_id)
         self._acks[(record.deployment_id, epoch)] = asyncio.Event()
         return MigrationPlan(
             migration_id=f"m-{secrets.token_hex(5)}",
@@ -317,6 +318,7 @@ class Migrations:
             self.broker.holds.pop((plan.deployment_id, plan.epoch - 1), None)
             self._acks.pop((plan.deployment_id, plan.epoch), None)
             self._running.discard(plan.deployment_id)
+            self.broker.busy.discard(plan.deployment_id)
             self._last[plan.deployment_id] = time.monotonic()
 
     # --- MigrationHost -------------------------------------------------------------------

@@ -242,6 +242,9 @@ class Broker:
         """(node id, replica id) -> when first seen unclaimed (monotonic)."""
         self._key_cache: dict[str, str] = {}
         self._replacing: set[str] = set()
+        self.busy: set[str] = set()
+        """Deployments being migrated or deleted: reconciliation leaves them alone (their
+        replicas come and go on purpose)."""
         self.holds: dict[tuple[str, int], Hold] = {}
         """(deployment id, epoch) -> GPUs held for that replica beyond the records."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -390,7 +393,9 @@ class Broker:
         replica is gone or exited is placed again; a replica nobody claims is stopped after
         the orphan grace period."""
         node_id = entry.record.node_id
-        running = {rid for rid, state in replicas if state in ("ready", "starting")}
+        running = {rid for rid, state in replicas if state in ("ready", "starting", "stopping")}
+        # A heartbeat may have been taken before a switch it is processed after.
+        settled_before = time.time() - 2 * self.settings.heartbeat_interval_s
         entry.replicas = frozenset(rid for rid, _ in replicas)
         expected = {
             f"{d.deployment_id}-{d.epoch}": d
@@ -398,7 +403,12 @@ class Broker:
             if d.node_id == node_id
         }
         for replica_id, deployment in expected.items():
-            if replica_id not in running and deployment.deployment_id not in self._replacing:
+            if (
+                replica_id not in running
+                and deployment.deployment_id not in self._replacing
+                and deployment.deployment_id not in self.busy
+                and deployment.updated_at < settled_before
+            ):
                 logger.warning(
                     "deployment=%s: its replica %s is not running on node %s; placing it again",
                     deployment.deployment_id,
@@ -742,6 +752,14 @@ class Broker:
 
     async def delete(self, client_id: str, deployment_id: str) -> None:
         record = await self.get(client_id, deployment_id)
+        self.busy.add(deployment_id)
+        try:
+            await self._delete(record)
+        finally:
+            self.busy.discard(deployment_id)
+
+    async def _delete(self, record: DeploymentRecord) -> None:
+        deployment_id = record.deployment_id
         entry = self.nodes.get(record.node_id or "")
         if entry is not None and record.state in ACTIVE:
             try:

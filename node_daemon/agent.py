@@ -271,11 +271,13 @@ class NodeAgent:
         view = self._replicas.get(replica_id)
         if view is None:
             raise ReplicaNotFound(f"no replica {replica_id} on node {self.node_id}")
+        if view.state is ReplicaState.STOPPING:
+            return  # another call is stopping it already
         self._replicas[replica_id] = replace(view, state=ReplicaState.STOPPING)
         try:
             code = await self.runtime.stop(replica_id, grace_s)
         finally:
-            del self._replicas[replica_id]
+            self._replicas.pop(replica_id, None)
             self.allocator.release(replica_id)
         logger.info("replica=%s stopped exit_code=%s", replica_id, code)
 

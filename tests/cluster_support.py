@@ -132,7 +132,8 @@ class Cluster:
                 "--topology-file", str(CAPTURES / plan.capture), "--gpu-spec", plan.gpu_spec,
                 "--state-dir", str(self.root / f"{plan.node_id}-state"),
                 "--broker", self.broker_address,
-                "--join-token-file", str(self.root / "join-token"), *extra,
+                "--join-token-file", str(self.root / "join-token"),
+                "--stop-replicas-on-exit", *extra,
             ],
             log,
         )  # fmt: skip

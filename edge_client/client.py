@@ -1,0 +1,822 @@
+"""`OffloadClient`: upload a model, deploy it, and infer on its replica, following the
+deployment wherever the broker places it. `SyncOffloadClient` is the same, blocking.
+
+Paths:
+
+- Broker calls (EdgeBroker, `authorization: Bearer <api key>`) each have a deadline. The
+  idempotent ones (upload, get, report location, ack, observation) are retried with backoff
+  while the broker answers UNAVAILABLE (it restarts), for up to `broker_retry_s`. Deploy is
+  not idempotent (a second one would place a second deployment): it waits for the broker to
+  be reachable within its deadline (`wait_for_ready`) and is never retried.
+- Inference goes straight to the replica (Open Inference Protocol, `authorization: Bearer
+  <replica token>`); the broker is not on this path, so it keeps working while the broker is
+  down. A call that fails with UNAVAILABLE, or CANCELLED by the other side (a replica racing
+  its own shutdown), is sent once more on the newest endpoint (inference is idempotent).
+- After deploy or attach a background task keeps a WatchDeployment stream open; an update
+  with a newer epoch and an endpoint switches the client to it (a new channel; the old one is
+  closed once its calls in flight finish), then the client acknowledges it (AckSwitch). The
+  stream is reopened with backoff when it breaks, and renewed every `watch_renew_s` (its
+  deadline).
+- An update carrying a migration id opens an observation window (`edge_client.observer`);
+  when it closes the client reports it (ReportObservation) and keeps it for `stats()`.
+
+Every gRPC error becomes an `edge_client.errors.OffloadError` through one table,
+`STATUS_ERRORS`; `grpc.RpcError` never leaves this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import grpc
+import numpy as np
+
+from edge_client.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidInput,
+    NotConnected,
+    NotDeployed,
+    NotFound,
+    OffloadError,
+    PermissionDenied,
+    ResourceExhausted,
+    ServerError,
+    Unauthenticated,
+    Unavailable,
+)
+from edge_client.observer import DEFAULT_WINDOW_S, ClientStats, GapObserver
+from edge_client.rpc.tensors import infer_request, response_arrays
+from protos.inference import grpc_service_pb2 as ipb
+from protos.inference import grpc_service_pb2_grpc as ipb_grpc
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+from protos.offload.v1 import node_pb2 as npb
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 64 << 20
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 2.0
+_CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # gRPC's own reconnect backoff grows to two minutes; a restarted broker should be
+    # found again within about a second.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+STATUS_ERRORS: Mapping[grpc.StatusCode, type[OffloadError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.CANCELLED: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+"""gRPC status -> our error; any status not listed is a ServerError."""
+
+_RETRIED_ONCE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+"""Inference statuses sent once more on the newest endpoint."""
+
+_PRIORITIES = {
+    "best-effort": pb.PRIORITY_CLASS_BEST_EFFORT,
+    "best_effort": pb.PRIORITY_CLASS_BEST_EFFORT,
+    "standard": pb.PRIORITY_CLASS_STANDARD,
+    "critical": pb.PRIORITY_CLASS_CRITICAL,
+}
+
+
+def _mapped(err: grpc.aio.AioRpcError, action: str) -> OffloadError:
+    kind = STATUS_ERRORS.get(err.code(), ServerError)
+    return kind(f"{action}: {err.code().name} {err.details()}")
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """A deployment as the client follows it."""
+
+    deployment_id: str
+    endpoint: str
+    """host:port of the replica of `epoch`; empty while it has none (pending)."""
+    token: str
+    """The replica's bearer token."""
+    epoch: int
+    """Incremented at each placement change (re-placement, migration)."""
+    node_id: str
+    """The node of `epoch`; empty for a moment after a switch, until the client has read
+    the deployment again."""
+    state: str
+    """One of "pending", "starting", "running", "failed"."""
+    model_name: str
+
+
+def _deployment(message: pb.Deployment) -> Deployment:
+    return Deployment(
+        deployment_id=message.deployment_id,
+        endpoint=message.endpoint,
+        token=message.token,
+        epoch=message.epoch,
+        node_id=message.node_id,
+        state=message.state,
+        model_name=message.model_name,
+    )
+
+
+class _Replica:
+    """One epoch's endpoint: its channel, and the calls in flight on it."""
+
+    def __init__(self, endpoint: str, token: str, epoch: int) -> None:
+        self.endpoint = endpoint
+        self.epoch = epoch
+        self.channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        # Connect now rather than on the first call, so that the first call after a switch
+        # finds the connection (usually) up.
+        self.channel.get_state(try_to_connect=True)
+        self._stub = ipb_grpc.GRPCInferenceServiceStub(self.channel)
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def infer(
+        self, request: ipb.ModelInferRequest, timeout_s: float
+    ) -> ipb.ModelInferResponse:
+        """ModelInfer on this replica; AioRpcError as gRPC raises it."""
+        self._in_flight += 1
+        self.idle.clear()
+        try:
+            return await self._stub.ModelInfer(request, metadata=self._metadata, timeout=timeout_s)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.idle.set()
+
+
+def _file_sha256(path: Path) -> str:
+    """Blocking: reads the whole file."""
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while block := stream.read(CHUNK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class OffloadClient:
+    """One edge device's client of the broker, and of the replica of its deployment.
+
+    It follows one deployment at a time: the last one `deploy` or `attach` returned. Use it
+    as `async with OffloadClient(...) as client:`, or call `connect()` and `close()`.
+    Concurrent `infer` calls are fine; they share one channel per replica.
+    """
+
+    def __init__(
+        self,
+        broker: str,
+        api_key: str,
+        *,
+        call_timeout_s: float = 10.0,
+        deploy_timeout_s: float = 300.0,
+        broker_retry_s: float = 30.0,
+        switch_wait_s: float = 2.0,
+        watch_renew_s: float = 60.0,
+        observation_window_s: float = DEFAULT_WINDOW_S,
+    ) -> None:
+        """`broker` is host:port. Timeouts in seconds: `call_timeout_s` is the deadline of
+        each inference attempt and each quick broker call; `deploy_timeout_s` of an upload
+        or a deploy (which returns once the replica is ready); `broker_retry_s` how long an
+        idempotent broker call keeps retrying UNAVAILABLE; `switch_wait_s` how long a failed
+        inference waits for a newer endpoint before its retry; `watch_renew_s` the deadline of
+        the WatchDeployment stream, which is then reopened at once; `observation_window_s`
+        the window after a migration's update (`edge_client.observer`)."""
+        self.broker = broker
+        self._metadata = (("authorization", f"Bearer {api_key}"),)
+        self._call_timeout_s = call_timeout_s
+        self._deploy_timeout_s = deploy_timeout_s
+        self._broker_retry_s = broker_retry_s
+        self._switch_wait_s = switch_wait_s
+        self._watch_renew_s = watch_renew_s
+        self._observer = GapObserver(window_s=observation_window_s)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.EdgeBrokerStub | None = None
+        self._closing = False
+        self._deployment: Deployment | None = None
+        self._replica: _Replica | None = None
+        self._retiring: set[_Replica] = set()
+        self._watch_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Replaced by a fresh event each time it is set: a waiter wakes on the next one.
+        self._switched = asyncio.Event()
+        self._succeeded = asyncio.Event()
+
+    async def connect(self) -> None:
+        """Open the broker channel (no call is made: a wrong key shows on the first call).
+        Idempotent."""
+        if self._closing:
+            raise NotConnected("the client is closed; make a new one")
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.broker, options=_CHANNEL_OPTIONS)
+            self._stub = pb_grpc.EdgeBrokerStub(self._channel)
+
+    async def close(self) -> None:
+        """Stop following (cancels every background task) and close every channel; calls in
+        flight end with NotConnected. Idempotent. Observations still open are not reported."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        replicas = [*self._retiring, *([self._replica] if self._replica else [])]
+        for replica in replicas:
+            await replica.channel.close()
+        self._retiring.clear()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    def deployment(self) -> Deployment | None:
+        """The deployment followed now, at its current epoch; None before deploy/attach."""
+        return self._deployment
+
+    def stats(self) -> ClientStats:
+        """Requests, failures, latency percentiles and the closed migration observations."""
+        return self._observer.stats()
+
+    # --- broker calls ------------------------------------------------------------------
+
+    def _broker(self) -> pb_grpc.EdgeBrokerStub:
+        """The broker stub; NotConnected before connect() and after close()."""
+        if self._stub is None or self._closing:
+            raise NotConnected("the client is not connected: call connect() (or use async with)")
+        return self._stub
+
+    async def _retrying(self, action: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()` until it succeeds, retrying UNAVAILABLE with backoff for up to
+        `broker_retry_s`; every other status (and the last UNAVAILABLE) is raised mapped."""
+        give_up = time.monotonic() + self._broker_retry_s
+        backoff = BACKOFF_MIN_S
+        while True:
+            try:
+                return await call()
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > give_up:
+                    raise _mapped(err, action) from err
+                logger.warning(
+                    "broker %s unavailable (%s); retrying %s in %.1fs",
+                    self.broker,
+                    err.details(),
+                    action,
+                    backoff,
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+    async def upload_model(self, path: Path) -> str:
+        """Upload an ONNX model (streamed in 1 MiB chunks) and return its sha256, which the
+        client computes. Idempotent: content the broker already has is not stored twice
+        (logged as deduplicated). InvalidInput when the broker refuses the file (not ONNX);
+        OSError when it cannot be read here."""
+        stub = self._broker()
+        sha = await asyncio.to_thread(_file_sha256, path)
+
+        async def chunks() -> AsyncIterator[npb.ModelChunk]:
+            stream = await asyncio.to_thread(path.open, "rb")
+            try:
+                first = True
+                while data := await asyncio.to_thread(stream.read, CHUNK_BYTES):
+                    if first:
+                        yield npb.ModelChunk(sha256=sha, name=path.stem, data=data)
+                        first = False
+                    else:
+                        yield npb.ModelChunk(data=data)
+            finally:
+                stream.close()
+
+        reply = await self._retrying(
+            f"upload {path.name}",
+            lambda: stub.UploadModel(
+                chunks(), metadata=self._metadata, timeout=self._deploy_timeout_s
+            ),
+        )
+        logger.info(
+            "model %s (%s, %d bytes) %s",
+            reply.sha256[:12],
+            path.name,
+            reply.size_bytes,
+            "was already at the broker (deduplicated)" if reply.deduplicated else "uploaded",
+        )
+        return str(reply.sha256)
+
+    async def deploy(
+        self,
+        model_sha256: str,
+        model_name: str,
+        *,
+        gpus: int = 0,
+        gpu_memory_mib: int = 0,
+        p2p: bool = False,
+        cpus: float = 0,
+        memory_mib: int = 0,
+        priority: str = "standard",
+        latency_slo_ms: float = 0,
+        site: str,
+    ) -> Deployment:
+        """Deploy an uploaded model for a client at `site`; returns once the replica is
+        ready, and follows it from then on. `priority` is "best-effort", "standard" or
+        "critical"; `gpu_memory_mib` is per GPU (0: whole GPUs). Not retried (a retry could
+        place a second deployment): it waits for an unreachable broker within
+        `deploy_timeout_s`. NotFound when the model was not uploaded; ResourceExhausted when
+        nothing fits now; FailedPrecondition when nothing ever could; InvalidInput for an
+        unknown site or priority."""
+        stub = self._broker()
+        if priority not in _PRIORITIES:
+            raise InvalidInput(
+                f"priority {priority!r} is unknown; use best-effort, standard or critical"
+            )
+        request = pb.DeployRequest(
+            model_sha256=model_sha256,
+            model_name=model_name,
+            gpus=gpus,
+            gpu_memory_mib=gpu_memory_mib,
+            p2p_required=p2p,
+            cpus=cpus,
+            memory_mib=memory_mib,
+            priority=_PRIORITIES[priority],
+            latency_slo_ms=latency_slo_ms,
+            site=site,
+        )
+        try:
+            reply = await stub.Deploy(
+                request,
+                metadata=self._metadata,
+                timeout=self._deploy_timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _mapped(err, f"deploy {model_name}") from err
+        deployment = _deployment(reply)
+        logger.info(
+            "deployment=%s epoch=%d running at %s on node=%s",
+            deployment.deployment_id,
+            deployment.epoch,
+            deployment.endpoint,
+            deployment.node_id,
+        )
+        await self._follow(deployment)
+        return deployment
+
+    async def attach(self, deployment_id: str) -> Deployment:
+        """Follow an existing deployment of this client (as deploy does for a new one).
+        NotFound when there is none (or it is another client's)."""
+        stub = self._broker()
+        reply = await self._retrying(
+            f"get deployment {deployment_id}",
+            lambda: stub.GetDeployment(
+                pb.GetDeploymentRequest(deployment_id=deployment_id),
+                metadata=self._metadata,
+                timeout=self._call_timeout_s,
+            ),
+        )
+        deployment = _deployment(reply)
+        await self._follow(deployment)
+        return deployment
+
+    async def report_location(self, site: str) -> str | None:
+        """Tell the broker where this client is now; the id of the migration it started, or
+        None when it started none. InvalidInput for an unknown site."""
+        stub = self._broker()
+        reply = await self._retrying(
+            f"report location {site}",
+            lambda: stub.ReportLocation(
+                pb.ReportLocationRequest(site=site),
+                metadata=self._metadata,
+                timeout=self._call_timeout_s,
+            ),
+        )
+        migration_id = str(reply.migration_id) or None
+        logger.info("location site=%s reported; migration=%s", site, migration_id)
+        return migration_id
+
+    # --- following the deployment ------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+        return task
+
+    async def _follow(self, deployment: Deployment) -> None:
+        """Make `deployment` the one inference goes to, and watch its placement."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+        old = self._replica
+        self._deployment = deployment
+        self._replica = (
+            _Replica(deployment.endpoint, deployment.token, deployment.epoch)
+            if deployment.endpoint
+            else None
+        )
+        if old is not None:
+            self._retire(old)
+        self._watch_task = self._spawn(
+            self._watch(deployment.deployment_id), f"watch-{deployment.deployment_id}"
+        )
+
+    async def _watch(self, deployment_id: str) -> None:
+        """Apply the deployment's placement updates until it is deleted, the broker refuses
+        the stream for good, or the client closes."""
+        request = pb.WatchDeploymentRequest(deployment_id=deployment_id)
+        backoff = BACKOFF_MIN_S
+        broken = False
+        while True:
+            call = self._broker().WatchDeployment(
+                request, metadata=self._metadata, timeout=self._watch_renew_s
+            )
+            try:
+                async for update in call:
+                    if broken:
+                        logger.info(
+                            "watch deployment=%s reopened (epoch=%d)", deployment_id, update.epoch
+                        )
+                        broken = False
+                    backoff = BACKOFF_MIN_S
+                    self._apply(update)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue  # the stream's own deadline: renew it
+                if err.code() not in _RETRIED_ONCE:
+                    logger.error(
+                        "watch deployment=%s refused (%s %s): no more placement updates",
+                        deployment_id,
+                        err.code().name,
+                        err.details(),
+                    )
+                    return
+                logger.warning(
+                    "watch deployment=%s broke (%s %s); reopening in %.1fs",
+                    deployment_id,
+                    err.code().name,
+                    err.details(),
+                    backoff,
+                )
+                broken = True
+                await asyncio.sleep(backoff)
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+                continue
+            finally:
+                call.cancel()
+            logger.warning("deployment=%s was deleted: no more placement updates", deployment_id)
+            return
+
+    def _apply(self, update: pb.PlacementUpdate) -> None:
+        """One placement update: observe a migration, switch to a newer epoch's endpoint."""
+        current = self._deployment
+        assert current is not None
+        if update.migration_id and self._observer.migration(
+            current.deployment_id, update.migration_id, time.monotonic()
+        ):
+            self._spawn(
+                self._report_observation(update.migration_id),
+                f"observe-{update.migration_id}",
+            )
+        if update.epoch > current.epoch and update.endpoint:
+            self._switch(update)
+        elif update.epoch >= current.epoch:
+            state = update.state or current.state
+            self._deployment = replace(current, state=state)
+            if update.epoch > current.epoch or state != current.state:
+                logger.info(
+                    "deployment=%s epoch=%d %s (%s); inference stays on epoch=%d",
+                    current.deployment_id,
+                    update.epoch,
+                    state,
+                    update.reason,
+                    current.epoch,
+                )
+
+    def _switch(self, update: pb.PlacementUpdate) -> None:
+        """Send new calls to the update's endpoint from now on; acknowledge it; close the
+        old channel once its calls in flight finish. Synchronous: no call can start on the
+        old replica after this returns."""
+        current = self._deployment
+        assert current is not None
+        old = self._replica
+        self._replica = _Replica(update.endpoint, update.token, update.epoch)
+        self._deployment = replace(
+            current,
+            endpoint=update.endpoint,
+            token=update.token,
+            epoch=update.epoch,
+            node_id="",
+            state=update.state or "running",
+        )
+        logger.info(
+            "deployment=%s switched to epoch=%d at %s (%s, migration=%s)",
+            current.deployment_id,
+            update.epoch,
+            update.endpoint,
+            update.reason,
+            update.migration_id or "-",
+        )
+        self._switched.set()
+        self._switched = asyncio.Event()
+        if old is not None:
+            self._retire(old)
+        self._spawn(
+            self._acknowledge(current.deployment_id, update.epoch),
+            f"ack-{current.deployment_id}-{update.epoch}",
+        )
+
+    def _retire(self, replica: _Replica) -> None:
+        self._retiring.add(replica)
+
+        async def drain() -> None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._call_timeout_s):
+                    await replica.idle.wait()
+            self._retiring.discard(replica)
+            await replica.channel.close()
+
+        self._spawn(drain(), f"retire-{replica.endpoint}-{replica.epoch}")
+
+    async def _acknowledge(self, deployment_id: str, epoch: int) -> None:
+        """AckSwitch (the broker may drain the old replica now), then read the deployment
+        again for the new node id. Failures are logged: without an ack the broker drains on
+        its own timeout."""
+        stub = self._broker()
+        try:
+            await self._retrying(
+                f"acknowledge epoch {epoch}",
+                lambda: stub.AckSwitch(
+                    pb.AckSwitchRequest(deployment_id=deployment_id, epoch=epoch),
+                    metadata=self._metadata,
+                    timeout=self._call_timeout_s,
+                ),
+            )
+        except OffloadError as err:
+            logger.warning("deployment=%s epoch=%d: %s", deployment_id, epoch, err)
+        try:
+            reply = await self._retrying(
+                f"get deployment {deployment_id}",
+                lambda: stub.GetDeployment(
+                    pb.GetDeploymentRequest(deployment_id=deployment_id),
+                    metadata=self._metadata,
+                    timeout=self._call_timeout_s,
+                ),
+            )
+        except OffloadError as err:
+            logger.warning("deployment=%s epoch=%d: %s", deployment_id, epoch, err)
+            return
+        current = self._deployment
+        if current is not None and (current.deployment_id, current.epoch) == (
+            deployment_id,
+            reply.epoch,
+        ):
+            self._deployment = replace(current, node_id=reply.node_id)
+
+    async def _report_observation(self, migration_id: str) -> None:
+        """Wait for the migration's window to close, then report it to the broker."""
+        await asyncio.sleep(self._observer.window_s)
+        while True:
+            succeeded = self._succeeded
+            observation = self._observer.close(migration_id, time.monotonic())
+            if observation is not None:
+                break
+            await succeeded.wait()
+        logger.info(
+            "deployment=%s migration=%s observed: longest gap %.1f ms, %d of %d request(s) "
+            "failed, %d retried",
+            observation.deployment_id,
+            migration_id,
+            observation.longest_gap_ms,
+            observation.failed_requests,
+            observation.requests,
+            observation.retried_requests,
+        )
+        stub = self._broker()
+        report = pb.ObservationReport(
+            deployment_id=observation.deployment_id,
+            migration_id=migration_id,
+            longest_gap_ms=observation.longest_gap_ms,
+            failed_requests=observation.failed_requests,
+            requests=observation.requests,
+        )
+        try:
+            await self._retrying(
+                f"report the observation of migration {migration_id}",
+                lambda: stub.ReportObservation(
+                    report, metadata=self._metadata, timeout=self._call_timeout_s
+                ),
+            )
+        except OffloadError as err:
+            logger.warning("migration=%s: %s (kept in stats() only)", migration_id, err)
+
+    # --- inference ---------------------------------------------------------------------
+
+    async def _newest_replica(self, failed: _Replica | None) -> _Replica:
+        """The replica to send to now: when it is still `failed` (or there is none), wait up
+        to `switch_wait_s` for a switch first. Unavailable when there is no endpoint."""
+        if self._replica is failed:
+            switched = self._switched
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._switch_wait_s):
+                    await switched.wait()
+        if self._replica is None:
+            deployment = self._deployment
+            assert deployment is not None
+            raise Unavailable(
+                f"deployment {deployment.deployment_id} has no endpoint now "
+                f"(epoch {deployment.epoch}, {deployment.state})"
+            )
+        return self._replica
+
+    async def infer(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] = ()
+    ) -> dict[str, np.ndarray]:
+        """Run the deployment's model on `inputs` (by input name) and return the outputs by
+        name (`outputs` empty: all of them). Idempotent, so a call that fails with
+        UNAVAILABLE or CANCELLED (not by us) is sent once more, on the newest endpoint
+        (waiting up to `switch_wait_s` for one when the endpoint has not changed). Each
+        attempt has the deadline `call_timeout_s`. Raises an OffloadError: InvalidInput for
+        tensors the model refuses, Unavailable when the retry failed too, NotDeployed before
+        deploy or attach."""
+        self._broker()  # connected?
+        deployment = self._deployment
+        if deployment is None:
+            raise NotDeployed("no deployment to infer on: call deploy() or attach() first")
+        try:
+            request = infer_request(deployment.model_name, inputs, outputs)
+        except ValueError as err:
+            raise InvalidInput(f"inputs cannot be encoded: {err}") from err
+        started = time.monotonic()
+        retried = False
+        try:
+            replica = self._replica or await self._newest_replica(None)
+            try:
+                response = await replica.infer(request, self._call_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in _RETRIED_ONCE or self._closing:
+                    raise self._infer_error(err, replica) from err
+                retried = True
+                replica = await self._newest_replica(replica)
+                logger.debug(
+                    "deployment=%s: %s; retrying on epoch=%d at %s",
+                    deployment.deployment_id,
+                    err.code().name,
+                    replica.epoch,
+                    replica.endpoint,
+                )
+                try:
+                    response = await replica.infer(request, self._call_timeout_s)
+                except grpc.aio.AioRpcError as again:
+                    raise self._infer_error(again, replica) from again
+            try:
+                arrays = response_arrays(response)
+            except ValueError as err:
+                raise InvalidInput(f"outputs cannot be decoded: {err}") from err
+        except OffloadError:
+            self._observer.record(started, time.monotonic(), ok=False, retried=retried)
+            raise
+        self._observer.record(started, time.monotonic(), ok=True, retried=retried)
+        self._succeeded.set()
+        self._succeeded = asyncio.Event()
+        return arrays
+
+    def _infer_error(self, err: grpc.aio.AioRpcError, replica: _Replica) -> OffloadError:
+        if self._closing:
+            return NotConnected("the client was closed during the call")
+        return _mapped(err, f"infer on epoch {replica.epoch} at {replica.endpoint}")
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.error("%s failed", task.get_name(), exc_info=error)
+
+
+class SyncOffloadClient:
+    """`OffloadClient` for scripts: the same methods, blocking. The client runs on a
+    private event loop in a background thread; call `close()` (or use `with`) to stop it.
+    Methods may be called from any thread, one at a time or concurrently."""
+
+    def __init__(self, broker: str, api_key: str, **options: float) -> None:
+        """`options` are OffloadClient's keyword arguments. Connects (no broker call)."""
+        self._client = OffloadClient(broker, api_key, **options)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="offload-client", daemon=True
+        )
+        self._thread.start()
+        self._run(self._client.connect())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()
+            raise NotConnected("the client is closed; make a new one")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        """Close the client and stop its thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._client.close())
+            self._run(self._loop.shutdown_asyncgens())
+            self._run(self._loop.shutdown_default_executor())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def deployment(self) -> Deployment | None:
+        return self._client.deployment
+
+    def stats(self) -> ClientStats:
+        return self._run(self._stats())
+
+    async def _stats(self) -> ClientStats:
+        return self._client.stats()
+
+    def upload_model(self, path: Path) -> str:
+        return self._run(self._client.upload_model(path))
+
+    def deploy(
+        self,
+        model_sha256: str,
+        model_name: str,
+        *,
+        gpus: int = 0,
+        gpu_memory_mib: int = 0,
+        p2p: bool = False,
+        cpus: float = 0,
+        memory_mib: int = 0,
+        priority: str = "standard",
+        latency_slo_ms: float = 0,
+        site: str,
+    ) -> Deployment:
+        return self._run(
+            self._client.deploy(
+                model_sha256,
+                model_name,
+                gpus=gpus,
+                gpu_memory_mib=gpu_memory_mib,
+                p2p=p2p,
+                cpus=cpus,
+                memory_mib=memory_mib,
+                priority=priority,
+                latency_slo_ms=latency_slo_ms,
+                site=site,
+            )
+        )
+
+    def attach(self, deployment_id: str) -> Deployment:
+        return self._run(self._client.attach(deployment_id))
+
+    def infer(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] = ()
+    ) -> dict[str, np.ndarray]:
+        return self._run(self._client.infer(inputs, outputs))
+
+    def report_location(self, site: str) -> str | None:
+        return self._run(self._client.report_location(site))
