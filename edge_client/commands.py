@@ -51,7 +51,7 @@ def _broker(args: argparse.Namespace) -> str:
     return address
 
 
-async def _edge_call(args: argparse.Namespace, method: str, request: Any) -> Any:
+async def edge_call(args: argparse.Namespace, method: str, request: Any) -> Any:
     metadata = (("authorization", f"Bearer {_api_key(args)}"),)
     async with grpc.aio.insecure_channel(_broker(args)) as channel:
         stub = pb_grpc.EdgeBrokerStub(channel)
@@ -61,20 +61,25 @@ async def _edge_call(args: argparse.Namespace, method: str, request: Any) -> Any
             raise CommandError(f"{err.code().name}: {err.details()}") from err
 
 
-async def _nodes(args: argparse.Namespace) -> int:
+async def ops_get(args: argparse.Namespace, path: str) -> Any:
+    """GET the broker's ops API (`--ops` or $OFFLOAD_OPS) and return its JSON."""
     url = (args.ops or os.environ.get("OFFLOAD_OPS") or "").rstrip("/")
     if not url:
         raise CommandError("give --ops URL, the broker's ops address (or set OFFLOAD_OPS)")
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
-            http.get(f"{url}/api/nodes") as response,
+            http.get(f"{url}{path}") as response,
         ):
             if response.status != 200:
-                raise CommandError(f"{url}/api/nodes answered HTTP {response.status}")
-            nodes = await response.json()
+                raise CommandError(f"{url}{path} answered HTTP {response.status}")
+            return await response.json()
     except aiohttp.ClientError as err:
         raise CommandError(f"cannot reach the broker's ops API at {url}: {err}") from err
+
+
+async def _nodes(args: argparse.Namespace) -> int:
+    nodes = await ops_get(args, "/api/nodes")
     if args.json:
         print(json.dumps(nodes, indent=2))
         return 0
@@ -96,7 +101,7 @@ async def _nodes(args: argparse.Namespace) -> int:
 
 
 async def _deployments(args: argparse.Namespace) -> int:
-    reply = await _edge_call(args, "ListDeployments", pb.ListDeploymentsRequest())
+    reply = await edge_call(args, "ListDeployments", pb.ListDeploymentsRequest())
     deployments = list(reply.deployments)
     if args.json:
         print(json.dumps([_deployment_dict(d) for d in deployments], indent=2))
@@ -134,7 +139,7 @@ def _deployment_dict(d: pb.Deployment) -> dict[str, Any]:
 
 
 async def _explain(args: argparse.Namespace) -> int:
-    d = await _edge_call(
+    d = await edge_call(
         args, "GetDeployment", pb.GetDeploymentRequest(deployment_id=args.deployment)
     )
     explanation = json.loads(d.explanation_json or "{}")

@@ -25,14 +25,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import grpc
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from edge_client.client import OffloadClient
-from edge_client.commands import CommandError, _api_key, _broker, _run
+from edge_client.commands import (
+    CommandError,
+    _api_key,
+    _broker,
+    _run,
+    edge_call,
+    ops_get,
+)
 from edge_client.errors import OffloadError
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
@@ -110,17 +116,6 @@ async def _infer(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _edge(args: argparse.Namespace, method: str, request: Any) -> Any:
-    metadata = (("authorization", f"Bearer {_api_key(args)}"),)
-    async with grpc.aio.insecure_channel(_broker(args)) as channel:
-        try:
-            return await getattr(pb_grpc.EdgeBrokerStub(channel), method)(
-                request, metadata=metadata, timeout=30
-            )
-        except grpc.aio.AioRpcError as err:
-            raise CommandError(f"{err.code().name}: {err.details()}") from err
-
-
 def _read_token(path: Path) -> str:
     try:
         return path.read_text().strip()
@@ -144,7 +139,7 @@ async def _operator(args: argparse.Namespace, method: str, request: Any) -> Any:
 
 
 async def _move(args: argparse.Namespace) -> int:
-    reply = await _edge(
+    reply = await edge_call(
         args, "ReportLocation", pb.ReportLocationRequest(client_id=args.client, site=args.site)
     )
     if reply.migration_id:
@@ -170,7 +165,7 @@ async def _wait(args: argparse.Namespace, migration: pb.Migration, operator: boo
         if operator:
             reply = await _operator(args, "ListMigrations", request)
         else:
-            reply = await _edge(args, "ListMigrations", request)
+            reply = await edge_call(args, "ListMigrations", request)
         current = next(m for m in reply.migrations if m.migration_id == migration.migration_id)
         for event in current.timeline:
             if event.event not in seen:
@@ -190,7 +185,7 @@ async def _migrate(args: argparse.Namespace) -> int:
     if args.join_token_file or os.environ.get("OFFLOAD_JOIN_TOKEN_FILE"):
         migration, operator = await _operator(args, "Migrate", request), True
     else:
-        migration, operator = await _edge(args, "Migrate", request), False
+        migration, operator = await edge_call(args, "Migrate", request), False
     _say(f"migration {migration.migration_id}: {migration.source_node} -> {migration.target_node}")
     done = await _wait(args, migration, operator)
     print(_describe(done))
@@ -213,24 +208,8 @@ async def _drain(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-async def _ops_get(args: argparse.Namespace, path: str) -> Any:
-    url = (args.ops or os.environ.get("OFFLOAD_OPS") or "").rstrip("/")
-    if not url:
-        raise CommandError("give --ops URL, the broker's ops address (or set OFFLOAD_OPS)")
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
-            http.get(f"{url}{path}") as response,
-        ):
-            if response.status != 200:
-                raise CommandError(f"{url}{path} answered HTTP {response.status}")
-            return await response.json()
-    except aiohttp.ClientError as err:
-        raise CommandError(f"cannot reach the broker's ops API at {url}: {err}") from err
-
-
 async def _migrations(args: argparse.Namespace) -> int:
-    migrations = await _ops_get(args, "/api/migrations")
+    migrations = await ops_get(args, "/api/migrations")
     if args.deployment:
         migrations = [m for m in migrations if m["deployment_id"] == args.deployment]
     if args.json:
@@ -251,9 +230,9 @@ async def _migrations(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    nodes = await _ops_get(args, "/api/nodes")
-    deployments = await _ops_get(args, "/api/deployments")
-    migrations = await _ops_get(args, "/api/migrations")
+    nodes = await ops_get(args, "/api/nodes")
+    deployments = await ops_get(args, "/api/deployments")
+    migrations = await ops_get(args, "/api/migrations")
     gpus = [g for n in nodes for g in n["gpus"]]
     node_states = Counter(n["state"] for n in nodes)
     deployment_states = Counter(d["state"] for d in deployments)

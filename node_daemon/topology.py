@@ -368,7 +368,7 @@ class _GroupSearch:
         key = (k, free_mask)
         cached = self._groups.get(key)
         if cached is None:
-            cached = tuple(self._index[p] for p in _bits(self._solve(k, free_mask)))
+            cached = tuple(self._index[p] for p in set_bits(self._solve(k, free_mask)))
             if len(self._groups) >= _CACHE_LIMIT:
                 self._groups.clear()
             self._groups[key] = cached
@@ -387,7 +387,7 @@ class _GroupSearch:
             key=lambda g: (
                 self._profile(free_mask & ~g)[0],
                 self._profile(every & ~g),
-                tuple(-p for p in _bits(g)),
+                tuple(-p for p in set_bits(g)),
             ),
         )
 
@@ -437,7 +437,7 @@ class _GroupSearch:
             clique = _clique_number(left, self._adjacency[level], enough=sizes[-1])
             while len(future) < len(sizes) and sizes[len(future)] <= clique:
                 future.append(level)
-        members = list(_bits(left))
+        members = list(set_bits(left))
         total = sum(self._rank[a][b] for a, b in itertools.combinations(members, 2))
         return tuple(future), total
 
@@ -512,7 +512,7 @@ def _clique_number(candidates: int, adjacency: list[int], enough: int) -> int:
     return min(best, enough)
 
 
-def _bits(mask: int) -> list[int]:
+def set_bits(mask: int) -> list[int]:
     """Positions of the set bits of `mask`, ascending."""
     out = []
     while mask:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from broker.placement.model import RejectReason, Strategy
 from broker.placement.scoring import RANK_SCALE, GroupTerms, group_terms
 from node_daemon.gpu_allocator import P2P_KINDS
-from node_daemon.topology import Topology
+from node_daemon.topology import Topology, set_bits
 
 MEMO_LIMIT = 1 << 16
 """Entries per memo table before it is emptied."""
@@ -180,10 +180,10 @@ class NodeKind:
         return self.mask(frozenset(self.topology.best_group(k, free)))
 
     def _is_p2p(self, group: int) -> bool:
-        return all(group & ~(1 << p) & ~self._p2p[p] == 0 for p in _bits(group))
+        return all(group & ~(1 << p) & ~self._p2p[p] == 0 for p in set_bits(group))
 
     def _terms(self, strategy: Strategy, group: int, free_mask: int) -> GroupTerms:
-        members = _bits(group)
+        members = set_bits(group)
         ranks = [self._rank[a][b] for a, b in itertools.combinations(members, 2)]
         topology = 0.0
         if ranks:
@@ -256,13 +256,3 @@ def _has_clique(candidates: int, adjacency: list[int], size: int) -> bool:
         if _has_clique(candidates & adjacency[lowest.bit_length() - 1], adjacency, size - 1):
             return True
     return False
-
-
-def _bits(mask: int) -> list[int]:
-    """Positions of the set bits of `mask`, ascending."""
-    out = []
-    while mask:
-        lowest = mask & -mask
-        out.append(lowest.bit_length() - 1)
-        mask ^= lowest
-    return out
