@@ -16,8 +16,8 @@ import secrets
 import time
 
 from broker.errors import InvalidRequest, NodeUnavailable, NotFound, ResourceExhausted
-from broker.placement import ClusterSnapshot, PlacementRequest, place
-from broker.service import Broker, DeploySpec, Hold, placement_update
+from broker.placement import ClusterSnapshot, Decision, PlacementRequest, place
+from broker.service import Broker, DeploySpec, Hold, explanation_json, placement_update
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
@@ -47,6 +47,9 @@ class Migrations:
         """deployment id -> time.monotonic() of its last migration."""
         self._running: set[str] = set()
         """Deployments with a migration under way (one at a time each)."""
+        self._explanations: dict[tuple[str, int], str] = {}
+        """(deployment id, target epoch) -> the target's placement explanation (JSON), which
+        becomes the deployment's at the switch."""
 
     # --- triggers ------------------------------------------------------------------------
 
@@ -107,8 +110,8 @@ class Migrations:
                 record,
                 MigrationTrigger.MOBILITY,
                 Strategy.MAKE_BEFORE_BREAK,
-                decision.node_id,
-                decision.gpus,
+                decision,
+                why=f"client moved to {site}: {verdict.reason}",
             )
 
     async def migrate(
@@ -145,7 +148,7 @@ class Migrations:
                 raise ResourceExhausted(
                     f"no node can take deployment {deployment_id}: {decision.reason}"
                 )
-            plan = self._reserve(record, trigger, strategy, decision.node_id, decision.gpus)
+            plan = self._reserve(record, trigger, strategy, decision, why=f"{trigger} migration")
         timeline = Timeline()
         timeline.mark("decided")
         await self.save(plan, "preparing", timeline, "", "")
@@ -203,8 +206,8 @@ class Migrations:
                     record,
                     MigrationTrigger.NODE_LOST,
                     Strategy.FAILOVER,
-                    decision.node_id,
-                    decision.gpus,
+                    decision,
+                    why=f"node {node_id} was lost",
                 )
             started.append(plan.migration_id)
             self._launch(plan)
@@ -281,9 +284,13 @@ class Migrations:
         record: DeploymentRecord,
         trigger: MigrationTrigger,
         strategy: Strategy,
-        target_node: str,
-        target_gpus: tuple[int, ...],
+        decision: Decision,
+        why: str,
     ) -> MigrationPlan:
+        """Hold the target's GPUs and mark the deployment migrating; `why` heads the
+        explanation the deployment gets at the switch."""
+        assert decision.node_id is not None
+        target_node, target_gpus = decision.node_id, decision.gpus
         spec = DeploySpec.from_json(record.request_json)
         epoch = record.epoch + 1
         self.broker.holds[(record.deployment_id, epoch)] = Hold(
@@ -292,6 +299,7 @@ class Migrations:
         self._running.add(record.deployment_id)
         self.broker.busy.add(record.deployment_id)
         self._acks[(record.deployment_id, epoch)] = asyncio.Event()
+        self._explanations[(record.deployment_id, epoch)] = explanation_json(decision, why)
         return MigrationPlan(
             migration_id=f"m-{secrets.token_hex(5)}",
             deployment_id=record.deployment_id,
@@ -317,6 +325,7 @@ class Migrations:
             self.broker.holds.pop((plan.deployment_id, plan.epoch), None)
             self.broker.holds.pop((plan.deployment_id, plan.epoch - 1), None)
             self._acks.pop((plan.deployment_id, plan.epoch), None)
+            self._explanations.pop((plan.deployment_id, plan.epoch), None)
             self._running.discard(plan.deployment_id)
             self.broker.busy.discard(plan.deployment_id)
             self._last[plan.deployment_id] = time.monotonic()
@@ -367,6 +376,9 @@ class Migrations:
                 broker.holds[(plan.deployment_id, plan.epoch - 1)] = Hold(
                     old.node_id, old.gpus, spec.gpu_memory_mib, spec.priority
                 )
+        # A migration resumed after a broker restart has no explanation: the old one stays.
+        explanation = self._explanations.pop((plan.deployment_id, plan.epoch), None)
+        explained = {"explanation_json": explanation} if explanation else {}
         record = await broker.db(
             broker.store.update_deployment,
             plan.deployment_id,
@@ -377,6 +389,7 @@ class Migrations:
             endpoint=endpoint,
             epoch=plan.epoch,
             reason="",
+            **explained,
         )
         broker.holds.pop((plan.deployment_id, plan.epoch), None)
         broker.watchers.push(

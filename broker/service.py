@@ -593,9 +593,7 @@ class Broker:
                 endpoint="",
                 token=secrets.token_urlsafe(24),
                 epoch=epoch,
-                explanation_json=json.dumps(
-                    {**decision.explanation.to_dict(), "text": decision.explanation.render()}
-                ),
+                explanation_json=explanation_json(decision),
                 reason="",
                 created_at=now,
                 updated_at=now,
@@ -809,6 +807,19 @@ class Broker:
                 f"site {site!r} is unknown; known sites: {', '.join(self.network.sites)}"
             )
         await self.db(self.store.set_client_site, client_id, site)
+
+
+def explanation_json(decision: Decision, why: str = "") -> str:
+    """A placement decision's explanation as stored with the deployment: its fields, its
+    rendered text, and `why` (what moved it there, for a migration) above that text."""
+    text = decision.explanation.render()
+    return json.dumps(
+        {
+            **decision.explanation.to_dict(),
+            "why": why,
+            "text": f"why: {why}\n{text}" if why else text,
+        }
+    )
 
 
 def placement_update(

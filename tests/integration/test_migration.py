@@ -180,6 +180,11 @@ async def test_mobility_migrates_make_before_break_with_no_failed_request(
     async with cluster.edge("alice") as alice:
         deployment = await alice.get(stream.deployment.deployment_id)
     assert (deployment.node_id, deployment.epoch) == ("node-c", 2)
+    # `offload explain` now explains the placement on node-c, and why it moved there.
+    explanation = json.loads(deployment.explanation_json)
+    assert explanation["chosen"]["node_id"] == "node-c"
+    assert explanation["why"].startswith("client moved to site-c: ")
+    assert explanation["text"].startswith("why: client moved to site-c: ")
 
 
 async def test_stop_start_loses_more_than_make_before_break(cluster: Cluster) -> None:
