@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)  ## serve a real model in a real container and offload inference to it
-	$(VENV)/bin/offload demo
+demo: $(STAMP)  ## a whole edge cloud on this machine, a client moving (ARGS="--quick --keep ...")
+	$(VENV)/bin/offload demo $(ARGS)
 
 test: $(STAMP)  ## run every test (Docker tests skip without an engine, fail under CI=true)
 	$(PY) -m pytest

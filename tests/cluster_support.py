@@ -1,16 +1,16 @@
 """A real cluster on loopback for tests: a broker process and node daemon processes.
 
 Ports are picked free up front (the broker keeps its port across a restart, so the nodes find
-it again). Logs go to files under the test's tmp_path; `wait_for_log` polls them.
+it again). Logs go to files under the test's tmp_path; `wait_for_log` polls them. The nodes,
+the cluster file and the process helpers are the demo's (`edge_client.demo.cluster`); this
+class adds what tests need: restarting and killing the broker, per-client API keys.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +20,14 @@ from pathlib import Path
 import grpc
 
 import modelzoo
+from edge_client.demo.cluster import (
+    CLUSTER_FILE,
+    DEMO_NODES,
+    NodePlan,
+    free_port,
+    spawn,
+    wait_for_log,
+)
 from edge_client.rpc.tensors import infer_request
 from node_daemon.model_cache import file_sha256
 from protos.inference import grpc_service_pb2_grpc as infer_grpc
@@ -27,55 +35,11 @@ from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 
-CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "topologies"
 JOIN_TOKEN = "join-token-for-tests-0123456789"
-CLUSTER_YAML = """\
-sites: [site-a, site-b, site-c]
-links:
-  - {a: site-a, b: site-b, latency_ms: 10}
-  - {a: site-b, b: site-c, latency_ms: 10}
-  - {a: site-a, b: site-c, latency_ms: 25}
-"""
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    node_id: str
-    site: str
-    capture: str
-    gpu_spec: str
-
-
-THREE_NODES = (
-    NodePlan("node-a", "site-a", "24_asus-esc8000a-e12-4xRTX6000Ada-2socket-4nic.txt",
-             "RTX 6000 Ada:49140"),
-    NodePlan("node-b", "site-b", "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt",
-             "Tesla V100-SXM2-16GB:16384"),
-    NodePlan("node-c", "site-c", "12_dgx-a100-8gpu-nv12-10nic-nps4.txt", "A100-SXM4-40GB:40960"),
-)  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
-
-
-async def wait_for_log(log: Path, pattern: str, after: int = 0, timeout_s: float = 60) -> str:
-    """The first match of `pattern` in the log past byte `after`, waiting up to `timeout_s`."""
-    regex = re.compile(pattern)
-    for _ in range(int(timeout_s / 0.05)):
-        text = (await asyncio.to_thread(log.read_bytes))[after:].decode(errors="replace")
-        if match := regex.search(text):
-            return match.group(0)
-        await asyncio.sleep(0.05)
-    text = await asyncio.to_thread(log.read_text, errors="replace")
-    raise AssertionError(f"no {pattern!r} in {log} within {timeout_s}s:\n{text[-4000:]}")
+CLUSTER_YAML = CLUSTER_FILE.read_text()
+THREE_NODES = DEMO_NODES
+"""node-a at site-a (4x RTX 6000 Ada, PCIe), node-b at site-b (8x V100, NVLink hybrid cube),
+node-c at site-c (8x A100, NVSwitch): the demo's cluster."""
 
 
 @dataclass
@@ -129,7 +93,7 @@ class Cluster:
             [
                 sys.executable, "-m", "edge_client.cli", "node", "--listen", "127.0.0.1:0",
                 "--site", plan.site, "--node-id", plan.node_id, "--runtime", runtime,
-                "--topology-file", str(CAPTURES / plan.capture), "--gpu-spec", plan.gpu_spec,
+                "--topology-file", str(plan.capture), "--gpu-spec", plan.gpu_spec,
                 "--state-dir", str(self.root / f"{plan.node_id}-state"),
                 "--broker", self.broker_address,
                 "--join-token-file", str(self.root / "join-token"),

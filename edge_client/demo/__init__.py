@@ -1,0 +1,122 @@
+"""`offload demo`: a whole edge cloud on this machine, a real model offloaded, a client moving.
+
+It starts a broker and three node daemons on loopback, one at each of three sites, whose GPUs
+come from real `nvidia-smi topo -m` captures (a 4-GPU PCIe server, an 8-GPU NVLink hybrid
+cube, an 8-GPU NVSwitch machine). Replicas run in Docker containers when an engine is
+reachable (the runtime image is built first if needed), else as local processes (it says
+so). The client uploads the ResNet-18-shaped CNN, deploys it, sends steady inferences
+(checking every answer against in-process ONNX Runtime) and moves along a mobility trace;
+the broker migrates the deployment make-before-break as the client moves. A live view shows
+the nodes and their GPUs, where the deployment runs, the request rate and latency and each
+migration; the report at the end has the placement explanations, each migration's timeline
+and client-observed downtime, latency percentiles, failed requests and the dashboard URL.
+
+Exit status: 0 when every request and every migration succeeded, 1 otherwise, 2 for bad
+arguments, 130 after Ctrl-C. Ctrl-C stops everything it started (containers, processes,
+its temporary folder) before it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+import modelzoo
+from broker.network import load_cluster_network
+from edge_client.demo.cluster import CLUSTER_FILE
+from edge_client.demo.run import DemoFailed, DemoOptions, install_stop_signals, run_demo
+from edge_client.demo.trace import DEFAULT_TRACE, TraceError, load_trace
+
+QUICK_DWELL_FACTOR = 0.25
+QUICK_MIN_DWELL_S = 1.5
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="a whole edge cloud on this machine: offload a real model, move the client",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short run (CI): each stay of the trace x{QUICK_DWELL_FACTOR:g}, at least "
+        f"{QUICK_MIN_DWELL_S:g} s",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="the mobility trace, a YAML file of {site, dwell_s} waypoints (default: the "
+        "commute through site-a, site-b, site-c and back)",
+    )
+    parser.add_argument("--model", default="resnet18", choices=modelzoo.ALL)
+    parser.add_argument(
+        "--runtime",
+        choices=["auto", "docker", "process"],
+        default="auto",
+        help="auto: Docker when an engine is reachable, else local processes",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=20.0, help="inferences per second (default 20)"
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="after the report, leave the cluster running for the dashboard until Ctrl-C",
+    )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="no live view, only timestamped lines (the default when stdout is not a terminal)",
+    )
+    parser.set_defaults(func=_main)
+
+
+def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
+    if not 0 < args.rate <= 1000:
+        raise ValueError(f"--rate must be in (0, 1000] inferences per second, got {args.rate:g}")
+    sites = load_cluster_network(CLUSTER_FILE).sites
+    trace = load_trace(args.trace, sites)
+    if args.quick:
+        trace = trace.scaled(QUICK_DWELL_FACTOR, QUICK_MIN_DWELL_S)
+    return DemoOptions(
+        trace=trace,
+        trace_file=args.trace,
+        model=args.model,
+        runtime=args.runtime,
+        rate=args.rate,
+        keep=args.keep,
+        live=console.is_terminal and not args.plain,
+    )
+
+
+async def _run(options: DemoOptions, console: Console) -> int:
+    task = asyncio.create_task(run_demo(options, console))
+    install_stop_signals(task, lambda message: console.print(message, markup=False))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return 130
+
+
+def _main(args: argparse.Namespace) -> int:
+    if not args.verbose:  # the demo narrates; the client's INFO lines would repeat it
+        logging.getLogger().setLevel(logging.WARNING)
+    console = Console(soft_wrap=True)  # long lines stay whole in logs
+    try:
+        options = _options(args, console)
+    except (TraceError, ValueError) as err:
+        print(f"offload demo: {err}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_run(options, console))
+    except DemoFailed as err:
+        print(f"offload demo: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,294 @@
+"""A whole cluster on this machine: a broker process and node daemon processes on loopback.
+
+Everything lives in one folder (`root`): the broker's state, each node's model cache, the
+logs, and the temporary folders of the replicas (the children get TMPDIR inside `root`), so
+removing `root` removes every file the cluster made. The children run in their own session
+(a Ctrl-C in the terminal reaches only the demo, which then stops them in order: nodes
+first, which stop their replicas, then the broker) and get SIGTERM if the demo dies
+(PR_SET_PDEATHSIG). `stop` ends with a sweep: any process whose command line names `root`,
+and any container of the demo's deployments, is killed; what the sweep had to kill is
+returned, since after an orderly stop there should be none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.state.api_keys import new_api_key
+from node_daemon.runtimes.base import LABEL_PREFIX
+
+HERE = Path(__file__).resolve().parent
+CAPTURES = HERE / "topologies"
+CLUSTER_FILE = HERE / "cluster.yaml"
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """One node daemon: its id, its site, and the `nvidia-smi topo -m` capture (with the
+    GPU model and memory) that stands in for its GPUs."""
+
+    node_id: str
+    site: str
+    capture: Path
+    gpu_spec: str
+
+
+DEMO_NODES = (
+    NodePlan("node-a", "site-a", CAPTURES / "24_asus-esc8000a-e12-4xRTX6000Ada-2socket-4nic.txt",
+             "RTX 6000 Ada:49140"),
+    NodePlan("node-b", "site-b", CAPTURES / "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt",
+             "Tesla V100-SXM2-16GB:16384"),
+    NodePlan("node-c", "site-c", CAPTURES / "12_dgx-a100-8gpu-nv12-10nic-nps4.txt",
+             "A100-SXM4-40GB:40960"),
+)  # fmt: skip
+"""A 4-GPU PCIe server, an 8-GPU NVLink hybrid cube and an 8-GPU NVSwitch machine."""
+
+
+class ClusterError(Exception):
+    """A process of the cluster did not come up; the message has its log's tail."""
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(
+    command: Sequence[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `command` with stdout and stderr appended to `log`, in its own session, to get
+    SIGTERM when this process dies. Call it from the main thread (the death signal follows
+    the thread that spawned the child)."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            list(command),
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
+def log_tail(log: Path, lines: int = 30) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+async def wait_for_log(
+    log: Path,
+    pattern: str,
+    after: int = 0,
+    timeout_s: float = 60,
+    process: subprocess.Popen[bytes] | None = None,
+) -> str:
+    """The first match of `pattern` in `log` past byte `after`, waiting up to `timeout_s`.
+    AssertionError with the log's tail on timeout, or as soon as `process` has exited."""
+    regex = re.compile(pattern)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            data = await asyncio.to_thread(log.read_bytes)
+        except FileNotFoundError:
+            data = b""
+        if match := regex.search(data[after:].decode(errors="replace")):
+            return match.group(0)
+        if process is not None and process.poll() is not None:
+            raise AssertionError(
+                f"{log.stem} exited with code {process.returncode} before {pattern!r}; "
+                f"the end of {log}:\n{log_tail(log)}"
+            )
+        if loop.time() > deadline:
+            raise AssertionError(
+                f"no {pattern!r} in {log} within {timeout_s:.0f}s; its end:\n{log_tail(log)}"
+            )
+        await asyncio.sleep(0.05)
+
+
+class LocalCluster:
+    """A broker and node daemons as child processes, all under `root`."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        runtime: str,
+        image: str = "",
+        nodes: Sequence[NodePlan] = DEMO_NODES,
+        cluster_file: Path = CLUSTER_FILE,
+        broker_flags: Sequence[str] = (),
+        client_id: str = "demo",
+    ) -> None:
+        """`runtime` is "docker" or "process" (each node's `--runtime`); `image` the runtime
+        image of Docker replicas; `broker_flags` more `offload broker` flags."""
+        self.root = root
+        self.runtime = runtime
+        self.image = image
+        self.nodes = tuple(nodes)
+        self.cluster_file = cluster_file
+        self.broker_flags = tuple(broker_flags)
+        self.client_id = client_id
+        self.broker_port = free_port()
+        self.ops_port = free_port()
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.api_key_file = root / "api-key"
+        self.join_token_file = root / "join-token"
+        self._tmp = root / "tmp"
+
+    @property
+    def broker_address(self) -> str:
+        return f"127.0.0.1:{self.broker_port}"
+
+    @property
+    def ops_url(self) -> str:
+        return f"http://127.0.0.1:{self.ops_port}/"
+
+    @property
+    def api_key(self) -> str:
+        return self.api_key_file.read_text().strip()
+
+    def log(self, name: str) -> Path:
+        return self.root / f"{name}.log"
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "TMPDIR": str(self._tmp), "PYTHONUNBUFFERED": "1"}
+
+    def _cli(self) -> list[str]:
+        return [sys.executable, "-m", "edge_client.cli"]
+
+    async def start(self, say: Callable[[str], None]) -> None:
+        """Start the broker, then every node, each once it is up; ClusterError (with the
+        log's tail) when one exits or does not come up within a minute."""
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        self.join_token_file.write_text(secrets.token_urlsafe(24) + "\n")
+        self.join_token_file.chmod(0o600)
+        self.api_key_file.write_text(new_api_key(self.client_id) + "\n")
+        self.api_key_file.chmod(0o600)
+        broker = [
+            *self._cli(), "broker",
+            "--listen", self.broker_address,
+            "--ops-listen", f"127.0.0.1:{self.ops_port}",
+            "--state-dir", str(self.root / "broker-state"),
+            "--cluster", str(self.cluster_file),
+            "--join-token-file", str(self.join_token_file),
+            "--api-keys-file", str(self.api_key_file),
+            *self.broker_flags,
+        ]  # fmt: skip
+        await self._start("broker", broker, r"broker listening on")
+        say(f"broker: gRPC {self.broker_address}, dashboard {self.ops_url}")
+        for plan in self.nodes:
+            command = [
+                *self._cli(), "node",
+                "--listen", "127.0.0.1:0",
+                "--site", plan.site,
+                "--node-id", plan.node_id,
+                "--runtime", self.runtime,
+                "--topology-file", str(plan.capture),
+                "--gpu-spec", plan.gpu_spec,
+                "--state-dir", str(self.root / f"{plan.node_id}-state"),
+                "--broker", self.broker_address,
+                "--join-token-file", str(self.join_token_file),
+                "--stop-replicas-on-exit",
+                *(["--image", self.image] if self.image else []),
+            ]  # fmt: skip
+            await self._start(plan.node_id, command, r"registered with broker")
+            say(
+                f"{plan.node_id} at {plan.site}: {plan.gpu_spec.split(':')[0]} GPUs from "
+                f"{plan.capture.name} ({self.runtime} runtime)"
+            )
+
+    async def _start(self, name: str, command: list[str], ready: str) -> None:
+        process = spawn(command, self.log(name), self._env())
+        self.processes[name] = process
+        try:
+            await wait_for_log(self.log(name), ready, process=process, timeout_s=60)
+        except AssertionError as err:
+            raise ClusterError(str(err)) from None
+
+    async def stop(self, deployment_ids: Iterable[str] = ()) -> list[str]:
+        """SIGTERM the nodes (they stop their replicas), then the broker; SIGKILL whatever
+        has not exited after 30 s. Then sweep (see the module docstring); returns what the
+        sweep found, which should be nothing."""
+        names = [n for n in self.processes if n != "broker"]
+        for group in (names, ["broker"]):
+            running = [self.processes[n] for n in group if n in self.processes]
+            for process in running:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in running:
+                try:
+                    await asyncio.to_thread(process.wait, 30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    await asyncio.to_thread(process.wait)
+        return [*_kill_processes_naming(self.root), *await _remove_containers(deployment_ids)]
+
+
+def _kill_processes_naming(root: Path) -> list[str]:
+    """SIGKILL every process (but this one) whose command line contains `root`."""
+    needle = str(root).encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                command = cmdline.replace(b"\0", b" ").decode(errors="replace")[:120]
+                killed.append(f"process {entry.name}: {command}")
+    return killed
+
+
+async def _remove_containers(deployment_ids: Iterable[str]) -> list[str]:
+    """Force-remove the containers of these deployments, if a Docker engine is reachable."""
+    ids = list(deployment_ids)
+    if not ids:
+        return []
+
+    def remove() -> list[str]:
+        import docker
+        import docker.errors
+
+        removed: list[str] = []
+        try:
+            with contextlib.closing(docker.from_env(timeout=10)) as client:
+                for deployment_id in ids:
+                    label = f"{LABEL_PREFIX}deployment={deployment_id}"
+                    for container in client.containers.list(all=True, filters={"label": label}):
+                        container.remove(force=True)
+                        removed.append(f"container {container.name}")
+        except (docker.errors.DockerException, OSError):
+            pass  # no engine: no container
+        return removed
+
+    return await asyncio.to_thread(remove)

@@ -1,0 +1,390 @@
+"""The demo's run: a cluster up, a model deployed, a client moving, a report.
+
+1. The runtime: Docker when an engine is reachable (the runtime image is built first, with
+   progress, or found up to date), otherwise local processes, and the demo says so.
+2. `LocalCluster`: the broker and three node daemons (`cluster.DEMO_NODES`) in a fresh
+   folder under the system temp dir.
+3. An `OffloadClient` uploads the model, deploys it (one GPU) at the trace's first site and
+   sends inferences at a steady rate, checking every answer against in-process ONNX
+   Runtime.
+4. It walks the trace: after each stay it reports its next site (ReportLocation), and the
+   broker migrates the deployment when the gain passes the hysteresis; the next move waits
+   until that migration has finished.
+5. The report: placements with their explanations, each migration's timeline and the
+   client-observed downtime, latency percentiles, failed requests, the dashboard URL.
+
+Everything started is stopped in `finally`, on success, failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import numpy as np
+import onnxruntime as ort
+from rich.console import Console
+from rich.live import Live
+
+import modelzoo
+from edge_client.client import OffloadClient
+from edge_client.demo.cluster import ClusterError, LocalCluster
+from edge_client.demo.trace import Trace
+from edge_client.demo.view import LoadStats, Report, Snapshot, live_view, print_report
+from edge_client.errors import OffloadError
+from images.build import ImageBuildError, build_image
+from node_daemon.runtimes import DockerRuntime, RuntimeUnavailable
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+BROKER_FLAGS = (
+    "--heartbeat-interval", "0.5", "--lost-after", "5", "--orphan-grace", "10",
+    # The trace moves the client every few seconds; the default 30 s cooldown would hold
+    # every move after the first.
+    "--cooldown", "1",
+)  # fmt: skip
+MIGRATION_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    trace: Trace
+    trace_file: Path
+    model: str
+    runtime: str
+    """"auto", "docker" or "process"."""
+    rate: float
+    """Inferences per second."""
+    keep: bool
+    live: bool
+    """Draw the live view (a terminal); otherwise print a status line now and then."""
+
+
+class DemoFailed(Exception):
+    """The demo could not run; the message says why and what to do."""
+
+
+class Narrator:
+    """Timestamped lines, printed above the live view when there is one."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.started = time.monotonic()
+
+    def say(self, message: str) -> None:
+        self.console.print(
+            f"[{time.monotonic() - self.started:6.1f}s] {message}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def pick_runtime(choice: str, say: Callable[[str], None]) -> tuple[str, str]:
+    """("docker", image tag) when Docker is usable (building the image if needed), else
+    ("process", ""), saying why; DemoFailed when --runtime docker cannot be had."""
+    if choice == "process":
+        return "process", ""
+    try:
+        image = build_image("cpu", progress=lambda line: say(f"image: {line}"))
+        DockerRuntime.connect(image)
+        return "docker", image
+    except (ImageBuildError, RuntimeUnavailable) as err:
+        if choice == "docker":
+            raise DemoFailed(f"--runtime docker: {err}") from err
+        say(
+            f"Docker is not usable here ({err}). Running the replicas as local processes "
+            "instead (the same runtime server, no container isolation). `make docker-engine` "
+            "installs and starts Debian's engine."
+        )
+        return "process", ""
+
+
+async def run_demo(options: DemoOptions, console: Console) -> int:
+    """Run the demo; 0 when every request succeeded and every migration too, else 1."""
+    narrator = Narrator(console)
+    say = narrator.say
+    say(f"model: building or loading {options.model!r} from the model zoo")
+    model = await asyncio.to_thread(modelzoo.model_path, options.model)
+    runtime, image = await asyncio.to_thread(pick_runtime, options.runtime, say)
+    root = Path(tempfile.mkdtemp(prefix="offload-demo-"))
+    say(f"runtime: {runtime}; cluster folder {root} (removed at the end)")
+    cluster = LocalCluster(root, runtime=runtime, image=image, broker_flags=BROKER_FLAGS)
+    deployments: list[str] = []
+    try:
+        await cluster.start(say)
+        report = await _offload(options, cluster, model, runtime, narrator, deployments)
+        print_report(console, report)
+        if options.keep:
+            say(
+                f"cluster kept running. Try: export OFFLOAD_BROKER={cluster.broker_address} "
+                f"OFFLOAD_OPS={cluster.ops_url} OFFLOAD_API_KEY_FILE={cluster.api_key_file}; "
+                "offload status. Ctrl-C stops it."
+            )
+            # Ctrl-C now ends a finished demo: its result stands.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+        return 0 if report.succeeded else 1
+    except ClusterError as err:
+        raise DemoFailed(f"the cluster did not come up: {err}") from err
+    finally:
+        say("stopping: node daemons (each stops its replicas), then the broker")
+        leftovers = await cluster.stop(deployments)
+        for leftover in leftovers:
+            say(f"WARNING: had to kill a leftover {leftover}")
+        await asyncio.to_thread(shutil.rmtree, root, True)
+        say(f"stopped; {root} removed")
+
+
+async def _offload(
+    options: DemoOptions,
+    cluster: LocalCluster,
+    model: Path,
+    runtime: str,
+    narrator: Narrator,
+    deployments: list[str],
+) -> Report:
+    say = narrator.say
+    inputs = modelzoo.sample_inputs(model, seed=1)
+    expected = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(
+        None, inputs
+    )
+    trace = options.trace
+    snapshot = Snapshot(title=f"{options.model} on {runtime} replicas")
+    async with (
+        OffloadClient(cluster.broker_address, cluster.api_key) as client,
+        grpc.aio.insecure_channel(cluster.broker_address) as channel,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+    ):
+        broker = _BrokerCalls(pb_grpc.EdgeBrokerStub(channel), cluster.api_key)
+        size_mb = (await asyncio.to_thread(model.stat)).st_size / 1e6
+        say(f"client: uploading {model.name} ({size_mb:.1f} MB)")
+        sha = await client.upload_model(model)
+        first = trace.waypoints[0].site
+        snapshot.client_site, snapshot.step = first, f"waypoint 1/{len(trace.waypoints)}"
+        say(f"client: deploying {options.model} (1 GPU) for a device at {first}")
+        deployment = await client.deploy(sha, options.model, gpus=1, site=first)
+        deployments.append(deployment.deployment_id)
+        explanations = [await broker.explanation(deployment.deployment_id, "first placement")]
+        say(f"deployed {deployment.deployment_id} on {deployment.node_id}: {deployment.endpoint}")
+        load = snapshot.load
+        started = time.monotonic()
+        tasks = [
+            asyncio.create_task(_steady_load(client, inputs, expected, options.rate, load, say)),
+            asyncio.create_task(_watch(cluster, http, snapshot, client, narrator, options.live)),
+        ]
+        try:
+            for index, waypoint in enumerate(trace.waypoints):
+                snapshot.step = f"waypoint {index + 1}/{len(trace.waypoints)}"
+                if index > 0:
+                    snapshot.client_site = waypoint.site
+                    migration_id = await client.report_location(waypoint.site)
+                    if migration_id is None:
+                        say(f"client at {waypoint.site}: no migration (not worth it)")
+                    else:
+                        say(f"client at {waypoint.site}: migration {migration_id} started")
+                        outcome = await broker.wait_finished(
+                            deployment.deployment_id, migration_id
+                        )
+                        say(f"migration {migration_id}: {outcome}")
+                        explanations.append(
+                            await broker.explanation(
+                                deployment.deployment_id, f"after {migration_id}"
+                            )
+                        )
+                await _stay(waypoint.dwell_s, tasks)
+            await _wait_observations(client, broker, deployment.deployment_id, say)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        stats = client.stats()
+        migrations = await broker.migrations(deployment.deployment_id)
+        return Report(
+            runtime=runtime,
+            model=f"{options.model} ({size_mb:.1f} MB, sha256 {sha[:12]})",
+            trace=f"{trace.name} ({options.trace_file}): "
+            + " → ".join(f"{w.site} {w.dwell_s:g}s" for w in trace.waypoints),
+            seconds=time.monotonic() - started,
+            load=load,
+            retried=stats.retried,
+            migrations=migrations,
+            gaps_ms={o.migration_id: o.longest_gap_ms for o in stats.migrations},
+            failed_in_window={o.migration_id: o.failed_requests for o in stats.migrations},
+            explanations=explanations,
+            dashboard=cluster.ops_url,
+            kept=options.keep,
+        )
+
+
+async def _stay(seconds: float, tasks: list[asyncio.Task[None]]) -> None:
+    """Sleep, but end at once with the error of a background task that died."""
+    done, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        task.result()
+
+
+async def _steady_load(
+    client: OffloadClient,
+    inputs: Mapping[str, np.ndarray],
+    expected: list[np.ndarray],
+    rate: float,
+    load: LoadStats,
+    say: Callable[[str], None],
+) -> None:
+    """One inference every 1/rate seconds (never two at once); each answer is checked."""
+    period = 1.0 / rate
+    next_at = time.monotonic()
+    while True:
+        started = time.perf_counter()
+        try:
+            outputs = await client.infer(inputs)
+        except OffloadError as err:
+            load.failed += 1
+            say(f"request {load.sent} FAILED: {err}")
+        else:
+            got = list(outputs.values())
+            if not all(
+                np.allclose(g, e, rtol=1e-4, atol=1e-5) for g, e in zip(got, expected, strict=True)
+            ):
+                load.failed += 1
+                say(f"request {load.sent} answered WRONG: differs from in-process ONNX Runtime")
+            else:
+                load.record_ok((time.perf_counter() - started) * 1000)
+        next_at += period
+        delay = next_at - time.monotonic()
+        if delay < 0:
+            next_at = time.monotonic()  # behind: do not burst to catch up
+        await asyncio.sleep(max(0.0, delay))
+
+
+async def _watch(
+    cluster: LocalCluster,
+    http: aiohttp.ClientSession,
+    snapshot: Snapshot,
+    client: OffloadClient,
+    narrator: Narrator,
+    live: bool,
+) -> None:
+    """Refresh the snapshot twice a second and draw it (live), or print a status line every
+    five seconds (no terminal)."""
+
+    async def refresh() -> None:
+        for key in ("nodes", "deployments", "migrations"):
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(f"{cluster.ops_url}api/{key}") as response:
+                    if response.status == 200:
+                        setattr(snapshot, key, await response.json())
+        snapshot.gaps_ms = {o.migration_id: o.longest_gap_ms for o in client.stats().migrations}
+
+    if live:
+        with Live(live_view(snapshot), console=narrator.console, refresh_per_second=4) as view:
+            while True:
+                await refresh()
+                view.update(live_view(snapshot))
+                await asyncio.sleep(0.5)
+    while True:
+        await asyncio.sleep(5)
+        await refresh()
+        placed = next(iter(snapshot.deployments), None)
+        where = f"on {placed['node_id']}" if placed else "not placed"
+        narrator.say(
+            f"status: client at {snapshot.client_site}, deployment {where}; "
+            f"{snapshot.load.sent} requests, {snapshot.load.failed} failed; "
+            f"{snapshot.load.recent_summary()}"
+        )
+
+
+async def _wait_observations(
+    client: OffloadClient, broker: _BrokerCalls, deployment_id: str, say: Callable[[str], None]
+) -> None:
+    """Until the client has closed its observation of every finished migration."""
+    finished = [m for m in await broker.migrations(deployment_id) if m["outcome"]]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        seen = {o.migration_id for o in client.stats().migrations}
+        if all(m["migration_id"] in seen for m in finished):
+            return
+        await asyncio.sleep(0.2)
+    say("WARNING: the client did not close every migration's observation within 30 s")
+
+
+class _BrokerCalls:
+    """The EdgeBroker calls the demo makes beside the client library: a deployment's
+    explanation, and the migrations with their timelines."""
+
+    def __init__(self, stub: pb_grpc.EdgeBrokerStub, api_key: str) -> None:
+        self._stub = stub
+        self._metadata = (("authorization", f"Bearer {api_key}"),)
+
+    async def explanation(self, deployment_id: str, heading: str) -> tuple[str, str]:
+        d = await self._stub.GetDeployment(
+            pb.GetDeploymentRequest(deployment_id=deployment_id),
+            metadata=self._metadata,
+            timeout=10,
+        )
+        explanation = json.loads(d.explanation_json or "{}")
+        text = explanation.get("text") or "(none recorded)"
+        gpus = (explanation.get("chosen") or {}).get("gpus", [])
+        return f"{heading}: {d.node_id}, GPUs {gpus}, epoch {d.epoch}", text
+
+    async def migrations(self, deployment_id: str) -> list[dict[str, Any]]:
+        reply = await self._stub.ListMigrations(
+            pb.ListMigrationsRequest(deployment_id=deployment_id),
+            metadata=self._metadata,
+            timeout=10,
+        )
+        ordered = sorted(reply.migrations, key=lambda m: m.timeline[0].at if m.timeline else 0)
+        return [
+            {
+                "migration_id": m.migration_id,
+                "trigger": m.trigger,
+                "source": m.source_node,
+                "target": m.target_node,
+                "strategy": m.strategy.replace("_", "-"),
+                "outcome": m.outcome or None,
+                "reason": m.reason,
+                "downtime_ms": None if m.downtime_ms < 0 else m.downtime_ms,
+                "timeline": [{"event": e.event, "at": e.at} for e in m.timeline],
+            }
+            for m in ordered
+        ]
+
+    async def wait_finished(self, deployment_id: str, migration_id: str) -> str:
+        deadline = time.monotonic() + MIGRATION_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for m in await self.migrations(deployment_id):
+                if m["migration_id"] == migration_id and m["outcome"]:
+                    reason = f" ({m['reason']})" if m["reason"] else ""
+                    return f"{m['outcome']}{reason}, {m['source']} → {m['target']}"
+            await asyncio.sleep(0.2)
+        raise DemoFailed(f"migration {migration_id} did not finish in {MIGRATION_TIMEOUT_S:.0f}s")
+
+
+def install_stop_signals(task: asyncio.Task[int], say: Callable[[str], None]) -> None:
+    """The first Ctrl-C (or SIGTERM) cancels the demo, whose `finally` stops the cluster;
+    a second one only says that this is under way."""
+    loop = asyncio.get_running_loop()
+
+    def first(signum: int) -> None:
+        say(f"{signal.Signals(signum).name}: stopping the cluster (a moment)")
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, lambda: say("still stopping the cluster; please wait"))
+        task.cancel()
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(s, first, s)

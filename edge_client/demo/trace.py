@@ -1,0 +1,131 @@
+"""Mobility traces: where a device is, and for how long, as the demo moves it.
+
+A trace is a YAML file::
+
+    name: commute                     # optional; default: the file's stem
+    waypoints:                        # at least one
+      - {site: site-a, dwell_s: 8}    # the site the device is at, and seconds it stays
+      - {site: site-b, dwell_s: 8}
+
+`load_trace` checks every field and names the file and line of anything wrong
+(`TraceError`, a ValueError): a YAML error, a missing or unknown key, a site the cluster
+does not have, a dwell that is not a positive number of seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "commute.yaml"
+MAX_DWELL_S = 3600.0
+
+
+class TraceError(ValueError):
+    """The trace file is invalid; the message says where and how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Waypoint:
+    site: str
+    dwell_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    name: str
+    waypoints: tuple[Waypoint, ...]
+
+    def scaled(self, factor: float, minimum_s: float) -> Trace:
+        """The same trace with every stay multiplied by `factor`, none shorter than
+        `minimum_s` (the demo's --quick)."""
+        return Trace(
+            self.name,
+            tuple(Waypoint(w.site, max(minimum_s, w.dwell_s * factor)) for w in self.waypoints),
+        )
+
+
+def load_trace(path: Path, sites: Collection[str]) -> Trace:
+    """Read and check the trace at `path` against the cluster's `sites`."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise TraceError(f"cannot read the trace {path}: {err.strerror}") from err
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as err:
+        raise TraceError(f"{path}: not valid YAML: {err}") from err
+
+    def at(node: yaml.Node) -> str:
+        return f"{path}:{node.start_mark.line + 1}"
+
+    if not isinstance(root, yaml.MappingNode):
+        raise TraceError(f"{path}: expected a mapping with a `waypoints` list (see --help)")
+    top = _mapping(root, {"name", "waypoints"}, at)
+    name = path.stem
+    if "name" in top:
+        name = _string(top["name"], "name", at)
+    waypoints_node = top.get("waypoints")
+    if not isinstance(waypoints_node, yaml.SequenceNode) or not waypoints_node.value:
+        where = at(waypoints_node) if waypoints_node is not None else str(path)
+        raise TraceError(f"{where}: `waypoints` must be a non-empty list of {{site, dwell_s}}")
+    waypoints = []
+    for index, item in enumerate(waypoints_node.value, start=1):
+        if not isinstance(item, yaml.MappingNode):
+            raise TraceError(f"{at(item)}: waypoint {index} must be a mapping {{site, dwell_s}}")
+        fields = _mapping(item, {"site", "dwell_s"}, at)
+        for key in ("site", "dwell_s"):
+            if key not in fields:
+                raise TraceError(f"{at(item)}: waypoint {index} has no `{key}`")
+        site = _string(fields["site"], "site", at)
+        if site not in sites:
+            raise TraceError(
+                f"{at(fields['site'])}: waypoint {index}: unknown site {site!r}; the cluster's "
+                f"sites are {', '.join(sorted(sites))}"
+            )
+        dwell_node = fields["dwell_s"]
+        dwell = _seconds(dwell_node)
+        if not 0 < dwell <= MAX_DWELL_S:
+            raise TraceError(
+                f"{at(dwell_node)}: waypoint {index}: dwell_s must be a number of seconds in "
+                f"(0, {MAX_DWELL_S:.0f}], got {dwell_node.value!r}"
+            )
+        waypoints.append(Waypoint(site, dwell))
+    return Trace(name, tuple(waypoints))
+
+
+_Where = Callable[[yaml.Node], str]
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _seconds(node: yaml.Node) -> float:
+    """A YAML int or float scalar as a float; NaN for anything else (a quoted string...)."""
+    if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS:
+        try:
+            return float(str(node.value).replace("_", ""))
+        except ValueError:
+            pass
+    return float("nan")
+
+
+def _mapping(node: yaml.MappingNode, allowed: set[str], at: _Where) -> dict[str, yaml.Node]:
+    fields: dict[str, yaml.Node] = {}
+    for key_node, value_node in node.value:
+        key = str(key_node.value)
+        if key not in allowed:
+            raise TraceError(
+                f"{at(key_node)}: unknown key {key!r} (expected {', '.join(sorted(allowed))})"
+            )
+        if key in fields:
+            raise TraceError(f"{at(key_node)}: {key!r} is given twice")
+        fields[key] = value_node
+    return fields
+
+
+def _string(node: yaml.Node, key: str, at: _Where) -> str:
+    if not isinstance(node, yaml.ScalarNode) or not str(node.value).strip():
+        raise TraceError(f"{at(node)}: `{key}` must be a non-empty string")
+    return str(node.value)

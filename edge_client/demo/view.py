@@ -1,0 +1,243 @@
+"""What the demo shows: the live view (rich) while it runs, and the report at the end.
+
+The live view is drawn from a `Snapshot` the demo refreshes twice a second from the broker's
+ops API (`/api/nodes`, `/api/deployments`, `/api/migrations`) and from the client's own
+counters. Events (a move, a migration starting or ending, a failed request) are printed as
+lines above it, so they stay in the terminal's scrollback, and are all a log or CI sees when
+stdout is not a terminal.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+RECENT_S = 5.0
+"""The window of the live request rate and latency."""
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Nearest-rank percentile of a sorted, non-empty list."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass
+class LoadStats:
+    """The demo client's requests: every latency, and the last few seconds for the view."""
+
+    ok: int = 0
+    failed: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    recent: deque[tuple[float, float]] = field(default_factory=deque)
+    """(time.monotonic() at completion, latency in ms) of the last RECENT_S seconds."""
+
+    def record_ok(self, latency_ms: float) -> None:
+        self.ok += 1
+        self.latencies_ms.append(latency_ms)
+        now = time.monotonic()
+        self.recent.append((now, latency_ms))
+        while self.recent and self.recent[0][0] < now - RECENT_S:
+            self.recent.popleft()
+
+    @property
+    def sent(self) -> int:
+        return self.ok + self.failed
+
+    def recent_summary(self) -> str:
+        now = time.monotonic()
+        recent = sorted(ms for at, ms in self.recent if at >= now - RECENT_S)
+        if not recent:
+            return "no answer in the last few seconds"
+        return (
+            f"{len(recent) / RECENT_S:.1f} req/s, p50 {percentile(recent, 0.5):.1f} ms, "
+            f"p99 {percentile(recent, 0.99):.1f} ms (last {RECENT_S:.0f} s)"
+        )
+
+
+@dataclass
+class Snapshot:
+    """What the live view draws."""
+
+    title: str
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    deployments: list[dict[str, Any]] = field(default_factory=list)
+    migrations: list[dict[str, Any]] = field(default_factory=list)
+    client_site: str = ""
+    step: str = ""
+    load: LoadStats = field(default_factory=LoadStats)
+    gaps_ms: dict[str, float] = field(default_factory=dict)
+    """Migration id -> the longest gap the client saw around it."""
+
+
+def gpu_cells(node: dict[str, Any], ours: set[str]) -> Text:
+    """One block per GPU: green free, magenta held by the demo's deployment, yellow other."""
+    text = Text()
+    for gpu in node["gpus"]:
+        if gpu["free"]:
+            text.append("■", style="green")
+        elif set(gpu["holders"]) & ours:
+            text.append("■", style="bold magenta")
+        else:
+            text.append("■", style="yellow")
+    return text
+
+
+def live_view(snapshot: Snapshot) -> RenderableType:
+    """About 15 lines: the nodes with their GPUs and the replica, the client, the last
+    migrations."""
+    ours = {d["deployment_id"]: d for d in snapshot.deployments}
+    nodes = Table(
+        "node", "site", "state", "GPUs", "GPU model", "replica",
+        box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+        title=Text.assemble(snapshot.title, "   GPUs: ", ("■", "green"), " free ",
+                            ("■", "bold magenta"), " ours ", ("■", "yellow"), " others"),
+    )  # fmt: skip
+    for node in snapshot.nodes:
+        gpus = node["gpus"]
+        here = [d for d in ours.values() if d["node_id"] == node["node_id"]]
+        nodes.add_row(
+            node["node_id"],
+            node["site"],
+            node["state"],
+            gpu_cells(node, set(ours)),
+            gpus[0]["name"] if gpus else "-",
+            ", ".join(f"◀ epoch {d['epoch']} {d['state']}" for d in here),
+        )
+    load = snapshot.load
+    lines = Text(
+        f"client at {snapshot.client_site} ({snapshot.step}): {load.sent} requests, "
+        f"{load.failed} failed; {load.recent_summary()}\n"
+    )
+    for d in ours.values():
+        lines.append(f"placement: {d['explanation'] or d['state']}", style="dim")
+    migrations = Table(
+        "migration", "trigger", "from → to", "state", "took", "client gap",
+        box=box.SIMPLE_HEAD, pad_edge=False,
+    )  # fmt: skip
+    for m in snapshot.migrations[:3]:
+        migrations.add_row(*migration_cells(m, snapshot.gaps_ms))
+    return Group(nodes, lines, migrations)
+
+
+def migration_cells(m: dict[str, Any], gaps_ms: dict[str, float]) -> tuple[str, ...]:
+    timeline = m["timeline"]
+    took = (
+        f"{(timeline[-1]['at'] - timeline[0]['at']) * 1000:.0f} ms"
+        if m["outcome"] and len(timeline) > 1
+        else "-"
+    )
+    gap = gaps_ms.get(m["migration_id"], m["downtime_ms"])
+    return (
+        m["migration_id"],
+        m["trigger"],
+        f"{m['source'] or '-'} → {m['target'] or '-'}",
+        m["outcome"] or "under way",
+        took,
+        "-" if gap is None else f"{gap:.1f} ms",
+    )
+
+
+@dataclass
+class Report:
+    runtime: str
+    model: str
+    trace: str
+    seconds: float
+    load: LoadStats
+    retried: int
+    migrations: list[dict[str, Any]]
+    gaps_ms: dict[str, float]
+    failed_in_window: dict[str, int]
+    explanations: list[tuple[str, str]]
+    """(heading, explanation text) of each placement the deployment had."""
+    dashboard: str
+    kept: bool
+
+    @property
+    def succeeded(self) -> bool:
+        return (
+            self.load.ok > 0
+            and self.load.failed == 0
+            and all(m["outcome"] == "succeeded" for m in self.migrations)
+        )
+
+
+def print_report(console: Console, report: Report) -> None:
+    load = report.load
+    ordered = sorted(load.latencies_ms)
+    console.rule("report")
+    summary = Table.grid(padding=(0, 2))
+    summary.add_row("runtime", report.runtime)
+    summary.add_row("model", report.model)
+    summary.add_row("trace", report.trace)
+    summary.add_row("ran for", f"{report.seconds:.1f} s")
+    summary.add_row(
+        "requests",
+        f"{load.sent} sent, {load.ok} ok, {load.failed} failed "
+        f"({report.retried} retried on the newest replica)",
+    )
+    if ordered:
+        summary.add_row(
+            "latency",
+            "p50 {:.2f} ms, p90 {:.2f} ms, p99 {:.2f} ms, max {:.2f} ms".format(
+                *(percentile(ordered, q) for q in (0.5, 0.9, 0.99, 1.0))
+            ),
+        )
+    succeeded = sum(m["outcome"] == "succeeded" for m in report.migrations)
+    summary.add_row("migrations", f"{len(report.migrations)}, {succeeded} succeeded")
+    summary.add_row("outputs", "every answer equal to in-process ONNX Runtime (np.allclose)")
+    console.print(summary)
+
+    console.print("\n[bold]placements[/bold] (the broker's explanation of each)")
+    for heading, text in report.explanations:
+        console.print(f"  {heading}", markup=False)
+        for line in text.splitlines():
+            console.print(f"    {line}", markup=False, highlight=False)
+
+    if report.migrations:
+        console.print(
+            "\n[bold]migrations[/bold] (timeline from the broker; gap seen by the client)"
+        )
+        for m in report.migrations:
+            cells = migration_cells(m, report.gaps_ms)
+            failed = report.failed_in_window.get(m["migration_id"])
+            console.print(
+                f"  {cells[0]} {m['trigger']} {cells[2]} {m['strategy']}: {cells[3]}, took "
+                f"{cells[4]}; client-observed downtime {cells[5]}, "
+                f"{'-' if failed is None else failed} failed request(s)",
+                markup=False,
+                highlight=False,
+            )
+            start = m["timeline"][0]["at"] if m["timeline"] else 0.0
+            steps = "  ".join(
+                f"{e['event']} +{(e['at'] - start) * 1000:.0f}" for e in m["timeline"]
+            )
+            console.print(f"      {steps} (ms)", markup=False, highlight=False)
+    else:
+        console.print("\nno migration: the trace never moved the client to a better site")
+
+    where = report.dashboard
+    console.print(
+        f"\ndashboard  {where}"
+        + (
+            "  (kept running: Ctrl-C stops the cluster)"
+            if report.kept
+            else "  (stopped with the demo; --keep leaves it running)"
+        ),
+        markup=False,
+        highlight=False,
+    )
+    console.print(
+        "result     "
+        + ("ok: no failed request" if report.succeeded else "FAILED: see the lines above"),
+        markup=False,
+        highlight=False,
+    )

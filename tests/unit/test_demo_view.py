@@ -1,0 +1,130 @@
+"""The demo's live view and report, drawn from fixed data (no cluster)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from edge_client.demo.view import LoadStats, Report, Snapshot, live_view, print_report
+
+
+def node(node_id: str, site: str, holders: dict[int, list[str]], count: int) -> dict[str, Any]:
+    return {
+        "node_id": node_id,
+        "site": site,
+        "state": "ready",
+        "gpus": [
+            {"name": "A100", "free": i not in holders, "holders": holders.get(i, [])}
+            for i in range(count)
+        ],
+    }
+
+
+MIGRATION = {
+    "migration_id": "m-1",
+    "trigger": "mobility",
+    "source": "node-a",
+    "target": "node-b",
+    "strategy": "make-before-break",
+    "outcome": "succeeded",
+    "reason": "",
+    "downtime_ms": 61.0,
+    "timeline": [{"event": "decided", "at": 100.0}, {"event": "completed", "at": 100.75}],
+}
+
+
+DEPLOYMENT = {
+    "deployment_id": "d-1",
+    "model_name": "resnet18",
+    "state": "running",
+    "node_id": "node-b",
+    "epoch": 2,
+    "explanation": "latency 0.5 ms; deciding: latency",
+}
+
+
+def rendered(renderable: object) -> str:
+    console = Console(record=True, width=120, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_the_live_view_marks_the_node_holding_the_replica() -> None:
+    load = LoadStats()
+    for ms in (10.0, 12.0, 30.0):
+        load.record_ok(ms)
+    load.failed = 1
+    snapshot = Snapshot(
+        title="resnet18 on docker replicas",
+        nodes=[node("node-a", "site-a", {}, 4), node("node-b", "site-b", {2: ["d-1"]}, 8)],
+        deployments=[
+            {
+                "deployment_id": "d-1",
+                "model_name": "resnet18",
+                "state": "running",
+                "node_id": "node-b",
+                "epoch": 2,
+                "explanation": "latency 0.5 ms; deciding: latency",
+            }
+        ],
+        migrations=[MIGRATION],
+        client_site="site-b",
+        step="waypoint 2/4",
+        load=load,
+        gaps_ms={"m-1": 55.5},
+    )
+    text = rendered(live_view(snapshot))
+    row_a = next(line for line in text.splitlines() if line.strip().startswith("node-a"))
+    row_b = next(line for line in text.splitlines() if line.strip().startswith("node-b"))
+    assert "◀ epoch 2 running" in row_b and "◀" not in row_a
+    assert "■" * 8 in row_b
+    assert "client at site-b (waypoint 2/4): 4 requests, 1 failed; 0.6 req/s" in text
+    assert "placement: latency 0.5 ms; deciding: latency" in text
+    # The client's own gap wins over the broker's copy of it.
+    assert "m-1" in text and "node-a → node-b" in text and "750 ms" in text
+    assert "55.5 ms" in text and "61.0 ms" not in text
+
+
+def report(failed: int, outcome: str) -> Report:
+    load = LoadStats()
+    for ms in range(1, 101):
+        load.record_ok(float(ms))
+    load.failed = failed
+    return Report(
+        runtime="docker",
+        model="resnet18",
+        trace="commute",
+        seconds=12.0,
+        load=load,
+        retried=2,
+        migrations=[{**MIGRATION, "outcome": outcome}],
+        gaps_ms={"m-1": 55.5},
+        failed_in_window={"m-1": 0},
+        explanations=[("first placement: node-a, GPUs [0], epoch 1", "chosen: node-a\nline 2")],
+        dashboard="http://127.0.0.1:8080/",
+        kept=False,
+    )
+
+
+def test_the_report_has_percentiles_timelines_explanations_and_the_dashboard() -> None:
+    console = Console(record=True, width=200, color_system=None)
+    print_report(console, report(0, "succeeded"))
+    text = console.export_text()
+    assert "100 sent, 100 ok, 0 failed (2 retried" in text
+    assert "p50 50.00 ms, p90 90.00 ms, p99 99.00 ms, max 100.00 ms" in text
+    assert "migrations  1, 1 succeeded" in text
+    assert "first placement: node-a, GPUs [0], epoch 1\n    chosen: node-a\n    line 2" in text
+    assert (
+        "m-1 mobility node-a → node-b make-before-break: succeeded, took 750 ms; "
+        "client-observed downtime 55.5 ms, 0 failed request(s)"
+    ) in text
+    assert "decided +0  completed +750 (ms)" in text
+    assert "dashboard  http://127.0.0.1:8080/  (stopped with the demo" in text
+    assert "result     ok: no failed request" in text
+
+
+def test_a_failed_request_or_migration_fails_the_report() -> None:
+    assert report(0, "succeeded").succeeded
+    assert not report(1, "succeeded").succeeded
+    assert not report(0, "rolled_back").succeeded
