@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
-from node_daemon.agent import NodeAgent
+from node_daemon.agent import NodeAgent, ReplicaUsage
 from node_daemon.errors import ModelNotCached
+from node_daemon.inventory import Gpu
 from node_daemon.rpc import convert
 from protos.offload.v1 import broker_pb2 as bpb
 from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
@@ -40,6 +42,8 @@ class BrokerLink:
         )
         self._stub = bpb_grpc.NodeRegistryStub(self._channel)
         self.registered = asyncio.Event()
+        self._usage: tuple[tuple[Gpu, ...], list[ReplicaUsage]] = (agent.inventory.gpus, [])
+        """The latest (GPUs, replica usage) sample (`_sample_usage`)."""
 
     async def close(self) -> None:
         await self._channel.close()
@@ -86,10 +90,40 @@ class BrokerLink:
         """Register, then heartbeat until cancelled. Raises on a non-retryable refusal
         (a wrong join token: UNAUTHENTICATED), which stops the daemon."""
         interval = await self._register()
+        sampler = asyncio.create_task(self._sample_usage(interval), name="usage-sampler")
+        try:
+            await self._heartbeat(interval)
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+
+    async def _sample_usage(self, interval: float) -> None:
+        """Keep `_usage` fresh. Docker's stats take about half a second a replica, longer on
+        a busy engine: heartbeats carry the latest sample instead of waiting for one, so a
+        slow engine never makes a live node look lost."""
+        while True:
+            sampling = time.monotonic()
+            try:
+                self._usage = await self._agent.usage()
+            except Exception:  # the next sample may do better; heartbeats go on regardless
+                logger.exception("reading the replicas' usage failed")
+            if (took := time.monotonic() - sampling) > 2 * interval:
+                logger.warning("reading the replicas' usage took %.1fs", took)
+            await asyncio.sleep(interval)
+
+    async def _heartbeat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            gpus, usages = await self._agent.usage()
+            checking = time.monotonic()
             replicas = await self._agent.list_replicas()
+            if (took := time.monotonic() - checking) > interval:
+                logger.warning(
+                    "checking the replicas took %.1fs (heartbeat interval %.1fs): the runtime "
+                    "is slow to answer",
+                    took,
+                    interval,
+                )
+            gpus, usages = self._usage
             request = bpb.HeartbeatRequest(
                 node_id=self._agent.node_id,
                 usage=npb.UsageResponse(

@@ -125,10 +125,12 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     say(f"runtime: {runtime}; cluster folder {root} (removed at the end)")
     cluster = LocalCluster(root, runtime=runtime, image=image, broker_flags=BROKER_FLAGS)
     deployments: list[str] = []
+    failed = True
     try:
         await cluster.start(say)
         report = await _offload(options, cluster, model, runtime, narrator, deployments)
         print_report(console, report)
+        failed = not report.succeeded
         if options.keep:
             say(
                 f"cluster kept running. Try: export OFFLOAD_BROKER={cluster.broker_address} "
@@ -138,7 +140,10 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
             # Ctrl-C now ends a finished demo: its result stands.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.Event().wait()
-        return 0 if report.succeeded else 1
+        return 1 if failed else 0
+    except asyncio.CancelledError:
+        failed = False  # stopped by the user: nothing to investigate
+        raise
     except ClusterError as err:
         raise DemoFailed(f"the cluster did not come up: {err}") from err
     finally:
@@ -146,8 +151,19 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         leftovers = await cluster.stop(deployments)
         for leftover in leftovers:
             say(f"WARNING: had to kill a leftover {leftover}")
+        if failed:
+            kept = await asyncio.to_thread(_keep_logs, root)
+            say(f"the run failed: the logs of the broker and the nodes are kept in {kept}")
         await asyncio.to_thread(shutil.rmtree, root, True)
         say(f"stopped; {root} removed")
+
+
+def _keep_logs(root: Path) -> Path:
+    """Copy the cluster's logs out of `root` (which is removed) for a failed run."""
+    kept = Path(tempfile.mkdtemp(prefix="offload-demo-logs-"))
+    for log in root.glob("*.log"):
+        shutil.copy2(log, kept / log.name)
+    return kept
 
 
 async def _offload(
