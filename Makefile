@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench bench-full protos image image-cuda docker-engine clean help
+.PHONY: venv demo test lint bench bench-full protos image image-cuda docker-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $@
 
-venv: $(STAMP)
+venv: $(STAMP)  ## create .venv and install (what every other target does first)
 
 demo: $(STAMP)  ## a whole edge cloud on this machine, a client moving (ARGS="--quick --keep ...")
 	$(VENV)/bin/offload demo $(ARGS)

@@ -237,6 +237,7 @@ async def _offload(
             + " → ".join(f"{w.site} {w.dwell_s:g}s" for w in trace.waypoints),
             seconds=time.monotonic() - started,
             load=load,
+            period_ms=1000 / options.rate,
             retried=stats.retried,
             migrations=migrations,
             gaps_ms={o.migration_id: o.longest_gap_ms for o in stats.migrations},

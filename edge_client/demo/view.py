@@ -9,6 +9,7 @@ stdout is not a terminal.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -38,10 +39,13 @@ class LoadStats:
     latencies_ms: list[float] = field(default_factory=list)
     recent: deque[tuple[float, float]] = field(default_factory=deque)
     """(time.monotonic() at completion, latency in ms) of the last RECENT_S seconds."""
+    answered_at: list[float] = field(default_factory=list)
+    """time.time() of each successful answer (the broker's timelines use the same clock)."""
 
     def record_ok(self, latency_ms: float) -> None:
         self.ok += 1
         self.latencies_ms.append(latency_ms)
+        self.answered_at.append(time.time())
         now = time.monotonic()
         self.recent.append((now, latency_ms))
         while self.recent and self.recent[0][0] < now - RECENT_S:
@@ -145,6 +149,20 @@ def migration_cells(m: dict[str, Any], gaps_ms: dict[str, float]) -> tuple[str, 
     )
 
 
+def longest_gaps_ms(
+    answered_at: list[float], windows: list[tuple[float, float]]
+) -> tuple[float, float]:
+    """The longest gap between consecutive answers outside every window, and inside one (a
+    gap that overlaps a window counts as inside), in ms; 0 where there is none."""
+    outside = inside = 0.0
+    for a, b in itertools.pairwise(answered_at):
+        if any(a < end and b > start for start, end in windows):
+            inside = max(inside, b - a)
+        else:
+            outside = max(outside, b - a)
+    return outside * 1000, inside * 1000
+
+
 @dataclass
 class Report:
     runtime: str
@@ -152,6 +170,8 @@ class Report:
     trace: str
     seconds: float
     load: LoadStats
+    period_ms: float
+    """The client sends one request every period (never two at once)."""
     retried: int
     migrations: list[dict[str, Any]]
     gaps_ms: dict[str, float]
@@ -191,6 +211,17 @@ def print_report(console: Console, report: Report) -> None:
                 *(percentile(ordered, q) for q in (0.5, 0.9, 0.99, 1.0))
             ),
         )
+    windows = [
+        (m["timeline"][0]["at"], m["timeline"][-1]["at"])
+        for m in report.migrations
+        if m["timeline"]
+    ]
+    outside, inside = longest_gaps_ms(load.answered_at, windows)
+    summary.add_row(
+        "answer gaps",
+        f"longest {outside:.1f} ms between migrations, {inside:.1f} ms during one "
+        f"(a request every {report.period_ms:g} ms)",
+    )
     succeeded = sum(m["outcome"] == "succeeded" for m in report.migrations)
     summary.add_row("migrations", f"{len(report.migrations)}, {succeeded} succeeded")
     summary.add_row("outputs", "every answer equal to in-process ONNX Runtime (np.allclose)")

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from rich.console import Console
 
-from edge_client.demo.view import LoadStats, Report, Snapshot, live_view, print_report
+from edge_client.demo.view import (
+    LoadStats,
+    Report,
+    Snapshot,
+    live_view,
+    longest_gaps_ms,
+    print_report,
+)
 
 
 def node(node_id: str, site: str, holders: dict[int, list[str]], count: int) -> dict[str, Any]:
@@ -97,6 +105,7 @@ def report(failed: int, outcome: str) -> Report:
         trace="commute",
         seconds=12.0,
         load=load,
+        period_ms=50,
         retried=2,
         migrations=[{**MIGRATION, "outcome": outcome}],
         gaps_ms={"m-1": 55.5},
@@ -113,7 +122,8 @@ def test_the_report_has_percentiles_timelines_explanations_and_the_dashboard() -
     text = console.export_text()
     assert "100 sent, 100 ok, 0 failed (2 retried" in text
     assert "p50 50.00 ms, p90 90.00 ms, p99 99.00 ms, max 100.00 ms" in text
-    assert "migrations  1, 1 succeeded" in text
+    assert "migrations   1, 1 succeeded" in text
+    assert "answer gaps  longest " in text and "(a request every 50 ms)" in text
     assert "first placement: node-a, GPUs [0], epoch 1\n    chosen: node-a\n    line 2" in text
     assert (
         "m-1 mobility node-a → node-b make-before-break: succeeded, took 750 ms; "
@@ -122,6 +132,14 @@ def test_the_report_has_percentiles_timelines_explanations_and_the_dashboard() -
     assert "decided +0  completed +750 (ms)" in text
     assert "dashboard  http://127.0.0.1:8080/  (stopped with the demo" in text
     assert "result     ok: no failed request" in text
+
+
+def test_gaps_are_split_by_the_migration_windows() -> None:
+    answered = [0.0, 0.05, 0.10, 0.30, 0.35, 1.0, 1.06]
+    # 0.10 -> 0.30 overlaps the window; 0.35 -> 1.0 is the longest outside one.
+    assert longest_gaps_ms(answered, [(0.2, 0.25)]) == pytest.approx((650, 200))
+    assert longest_gaps_ms(answered, []) == pytest.approx((650, 0))
+    assert longest_gaps_ms([], [(0, 1)]) == (0, 0)
 
 
 def test_a_failed_request_or_migration_fails_the_report() -> None:
