@@ -73,7 +73,7 @@ class _Window:
     first_success: float | None = None
 
 
-def _percentile(ordered: list[float], q: float) -> float:
+def percentile(ordered: list[float], q: float) -> float:
     """Nearest-rank percentile of a sorted, non-empty list."""
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
@@ -166,7 +166,7 @@ class GapObserver:
             requests=self._requests,
             failures=self._failures,
             retried=self._retried,
-            latency_p50_ms=_percentile(ordered, 0.50) * 1000 if ordered else None,
-            latency_p99_ms=_percentile(ordered, 0.99) * 1000 if ordered else None,
+            latency_p50_ms=percentile(ordered, 0.50) * 1000 if ordered else None,
+            latency_p99_ms=percentile(ordered, 0.99) * 1000 if ordered else None,
             migrations=tuple(self._closed),
         )

@@ -146,6 +146,10 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         raise
     except ClusterError as err:
         raise DemoFailed(f"the cluster did not come up: {err}") from err
+    except OffloadError as err:
+        raise DemoFailed(f"the client failed: {err}") from err
+    except grpc.aio.AioRpcError as err:
+        raise DemoFailed(f"the broker refused: {err.code().name} {err.details()}") from err
     finally:
         say("stopping: node daemons (each stops its replicas), then the broker")
         leftovers = await cluster.stop(deployments)

@@ -10,7 +10,6 @@ stdout is not a terminal.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,13 +20,10 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from edge_client.observer import percentile
+
 RECENT_S = 5.0
 """The window of the live request rate and latency."""
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    """Nearest-rank percentile of a sorted, non-empty list."""
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 @dataclass
