@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -60,6 +62,19 @@ def _no_leaked_containers(_docker_or_none: docker.DockerClient | None) -> Iterat
     for container_id in leaked:
         client.containers.get(container_id).remove(force=True)
     assert not leaked, f"test left {len(leaked)} container(s) labelled {LABEL} behind"
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_temp_dirs() -> Iterator[None]:
+    """Fail a test that leaves a replica's or the demo's folder (`offload-*`) in the system
+    temp dir (and remove it)."""
+    root = Path(tempfile.gettempdir())
+    before = set(root.glob("offload-*"))
+    yield
+    leaked = set(root.glob("offload-*")) - before
+    for path in leaked:
+        shutil.rmtree(path, ignore_errors=True)
+    assert not leaked, f"test left {sorted(map(str, leaked))} behind"
 
 
 @pytest.fixture(scope="session")
