@@ -110,6 +110,8 @@ def _main(args: argparse.Namespace) -> int:
     if not args.verbose:  # the demo narrates; the client's INFO lines would repeat it
         logging.getLogger().setLevel(logging.WARNING)
     console = Console(soft_wrap=True)  # long lines stay whole in logs
+    if not console.is_terminal:
+        console.width = 160  # rich's default of 80 would fold the report's tables in logs
     try:
         options = _options(args, console)
     except (TraceError, ValueError) as err:
