@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from broker import server as broker_server
 from edge_client import commands, demo, ops_commands
+from edge_client.demo.cluster import exit_with_parent
 from images import build as image_build
 from modelzoo import cli as models_cli
 from node_daemon import server as node_server
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_parent()  # a child of `offload demo` (or the tests) dies with its parent
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

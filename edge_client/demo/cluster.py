@@ -34,6 +34,7 @@ CAPTURES = HERE / "topologies"
 CLUSTER_FILE = HERE / "cluster.yaml"
 
 _PR_SET_PDEATHSIG = 1
+PARENT_ENV = "OFFLOAD_PARENT_PID"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,26 +70,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def exit_with_parent() -> None:
+    """In a child `spawn` started: ask the kernel for SIGTERM when the parent dies, and exit
+    at once if it already has. Called first thing by `offload` (edge_client.cli) when
+    $OFFLOAD_PARENT_PID is set. (Done here, after exec, rather than in a preexec_fn: running
+    Python between fork and exec deadlocks a parent with threads, gRPC's for one.)"""
+    expected = os.environ.pop(PARENT_ENV, "")
+    if not expected or sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if str(os.getppid()) != expected:
+        sys.exit(f"the process that started this one ({expected}) has exited")
 
 
 def spawn(
     command: Sequence[str], log: Path, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start `command` with stdout and stderr appended to `log`, in its own session, to get
-    SIGTERM when this process dies. Call it from the main thread (the death signal follows
-    the thread that spawned the child)."""
+    """Start `command` (an `offload` command line) with stdout and stderr appended to `log`,
+    in its own session, to get SIGTERM when this process dies (`exit_with_parent`). Call it
+    from the main thread: the death signal follows the thread that spawned the child."""
     with log.open("ab") as out:
         return subprocess.Popen(
             list(command),
             stdout=out,
             stderr=out,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env={**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
 
 
