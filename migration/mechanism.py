@@ -5,8 +5,9 @@ node calls, the deployment record, the client's stream) and records a timeline. 
 asyncio over that protocol; nothing here knows gRPC or SQLite.
 
 make-before-break: prepare the target (replica started, warmed, ready), switch (epoch + 1,
-the record, the update pushed to the client), drain the old (the client's ack or a drain
-timeout, then in-flight calls finish under the stop's grace period), stop it. A target that
+the record, the update pushed to the client), drain the old (the client's ack, then
+`straggler_grace_s` for calls it addressed to the old endpoint just before switching; or a
+drain timeout; then in-flight calls finish under the stop's grace period), stop it. A target that
 fails is stopped and the old keeps serving: rolled back, with the reason.
 stop-start: stop the old first, then start the target and switch (the client sees a gap).
 failover: the source is gone (node lost): start the target and switch.
@@ -14,6 +15,7 @@ failover: the source is gone (node lost): start the target and switch.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import logging
@@ -57,6 +59,9 @@ class MigrationPlan:
     drain_timeout_s: float = 5.0
     """How long to wait for the client's ack before stopping the old replica anyway."""
     stop_grace_ms: int = 5000
+    straggler_grace_s: float = 0.2
+    """After the client's ack, how long the old replica keeps taking new calls: a request the
+    client addressed to the old endpoint just before it switched can arrive after the ack."""
 
 
 @dataclass(slots=True)
@@ -131,6 +136,8 @@ async def run_migration(host: MigrationHost, plan: MigrationPlan) -> Outcome:
         await host.save(plan, "draining", timeline, "", "")
         acked = await host.wait_ack(plan, plan.drain_timeout_s)
         timeline.mark("client_acknowledged" if acked else "drain_timeout")
+        if acked:
+            await asyncio.sleep(plan.straggler_grace_s)
         await host.stop_replica(plan.source_node, plan.source_replica, plan.stop_grace_ms)
         timeline.mark("old_stopped")
     timeline.mark("completed")
