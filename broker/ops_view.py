@@ -116,6 +116,7 @@ class BrokerOpsView:
                     "target": m.target_node,
                     "strategy": str(m.strategy).replace("_", "-"),
                     "outcome": m.outcome or None,
+                    "reason": m.reason,
                     "downtime_ms": m.downtime_ms,
                     "failed_requests": m.failed_requests,
                     "timeline": json.loads(m.timeline_json or "[]"),

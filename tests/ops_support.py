@@ -101,6 +101,7 @@ def sample_migrations() -> list[MigrationInfo]:
             "outcome": "succeeded",
             "downtime_ms": 42.5,
             "failed_requests": 0,
+            "reason": "",
             "timeline": [
                 {"event": "triggered", "at": start},
                 {"event": "target_ready", "at": start + 1.8},

@@ -105,6 +105,8 @@ class MigrationInfo(TypedDict):
     """Either "make-before-break" or "stop-start" (the baseline)."""
     outcome: str | None
     """One of "succeeded", "rolled_back", "failed"; None while under way."""
+    reason: str
+    """Why it rolled back or failed; empty otherwise."""
     downtime_ms: float | None
     """The longest gap the client observed, in milliseconds; None until reported."""
     failed_requests: int | None

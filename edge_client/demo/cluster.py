@@ -258,10 +258,11 @@ class LocalCluster:
         return [*_kill_processes_naming(self.root), *await _remove_containers(deployment_ids)]
 
 
-def _kill_processes_naming(root: Path) -> list[str]:
-    """SIGKILL every process (but this one) whose command line contains `root`."""
+def processes_naming(root: Path) -> list[tuple[int, str]]:
+    """(pid, command line) of every process but this one whose command line contains
+    `root`. Zombies have an empty command line, so exited children never count."""
     needle = str(root).encode()
-    killed = []
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -270,10 +271,17 @@ def _kill_processes_naming(root: Path) -> list[str]:
         except OSError:
             continue
         if needle in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                command = cmdline.replace(b"\0", b" ").decode(errors="replace")[:120]
-                killed.append(f"process {entry.name}: {command}")
+            found.append((int(entry.name), cmdline.replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def _kill_processes_naming(root: Path) -> list[str]:
+    """SIGKILL every process (but this one) whose command line contains `root`."""
+    killed = []
+    for pid, command in processes_naming(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(f"process {pid}: {command[:120]}")
     return killed
 
 

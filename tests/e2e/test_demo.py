@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_client.demo.cluster import processes_naming
 from tests.docker_support import require_docker
 
 DEMO = [sys.executable, "-m", "edge_client.cli", "demo"]
@@ -49,14 +50,7 @@ def assert_nothing_left(output: str, deployment: str | None) -> None:
     demo's own sweep found nothing to kill (the orderly stop did it all)."""
     folder = cluster_folder(output)
     assert not folder.exists(), f"{folder} was left behind"
-    needle = str(folder).encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            assert needle not in cmdline, f"process {entry.name} still runs: {cmdline!r}"
+    assert processes_naming(folder) == []
     assert "had to kill a leftover" not in output, output
     if deployment is not None:
         client = require_docker()
@@ -175,23 +169,10 @@ def test_a_killed_demo_takes_its_cluster_with_it() -> None:
     folder = cluster_folder("".join(lines))
     demo.kill()
     demo.communicate(timeout=30)
-    needle = str(folder).encode()
     deadline = time.monotonic() + 60
-    running: list[str] = []
-    while time.monotonic() < deadline:
-        running = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmdline = (entry / "cmdline").read_bytes()
-                    state = (entry / "stat").read_text().split(")")[-1].split()[0]
-                except OSError:
-                    continue
-                if needle in cmdline and state != "Z":  # zombies: see OPERATIONS.md
-                    running.append(cmdline.decode(errors="replace"))
-        if not running:
-            break
+    while processes_naming(folder) and time.monotonic() < deadline:
         time.sleep(0.2)
+    running = processes_naming(folder)
     shutil.rmtree(folder, ignore_errors=True)
     assert running == [], running
 
