@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +20,23 @@ from node_daemon.runtimes.docker_runtime import connect_docker
 
 # Every container we start carries offload.replica (and offload.node where a node runs it).
 LABEL = f"{LABEL_PREFIX}replica"
+# ... and offload.secrets, the folder of its token: under the temp folder of whoever ran it.
+SECRETS_LABEL = f"{LABEL_PREFIX}secrets"
+_RUN_TEMP = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give this run a temp folder of its own (TMPDIR, inherited by every child), so the leak
+    checks below see only what this run made: a demo or a second test run on the same
+    machine is neither reported nor removed. pytest's own tmp_path stays in the system's."""
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    run_temp = Path(tempfile.mkdtemp(prefix="edge-offload-tests-"))
+    config.stash[_RUN_TEMP] = run_temp
+    os.environ["TMPDIR"] = tempfile.tempdir = str(run_temp)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(config.stash[_RUN_TEMP], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -46,15 +64,28 @@ def _docker_or_none() -> Iterator[docker.DockerClient | None]:
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_containers(_docker_or_none: docker.DockerClient | None) -> Iterator[None]:
-    """Fail a test that leaves containers with our labels behind (and remove them)."""
+def _no_leaked_containers(
+    _docker_or_none: docker.DockerClient | None,
+    tmp_path_factory: pytest.TempPathFactory,
+    pytestconfig: pytest.Config,
+) -> Iterator[None]:
+    """Fail a test that leaves containers with our labels behind (and remove them): those
+    of this run, whose token folder lies in its temp folder or under its tmp_path."""
     if _docker_or_none is None:
         yield
         return
     client = _docker_or_none
+    roots = tuple(
+        f"{root}{os.sep}"
+        for root in (pytestconfig.stash[_RUN_TEMP], tmp_path_factory.getbasetemp())
+    )
 
     def ours() -> set[str]:
-        return {c.id for c in client.containers.list(all=True, filters={"label": LABEL})}
+        return {
+            c.id
+            for c in client.containers.list(all=True, filters={"label": LABEL})
+            if c.labels.get(SECRETS_LABEL, "").startswith(roots)
+        }
 
     before = ours()
     yield
@@ -66,8 +97,8 @@ def _no_leaked_containers(_docker_or_none: docker.DockerClient | None) -> Iterat
 
 @pytest.fixture(autouse=True)
 def _no_leaked_temp_dirs() -> Iterator[None]:
-    """Fail a test that leaves a replica's or the demo's folder (`offload-*`) in the system
-    temp dir (and remove it)."""
+    """Fail a test that leaves a replica's or the demo's folder (`offload-*`) in the temp dir
+    (this run's own, see `pytest_configure`) and remove it."""
     root = Path(tempfile.gettempdir())
     before = set(root.glob("offload-*"))
     yield
