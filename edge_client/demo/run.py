@@ -150,8 +150,6 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         raise DemoFailed(f"the client failed: {err}") from err
     except grpc.aio.AioRpcError as err:
         raise DemoFailed(f"the broker refused: {err.code().name} {err.details()}") from err
-    except aiohttp.ClientError as err:
-        raise DemoFailed(f"the broker's ops API failed: {err}") from err
     finally:
         say("stopping: node daemons (each stops its replicas), then the broker")
         leftovers = await cluster.stop(deployments)
@@ -192,9 +190,7 @@ async def _offload(
         grpc.aio.insecure_channel(cluster.broker_address) as channel,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
     ):
-        broker = _BrokerCalls(
-            pb_grpc.EdgeBrokerStub(channel), cluster.api_key, http, cluster.ops_url
-        )
+        broker = _BrokerCalls(pb_grpc.EdgeBrokerStub(channel), cluster.api_key)
         size_mb = (await asyncio.to_thread(model.stat)).st_size / 1e6
         say(f"client: uploading {model.name} ({size_mb:.1f} MB)")
         sha = await client.upload_model(model)
@@ -349,21 +345,13 @@ async def _wait_observations(
 
 
 class _BrokerCalls:
-    """What the demo asks the broker beside the client library: a deployment's explanation
-    (EdgeBroker) and its migrations with their timelines (the ops API, as the dashboard
-    reads them)."""
+    """The EdgeBroker calls the demo makes beside the client library: a deployment's
+    explanation, and all its migrations with their timelines (the ops API lists only the
+    recent ones of every deployment: a long trace would lose the first)."""
 
-    def __init__(
-        self,
-        stub: pb_grpc.EdgeBrokerStub,
-        api_key: str,
-        http: aiohttp.ClientSession,
-        ops_url: str,
-    ) -> None:
+    def __init__(self, stub: pb_grpc.EdgeBrokerStub, api_key: str) -> None:
         self._stub = stub
         self._metadata = (("authorization", f"Bearer {api_key}"),)
-        self._http = http
-        self._ops_url = ops_url
 
     async def explanation(self, deployment_id: str, heading: str) -> tuple[str, str]:
         d = await self._stub.GetDeployment(
@@ -377,12 +365,27 @@ class _BrokerCalls:
         return f"{heading}: {d.node_id}, GPUs {gpus}, epoch {d.epoch}", text
 
     async def migrations(self, deployment_id: str) -> list[dict[str, Any]]:
-        """The deployment's migrations, oldest first."""
-        async with self._http.get(f"{self._ops_url}api/migrations") as response:
-            if response.status != 200:
-                raise DemoFailed(f"the broker's ops API answered HTTP {response.status}")
-            listed = await response.json()
-        return [m for m in reversed(listed) if m["deployment_id"] == deployment_id]
+        """The deployment's migrations, oldest first (the broker's order), in the ops API's
+        shape, which the live view's rows and the report share."""
+        reply = await self._stub.ListMigrations(
+            pb.ListMigrationsRequest(deployment_id=deployment_id),
+            metadata=self._metadata,
+            timeout=10,
+        )
+        return [
+            {
+                "migration_id": m.migration_id,
+                "trigger": m.trigger,
+                "source": m.source_node,
+                "target": m.target_node,
+                "strategy": m.strategy.replace("_", "-"),
+                "outcome": m.outcome or None,
+                "reason": m.reason,
+                "downtime_ms": None if m.downtime_ms < 0 else m.downtime_ms,
+                "timeline": [{"event": e.event, "at": e.at} for e in m.timeline],
+            }
+            for m in reply.migrations
+        ]
 
     async def wait_finished(self, deployment_id: str, migration_id: str) -> str:
         deadline = time.monotonic() + MIGRATION_TIMEOUT_S
