@@ -7,8 +7,8 @@ asyncio over that protocol; nothing here knows gRPC or SQLite.
 make-before-break: prepare the target (replica started, warmed, ready), switch (epoch + 1,
 the record, the update pushed to the client), drain the old (the client's ack, then
 `straggler_grace_s` for calls it addressed to the old endpoint just before switching; or a
-drain timeout; then in-flight calls finish under the stop's grace period), stop it. A target that
-fails is stopped and the old keeps serving: rolled back, with the reason.
+drain timeout; then in-flight calls finish under the stop's grace period), stop it. A
+target that fails is stopped and the old keeps serving: rolled back, with the reason.
 stop-start: stop the old first, then start the target and switch (the client sees a gap).
 failover: the source is gone (node lost): start the target and switch.
 """
