@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from protos.generate import PROTO_FILES, ROOT, generate
 from protos.inference import grpc_service_pb2
+from protos.roundtrip import roundtrip_all
 from tests.proto_shape import describe
 
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
@@ -56,3 +59,21 @@ def test_open_inference_protocol_matches_tritonclient_on_the_wire() -> None:
     }
     for message, fields in ours["messages"].items():
         assert fields == triton["messages"][message], message
+
+
+def test_generated_code_round_trips_with_this_environments_protobuf() -> None:
+    # CI runs the same check at both ends of the declared range (.ci/run).
+    assert roundtrip_all() >= 60
+
+
+def test_declared_protobuf_range_starts_at_the_gencode_version() -> None:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    protobuf = next(d for d in declared if d.startswith("protobuf"))
+    gencode = re.search(
+        r"^# Protobuf Python Version: (\S+)$",
+        (ROOT / "protos/offload/v1/node_pb2.py").read_text(),
+        re.MULTILINE,
+    )
+    assert gencode is not None
+    # The runtime refuses gencode newer than itself: the floor must be the gencode's version.
+    assert protobuf.startswith(f"protobuf>={gencode.group(1)},")

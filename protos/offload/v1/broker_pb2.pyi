@@ -71,7 +71,7 @@ class UploadModelResponse(_message.Message):
     sha256: str
     size_bytes: int
     deduplicated: bool
-    def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
+    def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., deduplicated: bool = ...) -> None: ...
 
 class DeployRequest(_message.Message):
     __slots__ = ("model_sha256", "model_name", "gpus", "gpu_memory_mib", "p2p_required", "cpus", "memory_mib", "priority", "latency_slo_ms", "client_id", "site")
@@ -97,7 +97,7 @@ class DeployRequest(_message.Message):
     latency_slo_ms: float
     client_id: str
     site: str
-    def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., p2p_required: _Optional[bool] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., latency_slo_ms: _Optional[float] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., p2p_required: bool = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., latency_slo_ms: _Optional[float] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
 
 class Deployment(_message.Message):
     __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state", "reason", "explanation_json", "client_id", "site", "priority", "model_sha256")

@@ -6,7 +6,7 @@ import warnings
 from protos.offload.v1 import broker_pb2 as protos_dot_offload_dot_v1_dot_broker__pb2
 from protos.offload.v1 import node_pb2 as protos_dot_offload_dot_v1_dot_node__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -19,14 +19,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/offload/v1/broker_pb2_grpc.py depends on'
+        + f' but the generated code in protos/offload/v1/broker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class NodeRegistryStub:
+class NodeRegistryStub(object):
     """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
     the `authorization` metadata ("Bearer <token>").
     """
@@ -54,7 +54,7 @@ class NodeRegistryStub:
                 _registered_method=True)
 
 
-class NodeRegistryServicer:
+class NodeRegistryServicer(object):
     """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
     the `authorization` metadata ("Bearer <token>").
     """
@@ -107,7 +107,7 @@ def add_NodeRegistryServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class NodeRegistry:
+class NodeRegistry(object):
     """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
     the `authorization` metadata ("Bearer <token>").
     """
@@ -194,7 +194,7 @@ class NodeRegistry:
             _registered_method=True)
 
 
-class EdgeBrokerStub:
+class EdgeBrokerStub(object):
     """Served by the broker; edge clients call it with an API key in the `authorization` metadata.
     """
 
@@ -261,7 +261,7 @@ class EdgeBrokerStub:
                 _registered_method=True)
 
 
-class EdgeBrokerServicer:
+class EdgeBrokerServicer(object):
     """Served by the broker; edge clients call it with an API key in the `authorization` metadata.
     """
 
@@ -403,7 +403,7 @@ def add_EdgeBrokerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class EdgeBroker:
+class EdgeBroker(object):
     """Served by the broker; edge clients call it with an API key in the `authorization` metadata.
     """
 
@@ -705,7 +705,7 @@ class EdgeBroker:
             _registered_method=True)
 
 
-class OperatorStub:
+class OperatorStub(object):
     """Served by the broker for operators; authenticated by the cluster's join token.
     """
 
@@ -732,7 +732,7 @@ class OperatorStub:
                 _registered_method=True)
 
 
-class OperatorServicer:
+class OperatorServicer(object):
     """Served by the broker for operators; authenticated by the cluster's join token.
     """
 
@@ -782,7 +782,7 @@ def add_OperatorServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Operator:
+class Operator(object):
     """Served by the broker for operators; authenticated by the cluster's join token.
     """
 

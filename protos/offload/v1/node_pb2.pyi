@@ -94,7 +94,7 @@ class ReplicaSpec(_message.Message):
     gpu_count: int
     p2p_required: bool
     warmup_inputs_sha256: str
-    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ..., gpu_count: _Optional[int] = ..., p2p_required: _Optional[bool] = ..., warmup_inputs_sha256: _Optional[str] = ...) -> None: ...
+    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ..., gpu_count: _Optional[int] = ..., p2p_required: bool = ..., warmup_inputs_sha256: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("replica_id", "spec", "endpoint", "state", "exit_code", "log_tail", "runtime", "ref")
@@ -222,4 +222,4 @@ class PutModelResponse(_message.Message):
     sha256: str
     size_bytes: int
     deduplicated: bool
-    def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
+    def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., deduplicated: bool = ...) -> None: ...

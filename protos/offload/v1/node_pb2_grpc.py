@@ -5,7 +5,7 @@ import warnings
 
 from protos.offload.v1 import node_pb2 as protos_dot_offload_dot_v1_dot_node__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/offload/v1/node_pb2_grpc.py depends on'
+        + f' but the generated code in protos/offload/v1/node_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class NodeAgentStub:
+class NodeAgentStub(object):
     """Served by each node daemon; called by the broker.
     """
 
@@ -72,7 +72,7 @@ class NodeAgentStub:
                 _registered_method=True)
 
 
-class NodeAgentServicer:
+class NodeAgentServicer(object):
     """Served by each node daemon; called by the broker.
     """
 
@@ -168,7 +168,7 @@ def add_NodeAgentServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class NodeAgent:
+class NodeAgent(object):
     """Served by each node daemon; called by the broker.
     """
 
