@@ -1,6 +1,10 @@
 """GPU group allocation: `Topology.best_group` against its brute force and two baselines.
 
-(a) Time per call on the 8-GPU captures and a 16-GPU NVSwitch node (all pairs NV6, as a DGX-2):
+Topologies: every capture, plus two synthetic nodes: 16 GPUs on NVSwitch (all pairs NV6, as a
+DGX-2) and 8 PCIe GPUs whose every pair is SYS, 0-3 on NUMA node 0 and 4-7 on node 1 (an 8x
+RTX 4090 box: only the NUMA Affinity column tells the sockets apart).
+
+(a) Time per call on the 8-GPU captures and the synthetic nodes:
     best_group cold (a fresh Topology, nothing memoized), warm (the same call again: memo hit),
     and `best_group_brute_force` on the same queries in the same run.
 (b) Allocation quality on every topology: the same random sequences (fixed seeds) of 1-, 2-, 4-
@@ -14,10 +18,13 @@ releases), so refusals are identical and are not failures. A placed request of k
 *degraded* when its slowest link ranks below the best k-group of the idle machine (what the node
 advertises); that is a failure, every other placed request is *satisfied*. Per topology and
 policy, averaged over the sequences: requests satisfied before the first failure, degraded
-groups, and the mean slowest-link rank (`node_daemon.topology.link_rank`) of the groups of two
-or more GPUs given; then best_group minus each baseline over the same sequences, with a 95%
-confidence interval. Verdict: on every topology best_group satisfies at least as many requests
-before the first failure and has a mean slowest link at least as good as either baseline.
+groups, the mean slowest-link rank (`node_daemon.topology.link_rank`) of the groups of two
+or more GPUs given, and avoidable splits: groups of two or more spanning NUMA nodes (those of
+the topo-tree) while one NUMA node alone had enough free GPUs (links may justify a split, so
+this is reported, not judged); then best_group minus each baseline over the same sequences,
+with a 95% confidence interval. Verdict: on every topology best_group satisfies at least as
+many requests before the first failure and has a mean slowest link at least as good as
+either baseline.
 
 The captures are read with the capture parser (`node_daemon.inventory.topo_file`).
 
@@ -40,9 +47,8 @@ from pathlib import Path
 
 from node_daemon.inventory import Gpu, GpuSpec, Inventory, Link, LinkKind, inventory_from_capture
 from node_daemon.topology import TopoKind, Topology, best_group_brute_force
+from tests.data import TOPOLOGIES
 
-DEFAULT_CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "topologies"
-"""The shared folder of real captures beside the repository."""
 REQUEST_SIZES = {1: 4, 2: 3, 4: 2, 8: 1}
 """Request size -> weight in the random sequences."""
 RELEASE_PROBABILITY = 0.45
@@ -64,14 +70,26 @@ def nvswitch16() -> Inventory:
     return Inventory(gpus=gpus, links=links)
 
 
+def all_sys_two_sockets() -> Inventory:
+    """8 PCIe GPUs, every pair SYS, GPUs 0-3 on NUMA 0 and 4-7 on NUMA 1."""
+    gpus = tuple(
+        Gpu(index=i, uuid=f"GPU-sys2numa-{i}", name="RTX 4090", memory_total_mib=24564,
+            numa_node=i // 4)
+        for i in range(8)
+    )  # fmt: skip
+    links = {pair: Link(LinkKind.SYS) for pair in itertools.combinations(range(8), 2)}
+    return Inventory(gpus=gpus, links=links)
+
+
 def load_topologies(captures: Path) -> dict[str, Topology]:
-    """Each capture in `captures` (by file name without .txt), then the synthetic NVSwitch node."""
+    """Each capture in `captures` (by file name without .txt), then the synthetic nodes."""
     spec = GpuSpec(name="capture", memory_mib=1)
     out = {
         path.stem: Topology.from_inventory(inventory_from_capture(path, spec))
         for path in sorted(captures.glob("*.txt"))
     }
     out["synthetic_16gpu_nv6_nvswitch"] = Topology.from_inventory(nvswitch16())
+    out["synthetic_8gpu_sys_2numa"] = Topology.from_inventory(all_sys_two_sockets())
     return out
 
 
@@ -239,11 +257,15 @@ class Run:
     """Requests for more GPUs than were free: the same under every policy."""
     mean_slowest: float | None
     """Mean slowest-link rank of the groups of k >= 2 given; None when there were none."""
+    avoidable_splits: int
+    """Groups of k >= 2 spanning NUMA nodes while one NUMA node had k free GPUs."""
 
 
 def replay(
     topology: Topology, policy: Policy, events: list[tuple[str, float]], required: dict[int, int]
 ) -> Run:
+    numa = [frozenset(node.gpus) for node in topology.tree.children]
+    splits = 0
     free = frozenset(topology.graph.nodes)
     live: list[tuple[int, ...]] = []
     before_failure: int | None = None
@@ -261,6 +283,9 @@ def replay(
         group = policy(k, free)
         if len(group) != k or not free.issuperset(group):
             raise AssertionError(f"policy gave {group} for k={k} out of free {sorted(free)}")
+        spans = sum(1 for node in numa if node.intersection(group)) > 1
+        if k > 1 and spans and any(len(node & free) >= k for node in numa):
+            splits += 1
         free -= frozenset(group)
         live.append(group)
         if k > 1:
@@ -277,6 +302,7 @@ def replay(
         degraded=degraded,
         refused=refused,
         mean_slowest=statistics.fmean(slowest) if slowest else None,
+        avoidable_splits=splits,
     )
 
 
@@ -310,6 +336,7 @@ def quality(topology: Topology, quick: bool) -> dict[str, dict[str, float | None
             "degraded": statistics.fmean(r.degraded for r in policy_runs),
             "refused": statistics.fmean(r.refused for r in policy_runs),
             "mean_slowest": statistics.fmean(means) if means else None,
+            "avoidable_splits": statistics.fmean(r.avoidable_splits for r in policy_runs),
         }
         if name != "best_group":
             pairs = list(zip(runs["best_group"], policy_runs, strict=True))
@@ -375,19 +402,20 @@ def print_report(timing: dict[str, dict], results: dict[str, dict], captures: Pa
         )
     print(
         "\n(b) allocation quality, mean over sequences, per policy: satisfied before the first "
-        "failure | degraded groups | mean slowest-link rank (k >= 2);\n    refused: requests for "
-        "more GPUs than free (the same under every policy)"
+        "failure | degraded groups | mean slowest-link rank (k >= 2) | avoidable NUMA "
+        "splits;\n    refused: requests for more GPUs than free (the same under every policy)"
     )
     policies = ("best_group", "first_fit", "go_best_effort")
     print(
         f"{'topology':<52} {'GPUs':>4} {'refused':>7} "
-        + " ".join(f"{p:>22}" for p in policies)
+        + " ".join(f"{p:>28}" for p in policies)
         + "  verdict"
     )
     for name, r in results.items():
         cells = " ".join(
             f"{_fmt(r[p]['satisfied_before_failure'], '.1f'):>6}"
             f" {_fmt(r[p]['degraded'], '.1f'):>5} {_fmt(r[p]['mean_slowest'], '.2f'):>9}"
+            f" {_fmt(r[p]['avoidable_splits'], '.1f'):>5}"
             for p in policies
         )
         verdict = "ok" if r["wins"] else "WORSE"
@@ -429,8 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--captures",
         type=Path,
-        default=DEFAULT_CAPTURES,
-        help=f"directory of `nvidia-smi topo -m` captures (default {DEFAULT_CAPTURES})",
+        default=TOPOLOGIES,
+        help=f"directory of `nvidia-smi topo -m` captures (default {TOPOLOGIES})",
     )
     args = parser.parse_args(argv)
     if not args.captures.is_dir():

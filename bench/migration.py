@@ -59,8 +59,8 @@ from migration.mechanism import Strategy
 from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import GpuSpec
 from node_daemon.server import NodeSettings, start_node
+from tests.data import TOPOLOGIES
 
-TOPOLOGIES = Path(__file__).resolve().parents[2] / "shared" / "topologies"
 NODES = (
     ("site-a", "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt",
      GpuSpec("Tesla V100-SXM2-16GB", 16384)),
@@ -206,7 +206,7 @@ async def finished_record(
     RuntimeError when it rolled back or failed."""
     deadline = time.monotonic() + STEP_TIMEOUT_S
     while time.monotonic() < deadline:
-        records = await running.broker.db(running.store.list_migrations, deployment_id)
+        records = await running.broker.list_migrations(deployment_id)
         record = next(m for m in records if m.migration_id == migration_id)
         if record.state in ENDED and record.state is not MigrationState.COMPLETED:
             raise RuntimeError(f"migration {migration_id} {record.state}: {record.reason}")

@@ -64,9 +64,8 @@ from broker.placement import (
 from node_daemon.gpu_allocator import P2P_KINDS
 from node_daemon.inventory import GpuSpec, inventory_from_capture
 from node_daemon.topology import Topology, link_rank
+from tests.data import TOPOLOGIES
 
-DEFAULT_CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "topologies"
-"""The shared folder of real captures beside the repository."""
 CAPTURES = {
     "12": GpuSpec("A100-SXM4-40GB", 40960),
     "15": GpuSpec("A800-SXM4-80GB", 81920),
@@ -609,8 +608,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--captures",
         type=Path,
-        default=DEFAULT_CAPTURES,
-        help=f"directory of `nvidia-smi topo -m` captures (default {DEFAULT_CAPTURES})",
+        default=TOPOLOGIES,
+        help=f"directory of `nvidia-smi topo -m` captures (default {TOPOLOGIES})",
     )
     args = parser.parse_args(argv)
     if not args.captures.is_dir():

@@ -34,13 +34,9 @@ from node_daemon.server import NodeSettings, start_node
 from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
+from tests.data import TOPOLOGIES
 
-CAPTURE = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "topologies"
-    / "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
-)
+CAPTURE = TOPOLOGIES / "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
 TOKEN = "bench-replica-start-token"
 
 

@@ -9,8 +9,8 @@ Link rank, one total order over `Link`s (higher is faster), by `link_rank`:
 
     SYS = 1 < NODE = 2 < PHB = 3 < PXB = 4 < PIX = 5 < NV<n> = 10 + n   (NV1 = 11 ... NV18 = 28)
 
-Measured peer-to-peer bandwidth supports it (`p2pBandwidthLatencyTest` outputs in the shared
-`p2p_bandwidth` folder beside the repository): on a DGX-1 V100, NV2 96.9 GB/s > NV1 48.5 GB/s >
+Measured peer-to-peer bandwidth supports it (`p2pBandwidthLatencyTest` outputs in
+`tests/data/p2p_bandwidth`): on a DGX-1 V100, NV2 96.9 GB/s > NV1 48.5 GB/s >
 SYS 14.5 GB/s (bidirectional); two H100 PCIe with an NV12 bridge 509 GB/s bidirectional against
 35 GB/s through the host; A100 NV12 about 274 GB/s and H100 NV18 about 376 GB/s unidirectional,
 so more NVLinks is faster across generations too. Inside PCIe the order follows the path length:
@@ -18,6 +18,23 @@ so more NVLinks is faster across generations too. Inside PCIe the order follows 
 pairs reach 52.1 GB/s over both NODE and SYS, but SYS is never faster and costs latency
 (13.6-14.2 us against 10.3-10.7 us without P2P), and on older hosts (Azure M60 pair, SOC) SYS has
 no P2P at all (5.5 GB/s through host memory).
+
+The link code is not all: on machines where every pair is SYS (or every pair the same code)
+the matrix cannot tell sockets apart, yet P2P within one socket is faster (about 50 against
+40-42 GB/s measured on an 8x RTX 4090 box, as reported in issue 11) and host traffic stays
+local. So `best_group` compares, in this order (`GroupScore`, each field higher is better):
+
+    1. slowest   the lowest link rank inside the group
+    2. total     the sum of the link ranks inside the group
+    3. local     the pairs inside the group known to share a NUMA node (`same_numa`)
+    4. future, idle_future, idle_total   fragmentation: what the group leaves to others
+
+then the smallest indices. A group within one NUMA node thus wins over any group with the
+same links that spans nodes, and never over one with better links. Two GPUs share a NUMA
+node when both report one (`Gpu.numa_node`: NVML, or a capture's NUMA Affinity) and it is the
+same; else when both report a CPU affinity and it is the same (old captures have no NUMA
+column); else it is unknown and counts as not shared. A capture's GPU NUMA ID is the GPU's
+own memory node (Grace Hopper), distinct per GPU, and tells nothing about locality.
 """
 
 from __future__ import annotations
@@ -131,6 +148,9 @@ class GroupScore:
     """Lowest link rank over the pairs inside G; NO_LINK_RANK for a single GPU."""
     total: int
     """Sum of the link ranks over every pair inside G."""
+    local: int
+    """Pairs inside G known to share a NUMA node (`Topology.same_numa`): among groups with
+    the same links, one NUMA node beats several."""
     future: tuple[int, ...]
     """future(s) of R for s = 2, 4, 8, ... up to |R|, smallest s first: keep the best pair
     left whole first, then the best quad, and so on."""
@@ -153,7 +173,8 @@ class Topology:
     inventory: Inventory
     graph: nx.Graph
     """Frozen: nodes are GPU indices (attribute `gpu`: the `Gpu`); an edge for every pair with
-    attributes `link` (the `Link`) and `rank` (`link_rank` of it)."""
+    attributes `link` (the `Link`), `rank` (`link_rank` of it) and `same_numa` (see
+    `same_numa`)."""
     tree: TopoNode
     nvlink_groups: tuple[tuple[int, ...], ...]
     """Connected components of the NVLink graph with two or more GPUs, by lowest index."""
@@ -171,11 +192,13 @@ class Topology:
         if missing:
             raise ValueError(f"the inventory has no link for GPU pair(s) {missing}")
         graph = nx.Graph()
-        for gpu in sorted(inventory.gpus, key=lambda g: g.index):
-            graph.add_node(gpu.index, gpu=gpu)
+        gpus = {gpu.index: gpu for gpu in inventory.gpus}
+        for index in indices:
+            graph.add_node(index, gpu=gpus[index])
         for a, b in itertools.combinations(indices, 2):
             link = inventory.links[(a, b)]
-            graph.add_edge(a, b, link=link, rank=link_rank(link))
+            same = _same_numa(gpus[a], gpus[b]) is True
+            graph.add_edge(a, b, link=link, rank=link_rank(link), same_numa=same)
         nvlink = nx.Graph()
         nvlink.add_edges_from(
             (a, b) for a, b, link in graph.edges(data="link") if link.kind is LinkKind.NV
@@ -185,13 +208,14 @@ class Topology:
             (tuple(sorted(c)) for c in nx.find_cliques(nvlink)), key=lambda c: (-len(c), c)
         )
         rank = [[graph.edges[a, b]["rank"] if a != b else 0 for b in indices] for a in indices]
+        local = [[a != b and graph.edges[a, b]["same_numa"] for b in indices] for a in indices]
         return cls(
             inventory=inventory,
             graph=nx.freeze(graph),
             tree=_build_tree(inventory, indices),
             nvlink_groups=tuple(groups),
             nvlink_cliques=tuple(cliques),
-            _search=_GroupSearch(tuple(indices), rank),
+            _search=_GroupSearch(tuple(indices), rank, local),
         )
 
     def rank(self, a: int, b: int) -> int:
@@ -199,6 +223,13 @@ class Topology:
         if a == b:
             raise KeyError(f"GPU{a} has no link to itself")
         return int(self.graph.edges[a, b]["rank"])
+
+    def same_numa(self, a: int, b: int) -> bool:
+        """Whether GPUs a and b are known to share a NUMA node (see the module docstring);
+        False when they are not or it is unknown. KeyError for a == b or unknown GPUs."""
+        if a == b:
+            raise KeyError(f"GPU{a} has no link to itself")
+        return bool(self.graph.edges[a, b]["same_numa"])
 
     def describe(self) -> str:
         """The topo-tree and the NVLink groups as text (for the ops page and logs)."""
@@ -239,6 +270,7 @@ class Topology:
         return GroupScore(
             slowest=min(ranks, default=NO_LINK_RANK),
             total=sum(ranks),
+            local=sum(self.same_numa(a, b) for a, b in itertools.combinations(members, 2)),
             future=self._future(sorted(free_set.difference(members))),
             idle_future=self._future(outside),
             idle_total=sum(self.rank(a, b) for a, b in itertools.combinations(outside, 2)),
@@ -314,14 +346,19 @@ def best_group_brute_force(topology: Topology, k: int, free: Collection[int]) ->
 class _GroupSearch:
     """`best_group` over bitmasks of GPU positions (position p is the p-th smallest index).
 
-    1. Twin classes: GPUs u, v with rank(u, w) == rank(v, w) for every other GPU w of the node
-       (all of them, not only the free ones, as the idle terms look at all). Swapping two free
-       twins maps every group to one with the same score, so the search picks how many GPUs
-       to take from each class, always its lowest indices (also the tie-break's choice).
+    The pair weight rank * scale + local (local: 1 when the two share a NUMA node, scale above
+    any count of local pairs) sums to total * scale + local over a group, so comparing weight
+    sums compares (total, local) in order.
+
+    1. Twin classes: GPUs u, v with weight(u, w) == weight(v, w) for every other GPU w of the
+       node (all of them, not only the free ones, as the idle terms look at all). Swapping two
+       free twins maps every group to one with the same score, so the search picks how many
+       GPUs to take from each class, always its lowest indices (also the tie-break's choice).
     2. For slowest-link thresholds t from the highest down: enumerate the count vectors whose
        every pair ranks >= t (classes whose inner rank is below t give at most one GPU;
-       classes linked below t exclude each other), pruned by an upper bound on the total;
-       the first t with any group is the optimum slowest link; keep all groups of top total.
+       classes linked below t exclude each other), pruned by an upper bound on the weight
+       sum; the first t with any group is the optimum slowest link; keep all groups of top
+       weight sum (total, then local).
     3. Rank those by the fragmentation terms (clique numbers of the free GPUs left, and of all
        GPUs outside the group, at each threshold: bitmask branch and bound, memoized by set),
        then by the tie-break.
@@ -336,13 +373,19 @@ class _GroupSearch:
         "_profiles",
         "_rank",
         "_twins",
+        "_weight",
     )
 
-    def __init__(self, index: tuple[int, ...], rank: list[list[int]]) -> None:
+    def __init__(
+        self, index: tuple[int, ...], rank: list[list[int]], local: list[list[bool]]
+    ) -> None:
         n = len(index)
         self._index = index
         self._position = {gpu: p for p, gpu in enumerate(index)}
         self._rank = rank
+        scale = n * (n - 1) // 2 + 1
+        weight = [[rank[a][b] * scale + local[a][b] for b in range(n)] for a in range(n)]
+        self._weight = weight
         self._levels = sorted({rank[a][b] for a in range(n) for b in range(a + 1, n)})[::-1]
         self._adjacency = {
             level: [
@@ -354,7 +397,7 @@ class _GroupSearch:
         for a in range(n):
             for i, members in enumerate(twins):
                 b = members.bit_length() - 1
-                if all(rank[a][w] == rank[b][w] for w in range(n) if w not in (a, b)):
+                if all(weight[a][w] == weight[b][w] for w in range(n) if w not in (a, b)):
                     twins[i] |= 1 << a
                     break
             else:
@@ -392,24 +435,28 @@ class _GroupSearch:
         )
 
     def _top_groups(self, k: int, classes: list[int]) -> list[int]:
-        """Canonical group masks with the best slowest link, and among them the best total."""
+        """Canonical group masks with the best slowest link, and among them the best total,
+        then the most pairs on one NUMA node."""
         if k == 1:
             return [c & -c for c in classes]
-        rank = self._rank
         reps = [c.bit_length() - 1 for c in classes]
         sizes = [c.bit_count() for c in classes]
-        inner = [
-            rank[r][(c & -c).bit_length() - 1] if s > 1 else 0
-            for r, c, s in zip(reps, classes, sizes, strict=True)
-        ]
-        cross = [[rank[a][b] for b in reps] for a in reps]
+        seconds = [(c & -c).bit_length() - 1 for c in classes]
+        rank = _ClassMatrix(
+            inner=[self._rank[r][s] for r, s in zip(reps, seconds, strict=True)],
+            cross=[[self._rank[a][b] for b in reps] for a in reps],
+        )
+        weight = _ClassMatrix(
+            inner=[self._weight[r][s] for r, s in zip(reps, seconds, strict=True)],
+            cross=[[self._weight[a][b] for b in reps] for a in reps],
+        )
         levels = sorted(
-            {inner[i] for i in range(len(classes)) if sizes[i] > 1}
-            | {cross[i][j] for i in range(len(classes)) for j in range(i)},
+            {rank.inner[i] for i in range(len(classes)) if sizes[i] > 1}
+            | {rank.cross[i][j] for i in range(len(classes)) for j in range(i)},
             reverse=True,
         )
         for level in levels:
-            found = _densest(k, level, levels[0], sizes, inner, cross)
+            found = _densest(k, level, sizes, rank, weight)
             if found:
                 return [_canonical(classes, counts) for counts in found]
         raise AssertionError("unreachable: every group meets the lowest level")
@@ -442,16 +489,27 @@ class _GroupSearch:
         return tuple(future), total
 
 
+@dataclass(frozen=True, slots=True)
+class _ClassMatrix:
+    """A pair matrix over twin classes."""
+
+    inner: list[int]
+    """Between two GPUs of class i (0 for a class of one GPU: it has no such pair)."""
+    cross: list[list[int]]
+    """Between a GPU of class i and one of class j."""
+
+
 def _densest(
-    k: int, level: int, top: int, sizes: list[int], inner: list[int], cross: list[list[int]]
+    k: int, level: int, sizes: list[int], rank: _ClassMatrix, weight: _ClassMatrix
 ) -> list[list[int]]:
     """Count vectors (GPUs taken per twin class) of the k-groups whose every pair ranks
-    >= `level` and whose total rank is the highest; [] when there is no such group.
+    >= `level` and whose weight sum is the highest; [] when there is no such group.
 
-    `sizes[i]`, `inner[i]`: free GPUs in class i and the rank between two of them;
-    `cross[i][j]`: the rank between classes i and j; `top`: the highest of all these ranks.
+    `sizes[i]`: free GPUs in class i; `rank`, `weight`: the pair ranks and weights.
     """
-    caps = [size if inner[i] >= level else 1 for i, size in enumerate(sizes)]
+    inner, cross = weight.inner, weight.cross
+    top = max([*inner, *(max(row) for row in cross)])
+    caps = [size if rank.inner[i] >= level else 1 for i, size in enumerate(sizes)]
     reach = [sum(caps[i:]) for i in range(len(caps) + 1)]
     counts = [0] * len(sizes)
     chosen: list[int] = []
@@ -469,7 +527,7 @@ def _densest(
         # Prune: too few GPUs left to take, or even top-ranked links could not reach the best.
         if reach[i] < left or total + (left * taken + left * (left - 1) // 2) * top < best_total:
             return
-        if all(cross[i][j] >= level for j in chosen):
+        if all(rank.cross[i][j] >= level for j in chosen):
             links = sum(counts[j] * cross[i][j] for j in chosen)
             chosen.append(i)
             for c in range(min(caps[i], left), 0, -1):
@@ -585,13 +643,15 @@ def _components(
 
 
 def _numa_nodes(inventory: Inventory, indices: list[int]) -> list[tuple[int, ...]]:
-    """Partition the GPUs by NUMA node: a hierarchical clustering by link level.
+    """Partition the GPUs by NUMA node.
 
-    SYS pairs sit on different NUMA nodes, NODE/PHB/PXB/PIX pairs on the same one. An NVLink
-    hides the PCIe path, so for NV pairs the GPUs' `numa_node` (else `cpu_affinity`) decides
-    when both GPUs report it. Pairs still undecided are merged best link first, unless that
-    would put a pair known to be apart into one node: on a DGX-1 the NV2/NV1 links inside each
-    socket join it, and the cross-socket NVLinks stay apart because of their SYS neighbours.
+    Where both GPUs of a pair report their NUMA node (`numa_node`, else `cpu_affinity`), that
+    decides: on a machine whose every pair is SYS, GPUs of one socket still share a node.
+    Otherwise the links do, a hierarchical clustering by link level: SYS pairs sit on
+    different NUMA nodes, NODE/PHB/PXB/PIX pairs on the same one, and an NVLink hides the PCIe
+    path, so NV pairs stay undecided. Those are merged best link first, unless that would put
+    a pair known to be apart into one node: on a DGX-1 the NV2/NV1 links inside each socket
+    join it, and the cross-socket NVLinks stay apart because of their SYS neighbours.
     """
     gpus = {gpu.index: gpu for gpu in inventory.gpus}
     node = {g: frozenset({g}) for g in indices}
@@ -605,10 +665,12 @@ def _numa_nodes(inventory: Inventory, indices: list[int]) -> list[tuple[int, ...
 
     for a, b in itertools.combinations(indices, 2):
         link = inventory.link(a, b)
-        same = _same_numa(gpus[a], gpus[b]) if link.kind is LinkKind.NV else None
-        if link.kind is LinkKind.SYS or same is False:
+        same = _same_numa(gpus[a], gpus[b])
+        if same is None and link.kind is not LinkKind.NV:
+            same = link.kind is not LinkKind.SYS
+        if same is False:
             apart.add(frozenset({a, b}))
-        elif link.kind is not LinkKind.NV or same:
+        elif same:
             merge(a, b)
         else:
             undecided.append((-link_rank(link), a, b))
@@ -619,6 +681,7 @@ def _numa_nodes(inventory: Inventory, indices: list[int]) -> list[tuple[int, ...
 
 
 def _same_numa(a: Gpu, b: Gpu) -> bool | None:
+    """Whether two GPUs share a NUMA node by what they report; None when not both report it."""
     if a.numa_node is not None and b.numa_node is not None:
         return a.numa_node == b.numa_node
     if a.cpu_affinity and b.cpu_affinity:

@@ -89,12 +89,18 @@ class NodeKind:
 
     @staticmethod
     def signature(topology: Topology) -> tuple[object, ...]:
-        """What makes two topologies one kind: GPU indices, link ranks and kinds, memory."""
+        """What makes two topologies one kind: GPU indices, link ranks and kinds, which GPUs
+        share a NUMA node (`best_group` prefers them), memory."""
         gpus = sorted(topology.inventory.gpus, key=lambda g: g.index)
         return (
             tuple((g.index, g.memory_total_mib) for g in gpus),
             tuple(
-                (a.index, b.index, str(topology.inventory.link(a.index, b.index)))
+                (
+                    a.index,
+                    b.index,
+                    str(topology.inventory.link(a.index, b.index)),
+                    topology.same_numa(a.index, b.index),
+                )
                 for a, b in itertools.combinations(gpus, 2)
             ),
         )

@@ -6,9 +6,33 @@ the GPU index, so the same file always yields the same UUIDs.
 
 The reader splits on whitespace runs, never on fixed columns, and checks the matrix (square,
 X on the diagonal, symmetric, known link codes) rather than trusting it: a damaged capture
-either parses with `ParsedTopology.warnings` saying what was lost (a terminal crop that lost
-the NIC columns) or fails with `TopologyParseError` naming the line. The legends are never
+either parses with `ParsedTopology.warnings` saying what was lost or fails with
+`TopologyParseError` naming the line and what was expected there. The legends are never
 needed; the `NIC Legend:` block only names NICs.
+
+What it recovers, as real pastes show it:
+
+- A uniform comment prefix (`#` or `//` before every non-blank line, as scripts print it) is
+  removed first; indentation never matters. Our captures' own `# source:` lines, which only
+  some lines have, are skipped as any line before the header is.
+- Glued header names (`GPU0GPU1`, `NIC7NIC8`, `mlx5_0CPU`: a lost tab) are split on the
+  names a header holds: GPU<n>, NIC<n>, mlx4_<n>, mlx5_<n>, mlx5_bond_<n> and the words of
+  CPU Affinity, NUMA Affinity and GPU NUMA ID.
+- Glued cells (`SYSSYS`, `PXBSYS`, `XSYS`: nvidia-smi drops a separator when it prints many
+  NIC columns) are split on the link codes. Nothing is ever shifted: after splitting, a row
+  must still have exactly the cells its header asks for, or it is refused.
+- A crop at the terminal's right edge. Evidence of one: the header's last name is cut
+  (`NUMA Aff`), a GPU row has its link cells but fewer values than the header names, or the
+  last cell of a GPU row that ends at the widest line's edge is not a valid id list (a
+  range running backwards, `64-127,192-2`, or a dangling `-` or `,`). With that evidence,
+  every GPU row ending at that edge (the crop column W: the widest of the header and the GPU
+  rows) loses its last value, which may be cut, and values past the edge are unknown; both
+  with a warning. A crop inside the link cells is refused. Without such evidence a crop that
+  falls exactly between two columns cannot be told from a capture without them, and the
+  values are kept.
+- A crop that lost the NIC columns from the header while their rows remain (the terminal
+  dropped part of every line): the NICs are named, their links and every CPU Affinity are
+  not trusted, with a warning.
 """
 
 from __future__ import annotations
@@ -51,6 +75,10 @@ _PCIE_CODES = {
 _EXPECTED_CODES = "X, PIX, PXB, PHB, NODE, SYS, SOC or NV<n>"
 _ID_LIST = re.compile(r"[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*")
 _NIC_LEGEND_ENTRY = re.compile(r"(NIC[0-9]+):\s*(\S+)")
+_COMMENT_PREFIXES = ("//", "#")
+_CELL_CODE = re.compile(r"X|PIX|PXB|PHB|NODE|SYS|SOC|NV[1-9][0-9]*")
+_HEADER_NAME = re.compile(r"GPU[0-9]+|NIC[0-9]+|mlx[45]_(?:bond_)?[0-9]+|CPU|NUMA|Affinity|GPU|ID")
+_TAB_STOP = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +164,11 @@ class TopologyFileInventory:
 def parse_topology(text: str, source: str = "<text>") -> ParsedTopology:
     """The topology in `nvidia-smi topo -m` output `text`.
 
-    Lines before the header (provenance `#` lines, prompts) are skipped. The header is the
-    first line whose first token is GPU0 and whose next token is not X; the matrix is the
-    rows under it up to a blank line or a `...:` line (Legend). Raises TopologyParseError,
+    A comment prefix on every line is removed first, and lines before the header
+    (provenance `#` lines, prompts) are skipped. The header is the first line whose first
+    name (glued names split) is GPU0 and whose next is not X; the matrix is the rows under it
+    up to a blank line or a `...:` line (Legend). What was recovered or lost (glued names or
+    cells, a crop) is in `warnings` (see the module docstring). Raises TopologyParseError,
     with `source` and the 1-based line, for anything that is not a whole GPU-by-GPU matrix.
     """
     return _Capture(text, source).parse()
@@ -151,7 +181,9 @@ class _Header:
     nics: tuple[str, ...]
     """NIC column names in header order (NIC0.. aliases or device names such as mlx5_0)."""
     values: tuple[str, ...]
-    """The affinity columns present, in header order."""
+    """The affinity columns present, in header order (the last one possibly cut)."""
+    cut: bool = False
+    """The last name is cut short (`NUMA Aff`): the capture was cropped at its right edge."""
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -171,7 +203,7 @@ class _Capture:
 
     def __init__(self, text: str, source: str) -> None:
         self.source = source
-        self.lines = text.split("\n")
+        self.lines = _strip_comment_prefix(text.split("\n"))
         self.warnings: list[str] = []
 
     def error(self, line: int | None, reason: str) -> TopologyParseError:
@@ -181,7 +213,8 @@ class _Capture:
         header = self._header()
         gpu_rows, nic_rows, end = self._rows(header)
         cropped = not header.nics and bool(nic_rows)
-        matrix = self._matrix(header, gpu_rows, [] if cropped else nic_rows)
+        edge = self._right_edge(header, gpu_rows)
+        matrix = self._matrix(header, gpu_rows, [] if cropped else nic_rows, edge)
         n = header.gpu_count
         links = {(i, j): matrix[i][j] for i in range(n) for j in range(i + 1, n)}
         legend = self._nic_legend(end)
@@ -189,7 +222,9 @@ class _Capture:
             nics = self._cropped_nics(header, nic_rows, legend)
         else:
             nics = self._nics(header, matrix, nic_rows, legend)
-        gpus = tuple(self._affinity(header, row, cropped) for row in gpu_rows)
+        gpus = tuple(self._affinity(header, row, cropped, edge) for row in gpu_rows)
+        if edge is not None:
+            self._warn_right_edge(header, gpu_rows, edge)
         if cropped and CPU_AFFINITY in header.values:
             cut = sorted({self._values(header, row)[CPU_AFFINITY] for row in gpu_rows})
             self.warnings.append(
@@ -202,20 +237,39 @@ class _Capture:
 
     def _header(self) -> _Header:
         for number, line in enumerate(self.lines, start=1):
-            tokens = line.split()
+            tokens = [name for token in line.split() for name in _split_names(token)]
             if not tokens or tokens[0] != "GPU0":
                 continue
             if len(tokens) > 1 and tokens[1] == _SELF:
-                raise self.error(
-                    number,
-                    "matrix row GPU0 comes before any header; expected the header line "
-                    "(GPU0 GPU1 ... CPU Affinity) above the rows",
+                raise self._no_header(number)
+            glued = [token for token in line.split() if len(_split_names(token)) > 1]
+            if glued:
+                self.warnings.append(
+                    f"line {number}: header names ran together "
+                    f"({', '.join(map(repr, glued))}); split on the known names"
                 )
             return self._parse_header(number, tokens)
         raise self.error(
             None,
             f"no GPUs: no topology matrix in {len(self.lines)} lines; expected a header line "
             "starting with GPU0 (e.g. 'GPU0  GPU1  CPU Affinity  NUMA Affinity')",
+        )
+
+    def _no_header(self, row: int) -> TopologyParseError:
+        """The error for matrix row GPU0 on line `row` with no header above it."""
+        above = [n for n in range(row - 1, 0, -1) if self.lines[n - 1].strip()]
+        first = self.lines[above[0] - 1].split()[0] if above else ""
+        if first.startswith("GPU0") and first != "GPU0":
+            return self.error(
+                above[0],
+                f"header {first[:40]!r} runs names together that are not all known ones "
+                "(GPU<n>, NIC<n>, mlx4_<n>, mlx5_<n>, mlx5_bond_<n>, CPU Affinity, NUMA "
+                "Affinity, GPU NUMA ID); expected names separated by spaces or tabs",
+            )
+        return self.error(
+            row,
+            "matrix row GPU0 comes before any header; expected the header line "
+            "(GPU0 GPU1 ... CPU Affinity) above the rows",
         )
 
     def _parse_header(self, number: int, tokens: list[str]) -> _Header:
@@ -239,6 +293,10 @@ class _Capture:
                 values.append(value)
                 position += len(value.split())
                 continue
+            cut = _cut_name(tokens[position:], values)
+            if cut is not None:
+                values.append(cut)
+                return _Header(number, gpu_count, tuple(nics), tuple(values), cut=True)
             if values or value is not None or _GPU_NAME.fullmatch(token) or token in nics:
                 raise self.error(
                     number,
@@ -255,6 +313,7 @@ class _Capture:
         gpu_rows: list[_Row] = []
         nic_rows: list[_Row] = []
         first_seen: dict[str, int] = {}
+        glued: list[tuple[int, str]] = []
         end = len(self.lines) + 1
         n = header.gpu_count
         for number in range(header.line + 1, len(self.lines) + 1):
@@ -265,7 +324,13 @@ class _Capture:
                 end = number
                 break
             label, *rest = line.split()
-            row = _Row(number, label, tuple(rest))
+            cells = []
+            for token in rest:
+                codes = _split_codes(token)
+                if len(codes) > 1:
+                    glued.append((number, token))
+                cells.extend(codes)
+            row = _Row(number, label, tuple(cells))
             expected = f"row GPU{len(gpu_rows)}" if len(gpu_rows) < n else "a NIC row"
             if label in first_seen:
                 raise self.error(
@@ -291,10 +356,59 @@ class _Capture:
                 gpu_rows.append(row)
         if len(gpu_rows) < n:
             raise self.error(end, f"expected row GPU{len(gpu_rows)}, found the end of the matrix")
+        if glued:
+            lines = sorted({number for number, _ in glued})
+            where = f"line {lines[0]}" if len(lines) == 1 else f"lines {lines[0]}-{lines[-1]}"
+            examples = ", ".join(repr(token) for token in sorted({t for _, t in glued})[:3])
+            self.warnings.append(
+                f"{where}: {len(glued)} cell(s) held link codes with no space between them "
+                f"({examples}); split on the known codes"
+            )
         return gpu_rows, nic_rows, end
 
+    def _width(self, line: int) -> int:
+        """Display width of a line (tabs to 8-column stops), trailing blanks left out."""
+        return len(self.lines[line - 1].expandtabs(_TAB_STOP).rstrip())
+
+    def _right_edge(self, header: _Header, gpu_rows: list[_Row]) -> int | None:
+        """The crop column W when the capture shows a right-edge crop, else None.
+
+        See the module docstring for the evidence; W is the widest of the header and GPU
+        rows, so every line that was cut ends there.
+        """
+        edge = max(self._width(line) for line in [header.line, *(r.line for r in gpu_rows)])
+        links = len(header.columns)
+        evidence = header.cut or any(
+            self._width(row.line) == edge
+            and (
+                links <= len(row.tokens) < links + len(header.values)
+                or (len(row.tokens) > links and not _whole_value(row.tokens[-1]))
+            )
+            for row in gpu_rows
+        )
+        return edge if evidence else None
+
+    def _warn_right_edge(self, header: _Header, gpu_rows: list[_Row], edge: int) -> None:
+        links = len(header.columns)
+        cut = [
+            f"{row.label} {header.values[len(row.tokens) - links - 1]} {row.tokens[-1]!r}"
+            for row in gpu_rows
+            if self._width(row.line) == edge and len(row.tokens) > links
+        ]
+        missing = [
+            f"{row.label} {', '.join(header.values[len(row.tokens) - links :])}"
+            for row in gpu_rows
+            if len(row.tokens) < links + len(header.values)
+        ]
+        lost = [f"dropped as possibly cut: {', '.join(cut)}"] if cut else []
+        lost += [f"unknown: {', '.join(missing)}"] if missing else []
+        self.warnings.append(
+            f"line {header.line}: the capture looks cropped at column {edge} (its right edge); "
+            + ("; ".join(lost) or "no GPU value reaches it")
+        )
+
     def _matrix(
-        self, header: _Header, gpu_rows: list[_Row], nic_rows: list[_Row]
+        self, header: _Header, gpu_rows: list[_Row], nic_rows: list[_Row], edge: int | None
     ) -> dict[int, dict[int, Link]]:
         """Each row's links (column index -> link, its own column left out), checked."""
         columns = header.columns
@@ -309,7 +423,20 @@ class _Capture:
                 )
             own = columns.index(row.label)
             value_count = len(header.values) if own < header.gpu_count else 0
-            if len(row.tokens) != len(columns) + value_count:
+            gpu_under_crop = edge is not None and own < header.gpu_count
+            at_edge = gpu_under_crop and self._width(row.line) == edge
+            if at_edge and value_count and len(row.tokens) == len(columns):
+                raise self.error(
+                    row.line,
+                    f"row {row.label} ends at the cropped right edge (column {edge}) in "
+                    f"its link cells; expected {_describe_cells(columns, header.values)}",
+                )
+            # Under a crop a row may lack its last values (unknown, see `_values`); a lost
+            # link cell instead puts a value under a link column, which `_links` refuses.
+            short_ok = (
+                gpu_under_crop and len(columns) <= len(row.tokens) < len(columns) + value_count
+            )
+            if len(row.tokens) != len(columns) + value_count and not short_ok:
                 raise self.error(
                     row.line,
                     f"row {row.label} has {len(row.tokens)} cells; expected "
@@ -406,13 +533,18 @@ class _Capture:
         )
         return [Nic(name=legend.get(label, label)) for label in labels]
 
-    def _values(self, header: _Header, row: _Row) -> dict[str, str]:
-        """A GPU row's affinity values by column name (its cell count is checked)."""
+    def _values(self, header: _Header, row: _Row, edge: int | None = None) -> dict[str, str]:
+        """A GPU row's affinity values by column name (its cell count is checked); with a
+        crop `edge`, a row ending there has its last value left out (it may be cut)."""
         cells = row.tokens[len(header.columns) :]
-        return dict(zip(header.values, cells, strict=True))
+        if edge is not None and self._width(row.line) == edge:
+            cells = cells[:-1]
+        return dict(zip(header.values, cells, strict=False))
 
-    def _affinity(self, header: _Header, row: _Row, cropped: bool) -> GpuAffinity:
-        values = self._values(header, row)
+    def _affinity(
+        self, header: _Header, row: _Row, cropped: bool, edge: int | None
+    ) -> GpuAffinity:
+        values = self._values(header, row, edge)
         return GpuAffinity(
             cpu_affinity="" if cropped else self._id_list(row, values, CPU_AFFINITY),
             numa_affinity=self._id_list(row, values, NUMA_AFFINITY),
@@ -423,10 +555,11 @@ class _Capture:
         value = values.get(column, _NOT_AVAILABLE)
         if value == _NOT_AVAILABLE:
             return ""
-        if _ID_LIST.fullmatch(value):
+        if _whole_value(value):
             return value
         self.warnings.append(
-            f"line {row.line}: {row.label} {column} {value!r} is not a list of ids; "
+            f"line {row.line}: {row.label} {column} {value!r} is not a list of ids "
+            "(ranges ascending); "
             "recorded as unknown"
         )
         return ""
@@ -461,3 +594,43 @@ def _describe_cells(columns: tuple[str, ...], values: tuple[str, ...]) -> str:
     if values:
         described += f" then {len(values)} values ({', '.join(values)})"
     return described
+
+
+def _strip_comment_prefix(lines: list[str]) -> list[str]:
+    """`lines` without the comment prefix that every non-blank line has, if one does."""
+    content = [line.lstrip() for line in lines if line.strip()]
+    for prefix in _COMMENT_PREFIXES:
+        if content and all(line.startswith(prefix) for line in content):
+            return [line.lstrip()[len(prefix) :] for line in lines]
+    return lines
+
+
+def _split_names(token: str) -> list[str]:
+    """A header token made only of known header names, split into them; else [token]."""
+    names = _HEADER_NAME.findall(token)
+    return names if "".join(names) == token and names else [token]
+
+
+def _split_codes(token: str) -> list[str]:
+    """A cell made only of link codes (`SYSSYS`, `XNV12`), split into them; else [token]."""
+    codes = _CELL_CODE.findall(token)
+    return codes if "".join(codes) == token and codes else [token]
+
+
+def _cut_name(rest: list[str], seen: list[str]) -> str | None:
+    """The value column whose name `rest` (the header's last tokens) is a cut prefix of."""
+    text = " ".join(rest)
+    return next(
+        (name for name in _VALUE_COLUMNS if name not in seen and name.startswith(text)),
+        None,
+    )
+
+
+def _whole_value(value: str) -> bool:
+    """N/A or an id list whose ranges run upwards: what no crop has cut short."""
+    if value == _NOT_AVAILABLE:
+        return True
+    if not _ID_LIST.fullmatch(value):
+        return False
+    ranges = [part.split("-") for part in value.split(",")]
+    return all(int(bounds[0]) <= int(bounds[-1]) for bounds in ranges)

@@ -27,10 +27,10 @@ from images.build import build_image
 from node_daemon.model_cache import file_sha256
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
+from tests.data import TOPOLOGIES
 from tests.docker_support import require_docker
 
-CAPTURES = Path(__file__).resolve().parents[3] / "shared" / "topologies"
-DGX1 = CAPTURES / "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
+DGX1 = TOPOLOGIES / "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
 PROBE = Path(__file__).resolve().parents[1] / "triton_probe.py"
 TOKEN = "replica-token-for-node-tests"
 LISTENING = re.compile(r"node agent listening on [^ ]+:(\d+)")

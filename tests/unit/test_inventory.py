@@ -35,24 +35,14 @@ from node_daemon.inventory import (
     parse_topology,
 )
 from node_daemon.inventory.assembly import GpuAffinity, GpuDetails, ParsedTopology
+from tests.data import TOPOLOGIES
 
-TOPOLOGIES = Path(__file__).resolve().parents[3] / "shared" / "topologies"
 SPEC = GpuSpec(name="A100-SXM4-80GB", memory_mib=81920)
 UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-@pytest.fixture
-def topologies() -> Path:
-    if not TOPOLOGIES.is_dir():
-        pytest.skip(f"no captures at {TOPOLOGIES} (the shared folder beside the repository)")
-    return TOPOLOGIES
-
-
 def capture(name: str) -> Path:
-    path = TOPOLOGIES / name
-    if not path.is_file():
-        pytest.skip(f"capture {path} is missing (the shared folder beside the repository)")
-    return path
+    return TOPOLOGIES / name
 
 
 @dataclass(frozen=True)
@@ -180,8 +170,8 @@ EXPECTED: dict[str, Expect] = {
 }
 
 
-def test_every_capture_has_expected_facts(topologies: Path) -> None:
-    assert sorted(p.name for p in topologies.glob("*.txt")) == sorted(EXPECTED)
+def test_every_capture_has_expected_facts() -> None:
+    assert sorted(p.name for p in TOPOLOGIES.glob("*.txt")) == sorted(EXPECTED)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -256,6 +246,168 @@ def test_crop_into_the_gpu_columns_is_refused() -> None:
     )
 
 
+# -- damaged pastes built from the real captures, the way the real artifacts look ---------
+
+LINK_NAME = re.compile(r"GPU[0-9]+|NIC[0-9]+|mlx[45]_\S+")
+
+
+def text_of(name: str) -> str:
+    """The capture as read by `inventory_from_capture` (CRLF kept)."""
+    return capture(name).read_bytes().decode("utf-8-sig")
+
+
+def matrix_block(lines: list[str]) -> range:
+    """Indices of the header and the rows under it, up to a blank or `...:` line."""
+    start = next(
+        i
+        for i, line in enumerate(lines)
+        if line.split()[:1] == ["GPU0"] and line.split()[1:2] != ["X"]
+    )
+    end = next(
+        (i for i in range(start + 1, len(lines)) if not lines[i].strip() or ":" in lines[i]),
+        len(lines),
+    )
+    return range(start, end)
+
+
+def glue(line: str, first: int) -> str:
+    """`line` without the whitespace between its tokens `first` and `first + 1`."""
+    spans = [m.span() for m in re.finditer(r"\S+", line)]
+    return line[: spans[first][1]] + line[spans[first + 1][0] :]
+
+
+def glue_last_link_columns(text: str) -> str:
+    """The separator lost between the last two link columns, in the header and every row,
+    as nvidia-smi prints it with many NIC columns (`NIC7NIC8`, `SYSSYS`, `XPIX`)."""
+    lines = text.split("\n")
+    block = matrix_block(lines)
+    links = sum(1 for token in lines[block[0]].split() if LINK_NAME.fullmatch(token))
+    lines[block[0]] = glue(lines[block[0]], links - 2)
+    for i in block[1:]:
+        lines[i] = glue(lines[i], links - 1)
+    return "\n".join(lines)
+
+
+def glue_header(text: str) -> str:
+    """Every link column name of the header run together (`GPU0GPU1...mlx5_0`), its tabs lost."""
+    lines = text.split("\n")
+    header = lines[matrix_block(lines)[0]]
+    names = [token for token in header.split() if LINK_NAME.fullmatch(token)]
+    start = header.index(names[0])
+    end = header.index(names[-1], start) + len(names[-1])
+    lines[matrix_block(lines)[0]] = header[:start] + "".join(names) + header[end:]
+    return "\n".join(lines)
+
+
+def same_matrix(damaged: ParsedTopology, clean: ParsedTopology) -> None:
+    assert damaged.links == clean.links
+    assert damaged.gpus == clean.gpus  # every GPU, its CPU and NUMA affinity
+    assert damaged.nics == clean.nics
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_glued_cells_parse_to_the_clean_matrix(name: str) -> None:
+    text = text_of(name)
+    glued = glue_last_link_columns(text)
+    assert glued != text
+    topology = parse_topology(glued)
+    same_matrix(topology, parse_topology(text))
+    assert "header names ran together" in topology.warnings[0]
+    assert any("split on the known codes" in warning for warning in topology.warnings)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_glued_header_parses_to_the_clean_matrix(name: str) -> None:
+    text = text_of(name)
+    glued = glue_header(text)
+    assert "GPU0GPU1" in glued
+    topology = parse_topology(glued)
+    same_matrix(topology, parse_topology(text))
+    assert "header names ran together ('GPU0GPU1" in topology.warnings[0]
+
+
+@pytest.mark.parametrize("prefix", ["# ", "#", "//"])
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_comment_prefixed_capture_parses_as_the_clean_one(name: str, prefix: str) -> None:
+    text = text_of(name)
+    prefixed = "\n".join(prefix + line for line in text.split("\n"))
+    assert parse_topology(prefixed) == parse_topology(text)  # warnings (and their lines) too
+
+
+def test_glued_dgx_a100_header_and_cells_as_reported() -> None:
+    text = glue_last_link_columns(text_of("12_dgx-a100-8gpu-nv12-10nic-nps4.txt"))
+    assert "NIC8NIC9" in text and "PIXX" in text and "SYSSYS" in text
+    topology = parse_topology(text)
+    assert {nic.name: str(nic.links[0]) for nic in topology.nics}["mlx5_9"] == "SYS"
+    assert topology.warnings == (
+        "line 5: header names ran together ('NIC8NIC9'); split on the known names",
+        "lines 6-23: 18 cell(s) held link codes with no space between them ('PIXX', "
+        "'SYSSYS', 'XPIX'); split on the known codes",
+    )
+
+
+def crop(text: str, width: int) -> str:
+    """Every line cut at `width` characters, as a terminal that narrow shows it."""
+    return "\n".join(line[:width] for line in text.split("\n"))
+
+
+def test_value_cut_at_the_right_edge_is_dropped_with_a_warning() -> None:
+    text = text_of("12_dgx-a100-8gpu-nv12-10nic-nps4.txt")
+    header = text.split("\n")[4]
+    # 13 characters of CPU Affinity: "48-63,176-191" fits, "112-127,240-255" becomes
+    # "112-127,240-2" (a range running backwards), and NUMA Affinity is gone.
+    edge = header.index("CPU Affinity") + 13
+    topology = parse_topology(crop(text, edge))
+    clean = parse_topology(text)
+    assert (topology.links, topology.nics) == (clean.links, clean.nics)
+    assert topology.gpus == (GpuAffinity(),) * 8
+    (warning,) = topology.warnings
+    assert warning.startswith(f"line 5: the capture looks cropped at column {edge} ")
+    assert "GPU4 CPU Affinity '112-127,240-2'" in warning
+    assert "GPU0 CPU Affinity '48-63,176-191'" in warning  # at the edge: may be cut too
+
+
+def test_cut_header_name_alone_keeps_the_whole_values() -> None:
+    text = text_of("29_hgx-h100-compact-2space-columns.txt")
+    header = text.split("\n")[5]
+    edge = header.index("NUMA Affinity") + len("NUMA Aff")
+    topology = parse_topology(crop(text, edge))
+    assert topology == dataclasses.replace(
+        parse_topology(text),
+        warnings=(
+            f"line 6: the capture looks cropped at column {edge} (its right edge); no GPU "
+            "value reaches it",
+        ),
+    )
+
+
+def test_values_past_the_edge_are_unknown_and_the_one_at_it_dropped() -> None:
+    text = (
+        "      GPU0  GPU1  CPU Affinity    NUMA Affinity\n"
+        "GPU0   X    SYS   0-31            0\n"
+        "GPU1  SYS    X    32-63,96-127,160-191,224-255 1\n"
+    )
+    # The header ends in "NUMA" (cut); GPU1's value reaches the edge, so it may be cut even
+    # though "32-63,96-127,160-191" reads as a whole list; GPU0's row ends before it.
+    topology = parse_topology(crop(text, text.index("NUMA") + 4))
+    assert topology.gpus == (GpuAffinity("0-31", "0"), GpuAffinity())
+    assert topology.warnings == (
+        "line 1: the capture looks cropped at column 38 (its right edge); dropped as possibly "
+        "cut: GPU1 CPU Affinity '32-63,96-127,160-191'; unknown: GPU1 NUMA Affinity",
+    )
+
+
+def test_crop_inside_the_link_cells_is_refused() -> None:
+    text = text_of("28_dgx-a100-compact-2space-columns.txt")
+    header = text.split("\n")[matrix_block(text.split("\n"))[0]]
+    with pytest.raises(TopologyParseError) as caught:
+        parse_topology(crop(text, header.index("GPU7") + 2), source="28")
+    assert str(caught.value) == (
+        "28, line 14: row GPU7 has no column in the header (which has GPU0..GPU6); expected "
+        "one row per GPU column (is the capture cropped?)"
+    )
+
+
 # -- synthetic captures: formats the real ones do not all show ---------------------------
 
 
@@ -303,8 +455,10 @@ def test_malformed_affinity_is_unknown_with_a_warning() -> None:
     topology = parse_topology(text)
     assert topology.gpus[1] == GpuAffinity()
     assert topology.warnings == (
-        "line 3: GPU1 CPU Affinity '0-' is not a list of ids; recorded as unknown",
-        "line 3: GPU1 NUMA Affinity 'x1' is not a list of ids; recorded as unknown",
+        "line 3: GPU1 CPU Affinity '0-' is not a list of ids (ranges ascending); recorded "
+        "as unknown",
+        "line 3: GPU1 NUMA Affinity 'x1' is not a list of ids (ranges ascending); recorded "
+        "as unknown",
     )
 
 
@@ -414,6 +568,31 @@ BAD_INPUTS = [
         4,
         "row NIC0 has X in column GPU1; expected link codes only, its own column being missing",
         id="cropped-nic-row-with-x",
+    ),
+    pytest.param(
+        HEADER + "GPU0\tX\tPHB\t0-3\nGPU1\tPHBX\tPHB\t0-3\n",
+        3,
+        "row GPU1 has 4 cells; expected 2 link cells (GPU0..GPU1) then 1 values",
+        id="glued-cells-split-to-too-many",
+    ),
+    pytest.param(
+        HEADER + "GPU0\tX\tPHB\t0-3\nGPU1\tPHBFOO\tX\t0-3\n",
+        3,
+        "unknown link code 'PHBFOO' in row GPU1, column GPU0",
+        id="glued-unknown-code",
+    ),
+    pytest.param(
+        "GPU0GPU1eth0\tCPU Affinity\nGPU0\tX\tPHB\t0-3\nGPU1\tPHB\tX\t0-3\n",
+        1,
+        "header 'GPU0GPU1eth0' runs names together that are not all known ones",
+        id="glued-header-unknown-name",
+    ),
+    pytest.param(
+        "      GPU0  GPU1  CPU\nGPU0   X         NV18\nGPU1  NV18   X   0-3\n",
+        2,
+        "row GPU0 ends at the cropped right edge (column 21) in its link cells; expected 2 link "
+        "cells (GPU0..GPU1) then 1 values (CPU Affinity)",
+        id="crop-in-link-cells",
     ),
     pytest.param(
         "# one\r\n# two\r\n"

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -32,12 +31,8 @@ from broker.placement.search import TOP_CANDIDATES
 from node_daemon.gpu_allocator import P2P_KINDS
 from node_daemon.inventory import Gpu, GpuSpec, Inventory, Link, LinkKind, inventory_from_capture
 from node_daemon.topology import Topology
+from tests.data import TOPOLOGIES
 
-TOPOLOGIES = Path(__file__).resolve().parents[3] / "shared" / "topologies"
-needs_captures = pytest.mark.skipif(
-    not any(TOPOLOGIES.glob("*.txt")),
-    reason=f"no captures at {TOPOLOGIES} (the shared folder beside the repository)",
-)
 BE, STD, CRIT = PriorityClass.BEST_EFFORT, PriorityClass.STANDARD, PriorityClass.CRITICAL
 
 
@@ -124,7 +119,6 @@ def is_p2p(topology: Topology, gpus: tuple[int, ...]) -> bool:
 # --- proximity and topology ----------------------------------------------------------------
 
 
-@needs_captures
 def test_a_client_at_each_site_lands_on_the_nearest_node_that_fits() -> None:
     net = line(8, 12)
     snapshot = ClusterSnapshot.of(
@@ -151,7 +145,6 @@ def test_a_client_at_each_site_lands_on_the_nearest_node_that_fits() -> None:
     assert decision.explanation.chosen.latency_ms == 20.5
 
 
-@needs_captures
 def test_a_4_gpu_p2p_request_lands_on_an_nvlink_group_when_one_exists() -> None:
     dgx1 = capture("21")
     net = line(5)
@@ -178,7 +171,6 @@ def test_a_4_gpu_p2p_request_lands_on_an_nvlink_group_when_one_exists() -> None:
     assert decision.node_id == "dgx1"
 
 
-@needs_captures
 def test_the_better_linked_group_wins_at_equal_distance() -> None:
     rtx = NodeSnapshot.idle("a-rtx", "s0", capture("24"))
     snapshot = ClusterSnapshot.of([rtx, NodeSnapshot.idle("b-a100", "s0", capture("12"))])

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import functools
 import itertools
-from pathlib import Path
 
 import networkx as nx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_daemon.inventory import Gpu, GpuSpec, Inventory, Link, LinkKind, inventory_from_capture
+from node_daemon.inventory import (
+    Gpu,
+    GpuDetails,
+    GpuSpec,
+    Inventory,
+    Link,
+    LinkKind,
+    build_inventory,
+    inventory_from_capture,
+    parse_topology,
+)
 from node_daemon.topology import (
     NO_LINK_RANK,
     TopoKind,
@@ -19,13 +28,10 @@ from node_daemon.topology import (
     best_group_brute_force,
     link_rank,
 )
+from tests.data import TOPOLOGIES
 
-TOPOLOGIES = Path(__file__).resolve().parents[3] / "shared" / "topologies"
 CAPTURES = sorted(p.name for p in TOPOLOGIES.glob("*.txt"))
 DGX1 = "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
-needs_captures = pytest.mark.skipif(
-    not CAPTURES, reason=f"no captures at {TOPOLOGIES} (the shared folder beside the repository)"
-)
 
 
 def link(code: str) -> Link:
@@ -34,13 +40,38 @@ def link(code: str) -> Link:
     return Link(LinkKind(code))
 
 
-def inventory(table: dict[tuple[int, int], str]) -> Inventory:
-    """The GPUs named in `table` ((a, b) -> link code, a < b), with nothing else known."""
+def inventory(
+    table: dict[tuple[int, int], str], numa: dict[int, int | None] | None = None
+) -> Inventory:
+    """The GPUs named in `table` ((a, b) -> link code, a < b), on the NUMA nodes `numa` says
+    (default: unknown), with nothing else known."""
     indices = sorted({g for pair in table for g in pair})
     gpus = tuple(
-        Gpu(index=i, uuid=f"GPU-{i}", name="test", memory_total_mib=1024) for i in indices
-    )
+        Gpu(index=i, uuid=f"GPU-{i}", name="test", memory_total_mib=1024,
+            numa_node=(numa or {}).get(i))
+        for i in indices
+    )  # fmt: skip
     return Inventory(gpus=gpus, links={pair: link(code) for pair, code in table.items()})
+
+
+def all_sys_two_sockets_capture() -> str:
+    """`nvidia-smi topo -m` of an 8-GPU PCIe box (8x RTX 4090 style) whose every GPU pair is
+    SYS: GPUs 0-3 on NUMA node 0, 4-7 on node 1, as the driver prints it (tabs)."""
+    names = [f"GPU{i}" for i in range(8)]
+    lines = ["\t" + "\t".join([*names, "CPU Affinity", "NUMA Affinity", "GPU NUMA ID"])]
+    for i in range(8):
+        cells = [" X " if i == j else "SYS" for j in range(8)]
+        cpus, node = ("0-31,64-95", "0") if i < 4 else ("32-63,96-127", "1")
+        lines.append("\t".join([f"GPU{i}", *cells, cpus, node, "", "N/A"]))
+    return "\n".join([*lines, "", "Legend:", "", "  X    = Self"]) + "\n"
+
+
+@functools.cache
+def all_sys_two_sockets() -> Topology:
+    topology = parse_topology(all_sys_two_sockets_capture())
+    details = [GpuDetails(uuid=f"GPU-{i}", name="RTX 4090", memory_total_mib=24564)
+               for i in range(8)]  # fmt: skip
+    return Topology.from_inventory(build_inventory(topology, details))
 
 
 def matrix(rows: str) -> dict[tuple[int, int], str]:
@@ -89,7 +120,6 @@ def test_rank_is_one_total_order_nvlink_count_first_then_pcie_distance() -> None
 # --- best_group against the brute force ----------------------------------------------------
 
 
-@needs_captures
 @pytest.mark.parametrize("name", CAPTURES)
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
@@ -102,7 +132,6 @@ def test_best_group_is_the_brute_force_optimum_on_every_capture(
     check_against_brute_force(topology, frozenset(free))
 
 
-@needs_captures
 @pytest.mark.parametrize("name", CAPTURES)
 def test_every_k_on_the_idle_capture_is_the_brute_force_optimum(name: str) -> None:
     topology = capture(name)
@@ -130,18 +159,20 @@ CODES = ["SYS", "NODE", "PHB", "PXB", "PIX", "NV1", "NV2", "NV4", "NV12"]
 
 @st.composite
 def link_tables(draw: st.DrawFn) -> tuple[Inventory, frozenset[int]]:
-    """Random link tables over random (not always contiguous) GPU indices, a random free set.
+    """Random link tables over random (not always contiguous) GPU indices, random NUMA nodes
+    (some unknown), a random free set.
 
     A small alphabet per table makes ties and twin GPUs common, which the search exploits.
     """
     indices = sorted(draw(st.sets(st.integers(0, 11), min_size=1, max_size=8)))
     alphabet = draw(st.lists(st.sampled_from(CODES), min_size=1, max_size=4, unique=True))
     table = {pair: draw(st.sampled_from(alphabet)) for pair in itertools.combinations(indices, 2)}
+    numa = {i: draw(st.sampled_from([None, 0, 1, 2])) for i in indices}
     if len(indices) == 1:
         gpus = (Gpu(index=indices[0], uuid="GPU-0", name="test", memory_total_mib=1),)
         inv = Inventory(gpus=gpus, links={})
     else:
-        inv = inventory(table)
+        inv = inventory(table, numa)
     free = draw(st.sets(st.sampled_from(indices), min_size=1))
     return inv, frozenset(free)
 
@@ -182,14 +213,12 @@ def test_one_gpu_spares_the_switch_a_busy_gpu_will_return_to() -> None:
     )
 
 
-@needs_captures
 def test_one_gpu_on_the_dgx1_keeps_the_nvlink_quad_whole() -> None:
     topology = capture(DGX1)
     # GPU4 has a single NVLink (to GPU0) into this free set; 0-3 are an NVLink quad.
     assert topology.best_group(1, [0, 1, 2, 3, 4]) == (4,)
 
 
-@needs_captures
 def test_four_gpus_on_the_dgx1_hybrid_cube_mesh_are_an_nvlink_quad() -> None:
     topology = capture(DGX1)
     quad = topology.best_group(4, range(8))
@@ -201,13 +230,76 @@ def test_four_gpus_on_the_dgx1_hybrid_cube_mesh_are_an_nvlink_quad() -> None:
     assert topology.best_group(2, range(8)) == (0, 3)
 
 
-@needs_captures
 def test_three_out_of_five_free() -> None:
     topology = capture(DGX1)
     free = [0, 1, 4, 5, 6]
     group = topology.best_group(3, free)
     assert group == (4, 5, 6)  # NV1, NV1, NV2: every pair NVLink
     assert group == best_group_brute_force(topology, 3, free)
+
+
+# --- NUMA locality -------------------------------------------------------------------------
+
+
+def numa_nodes_used(topology: Topology, group: tuple[int, ...]) -> set[int | None]:
+    return {topology.graph.nodes[g]["gpu"].numa_node for g in group}
+
+
+def test_all_sys_capture_reads_two_numa_nodes_and_the_tree_shows_them() -> None:
+    topology = all_sys_two_sockets()
+    assert {str(link) for link in topology.inventory.links.values()} == {"SYS"}
+    assert [(n.kind, n.label, n.gpus) for n in topology.tree.children] == [
+        (TopoKind.NUMA, "NUMA 0", (0, 1, 2, 3)),
+        (TopoKind.NUMA, "NUMA 1", (4, 5, 6, 7)),
+    ]
+    assert topology.same_numa(0, 3) and not topology.same_numa(3, 4)
+
+
+@pytest.mark.parametrize(
+    ("k", "free", "group"), [(2, [0, 4, 5], (4, 5)), (3, [0, 1, 4, 5, 6], (4, 5, 6))]
+)
+def test_all_sys_groups_from_the_issue_stay_on_one_numa_node(
+    k: int, free: list[int], group: tuple[int, ...]
+) -> None:
+    topology = all_sys_two_sockets()
+    assert topology.best_group(k, free) == group
+    assert best_group_brute_force(topology, k, free) == group
+
+
+def test_all_sys_best_group_stays_on_one_numa_node_whenever_it_can() -> None:
+    topology = all_sys_two_sockets()
+    nodes = ({0, 1, 2, 3}, {4, 5, 6, 7})
+    for size in range(1, 9):
+        for free in map(frozenset, itertools.combinations(range(8), size)):
+            check_against_brute_force(topology, free)
+            for k in range(1, size + 1):
+                group = topology.best_group(k, free)
+                fits = any(len(free & node) >= k for node in nodes)
+                assert (len(numa_nodes_used(topology, group)) == 1) == fits, (k, sorted(free))
+
+
+def test_nvswitch_pairs_stay_on_their_numa_node() -> None:
+    # DGX A100 in NPS4 mode: every pair NV12, two GPUs per NUMA node (3, 1, 7, 5).
+    topology = capture("12_dgx-a100-8gpu-nv12-10nic-nps4.txt")
+    assert topology.best_group(2, [0, 2, 3]) == (2, 3)
+    assert topology.best_group(2, [1, 3, 4, 6, 7]) == (6, 7)
+    assert [n.gpus for n in topology.tree.children] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+def test_better_links_beat_one_numa_node() -> None:
+    # 0 and 1 share NUMA node 0 but are SYS apart; 2 on node 1 has an NVLink to 0.
+    table = {(0, 1): "SYS", (0, 2): "NV1", (1, 2): "SYS"}
+    topology = Topology.from_inventory(inventory(table, {0: 0, 1: 0, 2: 1}))
+    assert topology.best_group(2, [0, 1, 2]) == (0, 2)
+    assert topology.score([0, 1], [0, 1, 2]).local == 1
+    assert topology.score([0, 2], [0, 1, 2]).local == 0
+
+
+def test_unknown_numa_node_is_never_local() -> None:
+    table = dict.fromkeys(itertools.combinations(range(3), 2), "SYS")
+    topology = Topology.from_inventory(inventory(table, {0: None, 1: 1, 2: 1}))
+    assert not topology.same_numa(0, 1) and topology.same_numa(1, 2)
+    assert topology.best_group(2, [0, 1, 2]) == (1, 2)
 
 
 @pytest.mark.parametrize(
@@ -238,7 +330,7 @@ def test_score_follows_its_definition() -> None:
         SYS  SYS  SYS  PHB  X
     """)))  # fmt: skip
     score = topology.score([0, 1], [0, 1, 2, 3])
-    assert (score.slowest, score.total) == (12, 12)
+    assert (score.slowest, score.total, score.local) == (12, 12, 0)  # NUMA nodes unknown
     assert score.future == (1,)  # the free GPUs left, 2 and 3, are SYS apart
     assert score.idle_future == (3,)  # outside the group, 3-4 (PHB) is the best pair
     assert score.idle_total == 1 + 1 + 3
@@ -270,7 +362,6 @@ def test_graph_has_every_gpu_and_pair_with_link_and_rank_and_is_frozen() -> None
         graph.add_edge(0, 5)
 
 
-@needs_captures
 def test_dgx1_tree_splits_numa_nodes_where_links_are_sys() -> None:
     topology = capture(DGX1)
     tree = topology.tree
@@ -305,7 +396,6 @@ def test_numa_nodes_are_inferred_from_links_alone() -> None:
     assert [n.gpus for n in tree.children] == [(0, 1, 2, 3), (4, 5, 6, 7)]
 
 
-@needs_captures
 def test_pcie_tree_of_switches_and_host_bridges() -> None:
     rig = capture("35_7gforce-7gpu-gtx10x0-pix-phb-oldlegend.txt").tree
     (numa,) = rig.children
