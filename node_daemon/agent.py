@@ -3,6 +3,14 @@
 Plain Python over a `Runtime`, a `ModelCache` and a `GpuAllocator`; the gRPC servicer in
 `node_daemon.rpc` is a thin layer over it. Replica ids are `<deployment>-<epoch>`, so
 starting the same deployment epoch twice is refused rather than run twice.
+
+A replica is recorded (STARTING, holding its GPUs) before the runtime starts it, so every
+process or container the node runs is in `list_replicas`, and so reconciled by the broker.
+Its GPUs are released only once the runtime confirms it gone: a start that fails or is
+cancelled (the caller's deadline) is stopped at once, and a replica the runtime cannot stop
+stays listed (STOPPING, with the reason) holding its GPUs until a later stop succeeds.
+Loops over the replicas iterate a snapshot and check, after each await, that the replica
+they looked at is still the one recorded.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -22,6 +31,7 @@ from node_daemon.errors import (
     NodeError,
     ReplicaNotFound,
     StartFailed,
+    StopFailed,
     Unsupported,
 )
 from node_daemon.gpu_allocator import GpuAllocator
@@ -31,15 +41,39 @@ from node_daemon.runtimes import (
     Replica,
     ReplicaFailed,
     ReplicaSpec,
+    ReplicaStatus,
     ResourceUpdateUnsupported,
     Runtime,
+    uncancellable,
 )
 from node_daemon.topology import Topology
+from runtime.errors import quote
 
 logger = logging.getLogger(__name__)
 
 _ID = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# Sent by the replica's clients in an `authorization` header: printable ASCII only.
+_TOKEN = re.compile(r"[!-~]{16,512}")
+
+MAX_EPOCH = 2**53
+"""Epochs count placements; 2^53 is exact in every JSON reader."""
+MAX_GPUS = 1024
+"""GPUs one replica may ask for (a count, or UUIDs)."""
+MAX_CPUS = 1024.0
+"""CPU cores one replica may ask for (the largest hosts have a few hundred)."""
+MAX_MEMORY_MIB = 16 * 1024 * 1024
+"""Host memory one replica may ask for: 16 TiB, in MiB."""
+MAX_GPU_MEMORY_MIB = 1024 * 1024
+"""A GPU memory share: 1 TiB, in MiB (today's largest GPUs have under 200 GiB)."""
+MAX_GRACE_MS = 3_600_000
+"""The longest drain a stop may ask for."""
+
+
+def check_number(field: str, value: float, low: float, high: float) -> None:
+    """InvalidRequest naming `field` and its range unless `value` is finite and within it."""
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidRequest(f"{field} must be a finite number within {low}..{high}")
 
 
 class ReplicaState(enum.StrEnum):
@@ -72,23 +106,28 @@ class StartRequest:
         """InvalidRequest naming the first field that is wrong and what it must be."""
         if not _ID.fullmatch(self.deployment_id):
             raise InvalidRequest(
-                f"deployment_id {self.deployment_id!r} must be 1-40 characters of a-z, 0-9 "
-                "and '-', starting with a letter or digit"
+                f"deployment_id {quote(self.deployment_id)} must be 1-40 characters of a-z, "
+                "0-9 and '-', starting with a letter or digit"
             )
-        if self.epoch < 0:
-            raise InvalidRequest(f"epoch {self.epoch} must not be negative")
+        check_number("epoch", self.epoch, 0, MAX_EPOCH)
         check_sha256(self.model_sha256, "model_sha256")
         if self.warmup_inputs_sha256:
             check_sha256(self.warmup_inputs_sha256, "warmup_inputs_sha256")
         if not _MODEL_NAME.fullmatch(self.model_name):
             raise InvalidRequest(
-                f"model_name {self.model_name!r} must be 1-64 characters of letters, digits, "
-                "'_', '.' and '-'"
+                f"model_name {quote(self.model_name)} must be 1-64 characters of letters, "
+                "digits, '_', '.' and '-'"
             )
-        if len(self.token) < 16:
-            raise InvalidRequest("token must be at least 16 characters")
-        if self.cpus < 0 or self.memory_mib < 0 or self.gpu_memory_mib < 0:
-            raise InvalidRequest("cpus, memory_mib and gpu_memory_mib must not be negative")
+        if not _TOKEN.fullmatch(self.token):  # never quoted: it is a secret
+            raise InvalidRequest("token must be 16-512 printable ASCII characters, no spaces")
+        check_number("gpu_count", self.gpu_count, 0, MAX_GPUS)
+        if len(self.gpu_uuids) > MAX_GPUS:
+            raise InvalidRequest(
+                f"gpu_uuids has {len(self.gpu_uuids)} entries; at most {MAX_GPUS} are allowed"
+            )
+        check_number("gpu_memory_mib", self.gpu_memory_mib, 0, MAX_GPU_MEMORY_MIB)
+        check_number("cpus", self.cpus, 0, MAX_CPUS)
+        check_number("memory_mib", self.memory_mib, 0, MAX_MEMORY_MIB)
 
     def labels(self, node_id: str, gpus: tuple[Gpu, ...]) -> dict[str, str]:
         """What the runtime keeps with the replica, enough to adopt it (never the token)."""
@@ -150,6 +189,10 @@ class NodeAgent:
         self.topology = Topology.from_inventory(inventory)
         self.allocator = GpuAllocator(inventory, self.topology)
         self._replicas: dict[str, ReplicaView] = {}
+        self._stopping: set[str] = set()
+        """Replicas a `stop_replica` call is stopping now."""
+        self._starts: dict[str, asyncio.Future[Replica]] = {}
+        """The runtime's start of each STARTING replica (`stop_replica` cancels it)."""
         self.fetch_model: Callable[[str], Awaitable[None]] | None = None
         """Set when the node has joined a broker: copies a model into the cache."""
 
@@ -199,8 +242,9 @@ class NodeAgent:
     async def start_replica(self, request: StartRequest) -> ReplicaView:
         """Start a replica and return once it is ready.
 
-        InvalidRequest, ModelNotCached, GpusExhausted, AlreadyExists or StartFailed; on any
-        failure its GPUs are released and nothing of it is left running.
+        InvalidRequest, ModelNotCached, GpusExhausted, AlreadyExists or StartFailed. Whatever
+        ends a start early (an error, the caller's cancellation) stops what was started;
+        its GPUs are released once the runtime confirms it gone (see the module docstring).
         """
         request.validate()
         replica_id = request.replica_id
@@ -210,6 +254,9 @@ class NodeAgent:
         warmup = None
         if request.warmup_inputs_sha256:
             warmup = await self._cached(request.warmup_inputs_sha256)
+        # Checked again: another start of this replica may have begun while this one waited.
+        if replica_id in self._replicas:
+            raise AlreadyExists(f"replica {replica_id} already exists on node {self.node_id}")
         allocation = self.allocator.allocate(
             replica_id,
             count=request.gpu_count,
@@ -219,9 +266,8 @@ class NodeAgent:
         )
         gpus = tuple(self.inventory.gpus[i] for i in allocation.gpus)
         shown = replace(request, token="", gpu_uuids=tuple(g.uuid for g in gpus))
-        self._replicas[replica_id] = ReplicaView(
-            replica_id, shown, allocation.gpus, ReplicaState.STARTING
-        )
+        starting = ReplicaView(replica_id, shown, allocation.gpus, ReplicaState.STARTING)
+        self._replicas[replica_id] = starting
         spec = ReplicaSpec(
             replica_id=replica_id,
             model_path=model,
@@ -238,16 +284,22 @@ class NodeAgent:
         logger.info(
             "replica=%s starting model=%s gpus=%s", replica_id, request.model_name, allocation.gpus
         )
+        start = asyncio.ensure_future(self.runtime.start(spec, self.ready_timeout_s))
+        self._starts[replica_id] = start
         try:
-            replica = await self.runtime.start(spec, self.ready_timeout_s)
+            replica = await start
         except BaseException as err:
-            del self._replicas[replica_id]
-            self.allocator.release(replica_id)
+            await uncancellable(self._after_failed_start(starting, err))
             if isinstance(err, ReplicaFailed):
                 raise StartFailed(str(err)) from err
+            task = asyncio.current_task()
+            if start.cancelled() and task is not None and not task.cancelling():
+                raise StartFailed(f"replica {replica_id} was stopped while it started") from err
             raise
+        finally:
+            del self._starts[replica_id]
         view = replace(
-            self._replicas[replica_id],
+            starting,
             state=ReplicaState.READY,
             endpoint=replica.endpoint,
             runtime=replica.runtime,
@@ -255,6 +307,32 @@ class NodeAgent:
         )
         self._replicas[replica_id] = view
         return view
+
+    async def _after_failed_start(self, starting: ReplicaView, err: BaseException) -> None:
+        """Forget a replica whose start failed and free its GPUs, once the runtime confirms
+        that nothing of it runs; otherwise keep it listed as STOPPING, holding its GPUs."""
+        replica_id = starting.replica_id
+        reason = "cancelled by the caller" if isinstance(err, asyncio.CancelledError) else err
+        logger.error("replica=%s start failed: %s", replica_id, reason)
+        try:
+            status = await self.runtime.status(replica_id)
+        except Exception:
+            logger.exception("replica=%s: cannot tell whether it still runs", replica_id)
+            status = ReplicaStatus(running=True)
+        if self._replicas.get(replica_id) is not starting:
+            return  # a StopReplica cancelled the start: it finishes the job
+        if status is None:
+            del self._replicas[replica_id]
+            self.allocator.release(replica_id)
+            return
+        logger.error(
+            "replica=%s could not be stopped: it stays listed, holding its GPUs", replica_id
+        )
+        self._replicas[replica_id] = replace(
+            starting,
+            state=ReplicaState.STOPPING,
+            log_tail=f"its start failed and it could not be stopped: {reason}",
+        )
 
     async def _cached(self, sha256: str) -> Path:
         """The cached file; fetched from the broker first when this node has joined one."""
@@ -267,18 +345,39 @@ class NodeAgent:
         return await asyncio.to_thread(self.cache.path, sha256)
 
     async def stop_replica(self, replica_id: str, grace_s: float) -> None:
-        """Drain and remove the replica, and free its GPUs. ReplicaNotFound if unknown."""
+        """Drain and remove the replica, then free its GPUs. ReplicaNotFound if unknown;
+        StopFailed when the runtime cannot stop it (it stays listed, holding its GPUs, and a
+        later call tries again). A replica still starting has its start cancelled. A stop,
+        once begun, finishes even if the caller cancels."""
         view = self._replicas.get(replica_id)
         if view is None:
-            raise ReplicaNotFound(f"no replica {replica_id} on node {self.node_id}")
-        if view.state is ReplicaState.STOPPING:
+            raise ReplicaNotFound(f"no replica {quote(replica_id)} on node {self.node_id}")
+        if (start := self._starts.get(replica_id)) is not None:
+            # Cancelled, the start stops what it started and frees its GPUs once it is gone.
+            start.cancel()
+            await uncancellable(asyncio.wait([start]))
+            view = self._replicas.get(replica_id)
+            if view is None:
+                return
+        if replica_id in self._stopping:
             return  # another call is stopping it already
+        self._stopping.add(replica_id)
         self._replicas[replica_id] = replace(view, state=ReplicaState.STOPPING)
         try:
-            code = await self.runtime.stop(replica_id, grace_s)
+            code = await uncancellable(self.runtime.stop(replica_id, grace_s))
+        except ReplicaFailed as err:
+            logger.error("replica=%s could not be stopped: %s", replica_id, err)
+            self._replicas[replica_id] = replace(
+                view, state=ReplicaState.STOPPING, log_tail=f"stopping it failed: {err}"
+            )
+            raise StopFailed(
+                f"replica {replica_id} could not be stopped ({err}); it stays listed, holding "
+                "its GPUs: retry"
+            ) from err
         finally:
-            self._replicas.pop(replica_id, None)
-            self.allocator.release(replica_id)
+            self._stopping.discard(replica_id)
+        self._replicas.pop(replica_id, None)
+        self.allocator.release(replica_id)
         logger.info("replica=%s stopped exit_code=%s", replica_id, code)
 
     async def refresh(self) -> list[ReplicaView]:
@@ -289,7 +388,7 @@ class NodeAgent:
             if view.state is not ReplicaState.READY:
                 continue
             status = await self.runtime.status(replica_id)
-            if status is None or status.running:
+            if status is None or status.running or self._replicas.get(replica_id) is not view:
                 continue
             exited = replace(
                 view,
@@ -315,8 +414,10 @@ class NodeAgent:
     async def update_resources(self, replica_id: str, cpus: float, memory_mib: int) -> None:
         view = self._replicas.get(replica_id)
         if view is None:
-            raise ReplicaNotFound(f"no replica {replica_id} on node {self.node_id}")
-        if cpus < 0 or memory_mib < 0 or (cpus == 0 and memory_mib == 0):
+            raise ReplicaNotFound(f"no replica {quote(replica_id)} on node {self.node_id}")
+        check_number("cpus", cpus, 0, MAX_CPUS)
+        check_number("memory_mib", memory_mib, 0, MAX_MEMORY_MIB)
+        if cpus == 0 and memory_mib == 0:
             raise InvalidRequest("give a positive cpus and/or memory_mib")
         try:
             await self.runtime.update(replica_id, cpus, memory_mib)
@@ -324,16 +425,19 @@ class NodeAgent:
             raise Unsupported(str(err)) from err
         except ReplicaFailed as err:
             raise StartFailed(str(err)) from err
+        current = self._replicas.get(replica_id)
+        if current is None:
+            return  # stopped meanwhile
         request = replace(
-            view.request,
-            cpus=cpus or view.request.cpus,
-            memory_mib=memory_mib or view.request.memory_mib,
+            current.request,
+            cpus=cpus or current.request.cpus,
+            memory_mib=memory_mib or current.request.memory_mib,
         )
-        self._replicas[replica_id] = replace(view, request=request)
+        self._replicas[replica_id] = replace(current, request=request)
 
     async def usage(self) -> tuple[tuple[Gpu, ...], list[ReplicaUsage]]:
         usages = []
-        for replica_id, view in self._replicas.items():
+        for replica_id, view in list(self._replicas.items()):
             if view.state is not ReplicaState.READY:
                 continue
             stats = await self.runtime.stats(replica_id)

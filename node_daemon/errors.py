@@ -12,8 +12,13 @@ Hierarchy::
     │   └── ModelTooLarge     an upload over the cache's size limit
     ├── AlreadyExists         a replica of that id runs already (ALREADY_EXISTS)
     ├── Unsupported           this node's runtime cannot do that (FAILED_PRECONDITION)
-    └── StartFailed           the replica could not start or become ready
-                              (FAILED_PRECONDITION; the message has its exit code and log)
+    ├── StartFailed           the replica could not start or become ready
+    │                         (FAILED_PRECONDITION; the message has its exit code and log)
+    └── StopFailed            the runtime could not stop the replica; it stays listed,
+                              holding its GPUs, until a later stop succeeds (UNAVAILABLE)
+
+Messages name the field and quote at most a short prefix of an offending value
+(`runtime.errors.quote`); the status table passes them through `runtime.errors.client_text`.
 """
 
 
@@ -58,4 +63,8 @@ class Unsupported(NodeError):
 
 
 class StartFailed(NodeError):
+    pass
+
+
+class StopFailed(NodeError):
     pass

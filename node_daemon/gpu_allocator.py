@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from node_daemon.errors import GpusExhausted, InvalidRequest
 from node_daemon.inventory import Inventory, LinkKind
 from node_daemon.topology import Topology
+from runtime.errors import quote
 
 # Link kinds over which CUDA peer-to-peer works on every platform: NVLink, and PCIe below
 # the host bridge. PHB often does not (consumer cards, several root complexes), NODE and
@@ -88,7 +89,10 @@ class GpuAllocator:
         if uuids:
             unknown = [u for u in uuids if u not in self._by_uuid]
             if unknown:
-                raise InvalidRequest(f"unknown GPU UUID(s) on this node: {', '.join(unknown)}")
+                raise InvalidRequest(
+                    f"unknown GPU UUID(s) on this node: {', '.join(map(quote, unknown[:3]))}"
+                    + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+                )
             group = tuple(self._by_uuid[u] for u in uuids)
             if len(set(group)) != len(group):
                 raise InvalidRequest("a GPU UUID is given more than once")

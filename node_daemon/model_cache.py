@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from node_daemon.errors import InvalidRequest, ModelNotCached, ModelTooLarge
+from runtime.errors import quote
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ DEFAULT_MAX_BYTES = 2 * 1024**3
 def check_sha256(value: str, what: str = "sha256") -> str:
     """`value` if it is 64 lowercase hex digits; InvalidRequest otherwise."""
     if not _SHA256.fullmatch(value):
-        raise InvalidRequest(f"{what} {value!r} is not 64 lowercase hex digits")
+        raise InvalidRequest(f"{what} {quote(value)} is not 64 lowercase hex digits")
     return value
 
 

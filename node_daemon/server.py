@@ -39,6 +39,7 @@ from node_daemon.rpc.servicer import NodeAgentServicer
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, Runtime, RuntimeUnavailable
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 from runtime.rpc.auth import TokenAuthInterceptor
+from runtime.rpc.status import MalformedRequests
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
         len(adopted),
         ", ".join(f"{v.replica_id} ({v.state})" for v in adopted) or "-",
     )
-    interceptors = []
+    interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequests()]
     if settings.agent_token:
         interceptors.append(TokenAuthInterceptor(settings.agent_token, open_methods=()))
     server = grpc.aio.server(

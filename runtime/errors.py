@@ -8,7 +8,54 @@ Hierarchy::
     ├── NotReady              the model is loading, warming up, or the server is draining
     ├── InferenceFailed       ONNX Runtime failed while running valid inputs
     └── ModelLoadError        the model file cannot be loaded or warmed up (start-up only)
+
+An error's message is meant for the caller. It names the field and quotes at most a short
+prefix of an offending value (`quote`); text that may carry a host's details (a log tail)
+goes through `client_text` before a caller sees it. The node daemon uses both helpers too:
+this module imports nothing, so every package may.
 """
+
+from __future__ import annotations
+
+import re
+
+QUOTE_CHARS = 40
+"""The most characters of an offending value an error message quotes."""
+MESSAGE_CHARS = 2000
+"""The most characters of a message a caller gets (a gRPC status travels in trailing
+metadata, which clients limit to 8 KiB by default)."""
+
+# CSI sequences (colours, cursor moves) and other two-character escapes.
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# Absolute paths of two or more components: a host's files, a traceback's source files.
+_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.+@-]+/)+[\w.+@-]*")
+# `ValueError: `, `grpc.aio.AioRpcError: `, `<class 'KeyError'>`: exception class names.
+_CLASS_NAME = re.compile(
+    r"<class '[\w.]+'>:? ?|\b(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b:? ?"
+)
+
+
+def quote(value: str, limit: int = QUOTE_CHARS) -> str:
+    """`value` quoted for an error message: its `repr` (escapes make control characters and
+    odd text visible) when short, else the repr of its first `limit` characters, an ellipsis
+    and its length."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value)} characters)"
+
+
+def client_text(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """`text` as a caller may see it: without terminal escape codes and control characters
+    (newlines stay), absolute paths replaced by `<path>`, exception class names removed, and
+    at most `limit` characters (the rest is counted, not shown)."""
+    text = _ANSI.sub("", text)
+    text = _CONTROL.sub("", text)
+    text = _PATH.sub("<path>", text)
+    text = _CLASS_NAME.sub("", text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
 
 
 class RuntimeServerError(Exception):

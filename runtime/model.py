@@ -18,7 +18,7 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtime.datatypes import NUMPY_DTYPES, datatype_from_numpy, datatype_from_ort
-from runtime.errors import InferenceFailed, InvalidInput, ModelLoadError
+from runtime.errors import InferenceFailed, InvalidInput, ModelLoadError, quote
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +154,11 @@ class OnnxModel:
             spec = self._inputs_by_name.get(tensor.name)
             if spec is None:
                 raise InvalidInput(
-                    f"unknown input {tensor.name!r}; the model's inputs are "
+                    f"unknown input {quote(tensor.name)}; the model's inputs are "
                     f"{self._describe(self.inputs)}"
                 )
             if tensor.name in feeds:
-                raise InvalidInput(f"input {tensor.name!r} is given more than once")
+                raise InvalidInput(f"input {quote(tensor.name)} is given more than once")
             feeds[tensor.name] = _to_array(tensor, spec)
         missing = [s.describe() for s in self.inputs if s.name not in feeds]
         if missing:
@@ -173,7 +173,7 @@ class OnnxModel:
         for name in requested:
             if name not in self._output_names:
                 raise InvalidInput(
-                    f"unknown output {name!r}; the model's outputs are "
+                    f"unknown output {quote(name)}; the model's outputs are "
                     f"{self._describe(self.outputs)}"
                 )
         if len(set(requested)) != len(requested):
@@ -238,7 +238,7 @@ class OnnxModel:
 def _to_array(tensor: RequestTensor, spec: TensorSpec) -> np.ndarray:
     if tensor.datatype != spec.datatype:
         raise InvalidInput(
-            f"input {spec.name!r} has datatype {tensor.datatype or '(empty)'}; the model "
+            f"input {spec.name!r} has datatype {quote(tensor.datatype)}; the model "
             f"expects {spec.datatype}"
         )
     dtype = NUMPY_DTYPES.get(spec.datatype)

@@ -28,6 +28,7 @@ from runtime.errors import ModelLoadError
 from runtime.model import DEVICES, OnnxModel
 from runtime.rpc.auth import TokenAuthInterceptor
 from runtime.rpc.servicer import InferenceServicer, ServingState
+from runtime.rpc.status import MalformedRequests
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
     executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="infer")
     limit = settings.max_message_bytes
     server = grpc.aio.server(
-        interceptors=[TokenAuthInterceptor(settings.token)],
+        interceptors=[MalformedRequests(), TokenAuthInterceptor(settings.token)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from node_daemon.agent import ReplicaState, ReplicaUsage, ReplicaView, StartRequest
 from node_daemon.inventory import Gpu, Inventory
 from protos.offload.v1 import node_pb2 as pb
+from runtime.errors import client_text
 
 _STATES = {
     ReplicaState.STARTING: pb.REPLICA_STATE_STARTING,
@@ -55,7 +56,7 @@ def replica(view: ReplicaView) -> pb.Replica:
         endpoint=view.endpoint,
         state=_STATES[view.state],
         exit_code=view.exit_code or 0,
-        log_tail=view.log_tail,
+        log_tail=client_text(view.log_tail),
         runtime=view.runtime,
         ref=view.ref,
     )

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from node_daemon.agent import NodeAgent
+from node_daemon.agent import MAX_GRACE_MS, NodeAgent, check_number
 from node_daemon.errors import InvalidRequest
 from node_daemon.model_cache import Upload
 from node_daemon.rpc import convert
@@ -46,8 +46,7 @@ class NodeAgentServicer(pb_grpc.NodeAgentServicer):
     async def StopReplica(
         self, request: pb.StopReplicaRequest, context: grpc.aio.ServicerContext
     ) -> pb.StopReplicaResponse:
-        if request.grace_ms < 0:
-            raise InvalidRequest("grace_ms must not be negative")
+        check_number("grace_ms", request.grace_ms, 0, MAX_GRACE_MS)
         grace_ms = request.grace_ms or DEFAULT_GRACE_MS
         await self._agent.stop_replica(request.replica_id, grace_ms / 1000)
         return pb.StopReplicaResponse()

@@ -1,4 +1,5 @@
-"""The one table that maps the node daemon's errors to gRPC status codes."""
+"""The one table that maps the node daemon's errors to gRPC status codes (applied by
+`runtime.rpc.status.error_mapper`, which also answers unexpected errors)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import grpc
 from node_daemon.errors import (
     AlreadyExists,
     InvalidRequest,
-    NodeError,
     NotFound,
     ResourceExhausted,
     StartFailed,
+    StopFailed,
     Unsupported,
 )
 from runtime.rpc.status import StatusTable, error_mapper
@@ -22,7 +23,9 @@ STATUS_TABLE: StatusTable = (
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (StartFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
-    (NodeError, grpc.StatusCode.INTERNAL),
+    (StopFailed, grpc.StatusCode.UNAVAILABLE),
 )
+"""Each error's status, most specific first. A `NodeError` not listed here (a new subclass
+someone forgot to map) answers INTERNAL and is logged as the bug it is."""
 
 mapped_errors = error_mapper(STATUS_TABLE)

@@ -13,6 +13,7 @@ from node_daemon.runtimes.base import (
     ResourceUpdateUnsupported,
     Runtime,
     RuntimeUnavailable,
+    uncancellable,
     wait_ready,
 )
 from node_daemon.runtimes.docker_runtime import DockerRuntime
@@ -29,5 +30,6 @@ __all__ = [
     "ResourceUpdateUnsupported",
     "Runtime",
     "RuntimeUnavailable",
+    "uncancellable",
     "wait_ready",
 ]

@@ -8,12 +8,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 LABEL_PREFIX = "offload."
 # The runtime server's log line naming the port it listens on (see runtime.server).
@@ -87,7 +89,14 @@ class ResourceUpdateUnsupported(Exception):
 
 
 class Runtime(Protocol):
-    """What the node daemon needs of a runtime; `DockerRuntime` and `ProcessRuntime` are it."""
+    """What the node daemon needs of a runtime; `DockerRuntime` and `ProcessRuntime` are it.
+
+    `start` leaves nothing running when it raises, whatever ends it (an error, a failed
+    probe, `CancelledError`): it stops what it started, shielded from cancellation. `stop`
+    forgets a replica only once it is gone; when stopping fails it raises `ReplicaFailed`
+    and the replica stays known (`status` answers for it), so its GPUs stay held. `status`
+    answers None only for a replica this runtime runs nothing of.
+    """
 
     name: str
 
@@ -99,6 +108,25 @@ class Runtime(Protocol):
     async def adopt(self, selector: Mapping[str, str]) -> list[Replica]: ...
     async def detach(self) -> None: ...
     async def close(self) -> None: ...
+
+
+async def uncancellable(awaitable: Awaitable[T]) -> T:
+    """Await `awaitable` to its end even when the caller is cancelled meanwhile (cleanup, or
+    a step whose effect must be recorded before anything else happens); a cancellation that
+    arrived is raised once it is done."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
 
 
 async def wait_ready(

@@ -5,7 +5,10 @@ never leave this module: they become `RuntimeUnavailable` or `ReplicaFailed`.
 
 Everything needed to adopt a container after a daemon restart is in its labels
 (`offload.*`): the replica id, the caller's labels, the host address and the folder of
-its token on the host.
+its token on the host. The labels are set when the container is created, so a daemon killed
+at any step of a start leaves a container the next one finds: one that was created but never
+started is removed then; one that runs is adopted (and so listed, for the broker to claim or
+stop).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import docker
 import docker.errors
 import docker.types
+import requests.exceptions
 from docker.models.containers import Container
 
 from node_daemon.runtimes.base import (
@@ -35,6 +39,7 @@ from node_daemon.runtimes.base import (
     ReplicaStats,
     ReplicaStatus,
     RuntimeUnavailable,
+    uncancellable,
     wait_ready,
 )
 
@@ -122,26 +127,16 @@ class DockerRuntime:
 
     async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica:
         """Start a container and return once it is ready. ReplicaFailed (exit code and log
-        tail) when it exits or is not ready in time; the container is removed then."""
+        tail) when it exits or is not ready in time. On any exception, cancellation
+        included, the container is removed first (see `Runtime`)."""
         if spec.replica_id in self._started:
             raise ValueError(f"replica {spec.replica_id} is already running here")
         if clash := set(spec.labels) & set(_OWN):
             raise ValueError(f"labels {sorted(clash)} are the runtime's own")
         secrets = Path(tempfile.mkdtemp(prefix=f"offload-{spec.replica_id}-"))
-        token_file = secrets / "token"
-        token_file.write_text(spec.token)
-        if os.geteuid() == 0:
-            os.chown(token_file, RUNTIME_UID, RUNTIME_UID)
-            token_file.chmod(0o400)
-        else:  # the directory stays private to this user on the host
-            token_file.chmod(0o444)
         try:
-            container = await asyncio.to_thread(self._run, spec, secrets)
-        except BaseException:
-            shutil.rmtree(secrets, ignore_errors=True)
-            raise
-        self._started[spec.replica_id] = _Started(container, secrets)
-        try:
+            await uncancellable(self._create(spec, secrets))
+            container = self._started[spec.replica_id].container
             endpoint = await self._endpoint(container, spec.host, ready_timeout_s)
             await wait_ready(
                 endpoint,
@@ -150,16 +145,40 @@ class DockerRuntime:
                 ready_timeout_s,
                 alive=lambda: asyncio.to_thread(self._check_alive, container),
             )
-        except (ReplicaFailed, TimeoutError, docker.errors.APIError) as err:
-            tail = await asyncio.to_thread(self._log_tail, container)
-            await self.stop(spec.replica_id, grace_s=0)
-            raise ReplicaFailed(f"replica {spec.replica_id}: {err}\n{tail}") from err
+        except BaseException as err:
+            tail = await uncancellable(self._discard(spec.replica_id, secrets))
+            if isinstance(err, ReplicaFailed | TimeoutError | docker.errors.APIError):
+                raise ReplicaFailed(f"replica {spec.replica_id}: {err}\n{tail}") from err
+            raise
         logger.info(
             "replica=%s container=%s ready at %s", spec.replica_id, container.short_id, endpoint
         )
         replica = Replica(spec.replica_id, endpoint, self.name, container.id, dict(spec.labels))
         self._started[spec.replica_id].replica = replica
         return replica
+
+    async def _create(self, spec: ReplicaSpec, secrets: Path) -> None:
+        """Write the token, run the container, and track it."""
+        token_file = secrets / "token"
+        token_file.write_text(spec.token)
+        if os.geteuid() == 0:
+            os.chown(token_file, RUNTIME_UID, RUNTIME_UID)
+            token_file.chmod(0o400)
+        else:  # the directory stays private to this user on the host
+            token_file.chmod(0o444)
+        container = await asyncio.to_thread(self._run, spec, secrets)
+        self._started[spec.replica_id] = _Started(container, secrets)
+
+    async def _discard(self, replica_id: str, secrets: Path) -> str:
+        """After a failed start: remove the container if there is one (returns its log
+        tail), else the token folder. ReplicaFailed when removing fails (it stays tracked)."""
+        started = self._started.get(replica_id)
+        if started is None:
+            shutil.rmtree(secrets, ignore_errors=True)
+            return ""
+        tail = await asyncio.to_thread(self._log_tail, started.container)
+        await self.stop(replica_id, grace_s=0)
+        return tail
 
     def _run(self, spec: ReplicaSpec, secrets: Path) -> Container:
         image = self.image
@@ -300,6 +319,18 @@ class DockerRuntime:
                 continue
             started = _Started(container, Path(labels.get("secrets", "")))
             self._started[replica_id] = started
+            if container.status == "created":
+                logger.warning(
+                    "replica=%s container=%s was created but never started (its start was "
+                    "cut short): removing it",
+                    replica_id,
+                    container.short_id,
+                )
+                try:
+                    await self.stop(replica_id, grace_s=0)
+                    continue
+                except ReplicaFailed as err:  # adopted as it is: listed, so reconciled
+                    logger.error("replica=%s: %s", replica_id, err)
             endpoint = ""
             if container.status == "running":
                 try:
@@ -327,6 +358,9 @@ class DockerRuntime:
             await asyncio.to_thread(started.container.reload)
         except docker.errors.NotFound:
             return ReplicaStatus(False, None, "the container was removed outside the daemon")
+        except docker.errors.APIError as err:  # the engine does not answer: assume it runs
+            logger.warning("replica=%s: cannot read its container's state: %s", replica_id, err)
+            return ReplicaStatus(running=True)
         if started.container.status in ("running", "created", "restarting"):
             return ReplicaStatus(running=True)
         code = started.container.attrs["State"]["ExitCode"]
@@ -341,8 +375,8 @@ class DockerRuntime:
         try:
             sample = await asyncio.to_thread(started.container.stats, stream=False, one_shot=True)
             await asyncio.to_thread(started.container.reload)
-        except docker.errors.APIError:
-            return None
+        except (docker.errors.APIError, requests.exceptions.RequestException):
+            return None  # e.g. removed meanwhile: the engine answers an empty sample
         return _stats_from(sample, started.container.attrs["State"]["StartedAt"])
 
     async def update(self, replica_id: str, cpus: float, memory_mib: int) -> None:
@@ -363,15 +397,19 @@ class DockerRuntime:
         """`docker stop` (SIGTERM, then SIGKILL after `grace_s`), then remove.
 
         Returns the exit code; None when no such replica runs here (idempotent).
+        ReplicaFailed when the engine fails to stop or remove it: it stays tracked.
         """
-        started = self._started.pop(replica_id, None)
+        started = self._started.get(replica_id)
         if started is None:
             return None
         try:
-            return await asyncio.to_thread(self._stop, started.container, grace_s)
-        finally:
-            if started.secrets.name.startswith("offload-"):
-                shutil.rmtree(started.secrets, ignore_errors=True)
+            code = await asyncio.to_thread(self._stop, started.container, grace_s)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as err:
+            raise ReplicaFailed(f"cannot stop replica {replica_id}: {err}") from err
+        self._started.pop(replica_id, None)
+        if started.secrets.name.startswith("offload-"):
+            shutil.rmtree(started.secrets, ignore_errors=True)
+        return code
 
     @staticmethod
     def _stop(container: Container, grace_s: float) -> int | None:
@@ -384,9 +422,13 @@ class DockerRuntime:
         return int(code)
 
     async def close(self) -> None:
-        """Stop every replica this runtime runs, then close the client."""
+        """Stop every replica this runtime runs (one that will not stop is logged), then
+        close the client."""
         for replica_id in list(self._started):
-            await self.stop(replica_id)
+            try:
+                await self.stop(replica_id)
+            except ReplicaFailed as err:
+                logger.error("replica=%s: %s", replica_id, err)
         await asyncio.to_thread(self._client.close)
 
     async def detach(self) -> None:

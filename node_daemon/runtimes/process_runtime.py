@@ -7,6 +7,11 @@ cannot limit resources.
 Each replica has a folder (token, log, `replica.json`). Replicas run in their own session,
 so they outlive the daemon; a daemon started again with the same `workdir` adopts those
 still running (`adopt`). Without a `workdir`, folders are temporary and nothing is adopted.
+
+`replica.json` is written before the process is spawned and rewritten (atomically) with its
+pid and then its endpoint, so a daemon killed between any two steps leaves a folder the next
+one finds: a replica that never became ready (no endpoint) is stopped and removed then, its
+process found by its pid or, killed before the pid was written, by its token path.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from node_daemon.runtimes.base import (
@@ -33,6 +38,7 @@ from node_daemon.runtimes.base import (
     ReplicaStats,
     ReplicaStatus,
     ResourceUpdateUnsupported,
+    uncancellable,
     wait_ready,
 )
 
@@ -49,6 +55,9 @@ class _Running:
     workdir: Path
     process: asyncio.subprocess.Process | None
     """Our child; None for a replica adopted from an earlier daemon (not our child)."""
+    started_ticks: int | None = None
+    """An adopted process's start time (clock ticks after boot), which tells it from a
+    later process given the same pid."""
 
     @property
     def pid(self) -> int:
@@ -63,7 +72,19 @@ class _Running:
     def alive(self) -> bool:
         if self.process is not None:
             return self.process.returncode is None
-        return _pid_runs_replica(self.pid, self.workdir)
+        # Not by its command line: that reads empty while the process exits, before it is
+        # gone (and so before its GPUs are free).
+        stat = _stat(self.pid)
+        return stat is not None and stat[0] not in "ZX" and int(stat[19]) == self.started_ticks
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (0-based: state 0, utime 11,
+    stime 12, starttime 19); None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def _pid_runs_replica(pid: int, workdir: Path) -> bool:
@@ -71,22 +92,48 @@ def _pid_runs_replica(pid: int, workdir: Path) -> bool:
     pid of some other program)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
-    return state != "Z" and str(workdir / "token").encode() in cmdline
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in "ZX" and str(workdir / "token").encode() in cmdline
+
+
+def _find_pid(workdir: Path) -> int | None:
+    """The process running the replica in `workdir`, found by its token path; None if none."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        pid = int(cmdline.parent.name)
+        if _pid_runs_replica(pid, workdir):
+            return pid
+    return None
+
+
+def _write_record(
+    workdir: Path, pid: int | None, endpoint: str, labels: Mapping[str, str]
+) -> None:
+    """Replace `replica.json` atomically: a reader sees the old record or the new one."""
+    tmp = workdir / f".{_RECORD}.tmp"
+    tmp.write_text(json.dumps({"pid": pid, "endpoint": endpoint, "labels": dict(labels)}))
+    os.replace(tmp, workdir / _RECORD)
+
+
+def _log_tail(workdir: Path, lines: int = 40) -> str:
+    path = workdir / _LOG
+    if not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _proc_stats(pid: int) -> ReplicaStats | None:
     # /proc reads never block on disk.
+    fields = _stat(pid)
+    if fields is None:
+        return None
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
         uptime_s = float(Path("/proc/uptime").read_text().split()[0])
     except OSError:
         return None
     ticks = os.sysconf("SC_CLK_TCK")
-    # Fields after the command name, 0-based: utime 11, stime 12, starttime 19.
     cpu_s = (int(fields[11]) + int(fields[12])) / ticks
     age_s = max(1e-3, uptime_s - int(fields[19]) / ticks)
     memory_mib = rss_pages * os.sysconf("SC_PAGE_SIZE") // (1024 * 1024)
@@ -103,7 +150,8 @@ class ProcessRuntime:
 
     async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica:
         """Start the replica and return once it is ready. ReplicaFailed (with its log tail)
-        when it exits or is not ready in time; nothing is left running then."""
+        when it exits or is not ready in time. On any exception, cancellation included,
+        what was started is stopped first (see `Runtime`)."""
         if spec.replica_id in self._running:
             raise ValueError(f"replica {spec.replica_id} is already running here")
         if self._workdir is None:
@@ -113,9 +161,35 @@ class ProcessRuntime:
             if workdir.exists():  # left by a replica that is gone: its log is stale
                 shutil.rmtree(workdir)
             workdir.mkdir(parents=True)
+        try:
+            await uncancellable(self._spawn(spec, workdir))
+            running = self._running[spec.replica_id]
+            port = await self._port(running, ready_timeout_s)
+            endpoint = f"{spec.host}:{port}"
+            await wait_ready(
+                endpoint,
+                spec.token,
+                spec.model_name,
+                ready_timeout_s,
+                alive=lambda: self._check_alive(spec.replica_id),
+            )
+        except BaseException as err:
+            tail = _log_tail(workdir)
+            await uncancellable(self._discard(spec.replica_id, workdir))
+            if isinstance(err, ReplicaFailed | TimeoutError):
+                raise ReplicaFailed(f"replica {spec.replica_id}: {err}\n{tail}") from err
+            raise
+        running.replica = replace(running.replica, endpoint=endpoint)
+        _write_record(workdir, running.pid, endpoint, spec.labels)
+        logger.info("replica=%s pid=%d ready at %s", spec.replica_id, running.pid, endpoint)
+        return running.replica
+
+    async def _spawn(self, spec: ReplicaSpec, workdir: Path) -> None:
+        """Write the token and the record, start the process, and track it."""
         token_file = workdir / "token"
         token_file.write_text(spec.token)
         token_file.chmod(0o600)
+        _write_record(workdir, None, "", spec.labels)
         command = [
             sys.executable, "-m", "runtime.server",
             "--model", str(spec.model_path), "--name", spec.model_name,
@@ -135,30 +209,16 @@ class ProcessRuntime:
                 cwd=_REPO_ROOT, env=env, start_new_session=True,
             )  # fmt: skip
         replica = Replica(spec.replica_id, "", self.name, str(process.pid), dict(spec.labels))
-        running = _Running(replica, workdir, process)
-        self._running[spec.replica_id] = running
-        try:
-            port = await self._port(running, ready_timeout_s)
-            endpoint = f"{spec.host}:{port}"
-            await wait_ready(
-                endpoint,
-                spec.token,
-                spec.model_name,
-                ready_timeout_s,
-                alive=lambda: self._check_alive(spec.replica_id),
-            )
-        except (ReplicaFailed, TimeoutError) as err:
-            tail = self._log_tail(running)
-            await self.stop(spec.replica_id, grace_s=0)
-            raise ReplicaFailed(f"replica {spec.replica_id}: {err}\n{tail}") from err
-        running.replica = Replica(
-            spec.replica_id, endpoint, self.name, str(process.pid), dict(spec.labels)
-        )
-        (workdir / _RECORD).write_text(
-            json.dumps({"pid": process.pid, "endpoint": endpoint, "labels": dict(spec.labels)})
-        )
-        logger.info("replica=%s pid=%d ready at %s", spec.replica_id, process.pid, endpoint)
-        return running.replica
+        self._running[spec.replica_id] = _Running(replica, workdir, process)
+        _write_record(workdir, process.pid, "", spec.labels)
+
+    async def _discard(self, replica_id: str, workdir: Path) -> None:
+        """After a failed start: stop the process if one was started, else drop the folder.
+        ReplicaFailed when the process would not stop (it stays tracked)."""
+        if replica_id in self._running:
+            await self.stop(replica_id, grace_s=0)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     async def _port(self, running: _Running, timeout_s: float) -> int:
         loop = asyncio.get_running_loop()
@@ -179,7 +239,8 @@ class ProcessRuntime:
 
     async def adopt(self, selector: Mapping[str, str]) -> list[Replica]:
         """Take over the replicas an earlier daemon left running in `workdir` whose labels
-        include `selector`. Folders of replicas that are gone are removed."""
+        include `selector`. Folders of replicas that are gone are removed; a replica that
+        never became ready (its start was cut short) is stopped and removed."""
         if self._workdir is None or not self._workdir.is_dir():
             return []
         adopted = []
@@ -192,25 +253,33 @@ class ProcessRuntime:
             labels = record["labels"]
             if any(labels.get(k) != v for k, v in selector.items()):
                 continue
-            if not _pid_runs_replica(record["pid"], workdir):
-                logger.warning("replica=%s pid=%d is gone: dropping it", replica_id, record["pid"])
+            pid = record["pid"]
+            if pid is None or not _pid_runs_replica(pid, workdir):
+                pid = await asyncio.to_thread(_find_pid, workdir)
+            if pid is None:
+                logger.warning("replica=%s is gone: dropping it", replica_id)
                 shutil.rmtree(workdir, ignore_errors=True)
                 continue
-            replica = Replica(
-                replica_id, record["endpoint"], self.name, str(record["pid"]), labels
-            )
-            self._running[replica_id] = _Running(replica, workdir, None)
+            replica = Replica(replica_id, record["endpoint"], self.name, str(pid), labels)
+            stat = _stat(pid)
+            if stat is None:  # exited since it was found
+                shutil.rmtree(workdir, ignore_errors=True)
+                continue
+            self._running[replica_id] = _Running(replica, workdir, None, int(stat[19]))
+            if not replica.endpoint:
+                logger.warning(
+                    "replica=%s pid=%d never became ready (its start was cut short): stopping it",
+                    replica_id,
+                    pid,
+                )
+                try:
+                    await self.stop(replica_id, grace_s=0)
+                    continue
+                except ReplicaFailed as err:  # adopted as it is: listed, so reconciled
+                    logger.error("replica=%s: %s", replica_id, err)
             adopted.append(replica)
-            logger.info(
-                "replica=%s pid=%d adopted at %s", replica_id, replica.ref, replica.endpoint
-            )
+            logger.info("replica=%s pid=%d adopted at %s", replica_id, pid, replica.endpoint)
         return adopted
-
-    def _log_tail(self, running: _Running, lines: int = 40) -> str:
-        path = running.workdir / _LOG
-        if not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     async def status(self, replica_id: str) -> ReplicaStatus | None:
         """Running or not, with the exit code and log tail once it exited; None if unknown."""
@@ -219,7 +288,7 @@ class ProcessRuntime:
             return None
         if running.alive():
             return ReplicaStatus(running=True)
-        return ReplicaStatus(False, running.exit_code(), self._log_tail(running))
+        return ReplicaStatus(False, running.exit_code(), _log_tail(running.workdir))
 
     async def stats(self, replica_id: str) -> ReplicaStats | None:
         """CPU (average since start) and resident memory; None when it is not running."""
@@ -236,7 +305,7 @@ class ProcessRuntime:
     async def stop(self, replica_id: str, grace_s: float = 10.0) -> int | None:
         """SIGTERM, wait up to `grace_s` (plus a margin for exit), then SIGKILL; then its
         folder goes. Returns the exit code (None when unknown: adopted, or no such replica
-        here: idempotent)."""
+        here: idempotent). ReplicaFailed when it still runs after SIGKILL: it stays tracked."""
         running = self._running.get(replica_id)
         if running is None:
             return None
@@ -247,8 +316,11 @@ class ProcessRuntime:
                 logger.warning("replica=%s did not exit after SIGTERM: killing", replica_id)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(running.pid, signal.SIGKILL)
-                await self._wait_exit(running, 10.0)
-        del self._running[replica_id]
+                if not await self._wait_exit(running, 10.0):
+                    raise ReplicaFailed(
+                        f"replica {replica_id} (pid {running.pid}) still runs after SIGKILL"
+                    )
+        self._running.pop(replica_id, None)
         if self._workdir is None:
             shutil.rmtree(running.workdir, ignore_errors=True)
         else:  # keep the log of a stopped replica; the rest goes
@@ -272,9 +344,12 @@ class ProcessRuntime:
         return True
 
     async def close(self) -> None:
-        """Stop every replica this runtime runs."""
+        """Stop every replica this runtime runs (one that will not stop is logged)."""
         for replica_id in list(self._running):
-            await self.stop(replica_id)
+            try:
+                await self.stop(replica_id)
+            except ReplicaFailed as err:
+                logger.error("replica=%s: %s", replica_id, err)
 
     async def detach(self) -> None:
         """Forget every replica without stopping it (a daemon shutting down that leaves its

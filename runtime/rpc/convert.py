@@ -9,7 +9,7 @@ import numpy as np
 
 from protos.inference import grpc_service_pb2 as pb
 from runtime.datatypes import NUMPY_DTYPES, datatype_from_numpy
-from runtime.errors import InvalidInput
+from runtime.errors import InvalidInput, quote
 from runtime.model import RequestTensor, TensorSpec
 
 # Which typed-contents field carries each datatype, and the dtype to read it as. FP16 has
@@ -43,7 +43,7 @@ def request_tensors(request: pb.ModelInferRequest) -> list[RequestTensor]:
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidInput(
-                    f"input {tensor.name!r} has typed contents although the request uses "
+                    f"input {quote(tensor.name)} has typed contents although the request uses "
                     "raw_input_contents; use one or the other for all inputs"
                 )
             tensors.append(RequestTensor(tensor.name, tensor.datatype, shape, raw=raw[index]))
@@ -52,12 +52,12 @@ def request_tensors(request: pb.ModelInferRequest) -> list[RequestTensor]:
         if field is None:
             if tensor.datatype in NUMPY_DTYPES:
                 raise InvalidInput(
-                    f"input {tensor.name!r}: {tensor.datatype} has no typed contents field; "
+                    f"input {quote(tensor.name)}: {tensor.datatype} has no typed contents field; "
                     "send it as raw_input_contents"
                 )
             raise InvalidInput(
-                f"input {tensor.name!r} has unknown datatype {tensor.datatype!r}; use one of "
-                f"{', '.join(NUMPY_DTYPES)}"
+                f"input {quote(tensor.name)} has unknown datatype {quote(tensor.datatype)}; "
+                f"use one of {', '.join(NUMPY_DTYPES)}"
             )
         values = np.asarray(getattr(tensor.contents, field[0]), dtype=field[1])
         tensors.append(RequestTensor(tensor.name, tensor.datatype, shape, values=values))

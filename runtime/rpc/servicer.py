@@ -12,7 +12,7 @@ import grpc
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from runtime.errors import ModelNotFound, NotReady
+from runtime.errors import ModelNotFound, NotReady, quote
 from runtime.model import OnnxModel
 from runtime.rpc import convert
 from runtime.rpc.status import mapped_errors
@@ -72,8 +72,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _model(self, name: str, version: str) -> OnnxModel:
         if name != self._name or version not in ("", MODEL_VERSION):
             raise ModelNotFound(
-                f"model {name!r} version {version or '(any)'!r} is not served here; this "
-                f"server serves {self._name!r} version {MODEL_VERSION!r}"
+                f"model {quote(name)} version {quote(version or '(any)')} is not served here; "
+                f"this server serves {self._name!r} version {MODEL_VERSION!r}"
             )
         return self._state.accepting()
 

@@ -216,6 +216,63 @@ async def test_unknown_model_and_bad_requests(
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.StopReplica(pb.StopReplicaRequest(replica_id="nope-1"))
             assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            # Numbers must be finite and bounded: the error names the field and its range.
+            spec.deployment_id = "dep-x"
+            for field, value, allowed in (
+                ("cpus", float("nan"), "0..1024.0"),
+                ("cpus", 1e308, "0..1024.0"),
+                ("memory_mib", 2**63 - 1, "0..16777216"),
+                ("epoch", -1, "0..9007199254740992"),
+                ("gpu_memory_mib", 2**40, "0..1048576"),
+            ):
+                bad = pb.ReplicaSpec()
+                bad.CopyFrom(spec)
+                setattr(bad, field, value)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.StartReplica(pb.StartReplicaRequest(spec=bad))
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert caught.value.details() == (
+                    f"{field} must be a finite number within {allowed}"
+                )
+            # A 7 MB id comes back as a short prefix, not whole.
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.StopReplica(pb.StopReplicaRequest(replica_id="r" * 7_000_000))
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            assert caught.value.details().startswith(f"no replica {'r' * 40!r}… (7000000 ")
+            # Corrupt protobuf: INVALID_ARGUMENT, not UNKNOWN.
+            raw = channel.unary_unary("/offload.v1.NodeAgent/StartReplica")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await raw(b"\x0a\x05\x0a\x03\xff\xfe\xfd")  # deployment_id: invalid UTF-8
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid message" in caught.value.details()
+    finally:
+        await _cleanup(daemon, [])
+
+
+async def test_a_failed_start_tells_the_caller_why_without_node_details(
+    tmp_path: Path, daemon_paths: tuple[Path, Path]
+) -> None:
+    state, log = daemon_paths
+    daemon = await start_daemon("process", "test-node-broken-model", state, log)
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"this is not an ONNX model")
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            spec = pb.ReplicaSpec(
+                deployment_id="dep-broken", epoch=1, model_sha256=await put_model(stub, broken),
+                model_name="broken", token=TOKEN,
+            )  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.StartReplica(pb.StartReplicaRequest(spec=spec))
+            details = caught.value.details()
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "cannot load <path> as an ONNX model" in details
+            assert str(tmp_path) not in details and "\x1b" not in details
+            assert "Error:" not in details and "Exception" not in details
+            assert not (await stub.ListReplicas(pb.ListReplicasRequest())).replicas
+        # The node's own log has the whole story, paths included.
+        assert str(state / "models") in log.read_text()
     finally:
         await _cleanup(daemon, [])
 

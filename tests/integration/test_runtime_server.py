@@ -178,12 +178,12 @@ BAD_REQUESTS = {
     "wrong datatype": (
         _with(x=np.zeros((2, 4), np.float64)),
         "INVALID_ARGUMENT",
-        "input 'x' has datatype FP64; the model expects FP32",
+        "input 'x' has datatype 'FP64'; the model expects FP32",
     ),
     "unknown datatype": (
         _mutate(_set_input(0, datatype="FLOAT")),
         "INVALID_ARGUMENT",
-        "input 'x' has datatype FLOAT; the model expects FP32",
+        "input 'x' has datatype 'FLOAT'; the model expects FP32",
     ),
     "wrong rank": (
         _with(x=np.zeros((2, 4, 1), np.float32)),
