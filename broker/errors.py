@@ -1,17 +1,32 @@
-"""Errors of the broker's domain, mapped to gRPC status codes in `broker.rpc.status`.
+"""Errors of the broker's domain, mapped to gRPC status codes in `broker.rpc.status`, and the
+two helpers that keep what an error says fit for a client.
 
 Hierarchy::
 
     BrokerError
     ├── InvalidRequest       a field is malformed or inconsistent (INVALID_ARGUMENT)
     ├── Unauthenticated      a missing or wrong join token or API key (UNAUTHENTICATED)
+    ├── PermissionDenied     a known caller asking for what it may not do (PERMISSION_DENIED)
     ├── NotFound             an unknown deployment, model or node; also another client's
     │                        deployment, which must look no different (NOT_FOUND)
-    ├── ResourceExhausted    nothing fits now (RESOURCE_EXHAUSTED)
+    ├── ResourceExhausted    nothing fits now, or a quota is reached (RESOURCE_EXHAUSTED)
     ├── Impossible           nothing could ever fit: more GPUs than any node has
-    │                        (FAILED_PRECONDITION, naming the largest possible)
+    │   │                    (FAILED_PRECONDITION, naming the largest possible)
+    │   └── Busy             the deployment is being migrated or deleted: the same call
+    │                        succeeds once that has finished (FAILED_PRECONDITION)
     └── NodeUnavailable      the chosen node failed to start the replica (UNAVAILABLE)
+
+An error's message is meant for the caller: it names the field and quotes at most a short
+prefix of an offending value (`quote`). Text that comes from a node (its status details, a
+replica's log tail) passes through `client_text` before it is put in a message.
 """
+
+from __future__ import annotations
+
+# One copy of the helpers for every package: runtime.errors imports nothing.
+from runtime.errors import MESSAGE_CHARS, QUOTE_CHARS, client_text, quote
+
+__all__ = ["MESSAGE_CHARS", "QUOTE_CHARS", "client_text", "quote"]
 
 
 class BrokerError(Exception):
@@ -26,6 +41,10 @@ class Unauthenticated(BrokerError):
     pass
 
 
+class PermissionDenied(BrokerError):
+    pass
+
+
 class NotFound(BrokerError):
     pass
 
@@ -36,6 +55,11 @@ class ResourceExhausted(BrokerError):
 
 class Impossible(BrokerError):
     pass
+
+
+class Busy(Impossible):
+    """The deployment is taken by a migration or a delete under way (FAILED_PRECONDITION:
+    the same call succeeds once that has finished)."""
 
 
 class NodeUnavailable(BrokerError):

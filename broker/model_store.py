@@ -1,7 +1,8 @@
 """The broker's model store: ONNX files named by their sha256 under `<state_dir>/models/`.
 
-A file enters only through `Upload.commit`, which accepts it only if it is not empty, hashes
-to the sha256 the client declared, and is a loadable single-file ONNX model
+The folder is 0700 and every file in it 0600 (looser ones are tightened when the store opens,
+with a warning). A file enters only through `Upload.commit`, which accepts it only if it is
+not empty, hashes to the sha256 the client declared, and is a loadable single-file ONNX model
 (`onnx.checker.check_model` on the file, full_check off). Until then the bytes live in a
 private staging folder `.upload-*` next to the models; the accepted file is fsynced, renamed
 into place (atomic on one filesystem) and the folder fsynced, so a crash at any point leaves
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import onnx
 
+from broker.state.permissions import PRIVATE_FILE, private_dir, tighten
 from node_daemon.errors import InvalidRequest
 from node_daemon.model_cache import PutResult, check_sha256
 
@@ -90,10 +92,17 @@ class Upload:
         self._size = 0
         self._dir = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=store.root))
         self._tmp = self._dir / "model.onnx"
-        self._file = self._tmp.open("xb")
+        self._file = os.fdopen(
+            os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, PRIVATE_FILE), "wb"
+        )
 
     def __enter__(self) -> Upload:
         return self
+
+    @property
+    def size(self) -> int:
+        """Bytes received so far."""
+        return self._size
 
     def __exit__(self, *exc_info: object) -> None:
         self.abort()
@@ -167,10 +176,12 @@ class ModelStore:
             raise ValueError(f"max_bytes must be positive, not {max_bytes}")
         self.root = root
         self.max_bytes = max_bytes
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
         for stale in root.glob(f"{_STAGING_PREFIX}*"):
             logger.info("model store: removing %s, left by an interrupted upload", stale.name)
             shutil.rmtree(stale, ignore_errors=True)
+        for stored in root.iterdir():
+            tighten(stored)
 
     def upload(self, sha256: str) -> Upload:
         """Start receiving the model the client declares to hash to `sha256`. InvalidModel if

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from broker.errors import NodeUnavailable, ResourceExhausted
+from broker.errors import MESSAGE_CHARS, NodeUnavailable, ResourceExhausted, client_text
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 
@@ -27,7 +27,10 @@ class NodeClient:
         await self._channel.close()
 
     def _error(self, action: str, err: grpc.aio.AioRpcError) -> Exception:
-        message = f"node {self.node_id} could not {action}: {err.code().name} {err.details()}"
+        """The broker's error for a failed node call. The node's details reach clients (in
+        the status and the deployment's reason), so they pass through `client_text`."""
+        details = client_text(err.details() or "", limit=MESSAGE_CHARS // 2)
+        message = f"node {self.node_id} could not {action}: {err.code().name} {details}"
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(message)
         return NodeUnavailable(message)

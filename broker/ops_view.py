@@ -7,7 +7,7 @@ import time
 
 from broker.ops import DeploymentInfo, MigrationInfo, NodeInfo
 from broker.placement import PriorityClass
-from broker.service import VISIBLE, Broker, NodeEntry
+from broker.service import Broker, NodeEntry
 from broker.state import DeploymentRecord
 
 
@@ -42,8 +42,7 @@ class BrokerOpsView:
         self._broker = broker
 
     async def _active(self) -> list[DeploymentRecord]:
-        broker = self._broker
-        return await broker.db(broker.store.list_deployments, states=VISIBLE)
+        return await self._broker.visible_deployments()
 
     async def nodes(self) -> list[NodeInfo]:
         holders: dict[tuple[str, int], list[str]] = {}
@@ -103,8 +102,7 @@ class BrokerOpsView:
         ]
 
     async def migrations(self) -> list[MigrationInfo]:
-        broker = self._broker
-        records = await broker.db(broker.store.list_migrations)
+        records = await self._broker.list_migrations()
         out: list[MigrationInfo] = []
         for m in sorted(records, key=lambda m: m.created_at, reverse=True)[:50]:
             out.append(

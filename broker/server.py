@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -22,17 +23,21 @@ import grpc
 from broker.migrations import Migrations
 from broker.model_store import ModelStore
 from broker.network import ClusterConfigError, EdgeNetwork
-from broker.ops import BrokerMetrics, create_ops_app, start_ops_server
+from broker.ops import BrokerMetrics, OpsAuth, create_ops_app, start_ops_server
 from broker.ops_view import BrokerOpsView
+from broker.quotas import Quotas
 from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer, OperatorServicer
+from broker.rpc.status import MalformedRequests
 from broker.service import Broker, BrokerSettings
-from broker.state import StateError, StateStore, new_api_key, parse_api_key
+from broker.state import KeyChanges, StateError, StateStore, new_api_key, parse_api_keys_file
+from broker.state.permissions import create_private_file
 from migration.policy import Hysteresis
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+OPS_TOKEN_FILENAME = "ops-token"
 DEFAULT_MAX_MODEL_BYTES = 2 * 1024**3
 
 
@@ -44,7 +49,15 @@ class BrokerConfig:
     cluster: Path
     join_token: str
     api_keys: tuple[str, ...] = ()
-    """`<client id>.<secret>` keys to accept (stored hashed in the state)."""
+    """Exactly the `<client id>.<secret>` keys to accept (stored hashed in the state); any
+    other key the state has is revoked at start."""
+    api_keys_file: Path | None = None
+    """Where `api_keys` came from: read again on SIGHUP."""
+    ops_token: str | None = None
+    """What `/api/*` and the dashboard need; None: the one in `<state_dir>/ops-token` (made
+    there, 0600, when absent)."""
+    metrics_auth: bool = False
+    """Whether `/metrics` needs the ops token too."""
     max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES
     settings: BrokerSettings = field(default_factory=BrokerSettings)
     hysteresis: Hysteresis = field(default_factory=Hysteresis)
@@ -73,18 +86,18 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
     network = EdgeNetwork.from_yaml(config.cluster.read_text(), str(config.cluster))
     store = await asyncio.to_thread(StateStore, config.state_dir)
     try:
-        for key in config.api_keys:
-            client_id, _secret = parse_api_key(key) or ("", "")
-            await asyncio.to_thread(store.put_client, client_id, key)
+        changes = await asyncio.to_thread(store.replace_client_keys, config.api_keys)
+        _log_key_changes(changes, "at start")
         models = ModelStore(config.state_dir / "models", config.max_model_bytes)
         metrics = BrokerMetrics()
         broker = Broker(store, models, network, config.join_token, config.settings, metrics)
         await broker.load()
         server = grpc.aio.server(
+            interceptors=[MalformedRequests()],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ]
+            ],
         )
         migrations = Migrations(broker, config.hysteresis, config.drain_timeout_s)
         await migrations.resume_after_restart()
@@ -96,9 +109,13 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
         except RuntimeError as err:
             raise OSError(f"cannot listen on {config.listen}: {err}") from err
         await server.start()
+        ops_token = config.ops_token
+        if ops_token is None:
+            ops_token = await asyncio.to_thread(state_ops_token, config.state_dir)
+        auth = OpsAuth(ops_token, metrics_open=not config.metrics_auth)
         host, _, ops_port_text = config.ops_listen.rpartition(":")
         runner, ops_port = await start_ops_server(
-            create_ops_app(BrokerOpsView(broker), metrics), host, int(ops_port_text)
+            create_ops_app(BrokerOpsView(broker), metrics, auth), host, int(ops_port_text)
         )
     except BaseException:
         store.close()
@@ -111,6 +128,40 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
         ops_port,
     )
     return RunningBroker(broker, migrations, server, port, runner, ops_port, store)
+
+
+def _log_key_changes(changes: KeyChanges, when: str) -> None:
+    logger.info(
+        "API keys %s: %s",
+        when,
+        "; ".join(
+            f"{what} {', '.join(clients)}"
+            for what, clients in (
+                ("added", changes.added),
+                ("replaced", changes.replaced),
+                ("revoked", changes.revoked),
+            )
+            if clients
+        )
+        or "unchanged",
+    )
+
+
+async def reload_api_keys(running: RunningBroker, path: Path | None) -> None:
+    """Make the keys of `path` exactly the accepted ones (SIGHUP): removed keys stop working
+    at once, verified ones are checked again. A file that cannot be read or has a bad line
+    changes nothing (logged with the line number)."""
+    if path is None:
+        logger.warning("SIGHUP: the broker runs without --api-keys-file; nothing to reload")
+        return
+    try:
+        keys = parse_api_keys_file(await asyncio.to_thread(path.read_text), str(path))
+        changes = await asyncio.to_thread(running.store.replace_client_keys, keys)
+    except (OSError, ValueError, StateError) as err:
+        logger.error("API keys not reloaded, the current ones stay: %s", err)
+        return
+    running.broker.forget_keys()
+    _log_key_changes(changes, f"reloaded from {path}")
 
 
 async def _every(interval_s: float, action: Callable[[], Awaitable[object]]) -> None:
@@ -130,10 +181,17 @@ async def serve(config: BrokerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     running = await start_broker(config)
     broker = running.broker
+    loop.add_signal_handler(
+        signal.SIGHUP,
+        lambda: broker.background(
+            reload_api_keys(running, config.api_keys_file), "reload-api-keys"
+        ),
+    )
 
     async def fail_over() -> None:
+        # Failing over waits for placement; the next lost-node check must not.
         for node_id in await broker.mark_lost_nodes():
-            await running.migrations.on_node_lost(node_id)
+            broker.background(running.migrations.on_node_lost(node_id), f"failover-{node_id}")
 
     try:
         async with asyncio.TaskGroup() as tasks:
@@ -152,10 +210,26 @@ async def serve(config: BrokerConfig) -> int:
     return 0
 
 
+def state_ops_token(state_dir: Path) -> str:
+    """The ops token of a broker started without `--ops-token-file`: `<state_dir>/ops-token`,
+    made (random, mode 0600) when absent or empty, kept across restarts. Logs where it is,
+    never the token. Blocking."""
+    path = state_dir / OPS_TOKEN_FILENAME
+    create_private_file(path)
+    token = path.read_text().strip()
+    if not token:
+        token = secrets.token_urlsafe(32)
+        path.write_text(token + "\n")
+    logger.info("ops token: in %s (no --ops-token-file given)", path)
+    return token
+
+
 def _read_secret(path: Path, flag: str) -> str:
     text = path.read_text().strip()
     if not text:
         raise ValueError(f"{flag} {path} is empty")
+    if path.stat().st_mode & 0o077:
+        logger.warning("%s %s is readable by other users: chmod 600 it", flag, path)
     return text
 
 
@@ -165,30 +239,35 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         host, colon, port = value.rpartition(":")
         if not colon or not host or not port.isdigit():
             raise ValueError(f"{flag} {value!r} is not host:port")
-    keys: list[str] = []
+    keys: tuple[str, ...] = ()
     if args.api_keys_file is not None:
-        for number, line in enumerate(args.api_keys_file.read_text().splitlines(), 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            if parse_api_key(line) is None:
-                raise ValueError(
-                    f"{args.api_keys_file}, line {number}: not an API key "
-                    "(<client id>.<secret>; make one with `offload keygen CLIENT_ID`)"
-                )
-            keys.append(line)
+        keys = parse_api_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))
     return BrokerConfig(
         listen=args.listen,
         ops_listen=args.ops_listen,
         state_dir=args.state_dir,
         cluster=args.cluster,
         join_token=_read_secret(args.join_token_file, "--join-token-file"),
-        api_keys=tuple(keys),
+        api_keys=keys,
+        api_keys_file=args.api_keys_file,
+        ops_token=(
+            _read_secret(args.ops_token_file, "--ops-token-file")
+            if args.ops_token_file is not None
+            else None
+        ),
+        metrics_auth=args.metrics_auth,
         max_model_bytes=args.max_model_bytes,
         settings=BrokerSettings(
             heartbeat_interval_s=args.heartbeat_interval,
             lost_after_s=args.lost_after,
             orphan_grace_s=args.orphan_grace,
+            quotas=Quotas(
+                deployments=args.max_deployments_per_client,
+                model_bytes=args.max_model_bytes_per_client,
+                uploads=args.max_uploads_per_client,
+                watch_streams=args.max_watch_streams_per_client,
+                upload_idle_timeout_s=args.upload_idle_timeout,
+            ),
         ),
         hysteresis=Hysteresis(args.min_gain_ms, args.min_gain_ratio, args.cooldown),
         drain_timeout_s=args.drain_timeout,
@@ -220,9 +299,58 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-keys-file",
         type=Path,
-        help="client API keys, one per line (make them with `offload keygen`)",
+        help="client API keys, one per line (make them with `offload keygen`): exactly these "
+        "work; SIGHUP reads the file again",
+    )
+    p.add_argument(
+        "--ops-token-file",
+        type=Path,
+        help="the token /api/* and the dashboard need (default: <state-dir>/ops-token, "
+        "made when absent)",
+    )
+    p.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="/metrics needs the ops token too (default: open, like /healthz)",
     )
     p.add_argument("--max-model-bytes", type=int, default=DEFAULT_MAX_MODEL_BYTES)
+    defaults = Quotas()
+    p.add_argument(
+        "--max-deployments-per-client",
+        type=int,
+        default=defaults.deployments,
+        metavar="N",
+        help=f"deployments (not deleted) one client may have (default {defaults.deployments})",
+    )
+    p.add_argument(
+        "--max-model-bytes-per-client",
+        type=int,
+        default=defaults.model_bytes,
+        metavar="BYTES",
+        help=f"total size of the models one client uploaded (default {defaults.model_bytes})",
+    )
+    p.add_argument(
+        "--max-uploads-per-client",
+        type=int,
+        default=defaults.uploads,
+        metavar="N",
+        help=f"uploads one client may run at once (default {defaults.uploads})",
+    )
+    p.add_argument(
+        "--max-watch-streams-per-client",
+        type=int,
+        default=defaults.watch_streams,
+        metavar="N",
+        help=f"WatchDeployment streams one client may hold (default {defaults.watch_streams})",
+    )
+    p.add_argument(
+        "--upload-idle-timeout",
+        type=float,
+        default=defaults.upload_idle_timeout_s,
+        metavar="SECONDS",
+        help="cut off an upload that sends nothing for this long "
+        f"(default {defaults.upload_idle_timeout_s:g})",
+    )
     p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument(
         "--lost-after",

@@ -13,25 +13,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import enum
 import hmac
 import json
 import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from broker.errors import (
+    Busy,
     Impossible,
     InvalidRequest,
     NodeUnavailable,
     NotFound,
     ResourceExhausted,
+    quote,
 )
+from broker.key_verifier import KeyVerifier
 from broker.model_store import InvalidModel, ModelStore, Upload
 from broker.model_store import ModelNotFound as StoredModelNotFound
 from broker.model_store import ModelTooLarge as StoredModelTooLarge
@@ -47,9 +51,11 @@ from broker.placement import (
     PriorityClass,
     place,
 )
+from broker.quotas import ClientLimits, Quotas, check_deployments, check_model_bytes
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
+    MigrationRecord,
     ModelRecord,
     NodeRecord,
     NodeState,
@@ -70,7 +76,25 @@ VISIBLE = (
     DeploymentState.RUNNING,
     DeploymentState.FAILED,
 )
+
+
+class ReplicaState(enum.StrEnum):
+    """A replica as its node reports it."""
+
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    UNKNOWN = "unknown"
+    """A state this broker does not know (a newer node's)."""
+
+
+LIVE_REPLICA = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.STOPPING})
+"""Replica states in which the process or container is there."""
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+NODE_ID = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")
+"""What a node id may be (it names the node in logs, metrics and replica endpoints)."""
+_ADDRESS = re.compile(r"[^\s:]{1,253}:(\d{1,5})")
 MAX_GPUS = 64
 
 
@@ -84,6 +108,8 @@ class BrokerSettings:
     pending_retry_s: float = 2.0
     """How often pending deployments are tried again."""
     stop_grace_ms: int = 5000
+    quotas: Quotas = field(default_factory=Quotas)
+    """Per-client limits (`broker.quotas`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +131,8 @@ class DeploySpec:
     def validate(self) -> None:
         if not _MODEL_NAME.fullmatch(self.model_name):
             raise InvalidRequest(
-                f"model_name {self.model_name!r} must be 1-64 characters of letters, digits, "
-                "'_', '.' and '-'"
+                f"model_name {quote(self.model_name)} must be 1-64 characters of letters, "
+                "digits, '_', '.' and '-'"
             )
         if not 0 <= self.gpus <= MAX_GPUS:
             raise InvalidRequest(f"gpus must be within 0..{MAX_GPUS}, not {self.gpus}")
@@ -149,6 +175,41 @@ class Hold:
     gpus: tuple[int, ...]
     memory_mib: int
     priority: PriorityClass
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A migration's reservation (`Broker.reserve_move`): the target's GPUs held and the
+    deployment taken by it until `Broker.release_move`."""
+
+    deployment_id: str
+    source_node: str
+    source_gpus: tuple[int, ...]
+    source_epoch: int
+    target_node: str
+    target_gpus: tuple[int, ...]
+    explanation_json: str
+    """The target's placement explanation, which becomes the deployment's at the switch."""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the deployment has on the target."""
+        return self.source_epoch + 1
+
+    @property
+    def source_replica(self) -> str:
+        return replica_id(self.deployment_id, self.source_epoch)
+
+
+MoveChoice = Callable[[DeploymentRecord, ClusterSnapshot], "tuple[Decision, str] | None"]
+"""Given a running deployment and the cluster as it is now, the target (a placement
+decision that names a node) and why it moves there; None to leave it where it is. Pure: it
+runs under the placement lock."""
+
+
+def replica_id(deployment_id: str, epoch: int) -> str:
+    """The id of a deployment's replica at `epoch`: the name nodes know it by."""
+    return f"{deployment_id}-{epoch}"
 
 
 @dataclass(slots=True)
@@ -228,37 +289,59 @@ class Broker:
         settings: BrokerSettings,
         metrics: BrokerMetrics,
     ) -> None:
-        self.store = store
+        self._store = store
         self.models = models
         self.network = network
         self.settings = settings
         self.metrics = metrics
         self._join_token = join_token
         self._db_executor = ThreadPoolExecutor(1, thread_name_prefix="state")
-        self.nodes: dict[str, NodeEntry] = {}
-        self.placing = asyncio.Lock()
+        self._nodes: dict[str, NodeEntry] = {}
+        """The nodes the broker knows; others read them through `nodes`."""
+        self._placing = asyncio.Lock()
+        """Held by every decision that reads and changes placement (deploy, place again,
+        evict, reserve a move, switch, give up a move): one at a time."""
         self.watchers = _Watchers()
+        self.limits = ClientLimits(settings.quotas)
+        """Per-client quotas and the upload and watch-stream slots they allow."""
         self._orphans: dict[tuple[str, str], float] = {}
         """(node id, replica id) -> when first seen unclaimed (monotonic)."""
-        self._key_cache: dict[str, str] = {}
+        self._keys = KeyVerifier(store.client_for_api_key)
+        self._reconciling: dict[str, Sequence[tuple[str, ReplicaState]] | None] = {}
+        """node id -> the replicas of its latest heartbeat not yet reconciled (None: none
+        waiting) while a reconciliation of the node runs."""
         self._replacing: set[str] = set()
-        self.busy: set[str] = set()
-        """Deployments being migrated or deleted: reconciliation leaves them alone (their
-        replicas come and go on purpose)."""
-        self.holds: dict[tuple[str, int], Hold] = {}
+        self._busy: set[str] = set()
+        """Deployments being migrated or deleted: no other move or eviction takes them, and
+        reconciliation leaves them alone (their replicas come and go on purpose)."""
+        self._holds: dict[tuple[str, int], Hold] = {}
         """(deployment id, epoch) -> GPUs held for that replica beyond the records."""
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         """Background work started by a change (placing again, publishing updates)."""
 
-    async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    @property
+    def nodes(self) -> Mapping[str, NodeEntry]:
+        """The nodes the broker knows, read-only: only the broker changes them."""
+        return MappingProxyType(self._nodes)
+
+    async def visible_deployments(self) -> list[DeploymentRecord]:
+        """Every deployment a client can see (pending, starting, running, failed)."""
+        return await self._db(self._store.list_deployments, states=VISIBLE)
+
+    async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._db_executor, lambda: fn(*args, **kwargs))
 
     # --- start-up and shutdown -----------------------------------------------------------
 
     async def load(self) -> None:
-        """Reload the nodes the store knows (they get a full heartbeat timeout to check in)."""
-        for record in await self.db(self.store.list_nodes):
+        """Reload the nodes the store knows (they get a full heartbeat timeout to check in).
+
+        A deployment found `starting` was being started when the previous broker stopped:
+        whether its replica came up is unknown, and nothing is waiting for it. It becomes
+        pending (placed again by `retry_pending`, at the next epoch); a replica it may have
+        left is claimed by nothing and stopped after the orphan grace."""
+        for record in await self._db(self._store.list_nodes):
             if record.state is NodeState.LOST:
                 continue
             try:
@@ -267,32 +350,47 @@ class Broker:
             except (ValueError, KeyError) as err:
                 logger.error("node=%s in the state cannot be restored: %s", record.node_id, err)
                 continue
-            self.nodes[record.node_id] = NodeEntry(
+            self._nodes[record.node_id] = NodeEntry(
                 record,
                 inventory,
                 Topology.from_inventory(inventory),
                 NodeClient(record.node_id, record.address, self._join_token),
                 time.monotonic(),
             )
-        deployments = await self.db(self.store.list_deployments, states=VISIBLE)
+        for starting in await self._db(
+            self._store.list_deployments, states=(DeploymentState.STARTING,)
+        ):
+            async with self._placing:
+                await self._write_pending(
+                    starting.deployment_id, "the broker restarted while its replica was starting"
+                )
+            logger.warning(
+                "deployment=%s was starting at restart: pending", starting.deployment_id
+            )
+        deployments = await self._db(self._store.list_deployments, states=VISIBLE)
         logger.info(
-            "state loaded: %d node(s), %d deployment(s)", len(self.nodes), len(deployments)
+            "state loaded: %d node(s), %d deployment(s)", len(self._nodes), len(deployments)
         )
 
     def background(self, coro: Any, name: str) -> None:
+        """Run `coro` as the broker's own task (cancelled by `close`); a failure is logged."""
+        self._own(coro, name).add_done_callback(_log_failure)
+
+    def _own(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_log_failure)
+        return task
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for entry in self.nodes.values():
+        for entry in self._nodes.values():
             await entry.client.close()
         for deployment_id in list(self.watchers.queues):
             self.watchers.push(deployment_id, None)
+        self._keys.close()
         self._db_executor.shutdown(wait=True)
 
     # --- authentication ------------------------------------------------------------------
@@ -302,18 +400,18 @@ class Broker:
             supplied.encode(), f"Bearer {self._join_token}".encode()
         )
 
-    async def client_for(self, authorization: str | None) -> str | None:
-        """The client id an `authorization: Bearer <api key>` value belongs to, or None."""
+    async def client_for(self, authorization: str | None, peer: str) -> str | None:
+        """The client id an `authorization: Bearer <api key>` value belongs to, or None.
+        The check runs off the state thread (`KeyVerifier`); ResourceExhausted when `peer`
+        failed too many checks lately or too many keys wait for one."""
         if not authorization or not authorization.startswith("Bearer "):
             return None
-        key = authorization.removeprefix("Bearer ")
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        if digest in self._key_cache:
-            return self._key_cache[digest]
-        client_id = await self.db(self.store.client_for_api_key, key)
-        if client_id is not None:
-            self._key_cache[digest] = client_id
-        return client_id
+        return await self._keys.client_for(authorization.removeprefix("Bearer "), peer)
+
+    def forget_keys(self) -> None:
+        """Drop every verified key from memory: call after the store's keys changed (a
+        reload of `--api-keys-file`), so a revoked key is checked against the store again."""
+        self._keys.forget()
 
     # --- nodes ---------------------------------------------------------------------------
 
@@ -324,17 +422,19 @@ class Broker:
         site: str,
         inventory: Inventory,
         runtimes: Sequence[str],
-        replicas: Sequence[tuple[str, str]],
+        replicas: Sequence[tuple[str, ReplicaState]],
     ) -> None:
-        """Record (or refresh) a node and reconcile the replicas it reports, given as
-        (replica id, state name). InvalidRequest for an unknown site or bad fields."""
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{0,62}", node_id):
-            raise InvalidRequest(f"node_id {node_id!r} must be 1-63 of a-z, 0-9, '.', '-'")
-        if not re.fullmatch(r"[^\s:]+:\d{1,5}", address):
-            raise InvalidRequest(f"address {address!r} is not host:port")
+        """Record (or refresh) a node, then reconcile the replicas it reports, given as
+        (replica id, state), in the background. InvalidRequest for an unknown site or bad
+        fields."""
+        if not NODE_ID.fullmatch(node_id):
+            raise InvalidRequest(f"node_id {quote(node_id)} must be 1-63 of a-z, 0-9, '.', '-'")
+        address_match = _ADDRESS.fullmatch(address)
+        if address_match is None or not 1 <= int(address_match.group(1)) <= 65535:
+            raise InvalidRequest(f"address {quote(address)} is not host:port (port 1..65535)")
         if site not in self.network.sites:
             raise InvalidRequest(
-                f"site {site!r} is not in the cluster file; known sites: "
+                f"site {quote(site)} is not in the cluster file; known sites: "
                 f"{', '.join(self.network.sites)}"
             )
         try:
@@ -342,7 +442,7 @@ class Broker:
         except ValueError as err:
             raise InvalidRequest(f"inventory: {err}") from err
         now = time.time()
-        previous = self.nodes.get(node_id)
+        previous = self._nodes.get(node_id)
         record = NodeRecord(
             node_id=node_id,
             address=address,
@@ -354,7 +454,7 @@ class Broker:
             last_heartbeat_at=now,
             usage_json="{}",
         )
-        await self.db(self.store.upsert_node, record)
+        await self._db(self._store.upsert_node, record)
         self.network.add_node(node_id, site)
         if previous is not None and previous.record.address == address:
             client = previous.client
@@ -363,7 +463,7 @@ class Broker:
                 await previous.client.close()
             client = NodeClient(node_id, address, self._join_token)
         entry = NodeEntry(record, inventory, topology, client, time.monotonic())
-        self.nodes[node_id] = entry
+        self._nodes[node_id] = entry
         logger.info(
             "node=%s registered site=%s gpus=%d replicas=%d",
             node_id,
@@ -371,80 +471,116 @@ class Broker:
             len(inventory.gpus),
             len(replicas),
         )
-        await self._reconcile(entry, replicas)
+        self._schedule_reconcile(node_id, replicas)
 
-    async def heartbeat(
-        self, node_id: str, load: float, replicas: Sequence[tuple[str, str]]
+    def heartbeat(
+        self, node_id: str, load: float, replicas: Sequence[tuple[str, ReplicaState]]
     ) -> None:
-        """NotFound when the node is unknown (it registers again)."""
-        entry = self.nodes.get(node_id)
+        """Record that the node is alive, at once and before anything that can wait: the
+        liveness path never queues behind the store, placement or client calls. Reconciling
+        the replicas it reports runs after, in the background. NotFound when the node is
+        unknown (it registers again)."""
+        entry = self._nodes.get(node_id)
         if entry is None:
             raise NotFound(f"node {node_id} is not registered; register again")
         entry.last_heartbeat = time.monotonic()
         entry.load = min(1.0, max(0.0, load))
         if entry.record.state is NodeState.LOST:
             entry.record = replace(entry.record, state=NodeState.READY)
-            await self.db(self.store.set_node_state, node_id, NodeState.READY)
+            self.background(
+                self._db(self._store.set_node_state, node_id, NodeState.READY), f"back-{node_id}"
+            )
             logger.info("node=%s is back", node_id)
-        await self._reconcile(entry, replicas)
+        self._schedule_reconcile(node_id, replicas)
 
-    async def _reconcile(self, entry: NodeEntry, replicas: Sequence[tuple[str, str]]) -> None:
+    def _schedule_reconcile(
+        self, node_id: str, replicas: Sequence[tuple[str, ReplicaState]]
+    ) -> None:
+        """Reconcile the node with `replicas` in the background: one reconciliation per
+        node at a time; a report arriving meanwhile replaces the one waiting."""
+        if node_id in self._reconciling:
+            self._reconciling[node_id] = replicas
+            return
+        self._reconciling[node_id] = None
+        self.background(self._reconcile_reported(node_id, replicas), f"reconcile-{node_id}")
+
+    async def _reconcile_reported(
+        self, node_id: str, replicas: Sequence[tuple[str, ReplicaState]] | None
+    ) -> None:
+        try:
+            while replicas is not None and (entry := self._nodes.get(node_id)) is not None:
+                await self._reconcile(entry, replicas)
+                replicas = self._reconciling.get(node_id)
+                self._reconciling[node_id] = None
+        finally:
+            self._reconciling.pop(node_id, None)
+
+    async def _reconcile(
+        self, entry: NodeEntry, replicas: Sequence[tuple[str, ReplicaState]]
+    ) -> None:
         """Compare what the node runs with what the broker expects on it: a deployment whose
         replica is gone or exited is placed again; a replica nobody claims is stopped after
         the orphan grace period."""
         node_id = entry.record.node_id
-        running = {rid for rid, state in replicas if state in ("ready", "starting", "stopping")}
+        running = {rid for rid, state in replicas if state in LIVE_REPLICA}
         # A heartbeat may have been taken before a switch it is processed after.
         settled_before = time.time() - 2 * self.settings.heartbeat_interval_s
         entry.replicas = frozenset(rid for rid, _ in replicas)
         expected = {
-            f"{d.deployment_id}-{d.epoch}": d
-            for d in await self.db(self.store.list_deployments, states=(DeploymentState.RUNNING,))
+            replica_id(d.deployment_id, d.epoch): d
+            for d in await self._db(
+                self._store.list_deployments, states=(DeploymentState.RUNNING,)
+            )
             if d.node_id == node_id
         }
-        for replica_id, deployment in expected.items():
+        for replica, deployment in expected.items():
             if (
-                replica_id not in running
+                replica not in running
                 and deployment.deployment_id not in self._replacing
-                and deployment.deployment_id not in self.busy
+                and deployment.deployment_id not in self._busy
                 and deployment.updated_at < settled_before
             ):
                 logger.warning(
                     "deployment=%s: its replica %s is not running on node %s; placing it again",
                     deployment.deployment_id,
-                    replica_id,
+                    replica,
                     node_id,
                 )
-                await self._requeue(deployment, f"replica lost on node {node_id}")
+                await self.requeue(deployment, f"replica lost on node {node_id}")
         starting = {
-            f"{d.deployment_id}-{d.epoch}"
-            for d in await self.db(self.store.list_deployments, states=(DeploymentState.STARTING,))
+            replica_id(d.deployment_id, d.epoch)
+            for d in await self._db(
+                self._store.list_deployments, states=(DeploymentState.STARTING,)
+            )
         }
         now = time.monotonic()
-        for replica_id, _state in replicas:
-            if replica_id in expected or replica_id in starting:
-                self._orphans.pop((node_id, replica_id), None)
+        for replica, _state in replicas:
+            if replica in expected or replica in starting:
+                self._orphans.pop((node_id, replica), None)
                 continue
-            first = self._orphans.setdefault((node_id, replica_id), now)
+            first = self._orphans.setdefault((node_id, replica), now)
             if now - first >= self.settings.orphan_grace_s:
                 logger.warning(
-                    "node=%s replica=%s: no deployment claims it; stopping", node_id, replica_id
+                    "node=%s replica=%s: no deployment claims it; stopping", node_id, replica
                 )
-                del self._orphans[(node_id, replica_id)]
+                del self._orphans[(node_id, replica)]
                 with contextlib.suppress(NodeUnavailable):
-                    await entry.client.stop_replica(replica_id, self.settings.stop_grace_ms)
+                    await entry.client.stop_replica(replica, self.settings.stop_grace_ms)
 
     async def mark_lost_nodes(self) -> list[str]:
-        """Mark nodes silent past the timeout as lost; returns their ids."""
+        """Mark nodes silent past the timeout as lost; returns their ids. The decision is
+        taken on the in-memory heartbeat times alone, all nodes at once; only then is it
+        written to the store."""
         now = time.monotonic()
         lost = []
-        for node_id, entry in self.nodes.items():
+        for node_id, entry in self._nodes.items():
             silent = now - entry.last_heartbeat
             if entry.record.state is NodeState.READY and silent > self.settings.lost_after_s:
                 entry.record = replace(entry.record, state=NodeState.LOST)
-                await self.db(self.store.set_node_state, node_id, NodeState.LOST)
                 logger.error("node=%s lost: no heartbeat for %.1fs", node_id, silent)
                 lost.append(node_id)
+        for node_id in lost:
+            await self._db(self._store.set_node_state, node_id, NodeState.LOST)
         return lost
 
     # --- models --------------------------------------------------------------------------
@@ -455,19 +591,30 @@ class Broker:
         except (InvalidModel, ValueError) as err:
             raise InvalidRequest(str(err)) from err
 
-    async def finish_upload(self, upload: Upload, name: str) -> tuple[str, int, bool]:
-        """Check and store the upload (sha256, loadable ONNX), then record it."""
+    async def finish_upload(
+        self, client_id: str, upload: Upload, name: str
+    ) -> tuple[str, int, bool]:
+        """Check and store the upload (sha256, loadable ONNX), then record it as
+        `client_id`'s. The third value, "deduplicated", is True only when this client had
+        uploaded that content before: whether another client did stays invisible.
+        ResourceExhausted when a new model would take the client past its model bytes quota
+        (checked before the file is kept)."""
+        owned = await self._db(self._store.owns_model, client_id, upload.sha256)
+        if not owned:
+            stored = await self._db(self._store.client_model_bytes, client_id)
+            check_model_bytes(self.limits.quotas, client_id, stored, upload.size)
         try:
             result = await asyncio.to_thread(upload.commit)
         except InvalidModel as err:
             raise InvalidRequest(str(err)) from err
         except StoredModelTooLarge as err:
             raise ResourceExhausted(str(err)) from err
-        created = await self.db(
-            self.store.put_model,
+        await self._db(
+            self._store.put_model,
             ModelRecord(result.sha256, name or result.sha256[:12], result.size_bytes, time.time()),
         )
-        return result.sha256, result.size_bytes, result.deduplicated or not created
+        await self._db(self._store.add_model_owner, result.sha256, client_id)
+        return result.sha256, result.size_bytes, owned
 
     def write_upload(self, upload: Upload, data: bytes) -> None:
         try:
@@ -485,12 +632,15 @@ class Broker:
     # --- deployments ---------------------------------------------------------------------
 
     def _snapshot(self, deployments: Sequence[DeploymentRecord]) -> ClusterSnapshot:
+        """The cluster as placement sees it: the records' allocations and the holds. What no
+        decision may take away (a replica starting, a deployment being moved or deleted, a
+        hold) is entered at the top priority, so nothing preempts it."""
         by_node: dict[str, list[DeploymentRecord]] = {}
         for d in deployments:
             if d.node_id and d.state in ACTIVE:
                 by_node.setdefault(d.node_id, []).append(d)
         nodes = []
-        for node_id, entry in self.nodes.items():
+        for node_id, entry in self._nodes.items():
             node = NodeSnapshot.idle(
                 node_id,
                 entry.record.site,
@@ -502,54 +652,79 @@ class Broker:
             )
             for d in by_node.get(node_id, ()):
                 spec = DeploySpec.from_json(d.request_json)
+                pinned = d.state is DeploymentState.STARTING or d.deployment_id in self._busy
+                priority = PriorityClass.CRITICAL if pinned else spec.priority
                 node = node.with_allocation(
-                    Allocation(d.deployment_id, spec.priority, d.gpus, spec.gpu_memory_mib)
+                    Allocation(d.deployment_id, priority, d.gpus, spec.gpu_memory_mib)
                 )
-            for (deployment_id, epoch), hold in self.holds.items():
+            for (deployment_id, epoch), hold in self._holds.items():
                 if hold.node_id == node_id:
                     node = node.with_allocation(
                         Allocation(
-                            f"{deployment_id}@{epoch}", hold.priority, hold.gpus, hold.memory_mib
+                            f"{deployment_id}@{epoch}",
+                            PriorityClass.CRITICAL,
+                            hold.gpus,
+                            hold.memory_mib,
                         )
                     )
             nodes.append(node)
         return ClusterSnapshot.of(nodes)
 
-    async def current_snapshot(self) -> ClusterSnapshot:
-        """The cluster as placement sees it now (call under `placing`)."""
-        return self._snapshot(await self.db(self.store.list_deployments, states=ACTIVE))
+    async def _current_snapshot(self) -> ClusterSnapshot:
+        """The cluster as placement sees it now (call under `_placing`)."""
+        return self._snapshot(await self._db(self._store.list_deployments, states=ACTIVE))
 
     async def set_node_state(self, node_id: str, state: NodeState) -> None:
-        entry = self.nodes[node_id]
-        entry.record = replace(entry.record, state=state)
-        await self.db(self.store.set_node_state, node_id, state)
+        """An operator's change of a node's state (draining): a decision of its own."""
+        async with self._placing:
+            entry = self._nodes[node_id]
+            entry.record = replace(entry.record, state=state)
+            await self._db(self._store.set_node_state, node_id, state)
 
     async def deploy(self, client_id: str, spec: DeploySpec) -> DeploymentRecord:
-        """Place and start a deployment; returns it once its replica is ready.
+        """Place and start a deployment; returns it once its replica is ready (or pending,
+        when its node turned out not to have the GPUs: it is placed again).
+
+        The placement and the start run as the broker's own task: a caller that goes away
+        (its deadline, a cancelled call) leaves it to end running, pending or failed, never
+        starting with its GPUs held.
 
         InvalidRequest, NotFound (model not uploaded), Impossible (more than any node has),
         ResourceExhausted (nothing fits now), NodeUnavailable (the node failed to start it).
         """
         spec.validate()
-        if await self.db(self.store.get_model, spec.model_sha256) is None:
+        # Another client's model answers exactly as one nobody uploaded.
+        if not await self._db(self._store.owns_model, client_id, spec.model_sha256):
             raise NotFound(f"model {spec.model_sha256} is not uploaded; call UploadModel first")
         if spec.site not in self.network.sites:
             raise InvalidRequest(
                 f"site {spec.site!r} is unknown; known sites: {', '.join(self.network.sites)}"
             )
         deployment_id = f"d-{secrets.token_hex(5)}"
-        record, decision = await self._reserve(deployment_id, client_id, spec, epoch=1)
-        await self._evict(decision.preempt, deployment_id)
-        record = await self._start(record, "deployed")
-        for evicted in decision.preempt:
-            self._spawn_replace(evicted)
-        return record
+        task = self._own(self._deploy(deployment_id, client_id, spec), f"deploy-{deployment_id}")
+        task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def _deploy(
+        self, deployment_id: str, client_id: str, spec: DeploySpec
+    ) -> DeploymentRecord:
+        record, evicted = await self._reserve(deployment_id, client_id, spec, epoch=1)
+        await self._stop_evicted(evicted)
+        return await self._start(record, "deployed", DeploymentState.FAILED)
 
     async def _reserve(
         self, deployment_id: str, client_id: str, spec: DeploySpec, epoch: int
-    ) -> tuple[DeploymentRecord, Decision]:
-        async with self.placing:
-            snapshot = await self.current_snapshot()
+    ) -> tuple[DeploymentRecord, list[DeploymentRecord]]:
+        """One decision: place the deployment, write it `starting` there and write the
+        deployments it preempts `pending`, all under the lock. The evicted records (as they
+        were: their replicas are still to be stopped)."""
+        async with self._placing:
+            if epoch == 1:
+                current = await self._db(
+                    self._store.list_deployments, client_id=client_id, states=VISIBLE
+                )
+                check_deployments(self.limits.quotas, client_id, len(current))
+            snapshot = await self._current_snapshot()
             largest, largest_node = snapshot.largest()
             if spec.gpus > largest:
                 raise Impossible(
@@ -575,7 +750,7 @@ class Broker:
                 raise ResourceExhausted(
                     f"nothing fits now: {decision.reason}\n{decision.explanation.render()}"
                 )
-            entry = self.nodes[decision.node_id]
+            entry = self._nodes[decision.node_id]
             uuids = tuple(entry.inventory.gpus[i].uuid for i in decision.gpus)
             now = time.time()
             record = DeploymentRecord(
@@ -598,11 +773,17 @@ class Broker:
                 created_at=now,
                 updated_at=now,
             )
+            evicted = []
+            for victim_id in decision.preempt:
+                victim = await self._db(self._store.get_deployment, victim_id)
+                if victim is not None and victim.state in ACTIVE:
+                    await self._write_pending(victim_id, f"preempted by {deployment_id}")
+                    evicted.append(victim)
             if epoch == 1:
-                await self.db(self.store.create_deployment, record)
+                await self._db(self._store.create_deployment, record)
             else:
-                record = await self.db(
-                    self.store.update_deployment,
+                record = await self._db(
+                    self._store.update_deployment,
                     deployment_id,
                     state=DeploymentState.STARTING,
                     node_id=record.node_id,
@@ -620,12 +801,42 @@ class Broker:
                 decision.gpus,
                 ", ".join(decision.explanation.deciding) or "only candidate",
             )
-            return record, decision
+            return record, evicted
 
-    async def _start(self, record: DeploymentRecord, reason: str) -> DeploymentRecord:
+    async def _write_pending(self, deployment_id: str, reason: str) -> None:
+        """Take a deployment off its node in the store (its GPUs free for the next
+        decision); call under `_placing`."""
+        await self._db(
+            self._store.update_deployment,
+            deployment_id,
+            state=DeploymentState.PENDING,
+            node_id=None,
+            gpus=(),
+            gpu_uuids=(),
+            endpoint="",
+            reason=reason,
+        )
+
+    async def _stop_evicted(self, evicted: Sequence[DeploymentRecord]) -> None:
+        """Stop the replicas of deployments a decision preempted, tell their clients, and
+        place them again (they stay pending until something fits)."""
+        for victim in evicted:
+            await self.stop_replica(victim.node_id, replica_id(victim.deployment_id, victim.epoch))
+            self._publish(victim.deployment_id)
+            self._spawn_replace(victim.deployment_id)
+
+    async def _start(
+        self, record: DeploymentRecord, reason: str, on_failure: DeploymentState
+    ) -> DeploymentRecord:
+        """Start the replica of a `starting` record and write the outcome. On a node's
+        failure the deployment becomes `on_failure` (failed for a first deploy:
+        NodeUnavailable is raised; pending for one placed again). A node that has not the
+        GPUs the broker gave (a race with a replica still stopping) makes it pending, to be
+        placed again. A deployment deleted while its replica started is left deleted and the
+        replica stopped."""
         spec = DeploySpec.from_json(record.request_json)
         assert record.node_id is not None
-        entry = self.nodes[record.node_id]
+        entry = self._nodes[record.node_id]
         try:
             endpoint = await entry.client.start_replica(
                 deployment_id=record.deployment_id,
@@ -639,20 +850,40 @@ class Broker:
                 token=record.token,
             )
         except (NodeUnavailable, ResourceExhausted) as err:
-            await self.db(
-                self.store.update_deployment,
-                record.deployment_id,
-                state=DeploymentState.FAILED,
-                reason=str(err),
-            )
+            again = on_failure is DeploymentState.PENDING or isinstance(err, ResourceExhausted)
+            async with self._placing:
+                current = await self._still_starting(record)
+                if current is not None and again:
+                    await self._write_pending(record.deployment_id, str(err))
+                elif current is not None:
+                    await self._db(
+                        self._store.update_deployment,
+                        record.deployment_id,
+                        state=DeploymentState.FAILED,
+                        node_id=None,
+                        gpus=(),
+                        gpu_uuids=(),
+                        reason=str(err),
+                    )
             self._publish(record.deployment_id)
-            raise NodeUnavailable(str(err)) from err
-        record = await self.db(
-            self.store.update_deployment,
-            record.deployment_id,
-            state=DeploymentState.RUNNING,
-            endpoint=endpoint,
-        )
+            if not again:
+                raise NodeUnavailable(str(err)) from err
+            logger.warning("deployment=%s to be placed again: %s", record.deployment_id, err)
+            self._spawn_replace(record.deployment_id)
+            return await self._record(record.deployment_id)
+        async with self._placing:
+            current = await self._still_starting(record)
+            if current is not None:
+                record = await self._db(
+                    self._store.update_deployment,
+                    record.deployment_id,
+                    state=DeploymentState.RUNNING,
+                    endpoint=endpoint,
+                )
+        if current is None:
+            logger.warning("deployment=%s was deleted while it started", record.deployment_id)
+            await self.stop_replica(record.node_id, replica_id(record.deployment_id, record.epoch))
+            return await self._record(record.deployment_id)
         self.watchers.push(record.deployment_id, placement_update(record, reason))
         logger.info(
             "deployment=%s running at %s epoch=%d",
@@ -662,37 +893,38 @@ class Broker:
         )
         return record
 
-    async def _evict(self, deployment_ids: Sequence[str], by: str) -> None:
-        for deployment_id in deployment_ids:
-            record = await self.db(self.store.get_deployment, deployment_id)
-            if record is None:
-                continue
-            await self._requeue(record, f"preempted by {by}", place_again=False)
+    async def _still_starting(self, record: DeploymentRecord) -> DeploymentRecord | None:
+        """The deployment as stored if it is still `starting` at `record`'s epoch (nothing
+        else can take a starting deployment but a delete); call under `_placing`."""
+        current = await self._db(self._store.get_deployment, record.deployment_id)
+        if current is None or (current.state, current.epoch) != (
+            DeploymentState.STARTING,
+            record.epoch,
+        ):
+            return None
+        return current
 
-    async def _requeue(
-        self, record: DeploymentRecord, reason: str, place_again: bool = True
-    ) -> None:
-        """Take a deployment off its node (stopping its replica if the node is there) and
-        mark it pending; with `place_again`, try to place it at once."""
-        entry = self.nodes.get(record.node_id or "")
-        if entry is not None and entry.record.state is NodeState.READY:
-            with contextlib.suppress(NodeUnavailable):
-                await entry.client.stop_replica(
-                    f"{record.deployment_id}-{record.epoch}", self.settings.stop_grace_ms
-                )
-        await self.db(
-            self.store.update_deployment,
-            record.deployment_id,
-            state=DeploymentState.PENDING,
-            node_id=None,
-            gpus=(),
-            gpu_uuids=(),
-            endpoint="",
-            reason=reason,
-        )
+    async def _record(self, deployment_id: str) -> DeploymentRecord:
+        record = await self._db(self._store.get_deployment, deployment_id)
+        assert record is not None
+        return record
+
+    async def requeue(self, record: DeploymentRecord, reason: str) -> None:
+        """Take a running deployment off its node (stopping its replica if the node is
+        there), mark it pending and place it again; nothing when it changed since `record`
+        was read or another decision holds it."""
+        async with self._placing:
+            now = await self._db(self._store.get_deployment, record.deployment_id)
+            if (
+                now is None
+                or (now.state, now.epoch) != (DeploymentState.RUNNING, record.epoch)
+                or record.deployment_id in self._busy
+            ):
+                return
+            await self._write_pending(record.deployment_id, reason)
+        await self.stop_replica(record.node_id, replica_id(record.deployment_id, record.epoch))
         self._publish(record.deployment_id)
-        if place_again:
-            self._spawn_replace(record.deployment_id)
+        self._spawn_replace(record.deployment_id)
 
     def _spawn_replace(self, deployment_id: str) -> None:
         if deployment_id in self._replacing:
@@ -709,66 +941,237 @@ class Broker:
             self._replacing.discard(deployment_id)
 
     async def _replace_once(self, deployment_id: str) -> None:
-        record = await self.db(self.store.get_deployment, deployment_id)
+        record = await self._db(self._store.get_deployment, deployment_id)
         if record is None or record.state is not DeploymentState.PENDING:
             return
         spec = DeploySpec.from_json(record.request_json)
         try:
-            record, decision = await self._reserve(
+            record, evicted = await self._reserve(
                 deployment_id, record.client_id, spec, record.epoch + 1
             )
         except (ResourceExhausted, Impossible) as err:
-            await self.db(
-                self.store.update_deployment,
+            await self._db(
+                self._store.update_deployment,
                 deployment_id,
-                reason=f"{record.reason}; waiting: {str(err).splitlines()[0]}",
+                reason=f"{record.reason.split('; waiting: ')[0]}; waiting: "
+                f"{str(err).splitlines()[0]}",
             )
             return
-        await self._evict(decision.preempt, deployment_id)
-        try:
-            await self._start(record, "replaced")
-        except NodeUnavailable as err:
-            logger.error("deployment=%s could not be placed again: %s", deployment_id, err)
-        for evicted in decision.preempt:
-            self._spawn_replace(evicted)
+        await self._stop_evicted(evicted)
+        await self._start(record, "replaced", DeploymentState.PENDING)
 
     async def retry_pending(self) -> None:
-        for record in await self.db(
-            self.store.list_deployments, states=(DeploymentState.PENDING,)
+        for record in await self._db(
+            self._store.list_deployments, states=(DeploymentState.PENDING,)
         ):
             self._spawn_replace(record.deployment_id)
 
+    # --- moves: the intent-level operations a migration runs on ---------------------------
+
+    def _claim(self, deployment_id: str) -> None:
+        """Mark a deployment taken by a move or a delete (call under `_placing`).
+        Busy when it is taken already."""
+        if deployment_id in self._busy:
+            raise Busy(
+                f"deployment {deployment_id} is being migrated or deleted; "
+                "retry when that has finished"
+            )
+        self._busy.add(deployment_id)
+
+    async def reserve_move(
+        self,
+        deployment_id: str,
+        choose: MoveChoice,
+        *,
+        client_id: str | None = None,
+        if_idle: bool = False,
+    ) -> Move | None:
+        """One decision, under the placement lock: check that the deployment runs and no
+        other move or delete holds it, let `choose` pick a target on the cluster as it is
+        now, hold the target's GPUs and take the deployment until `release_move`. None when
+        `choose` declines. NotFound for a deployment that is not running (or is another
+        client's, with `client_id`); Impossible while another move or delete holds it (None
+        instead with `if_idle`)."""
+        async with self._placing:
+            record = await self._db(self._store.get_deployment, deployment_id)
+            if (
+                record is None
+                or record.state is not DeploymentState.RUNNING
+                or record.node_id is None
+                or (client_id is not None and record.client_id != client_id)
+            ):
+                raise NotFound(f"no running deployment {deployment_id}")
+            if if_idle and deployment_id in self._busy:
+                return None
+            self._claim(deployment_id)
+            chosen: tuple[Decision, str] | None = None
+            try:
+                chosen = choose(record, await self._current_snapshot())
+            finally:
+                if chosen is None:  # declined, or raised: the deployment is not taken
+                    self._busy.discard(deployment_id)
+            if chosen is None:
+                return None
+            decision, why = chosen
+            assert decision.node_id is not None
+            spec = DeploySpec.from_json(record.request_json)
+            move = Move(
+                deployment_id=deployment_id,
+                source_node=record.node_id,
+                source_gpus=record.gpus,
+                source_epoch=record.epoch,
+                target_node=decision.node_id,
+                target_gpus=decision.gpus,
+                explanation_json=explanation_json(decision, why),
+            )
+            self._holds[(deployment_id, move.epoch)] = Hold(
+                move.target_node, move.target_gpus, spec.gpu_memory_mib, spec.priority
+            )
+            return move
+
+    async def start_move_target(self, move: Move) -> str:
+        """Start the replica of `move.epoch` on the target; its endpoint once ready.
+        NodeUnavailable or ResourceExhausted when the node cannot."""
+        record = await self._db(self._store.get_deployment, move.deployment_id)
+        entry = self._nodes.get(move.target_node)
+        if record is None or entry is None:
+            raise NodeUnavailable("the deployment or the target node is gone")
+        spec = DeploySpec.from_json(record.request_json)
+        return await entry.client.start_replica(
+            deployment_id=record.deployment_id,
+            epoch=move.epoch,
+            model_sha256=record.model_sha256,
+            model_name=record.model_name,
+            gpu_uuids=tuple(entry.inventory.gpus[i].uuid for i in move.target_gpus),
+            gpu_memory_mib=spec.gpu_memory_mib,
+            cpus=spec.cpus,
+            memory_mib=spec.memory_mib,
+            token=record.token,
+        )
+
+    async def stop_replica(
+        self, node_id: str | None, replica: str, grace_ms: int | None = None
+    ) -> None:
+        """Stop a replica (draining it for `grace_ms`, by default the settings'); a node that
+        is gone, lost or cannot is left to reconciliation (the replica is unclaimed there and
+        stopped after the orphan grace)."""
+        entry = self._nodes.get(node_id or "")
+        if entry is None or entry.record.state is NodeState.LOST:
+            return
+        try:
+            await entry.client.stop_replica(
+                replica, self.settings.stop_grace_ms if grace_ms is None else grace_ms
+            )
+        except NodeUnavailable as err:
+            logger.warning("replica=%s: %s (the node reconciles it)", replica, err)
+
+    async def commit_switch(
+        self, move: Move, endpoint: str, *, hold_source: bool, reason: str, migration_id: str
+    ) -> None:
+        """Point the deployment at the target (one decision: the record, the target's hold
+        turned into the record's GPUs and, with `hold_source`, the source's GPUs held until
+        `release_move`), then push the update to the client's stream."""
+        entry = self._nodes[move.target_node]
+        async with self._placing:
+            if hold_source and move.source_node:
+                record = await self._db(self._store.get_deployment, move.deployment_id)
+                assert record is not None
+                spec = DeploySpec.from_json(record.request_json)
+                self._holds[(move.deployment_id, move.source_epoch)] = Hold(
+                    move.source_node, move.source_gpus, spec.gpu_memory_mib, spec.priority
+                )
+            record = await self._db(
+                self._store.update_deployment,
+                move.deployment_id,
+                state=DeploymentState.RUNNING,
+                node_id=move.target_node,
+                gpus=move.target_gpus,
+                gpu_uuids=tuple(entry.inventory.gpus[i].uuid for i in move.target_gpus),
+                endpoint=endpoint,
+                epoch=move.epoch,
+                reason="",
+                explanation_json=move.explanation_json,
+            )
+            self._holds.pop((move.deployment_id, move.epoch), None)
+        self.watchers.push(
+            move.deployment_id, placement_update(record, reason, migration_id=migration_id)
+        )
+
+    async def abandon_move(self, move: Move, reason: str) -> None:
+        """The move failed with no replica left serving (failover, stop-start): the
+        deployment becomes pending and is placed again as soon as something fits. Then
+        `release_move`."""
+        async with self._placing:
+            await self._write_pending(move.deployment_id, reason)
+            self._release(move)
+        self._publish(move.deployment_id)
+        self._spawn_replace(move.deployment_id)
+
+    def release_move(self, move: Move) -> None:
+        """Drop what `move` holds (idempotent): its GPUs, and the deployment itself."""
+        self._release(move)
+
+    def _release(self, move: Move) -> None:
+        self._holds.pop((move.deployment_id, move.epoch), None)
+        self._holds.pop((move.deployment_id, move.source_epoch), None)
+        self._busy.discard(move.deployment_id)
+
+    async def deployment(self, deployment_id: str) -> DeploymentRecord | None:
+        """Any client's deployment, as stored; None when unknown."""
+        return await self._db(self._store.get_deployment, deployment_id)
+
+    async def running_on(self, node_id: str) -> list[DeploymentRecord]:
+        """The running deployments the store places on `node_id`."""
+        records = await self._db(self._store.list_deployments, states=(DeploymentState.RUNNING,))
+        return [r for r in records if r.node_id == node_id]
+
+    async def set_site(self, deployment_id: str, site: str) -> None:
+        """Record the site the deployment's client reports from."""
+        await self._db(self._store.update_deployment, deployment_id, site=site)
+
+    # --- migration records ---------------------------------------------------------------
+
+    async def record_migration(self, record: MigrationRecord) -> None:
+        await self._db(self._store.create_migration, record)
+
+    async def update_migration(self, migration_id: str, **changes: Any) -> None:
+        """KeyError for an unknown migration."""
+        await self._db(self._store.update_migration, migration_id, **changes)
+
+    async def list_migrations(self, deployment_id: str | None = None) -> list[MigrationRecord]:
+        """Every migration, or one deployment's, oldest first."""
+        return await self._db(self._store.list_migrations, deployment_id)
+
+    async def get_migration(self, migration_id: str) -> MigrationRecord:
+        """NotFound for an unknown migration."""
+        for m in await self.list_migrations():
+            if m.migration_id == migration_id:
+                return m
+        raise NotFound(f"migration {migration_id} not found")
+
     async def get(self, client_id: str, deployment_id: str) -> DeploymentRecord:
         """NotFound for an unknown deployment and for another client's: the two look alike."""
-        record = await self.db(self.store.get_deployment, deployment_id)
+        record = await self._db(self._store.get_deployment, deployment_id)
         if record is None or record.client_id != client_id or record.state not in VISIBLE:
             raise NotFound(f"deployment {deployment_id} not found")
         return record
 
     async def list(self, client_id: str) -> list[DeploymentRecord]:
-        return await self.db(self.store.list_deployments, client_id=client_id, states=VISIBLE)
+        return await self._db(self._store.list_deployments, client_id=client_id, states=VISIBLE)
 
     async def delete(self, client_id: str, deployment_id: str) -> None:
-        record = await self.get(client_id, deployment_id)
-        self.busy.add(deployment_id)
+        """Stop the deployment's replica and delete it. NotFound; Impossible while it is
+        being migrated (or deleted already)."""
+        async with self._placing:
+            record = await self.get(client_id, deployment_id)
+            self._claim(deployment_id)
         try:
-            await self._delete(record)
+            if record.state in ACTIVE:
+                await self.stop_replica(record.node_id, replica_id(deployment_id, record.epoch))
+            async with self._placing:
+                await self._db(self._store.delete_deployment, deployment_id)
         finally:
-            self.busy.discard(deployment_id)
-
-    async def _delete(self, record: DeploymentRecord) -> None:
-        deployment_id = record.deployment_id
-        entry = self.nodes.get(record.node_id or "")
-        if entry is not None and record.state in ACTIVE:
-            try:
-                await entry.client.stop_replica(
-                    f"{record.deployment_id}-{record.epoch}", self.settings.stop_grace_ms
-                )
-            except NodeUnavailable as err:
-                logger.warning(
-                    "deployment=%s: %s (the node will stop it later)", deployment_id, err
-                )
-        await self.db(self.store.delete_deployment, deployment_id)
+            self._busy.discard(deployment_id)
         self.watchers.push(deployment_id, None)
         logger.info("deployment=%s deleted", deployment_id)
 
@@ -776,7 +1179,7 @@ class Broker:
         self.background(self._publish_now(deployment_id), f"publish-{deployment_id}")
 
     async def _publish_now(self, deployment_id: str) -> None:
-        record = await self.db(self.store.get_deployment, deployment_id)
+        record = await self._db(self._store.get_deployment, deployment_id)
         if record is not None:
             self.watchers.push(
                 deployment_id,
@@ -806,7 +1209,7 @@ class Broker:
             raise InvalidRequest(
                 f"site {site!r} is unknown; known sites: {', '.join(self.network.sites)}"
             )
-        await self.db(self.store.set_client_site, client_id, site)
+        await self._db(self._store.set_client_site, client_id, site)
 
 
 def explanation_json(decision: Decision, why: str = "") -> str:
@@ -834,6 +1237,13 @@ def placement_update(
         record.state,
         migration_id,
     )
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark the outcome of a task whose caller may have gone away as seen: its caller, if
+    still there, gets it; nobody else must log it."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

@@ -1,6 +1,7 @@
 """`offload nodes`, `offload deployments`, `offload explain`: what runs where, and why.
 
-`nodes` reads the broker's ops API (`--ops URL`, or $OFFLOAD_OPS); `deployments` and
+`nodes` reads the broker's ops API (`--ops URL --ops-token-file F`, or $OFFLOAD_OPS and
+$OFFLOAD_OPS_TOKEN_FILE); `deployments` and
 `explain` call the broker's EdgeBroker service with a client's API key (`--broker HOST:PORT
 --api-key-file F`, or $OFFLOAD_BROKER and $OFFLOAD_API_KEY_FILE). Tables for people, `--json`
 for scripts.
@@ -61,16 +62,41 @@ async def edge_call(args: argparse.Namespace, method: str, request: Any) -> Any:
             raise CommandError(f"{err.code().name}: {err.details()}") from err
 
 
+def _ops_token(args: argparse.Namespace) -> str:
+    path = args.ops_token_file or os.environ.get("OFFLOAD_OPS_TOKEN_FILE")
+    if not path:
+        raise CommandError(
+            "give --ops-token-file F (or set OFFLOAD_OPS_TOKEN_FILE): the broker's "
+            "--ops-token-file, or <state-dir>/ops-token when it runs without one"
+        )
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise CommandError(f"cannot read the ops token file {path}: {err.strerror}") from err
+    if not token:
+        raise CommandError(f"the ops token file {path} is empty")
+    return token
+
+
 async def ops_get(args: argparse.Namespace, path: str) -> Any:
-    """GET the broker's ops API (`--ops` or $OFFLOAD_OPS) and return its JSON."""
+    """GET the broker's ops API (`--ops` or $OFFLOAD_OPS) with the ops token
+    (`--ops-token-file` or $OFFLOAD_OPS_TOKEN_FILE) and return its JSON."""
     url = (args.ops or os.environ.get("OFFLOAD_OPS") or "").rstrip("/")
     if not url:
         raise CommandError("give --ops URL, the broker's ops address (or set OFFLOAD_OPS)")
+    headers = {"Authorization": f"Bearer {_ops_token(args)}"}
     try:
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
+            aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=15), headers=headers
+            ) as http,
             http.get(f"{url}{path}") as response,
         ):
+            if response.status == 401:
+                raise CommandError(
+                    f"{url}{path} refused the ops token: check --ops-token-file "
+                    "(or OFFLOAD_OPS_TOKEN_FILE)"
+                )
             if response.status != 200:
                 raise CommandError(f"{url}{path} answered HTTP {response.status}")
             return await response.json()
@@ -152,6 +178,12 @@ async def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def ops_token_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ops-token-file", help="file holding the broker's ops token ($OFFLOAD_OPS_TOKEN_FILE)"
+    )
+
+
 def _run(handler: Any) -> Any:
     def main(args: argparse.Namespace) -> int:
         try:
@@ -166,6 +198,7 @@ def _run(handler: Any) -> Any:
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     nodes = subparsers.add_parser("nodes", help="the broker's nodes, their GPUs and state")
     nodes.add_argument("--ops", help="the broker's ops URL, e.g. http://broker:8080")
+    ops_token_flag(nodes)
     nodes.add_argument("--json", action="store_true", help="print JSON instead of a table")
     nodes.set_defaults(func=_run(_nodes))
     for name, helptext, handler in (

@@ -9,7 +9,8 @@
 
 Client commands use `--broker`/$OFFLOAD_BROKER and `--api-key-file`/$OFFLOAD_API_KEY_FILE;
 operator ones `--join-token-file`/$OFFLOAD_JOIN_TOKEN_FILE; read-only views `--ops`/
-$OFFLOAD_OPS. Long operations print their progress.
+$OFFLOAD_OPS with `--ops-token-file`/$OFFLOAD_OPS_TOKEN_FILE. Long operations print their
+progress.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from edge_client.commands import (
     _run,
     edge_call,
     ops_get,
+    ops_token_flag,
 )
 from edge_client.errors import OffloadError
 from protos.offload.v1 import broker_pb2 as pb
@@ -327,5 +329,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         if name == "migrations":
             p.add_argument("--deployment", help="only this deployment's")
         p.add_argument("--ops", help="the broker's ops URL ($OFFLOAD_OPS)")
+        ops_token_flag(p)
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=_run(handler))

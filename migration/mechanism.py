@@ -28,9 +28,14 @@ logger = logging.getLogger(__name__)
 
 
 class Strategy(enum.StrEnum):
+    """How a deployment moves; the broker stores it by its value (one type end to end)."""
+
     MAKE_BEFORE_BREAK = "make_before_break"
+    """Start and warm the target, switch clients to it, then drain and stop the source."""
     STOP_START = "stop_start"
+    """The baseline: stop the source, then start the target (break before make)."""
     FAILOVER = "failover"
+    """The source is gone (node lost): start the target and switch."""
 
 
 class Outcome(enum.StrEnum):

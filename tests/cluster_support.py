@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
+from protos.offload.v1 import node_pb2_grpc as npb_grpc
 
 JOIN_TOKEN = "join-token-for-tests-0123456789"
 CLUSTER_YAML = CLUSTER_FILE.read_text()
@@ -162,6 +166,97 @@ class EdgeClient:
             pb.ListDeploymentsRequest(), metadata=self.metadata
         )
         return list(reply.deployments)
+
+
+async def node_replicas(cluster: Cluster) -> dict[str, list[str]]:
+    """node id -> the ids of the replicas it reports (ListReplicas), for every live node."""
+    out = {}
+    for node_id, process in cluster.nodes.items():
+        if process.poll() is not None:
+            continue
+        # The address of its latest start (a restarted node listens on a new port).
+        log = cluster.node_log(node_id).read_text()
+        address = re.findall(r"node agent listening on (127\.0\.0\.1:\d+)", log)[-1]
+        async with grpc.aio.insecure_channel(address) as channel:
+            listed = await npb_grpc.NodeAgentStub(channel).ListReplicas(
+                npb.ListReplicasRequest(),
+                metadata=(("authorization", f"Bearer {JOIN_TOKEN}"),),
+                timeout=10,
+            )
+        out[node_id] = sorted(r.replica_id for r in listed.replicas)
+    return out
+
+
+def replica_processes(cluster: Cluster) -> dict[str, list[str]]:
+    """node id -> the replicas (process runtime) whose process is alive, from the
+    `replica.json` each leaves in the node's state dir, for every live node."""
+    out = {}
+    for node_id, process in cluster.nodes.items():
+        if process.poll() is not None:
+            continue
+        alive = []
+        for record in (cluster.root / f"{node_id}-state" / "replicas").glob("*/replica.json"):
+            with contextlib.suppress(OSError, ValueError):
+                pid = json.loads(record.read_text())["pid"]
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                if stat.rpartition(")")[2].split()[0] != "Z":
+                    alive.append(record.parent.name)
+        out[node_id] = sorted(alive)
+    return out
+
+
+async def cluster_agrees(cluster: Cluster, timeout_s: float = 60) -> list[pb.Deployment]:
+    """Poll until the broker, the nodes and their processes agree: every deployment of
+    every client running or pending, each running one's replica on its node and nowhere
+    else, no other replica reported or alive anywhere (the orphan grace is 3 s), no GPU
+    held by two deployments. The deployments; AssertionError saying what disagrees after
+    `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        deployments = []
+        async with grpc.aio.insecure_channel(cluster.broker_address) as channel:
+            stub = pb_grpc.EdgeBrokerStub(channel)
+            for client in cluster.api_keys:
+                reply = await stub.ListDeployments(
+                    pb.ListDeploymentsRequest(), metadata=cluster.metadata(client), timeout=10
+                )
+                deployments.extend(reply.deployments)
+        running = [d for d in deployments if d.state == "running"]
+        expected: dict[str, list[str]] = {node_id: [] for node_id in cluster.nodes}
+        for d in running:
+            expected.setdefault(d.node_id, []).append(f"{d.deployment_id}-{d.epoch}")
+        reported = await node_replicas(cluster)
+        processes = replica_processes(cluster)
+        gpus = Counter(
+            (d.node_id, uuid)
+            for d in deployments
+            if d.state in ("running", "starting")
+            for uuid in d.gpu_uuids
+        )
+        problems = [
+            *(
+                f"{d.deployment_id} is {d.state}"
+                for d in deployments
+                if d.state not in ("running", "pending")
+            ),
+            *(f"GPU {gpu} held {n} times" for gpu, n in gpus.items() if n > 1),
+            *(
+                f"{node} runs {reported[node]}, the broker expects {sorted(expected[node])}"
+                for node in reported
+                if reported[node] != sorted(expected[node])
+            ),
+            *(
+                f"{node} has processes of {processes[node]}, reports {reported[node]}"
+                for node in processes
+                if processes[node] != reported.get(node)
+            ),
+        ]
+        if not problems:
+            return deployments
+        if loop.time() > deadline:
+            raise AssertionError("; ".join(problems))
+        await asyncio.sleep(0.1)
 
 
 async def infer_once(deployment: pb.Deployment, model: str = "mlp") -> None:

@@ -10,10 +10,18 @@ import copy
 import itertools
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from broker.ops import DeploymentInfo, GpuInfo, LinkInfo, MigrationInfo, NodeInfo
 
 DEPLOYMENT_ID = "dep-7f3a"
+OPS_TOKEN = "ops-token-for-tests-0123456789"
+
+
+def ops_headers(token_file: Path) -> dict[str, str]:
+    """The header that reads a broker's ops API with the token in `token_file` (its
+    `--ops-token-file`, or the `<state-dir>/ops-token` it wrote without one)."""
+    return {"Authorization": f"Bearer {token_file.read_text().strip()}"}
 
 
 def _gpus(prefix: str, name: str, memory_mib: int, count: int, held: set[int]) -> list[GpuInfo]:

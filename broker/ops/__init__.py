@@ -1,10 +1,12 @@
 """The broker's ops surface for operators: `/metrics`, `/api/...` and a live dashboard page.
 
-`create_ops_app(view, metrics)` builds the aiohttp application over an `OpsView` (the broker's
-read-only snapshot of nodes, deployments and migrations) and a `BrokerMetrics`.
+`create_ops_app(view, metrics, auth)` builds the aiohttp application over an `OpsView` (the
+broker's read-only snapshot of nodes, deployments and migrations), a `BrokerMetrics` and an
+`OpsAuth` (the ops token: who may read it).
 """
 
 from broker.ops.app import create_ops_app, start_ops_server
+from broker.ops.auth import OpsAuth
 from broker.ops.metrics import BrokerMetrics
 from broker.ops.view import (
     DeploymentInfo,
@@ -23,6 +25,7 @@ __all__ = [
     "LinkInfo",
     "MigrationInfo",
     "NodeInfo",
+    "OpsAuth",
     "OpsView",
     "TimelineEvent",
     "create_ops_app",

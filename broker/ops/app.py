@@ -1,16 +1,22 @@
 """The broker's ops HTTP server (aiohttp): health, metrics, JSON API and the live dashboard.
 
-Routes, all GET (HEAD too, as HTTP wants; any other method is 405):
+Routes, GET (HEAD too, as HTTP wants) unless said otherwise; any other method is 405:
 
-- `/healthz`: `ok`, text/plain.
+- `/healthz`: `ok`, text/plain. Always open.
 - `/metrics`: Prometheus text format. The state gauges are set from the view at each scrape.
+  Open unless `OpsAuth.metrics_open` is off.
 - `/api/nodes`, `/api/deployments`, `/api/migrations`: what `OpsView` returns, as JSON, with
-  `Cache-Control: no-store`.
-- `/`: the dashboard page; it polls the `/api/...` routes every second (`static/`).
+  `Cache-Control: no-store`. The ops token needed (`broker.ops.auth`).
+- `/`: the dashboard page; it polls the `/api/...` routes every second (`static/`). The ops
+  token needed: without it the browser is sent to `/login`.
+- `/login`: the login form (GET) and its target (POST, form field `token`): the right token
+  gets the session cookie and a redirect to `/`, a wrong one 401 and the form again.
+  `POST /logout` drops the cookie. `/static/...` (scripts and styles, no data) is open.
 
-Every error is JSON, `{"error": message, "status": code}`: 404 for an unknown path, 405 for
-another method, 500 when the view fails (logged with its traceback). The page only loads files
-from this server (its Content-Security-Policy says so): the broker host may have no Internet.
+Every error is JSON, `{"error": message, "status": code}`: 401 without the ops token (before
+anything else, so it tells nothing about the routes), 404 for an unknown path, 405 for another
+method, 500 when the view fails (logged with its traceback). The page only loads files from
+this server (its Content-Security-Policy says so): the broker host may have no Internet.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from broker.ops.auth import OpsAuth
 from broker.ops.metrics import BrokerMetrics
 from broker.ops.view import DeploymentInfo, NodeInfo, OpsView
 
@@ -31,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _STATIC_FILES = {
     "index.html": "text/html",
+    "login.html": "text/html",
     "dashboard.js": "text/javascript",
     "dashboard.css": "text/css",
 }
@@ -45,6 +53,11 @@ _PAGE_HEADERS = {
 _VIEW_KEY = web.AppKey("ops_view", OpsView)
 _METRICS_KEY = web.AppKey("ops_metrics", BrokerMetrics)
 _STATIC_KEY = web.AppKey("ops_static", dict[str, bytes])
+_AUTH_KEY = web.AppKey("ops_auth", OpsAuth)
+
+_OPEN_PATHS = frozenset({"/healthz", "/login", "/logout"})
+"""Paths anyone may reach (besides `/static/...`, and `/metrics` when it is open)."""
+_LOGIN_ERROR = b'<p id="login-error" class="status status-error" hidden></p>'
 
 T = TypeVar("T")
 
@@ -55,15 +68,16 @@ class ViewError(Exception):
     """A call to the `OpsView` failed, or returned what JSON cannot carry."""
 
 
-def create_ops_app(view: OpsView, metrics: BrokerMetrics) -> web.Application:
-    """The ops application over `view` and `metrics`.
+def create_ops_app(view: OpsView, metrics: BrokerMetrics, auth: OpsAuth) -> web.Application:
+    """The ops application over `view` and `metrics`, readable by whom `auth` allows.
 
     Reads the dashboard's files now, so that a broker installed without its package data fails
     at start, not when an operator opens the page.
     """
-    app = web.Application(middlewares=[_json_errors])
+    app = web.Application(middlewares=[_json_errors, _ops_token])
     app[_VIEW_KEY] = view
     app[_METRICS_KEY] = metrics
+    app[_AUTH_KEY] = auth
     static = resources.files("broker.ops") / "static"
     app[_STATIC_KEY] = {name: (static / name).read_bytes() for name in _STATIC_FILES}
     app.router.add_get("/healthz", _healthz)
@@ -72,6 +86,9 @@ def create_ops_app(view: OpsView, metrics: BrokerMetrics) -> web.Application:
     app.router.add_get("/api/deployments", _api_deployments)
     app.router.add_get("/api/migrations", _api_migrations)
     app.router.add_get("/", _static_file)
+    app.router.add_get("/login", _login_page)
+    app.router.add_post("/login", _login)
+    app.router.add_post("/logout", _logout)
     app.router.add_get("/static/{name}", _static_file)
     return app
 
@@ -108,6 +125,64 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     except ViewError as err:
         logger.exception("ops: %s %s failed", request.method, request.path)
         return _error(500, str(err))
+
+
+@web.middleware
+async def _ops_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+    auth = request.app[_AUTH_KEY]
+    path = request.path
+    if (
+        path in _OPEN_PATHS
+        or path.startswith("/static/")
+        or (path == "/metrics" and auth.metrics_open)
+        or auth.allows(request)
+    ):
+        return await handler(request)
+    if path == "/" and request.method in ("GET", "HEAD"):
+        return _see_other("/login")
+    return _error(
+        401,
+        "missing or wrong ops token: send 'Authorization: Bearer <token>' (the broker's "
+        "--ops-token-file, or <state-dir>/ops-token when it has none), or log in at /login",
+        {"WWW-Authenticate": 'Bearer realm="edge-offload ops"'},
+    )
+
+
+async def _login_page(request: web.Request) -> web.Response:
+    return _page(request.app[_STATIC_KEY]["login.html"])
+
+
+async def _login(request: web.Request) -> web.Response:
+    auth = request.app[_AUTH_KEY]
+    form = await request.post()
+    token = form.get("token")
+    if isinstance(token, str) and auth.token_matches(token.strip()):
+        response = _see_other("/")
+        auth.start_session(response)
+        logger.info("ops: login from %s", request.remote)
+        return response
+    logger.warning("ops: failed login from %s", request.remote)
+    page = request.app[_STATIC_KEY]["login.html"].replace(
+        _LOGIN_ERROR,
+        b'<p id="login-error" class="status status-error">wrong token: try again</p>',
+    )
+    return _page(page, status=401)
+
+
+async def _logout(request: web.Request) -> web.Response:
+    response = _see_other("/login")
+    OpsAuth.end_session(response)
+    return response
+
+
+def _see_other(location: str) -> web.Response:
+    return web.Response(status=303, headers={"Location": location, "Cache-Control": "no-store"})
+
+
+def _page(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(
+        body=body, status=status, content_type="text/html", charset="utf-8", headers=_PAGE_HEADERS
+    )
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:

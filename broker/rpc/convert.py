@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import re
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, quote
+from broker.rpc import validate
+from broker.service import MAX_GPUS
 from node_daemon.inventory import Gpu, Inventory, Link, LinkKind, Nic
 from protos.offload.v1 import node_pb2 as npb
 
-_NV = re.compile(r"NV(\d+)")
+_NV = re.compile(r"NV(\d{1,2})")
+_VERSION = re.compile(r"[^\x00-\x1f\x7f]{0,64}")
+_NIC = re.compile(r"[^\x00-\x20\x7f]{1,64}")
 
 
 def link_from_text(kind: str) -> Link:
@@ -17,37 +21,52 @@ def link_from_text(kind: str) -> Link:
     try:
         return Link(LinkKind(kind))
     except ValueError:
-        raise InvalidRequest(f"unknown GPU link kind {kind!r}") from None
+        raise InvalidRequest(f"unknown GPU link kind {quote(kind)}") from None
+
+
+def gpu_from_proto(g: npb.Gpu, field: str) -> Gpu:
+    """One GPU of an inventory; InvalidRequest for a value out of its bounds."""
+    memory_total_mib = validate.integer(
+        f"{field}.memory_total_mib", g.memory_total_mib, 1, validate.MAX_GPU_MEMORY_MIB
+    )
+    return Gpu(
+        index=validate.integer(f"{field}.index", g.index, 0, MAX_GPUS - 1),
+        uuid=validate.name(f"{field}.uuid", g.uuid),
+        name=validate.name(f"{field}.name", g.name) if g.name else "",
+        memory_total_mib=memory_total_mib,
+        memory_used_mib=validate.integer(
+            f"{field}.memory_used_mib", g.memory_used_mib, 0, memory_total_mib
+        ),
+        utilization_pct=validate.integer(f"{field}.utilization_pct", g.utilization_pct, 0, 100),
+        pci_bus_id=validate.name(f"{field}.pci_bus_id", g.pci_bus_id) if g.pci_bus_id else "",
+        numa_node=None
+        if g.numa_node < 0
+        else validate.integer(f"{field}.numa_node", g.numa_node, 0, validate.MAX_NUMA_NODE),
+        compute_capability=validate.matching(
+            f"{field}.compute_capability", g.compute_capability, _VERSION, "a short version"
+        ),
+    )
 
 
 def inventory_from_proto(message: npb.Inventory) -> Inventory:
     """The node's inventory as the broker's domain sees it; InvalidRequest when the node sent
-    something inconsistent (duplicate GPUs, links to unknown GPUs, missing pairs)."""
-    gpus = tuple(
-        Gpu(
-            index=g.index,
-            uuid=g.uuid,
-            name=g.name,
-            memory_total_mib=g.memory_total_mib,
-            memory_used_mib=g.memory_used_mib,
-            utilization_pct=g.utilization_pct,
-            pci_bus_id=g.pci_bus_id,
-            numa_node=None if g.numa_node < 0 else g.numa_node,
-            compute_capability=g.compute_capability,
-        )
-        for g in message.gpus
-    )
+    a value out of bounds or something inconsistent (duplicate GPUs, links to unknown GPUs,
+    missing pairs)."""
+    validate.count("inventory.gpus", message.gpus, MAX_GPUS)
+    validate.count("inventory.links", message.links, MAX_GPUS * (MAX_GPUS - 1) // 2)
+    validate.count("inventory.nics", message.nics, validate.MAX_LIST)
+    gpus = tuple(gpu_from_proto(g, f"inventory.gpus[{i}]") for i, g in enumerate(message.gpus))
     if len({g.index for g in gpus}) != len(gpus) or len({g.uuid for g in gpus}) != len(gpus):
         raise InvalidRequest("the inventory lists a GPU index or UUID twice")
     if sorted(g.index for g in gpus) != list(range(len(gpus))):
         raise InvalidRequest("GPU indices must be 0..N-1")
-    if any(g.memory_total_mib <= 0 for g in gpus):
-        raise InvalidRequest("every GPU needs a positive memory_total_mib")
     index = {g.uuid: g.index for g in gpus}
     links = {}
     for link in message.links:
         if link.gpu_a not in index or link.gpu_b not in index or link.gpu_a == link.gpu_b:
-            raise InvalidRequest(f"link {link.gpu_a} - {link.gpu_b} names an unknown GPU")
+            raise InvalidRequest(
+                f"link {quote(link.gpu_a)} - {quote(link.gpu_b)} names an unknown GPU"
+            )
         a, b = sorted((index[link.gpu_a], index[link.gpu_b]))
         links[(a, b)] = link_from_text(link.kind)
     expected = len(gpus) * (len(gpus) - 1) // 2
@@ -56,7 +75,14 @@ def inventory_from_proto(message: npb.Inventory) -> Inventory:
     return Inventory(
         gpus=gpus,
         links=links,
-        nics=tuple(Nic(name) for name in message.nics),
-        driver_version=message.driver_version,
-        cuda_version=message.cuda_version,
+        nics=tuple(
+            Nic(validate.matching("inventory.nics", nic, _NIC, "a network interface name"))
+            for nic in message.nics
+        ),
+        driver_version=validate.matching(
+            "inventory.driver_version", message.driver_version, _VERSION, "a short version"
+        ),
+        cuda_version=validate.matching(
+            "inventory.cuda_version", message.cuda_version, _VERSION, "a short version"
+        ),
     )

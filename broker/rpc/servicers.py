@@ -13,13 +13,14 @@ from typing import cast
 
 import grpc
 
-from broker.errors import InvalidRequest, NotFound, Unauthenticated
+from broker.errors import InvalidRequest, Unauthenticated, client_text, quote
 from broker.migrations import Migrations
 from broker.model_store import Upload
-from broker.placement import PriorityClass
+from broker.quotas import within_idle_timeout
+from broker.rpc import validate
 from broker.rpc.convert import inventory_from_proto
 from broker.rpc.status import mapped_errors
-from broker.service import Broker, DeploySpec
+from broker.service import MAX_GPUS, Broker, DeploySpec, ReplicaState
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
 from migration.mechanism import Strategy
 from protos.offload.v1 import broker_pb2 as pb
@@ -27,10 +28,10 @@ from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 
 _REPLICA_STATES = {
-    npb.REPLICA_STATE_STARTING: "starting",
-    npb.REPLICA_STATE_READY: "ready",
-    npb.REPLICA_STATE_STOPPING: "stopping",
-    npb.REPLICA_STATE_EXITED: "exited",
+    npb.REPLICA_STATE_STARTING: ReplicaState.STARTING,
+    npb.REPLICA_STATE_READY: ReplicaState.READY,
+    npb.REPLICA_STATE_STOPPING: ReplicaState.STOPPING,
+    npb.REPLICA_STATE_EXITED: ReplicaState.EXITED,
 }
 
 
@@ -41,8 +42,20 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-def _replicas(replicas: list[npb.Replica]) -> list[tuple[str, str]]:
-    return [(r.replica_id, _REPLICA_STATES.get(r.state, "unknown")) for r in replicas]
+def _replicas(replicas: list[npb.Replica]) -> list[tuple[str, ReplicaState]]:
+    validate.count("replicas", replicas, validate.MAX_REPLICAS)
+    return [
+        (
+            validate.replica_id(f"replicas[{i}].replica_id", r.replica_id),
+            _REPLICA_STATES.get(r.state, ReplicaState.UNKNOWN),
+        )
+        for i, r in enumerate(replicas)
+    ]
+
+
+def _runtimes(runtimes: list[str]) -> list[str]:
+    validate.count("runtimes", runtimes, validate.MAX_LIST)
+    return [validate.identifier(f"runtimes[{i}]", r) for i, r in enumerate(runtimes)]
 
 
 class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
@@ -66,7 +79,7 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
             request.address,
             request.site,
             inventory_from_proto(request.inventory),
-            list(request.runtimes),
+            _runtimes(list(request.runtimes)),
             _replicas(list(request.replicas)),
         )
         settings = self._broker.settings
@@ -80,9 +93,15 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
         self._check(context)
+        node_id = validate.node_id("node_id", request.node_id)
         gpus = request.usage.gpus
-        load = sum(g.utilization_pct for g in gpus) / (100 * len(gpus)) if gpus else 0.0
-        await self._broker.heartbeat(request.node_id, load, _replicas(list(request.replicas)))
+        validate.count("usage.gpus", gpus, MAX_GPUS)
+        used = [
+            validate.integer(f"usage.gpus[{i}].utilization_pct", g.utilization_pct, 0, 100)
+            for i, g in enumerate(gpus)
+        ]
+        load = sum(used) / (100 * len(used)) if used else 0.0
+        self._broker.heartbeat(node_id, load, _replicas(list(request.replicas)))
         return pb.HeartbeatResponse()
 
     @mapped_errors
@@ -90,10 +109,11 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         self, request: pb.FetchModelRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[npb.ModelChunk]:
         self._check(context)
-        chunks = self._broker.model_chunks(request.sha256)
+        sha256 = validate.sha256("sha256", request.sha256)
+        chunks = self._broker.model_chunks(sha256)
         first = True
         while (data := await asyncio.to_thread(next, chunks, None)) is not None:
-            yield npb.ModelChunk(sha256=request.sha256 if first else "", data=data)
+            yield npb.ModelChunk(sha256=sha256 if first else "", data=data)
             first = False
 
 
@@ -107,7 +127,9 @@ def deployment_message(record: DeploymentRecord) -> pb.Deployment:
         gpu_uuids=record.gpu_uuids,
         model_name=record.model_name,
         state=str(record.state),
-        reason=record.reason,
+        # Cleaned again on the way out: a reason stored by an older broker may carry a
+        # node's raw text.
+        reason=client_text(record.reason),
         explanation_json=record.explanation_json,
         client_id=record.client_id,
         site=record.site,
@@ -117,22 +139,23 @@ def deployment_message(record: DeploymentRecord) -> pb.Deployment:
 
 
 def deploy_spec(request: pb.DeployRequest) -> DeploySpec:
-    priority = request.priority or pb.PRIORITY_CLASS_STANDARD
-    try:
-        priority_class = PriorityClass(priority)
-    except ValueError:
-        raise InvalidRequest(f"unknown priority class {priority}") from None
+    """The request's spec, every field within its bounds (`broker.rpc.validate`); the
+    domain checks the rest (`DeploySpec.validate`)."""
     return DeploySpec(
-        model_sha256=request.model_sha256,
+        model_sha256=validate.sha256("model_sha256", request.model_sha256),
         model_name=request.model_name,
-        site=request.site,
+        site=validate.site("site", request.site),
         gpus=request.gpus,
-        gpu_memory_mib=request.gpu_memory_mib,
+        gpu_memory_mib=validate.integer(
+            "gpu_memory_mib", request.gpu_memory_mib, 0, validate.MAX_GPU_MEMORY_MIB
+        ),
         p2p_required=request.p2p_required,
-        cpus=request.cpus,
-        memory_mib=request.memory_mib,
-        priority=priority_class,
-        latency_slo_ms=request.latency_slo_ms,
+        cpus=validate.number("cpus", request.cpus, 0, validate.MAX_CPUS),
+        memory_mib=validate.integer("memory_mib", request.memory_mib, 0, validate.MAX_MEMORY_MIB),
+        priority=validate.priority(request.priority),
+        latency_slo_ms=validate.number(
+            "latency_slo_ms", request.latency_slo_ms, 0, validate.MAX_LATENCY_SLO_MS
+        ),
     )
 
 
@@ -149,10 +172,23 @@ def migration_message(m: MigrationRecord) -> pb.Migration:
             pb.MigrationEvent(event=e["event"], at=e["at"]) for e in json.loads(m.timeline_json)
         ],
         outcome=m.outcome,
-        reason=m.reason,
+        reason=client_text(m.reason),
         downtime_ms=-1.0 if m.downtime_ms is None else m.downtime_ms,
         failed_requests=-1 if m.failed_requests is None else m.failed_requests,
     )
+
+
+def _same_client(declared: str, client_id: str) -> None:
+    """A request's optional `client_id` must be the API key's."""
+    if declared and validate.identifier("client_id", declared) != client_id:
+        raise InvalidRequest(
+            f"client_id {quote(declared)} is not the API key's client {quote(client_id)}"
+        )
+
+
+def _to_node(request: pb.MigrateRequest) -> str:
+    """The target node of a migration; empty: the best that fits."""
+    return validate.node_id("to_node", request.to_node) if request.to_node else ""
 
 
 def _strategy(name: str) -> Strategy:
@@ -160,15 +196,11 @@ def _strategy(name: str) -> Strategy:
         return Strategy.MAKE_BEFORE_BREAK
     if name == "stop_start":
         return Strategy.STOP_START
-    raise InvalidRequest(f"strategy {name!r}: use make_before_break or stop_start")
+    raise InvalidRequest(f"strategy {quote(name)}: use make_before_break or stop_start")
 
 
 async def _migration(migrations: Migrations, migration_id: str) -> pb.Migration:
-    broker = migrations.broker
-    for m in await broker.db(broker.store.list_migrations):
-        if m.migration_id == migration_id:
-            return migration_message(m)
-    raise NotFound(f"migration {migration_id} not found")
+    return migration_message(await migrations.broker.get_migration(migration_id))
 
 
 class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
@@ -177,7 +209,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self._migrations = migrations
 
     async def _client(self, context: grpc.aio.ServicerContext) -> str:
-        client_id = await self._broker.client_for(_authorization(context))
+        client_id = await self._broker.client_for(_authorization(context), context.peer())
         if client_id is None:
             raise Unauthenticated(
                 "missing or wrong API key: send 'authorization: Bearer <client id>.<secret>'"
@@ -188,22 +220,25 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     async def UploadModel(
         self, request_iterator: AsyncIterator[npb.ModelChunk], context: grpc.aio.ServicerContext
     ) -> pb.UploadModelResponse:
-        await self._client(context)
+        client_id = await self._client(context)
+        limits = self._broker.limits
         upload: Upload | None = None
         name = ""
         try:
-            async for chunk in request_iterator:
+            with limits.uploads.hold(client_id):
+                chunks = within_idle_timeout(request_iterator, limits.quotas.upload_idle_timeout_s)
+                async for chunk in chunks:
+                    if upload is None:
+                        if not chunk.sha256:
+                            raise InvalidRequest("the first chunk must carry the model's sha256")
+                        upload = self._broker.begin_upload(validate.sha256("sha256", chunk.sha256))
+                        name = validate.name("name", chunk.name) if chunk.name else ""
+                    elif chunk.sha256 and chunk.sha256 != upload.sha256:
+                        raise InvalidRequest("a later chunk declares a different sha256")
+                    await asyncio.to_thread(self._broker.write_upload, upload, chunk.data)
                 if upload is None:
-                    if not chunk.sha256:
-                        raise InvalidRequest("the first chunk must carry the model's sha256")
-                    upload = self._broker.begin_upload(chunk.sha256)
-                    name = chunk.name
-                elif chunk.sha256 and chunk.sha256 != upload.sha256:
-                    raise InvalidRequest("a later chunk declares a different sha256")
-                await asyncio.to_thread(self._broker.write_upload, upload, chunk.data)
-            if upload is None:
-                raise InvalidRequest("the upload stream is empty")
-            sha, size, deduplicated = await self._broker.finish_upload(upload, name)
+                    raise InvalidRequest("the upload stream is empty")
+                sha, size, deduplicated = await self._broker.finish_upload(client_id, upload, name)
         except BaseException:
             if upload is not None:
                 upload.abort()
@@ -215,10 +250,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.DeployRequest, context: grpc.aio.ServicerContext
     ) -> pb.Deployment:
         client_id = await self._client(context)
-        if request.client_id and request.client_id != client_id:
-            raise InvalidRequest(
-                f"client_id {request.client_id!r} is not the API key's client {client_id!r}"
-            )
+        _same_client(request.client_id, client_id)
         record = await self._broker.deploy(client_id, deploy_spec(request))
         return deployment_message(record)
 
@@ -227,7 +259,8 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.GetDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.Deployment:
         client_id = await self._client(context)
-        return deployment_message(await self._broker.get(client_id, request.deployment_id))
+        deployment_id = validate.identifier("deployment_id", request.deployment_id)
+        return deployment_message(await self._broker.get(client_id, deployment_id))
 
     @mapped_errors
     async def ListDeployments(
@@ -242,7 +275,9 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteDeploymentResponse:
         client_id = await self._client(context)
-        await self._broker.delete(client_id, request.deployment_id)
+        await self._broker.delete(
+            client_id, validate.identifier("deployment_id", request.deployment_id)
+        )
         return pb.DeleteDeploymentResponse()
 
     @mapped_errors
@@ -250,27 +285,28 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.WatchDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PlacementUpdate]:
         client_id = await self._client(context)
-        async for update in self._broker.watch(client_id, request.deployment_id):
-            yield pb.PlacementUpdate(
-                deployment_id=update.deployment_id,
-                endpoint=update.endpoint,
-                token=update.token,
-                epoch=update.epoch,
-                reason=update.reason,
-                migration_id=update.migration_id,
-                state=str(update.state),
-            )
+        deployment_id = validate.identifier("deployment_id", request.deployment_id)
+        with self._broker.limits.watch_streams.hold(client_id):
+            async for update in self._broker.watch(client_id, deployment_id):
+                yield pb.PlacementUpdate(
+                    deployment_id=update.deployment_id,
+                    endpoint=update.endpoint,
+                    token=update.token,
+                    epoch=update.epoch,
+                    reason=update.reason,
+                    migration_id=update.migration_id,
+                    state=str(update.state),
+                )
 
     @mapped_errors
     async def ReportLocation(
         self, request: pb.ReportLocationRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportLocationResponse:
         client_id = await self._client(context)
-        if request.client_id and request.client_id != client_id:
-            raise InvalidRequest(
-                f"client_id {request.client_id!r} is not the API key's client {client_id!r}"
-            )
-        started = await self._migrations.on_location(client_id, request.site)
+        _same_client(request.client_id, client_id)
+        started = await self._migrations.on_location(
+            client_id, validate.site("site", request.site)
+        )
         return pb.ReportLocationResponse(migration_id=started[0] if started else "")
 
     @mapped_errors
@@ -278,8 +314,10 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.AckSwitchRequest, context: grpc.aio.ServicerContext
     ) -> pb.AckSwitchResponse:
         client_id = await self._client(context)
-        await self._broker.get(client_id, request.deployment_id)
-        self._migrations.on_ack(request.deployment_id, request.epoch)
+        deployment_id = validate.identifier("deployment_id", request.deployment_id)
+        epoch = validate.epoch("epoch", request.epoch)
+        await self._broker.get(client_id, deployment_id)
+        self._migrations.on_ack(deployment_id, epoch)
         return pb.AckSwitchResponse()
 
     @mapped_errors
@@ -287,12 +325,13 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.ObservationReport, context: grpc.aio.ServicerContext
     ) -> pb.ObservationAck:
         client_id = await self._client(context)
+        validate.integer("requests", request.requests, 0, validate.MAX_REQUESTS)
         await self._migrations.on_observation(
             client_id,
-            request.deployment_id,
-            request.migration_id,
-            request.longest_gap_ms,
-            request.failed_requests,
+            validate.identifier("deployment_id", request.deployment_id),
+            validate.identifier("migration_id", request.migration_id),
+            validate.number("longest_gap_ms", request.longest_gap_ms, 0, validate.MAX_GAP_MS),
+            validate.integer("failed_requests", request.failed_requests, 0, validate.MAX_REQUESTS),
         )
         return pb.ObservationAck()
 
@@ -302,8 +341,8 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     ) -> pb.Migration:
         client_id = await self._client(context)
         migration_id = await self._migrations.migrate(
-            request.deployment_id,
-            request.to_node,
+            validate.identifier("deployment_id", request.deployment_id),
+            _to_node(request),
             _strategy(request.strategy),
             MigrationTrigger.OPERATOR,
             client_id=client_id,
@@ -315,8 +354,9 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.ListMigrationsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListMigrationsResponse:
         client_id = await self._client(context)
-        await self._broker.get(client_id, request.deployment_id)
-        records = await self._broker.db(self._broker.store.list_migrations, request.deployment_id)
+        deployment_id = validate.identifier("deployment_id", request.deployment_id)
+        await self._broker.get(client_id, deployment_id)
+        records = await self._broker.list_migrations(deployment_id)
         return pb.ListMigrationsResponse(migrations=[migration_message(m) for m in records])
 
 
@@ -335,7 +375,7 @@ class OperatorServicer(pb_grpc.OperatorServicer):
         self, request: pb.DrainNodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainNodeResponse:
         self._check(context)
-        started = await self._migrations.drain(request.node_id)
+        started = await self._migrations.drain(validate.node_id("node_id", request.node_id))
         return pb.DrainNodeResponse(migration_ids=started)
 
     @mapped_errors
@@ -344,7 +384,9 @@ class OperatorServicer(pb_grpc.OperatorServicer):
     ) -> pb.Migration:
         self._check(context)
         migration_id = await self._migrations.migrate(
-            request.deployment_id, request.to_node, _strategy(request.strategy)
+            validate.identifier("deployment_id", request.deployment_id),
+            _to_node(request),
+            _strategy(request.strategy),
         )
         return await _migration(self._migrations, migration_id)
 
@@ -354,5 +396,8 @@ class OperatorServicer(pb_grpc.OperatorServicer):
     ) -> pb.ListMigrationsResponse:
         self._check(context)
         broker = self._migrations.broker
-        records = await broker.db(broker.store.list_migrations, request.deployment_id or None)
+        deployment_id = request.deployment_id
+        if deployment_id:
+            validate.identifier("deployment_id", deployment_id)
+        records = await broker.list_migrations(deployment_id or None)
         return pb.ListMigrationsResponse(migrations=[migration_message(m) for m in records])

@@ -10,13 +10,14 @@
 the migration scripts, `api_keys` the key format and its hashing, `errors` the exceptions.
 """
 
-from broker.state.api_keys import new_api_key, parse_api_key
+from broker.state.api_keys import new_api_key, parse_api_key, parse_api_keys_file
 from broker.state.errors import ConstraintError, SchemaError, StateError, StorageError
 from broker.state.records import (
     ClientRecord,
     DeploymentRecord,
     DeploymentState,
     EventRecord,
+    KeyChanges,
     MigrationRecord,
     MigrationState,
     MigrationStrategy,
@@ -34,6 +35,7 @@ __all__ = [
     "DeploymentRecord",
     "DeploymentState",
     "EventRecord",
+    "KeyChanges",
     "MigrationRecord",
     "MigrationState",
     "MigrationStrategy",
@@ -47,4 +49,5 @@ __all__ = [
     "StorageError",
     "new_api_key",
     "parse_api_key",
+    "parse_api_keys_file",
 ]

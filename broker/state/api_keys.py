@@ -47,6 +47,31 @@ def parse_api_key(api_key: str) -> tuple[str, str] | None:
     return client_id, secret
 
 
+def parse_api_keys_file(text: str, source: str) -> tuple[str, ...]:
+    """The keys of an API keys file (one per line; blank lines and lines starting `#` are
+    skipped). ValueError naming `source` and the line for a line that is not a key or a second
+    key of one client; the message never quotes the line (it may be a key)."""
+    keys: list[str] = []
+    lines: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parsed = parse_api_key(line)
+        if parsed is None:
+            raise ValueError(
+                f"{source}, line {number}: not an API key "
+                "(<client id>.<secret>; make one with `offload keygen CLIENT_ID`)"
+            )
+        if (first := lines.setdefault(parsed[0], number)) != number:
+            raise ValueError(
+                f"{source}, line {number}: a second key of client {parsed[0]!r} "
+                f"(line {first} has one); a client has one key"
+            )
+        keys.append(line)
+    return tuple(keys)
+
+
 def new_api_key(client_id: str) -> str:
     """A fresh random key for `client_id` (ValueError if the id is malformed)."""
     return f"{check_client_id(client_id)}.{secrets.token_urlsafe(32)}"

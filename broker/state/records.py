@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+# One strategy type end to end: the mechanism's, stored by its value.
+from migration.mechanism import Strategy as MigrationStrategy
+
 
 class NodeState(StrEnum):
     READY = "ready"
@@ -44,15 +47,6 @@ class MigrationTrigger(StrEnum):
     OPERATOR = "operator"
 
 
-class MigrationStrategy(StrEnum):
-    MAKE_BEFORE_BREAK = "make_before_break"
-    """Start and warm the target, switch clients to it, then drain and stop the source."""
-    STOP_START = "stop_start"
-    """The baseline: stop the source, then start the target (break before make)."""
-    FAILOVER = "failover"
-    """The source is gone (node lost): start the target and switch."""
-
-
 class MigrationState(StrEnum):
     PREPARING = "preparing"
     SWITCHING = "switching"
@@ -66,6 +60,21 @@ class MigrationState(StrEnum):
 class ClientRecord:
     client_id: str
     created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class KeyChanges:
+    """What `StateStore.replace_client_keys` changed, by client id (never the keys)."""
+
+    added: tuple[str, ...]
+    """Clients that had no key and now have one."""
+    replaced: tuple[str, ...]
+    """Clients whose key is a new one (the old one stopped working)."""
+    revoked: tuple[str, ...]
+    """Clients that had a key and now have none."""
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.replaced or self.revoked)
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,5 +107,21 @@ CREATE TABLE events (
 ) STRICT;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1,)
+_V2 = """
+CREATE TABLE model_owners (
+    sha256     TEXT NOT NULL REFERENCES models (sha256),
+    client_id  TEXT NOT NULL REFERENCES clients (client_id),
+    created_at REAL NOT NULL,
+    PRIMARY KEY (sha256, client_id)
+) STRICT;
+CREATE INDEX model_owners_by_client ON model_owners (client_id);
+
+-- Who uploaded a model was not recorded before: a client that deployed a model owns it.
+INSERT INTO model_owners (sha256, client_id, created_at)
+    SELECT model_sha256, client_id, MIN(created_at) FROM deployments
+    GROUP BY model_sha256, client_id;
+"""
+"""Version 2: which clients uploaded each model (a client deploys only those)."""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2)
 """The scripts in order; `len(MIGRATIONS)` is the schema version this broker writes."""

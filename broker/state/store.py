@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -41,11 +42,13 @@ from typing import Any, TypeVar
 
 from broker.state import api_keys
 from broker.state.errors import ConstraintError, SchemaError, StorageError
+from broker.state.permissions import create_private_file, private_dir, tighten
 from broker.state.records import (
     ClientRecord,
     DeploymentRecord,
     DeploymentState,
     EventRecord,
+    KeyChanges,
     MigrationRecord,
     MigrationState,
     MigrationStrategy,
@@ -123,8 +126,12 @@ class StateStore:
                 f"SQLite {sqlite3.sqlite_version} is too old for the broker's state: it needs "
                 f"{'.'.join(map(str, _MIN_SQLITE))} or newer"
             )
-        state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(state_dir)
         self.path = state_dir / DB_FILENAME
+        # SQLite gives the -wal and -shm files the main file's mode: create it private first.
+        create_private_file(self.path)
+        for suffix in ("-wal", "-shm"):
+            tighten(self.path.with_name(DB_FILENAME + suffix))
         self._clock = clock
         self._lock = threading.RLock()
         self._depth = 0  # transactions open on the connection: 0, or 1 + savepoints
@@ -280,6 +287,51 @@ class StateStore:
                 (client_id, key_hash, self._clock()),
             )
 
+    def replace_client_keys(self, keys: Collection[str]) -> KeyChanges:
+        """Make `keys` exactly the API keys that authenticate: each one's client gets it
+        (created if new), and every other client keeps its row (its deployments refer to it)
+        but no key, so nothing authenticates it any more. A key that is already the client's
+        keeps its stored hash. ConstraintError, with nothing changed, for a malformed key or two
+        keys of one client. Idempotent. Blocking: one ~35 ms hash per key, outside the lock."""
+        wanted: dict[str, str] = {}
+        for key in keys:
+            parsed = api_keys.parse_api_key(key)
+            if parsed is None:
+                raise ConstraintError(
+                    "an API key must look like '<client id>.<secret>', the secret 16 to 256 "
+                    "characters of A-Z, a-z, 0-9, '_' or '-'"
+                )
+            if parsed[0] in wanted:
+                raise ConstraintError(f"two API keys of client {parsed[0]!r}: a client has one")
+            wanted[parsed[0]] = parsed[1]
+        current = self._client_key_hashes()
+        hashes = {
+            client_id: api_keys.hash_secret(secret)
+            for client_id, secret in wanted.items()
+            if not current.get(client_id) or not api_keys.verify_secret(secret, current[client_id])
+        }
+        with self.transaction():
+            current = self._client_key_hashes()
+            for client_id, key_hash in hashes.items():
+                self._conn.execute(
+                    "INSERT INTO clients (client_id, key_hash, created_at) VALUES (?, ?, ?) "
+                    "ON CONFLICT (client_id) DO UPDATE SET key_hash = excluded.key_hash",
+                    (client_id, key_hash, self._clock()),
+                )
+            revoked = sorted(c for c, h in current.items() if h and c not in wanted)
+            self._conn.executemany(
+                "UPDATE clients SET key_hash = '' WHERE client_id = ?", [(c,) for c in revoked]
+            )
+        return KeyChanges(
+            added=tuple(sorted(c for c in hashes if not current.get(c))),
+            replaced=tuple(sorted(c for c in hashes if current.get(c))),
+            revoked=tuple(revoked),
+        )
+
+    def _client_key_hashes(self) -> dict[str, str]:
+        """client id -> its key hash ("" for a client with no key)."""
+        return {row[0]: row[1] for row in self._query("SELECT client_id, key_hash FROM clients")}
+
     def client_for_api_key(self, api_key: str) -> str | None:
         """The client id `api_key` authenticates, or None: for a malformed key, an unknown
         client or a wrong secret alike. An unknown client costs the same hash as a known one,
@@ -289,7 +341,7 @@ class StateStore:
             return None
         client_id, secret = parsed
         rows = self._query("SELECT key_hash FROM clients WHERE client_id = ?", (client_id,))
-        if not rows:
+        if not rows or not rows[0]["key_hash"]:  # unknown, or its key was revoked
             api_keys.spend_verify_time(secret)
             return None
         return client_id if api_keys.verify_secret(secret, rows[0]["key_hash"]) else None
@@ -401,6 +453,37 @@ class StateStore:
             "SELECT sha256, name, size_bytes, created_at FROM models ORDER BY created_at, sha256"
         )
         return [ModelRecord(*row) for row in rows]
+
+    def add_model_owner(self, sha256: str, client_id: str) -> bool:
+        """Record that `client_id` uploaded the model `sha256`: True if it had not before.
+        ConstraintError for an unknown model or client."""
+        with self.transaction():
+            self._require("models", "sha256", sha256, "model")
+            self._require("clients", "client_id", client_id, "client")
+            cursor = self._conn.execute(
+                "INSERT INTO model_owners (sha256, client_id, created_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (sha256, client_id) DO NOTHING",
+                (sha256, client_id, self._clock()),
+            )
+        return cursor.rowcount == 1
+
+    def owns_model(self, client_id: str, sha256: str) -> bool:
+        """Whether `client_id` uploaded the model `sha256` (False for unknown ones)."""
+        return bool(
+            self._query(
+                "SELECT 1 FROM model_owners WHERE client_id = ? AND sha256 = ?",
+                (client_id, sha256),
+            )
+        )
+
+    def client_model_bytes(self, client_id: str) -> int:
+        """The total size of the models `client_id` uploaded (0 for none)."""
+        rows = self._query(
+            "SELECT COALESCE(SUM(m.size_bytes), 0) FROM model_owners o "
+            "JOIN models m ON m.sha256 = o.sha256 WHERE o.client_id = ?",
+            (client_id,),
+        )
+        return int(rows[0][0])
 
     # -- deployments ----------------------------------------------------------------------
 
@@ -652,8 +735,17 @@ def _migration(row: sqlite3.Row) -> MigrationRecord:
         timeline_json=row["timeline_json"],
         outcome=row["outcome"],
         reason=row["reason"],
-        downtime_ms=row["downtime_ms"],
+        downtime_ms=_finite_or_none(row["downtime_ms"], "downtime_ms", row["migration_id"]),
         failed_requests=row["failed_requests"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
     )
+
+
+def _finite_or_none(value: float | None, column: str, migration_id: str) -> float | None:
+    """`value`, or None ("not measured") for an infinity an older broker let in: no read
+    path may break on it (JSON has no infinity)."""
+    if value is None or math.isfinite(value):
+        return value
+    logger.warning("state: migration=%s has %s=%r; read as unknown", migration_id, column, value)
+    return None

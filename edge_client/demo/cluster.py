@@ -152,9 +152,11 @@ class LocalCluster:
         cluster_file: Path = CLUSTER_FILE,
         broker_flags: Sequence[str] = (),
         client_id: str = "demo",
+        more_api_keys: Sequence[str] = (),
     ) -> None:
         """`runtime` is "docker" or "process" (each node's `--runtime`); `image` the runtime
-        image of Docker replicas; `broker_flags` more `offload broker` flags."""
+        image of Docker replicas; `broker_flags` more `offload broker` flags; `more_api_keys`
+        keys of other clients the broker accepts beside `client_id`'s."""
         self.root = root
         self.runtime = runtime
         self.image = image
@@ -162,11 +164,14 @@ class LocalCluster:
         self.cluster_file = cluster_file
         self.broker_flags = tuple(broker_flags)
         self.client_id = client_id
+        self.more_api_keys = tuple(more_api_keys)
         self.broker_port = free_port()
         self.ops_port = free_port()
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.api_key_file = root / "api-key"
+        self.api_keys_file = root / "api-keys"
         self.join_token_file = root / "join-token"
+        self.ops_token_file = root / "ops-token"
         self._tmp = root / "tmp"
 
     @property
@@ -181,6 +186,11 @@ class LocalCluster:
     def api_key(self) -> str:
         return self.api_key_file.read_text().strip()
 
+    @property
+    def ops_headers(self) -> dict[str, str]:
+        """What reads the broker's ops API (`/api/...`): its ops token."""
+        return {"Authorization": f"Bearer {self.ops_token_file.read_text().strip()}"}
+
     def log(self, name: str) -> Path:
         return self.root / f"{name}.log"
 
@@ -194,10 +204,26 @@ class LocalCluster:
         """Start the broker, then every node, each once it is up; ClusterError (with the
         log's tail) when one exits or does not come up within a minute."""
         self._tmp.mkdir(parents=True, exist_ok=True)
-        self.join_token_file.write_text(secrets.token_urlsafe(24) + "\n")
-        self.join_token_file.chmod(0o600)
+        for secret in (self.join_token_file, self.ops_token_file):
+            secret.write_text(secrets.token_urlsafe(24) + "\n")
+            secret.chmod(0o600)
         self.api_key_file.write_text(new_api_key(self.client_id) + "\n")
         self.api_key_file.chmod(0o600)
+        keys = (self.api_key, *self.more_api_keys)
+        self.api_keys_file.write_text("".join(f"{key}\n" for key in keys))
+        self.api_keys_file.chmod(0o600)
+        await self.start_broker()
+        say(f"broker: gRPC {self.broker_address}, dashboard {self.ops_url}")
+        for plan in self.nodes:
+            await self.start_node(plan)
+            say(
+                f"{plan.node_id} at {plan.site}: {plan.gpu_spec.split(':')[0]} GPUs from "
+                f"{plan.capture.name} ({self.runtime} runtime)"
+            )
+
+    async def start_broker(self) -> None:
+        """Start the broker (again, after `kill`: on the same port and state dir) and return
+        once it listens; ClusterError as for `start`. Needs `start`'s files."""
         broker = [
             *self._cli(), "broker",
             "--listen", self.broker_address,
@@ -205,39 +231,48 @@ class LocalCluster:
             "--state-dir", str(self.root / "broker-state"),
             "--cluster", str(self.cluster_file),
             "--join-token-file", str(self.join_token_file),
-            "--api-keys-file", str(self.api_key_file),
+            "--api-keys-file", str(self.api_keys_file),
+            "--ops-token-file", str(self.ops_token_file),
             *self.broker_flags,
         ]  # fmt: skip
         await self._start("broker", broker, r"broker listening on")
-        say(f"broker: gRPC {self.broker_address}, dashboard {self.ops_url}")
-        for plan in self.nodes:
-            command = [
-                *self._cli(), "node",
-                "--listen", "127.0.0.1:0",
-                "--site", plan.site,
-                "--node-id", plan.node_id,
-                "--runtime", self.runtime,
-                "--topology-file", str(plan.capture),
-                "--gpu-spec", plan.gpu_spec,
-                "--state-dir", str(self.root / f"{plan.node_id}-state"),
-                "--broker", self.broker_address,
-                "--join-token-file", str(self.join_token_file),
-                "--stop-replicas-on-exit",
-                *(["--image", self.image] if self.image else []),
-            ]  # fmt: skip
-            await self._start(plan.node_id, command, r"registered with broker")
-            say(
-                f"{plan.node_id} at {plan.site}: {plan.gpu_spec.split(':')[0]} GPUs from "
-                f"{plan.capture.name} ({self.runtime} runtime)"
-            )
+
+    async def start_node(self, plan: NodePlan) -> None:
+        """Start a node daemon (again, after `kill`: with the same id and state dir, so it
+        adopts its replicas) and return once it has registered with the broker."""
+        command = [
+            *self._cli(), "node",
+            "--listen", "127.0.0.1:0",
+            "--site", plan.site,
+            "--node-id", plan.node_id,
+            "--runtime", self.runtime,
+            "--topology-file", str(plan.capture),
+            "--gpu-spec", plan.gpu_spec,
+            "--state-dir", str(self.root / f"{plan.node_id}-state"),
+            "--broker", self.broker_address,
+            "--join-token-file", str(self.join_token_file),
+            "--stop-replicas-on-exit",
+            *(["--image", self.image] if self.image else []),
+        ]  # fmt: skip
+        await self._start(plan.node_id, command, r"registered with broker")
 
     async def _start(self, name: str, command: list[str], ready: str) -> None:
-        process = spawn(command, self.log(name), self._env())
+        log = self.log(name)
+        after = log.stat().st_size if log.exists() else 0  # a restart: only its own lines
+        process = spawn(command, log, self._env())
         self.processes[name] = process
         try:
-            await wait_for_log(self.log(name), ready, process=process, timeout_s=60)
+            await wait_for_log(log, ready, after=after, process=process, timeout_s=60)
         except AssertionError as err:
             raise ClusterError(str(err)) from None
+
+    async def kill(self, name: str) -> None:
+        """SIGKILL the broker or a node daemon (by node id) and reap it; its replicas, in
+        their own sessions, run on."""
+        process = self.processes[name]
+        if process.poll() is None:
+            process.kill()
+        await asyncio.to_thread(process.wait)
 
     async def stop(self, deployment_ids: Iterable[str] = ()) -> list[str]:
         """SIGTERM the nodes (they stop their replicas), then the broker; SIGKILL whatever

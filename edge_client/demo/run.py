@@ -134,8 +134,9 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         if options.keep:
             say(
                 f"cluster kept running. Try: export OFFLOAD_BROKER={cluster.broker_address} "
-                f"OFFLOAD_OPS={cluster.ops_url} OFFLOAD_API_KEY_FILE={cluster.api_key_file}; "
-                "offload status. Ctrl-C stops it."
+                f"OFFLOAD_OPS={cluster.ops_url} OFFLOAD_API_KEY_FILE={cluster.api_key_file} "
+                f"OFFLOAD_OPS_TOKEN_FILE={cluster.ops_token_file}; offload status. The "
+                f"dashboard asks for the token in {cluster.ops_token_file}. Ctrl-C stops it."
             )
             # Ctrl-C now ends a finished demo: its result stands.
             with contextlib.suppress(asyncio.CancelledError):
@@ -156,15 +157,16 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         for leftover in leftovers:
             say(f"WARNING: had to kill a leftover {leftover}")
         if failed:
-            kept = await asyncio.to_thread(_keep_logs, root)
+            kept = await asyncio.to_thread(keep_logs, root)
             say(f"the run failed: the logs of the broker and the nodes are kept in {kept}")
         await asyncio.to_thread(shutil.rmtree, root, True)
         say(f"stopped; {root} removed")
 
 
-def _keep_logs(root: Path) -> Path:
-    """Copy the cluster's logs out of `root` (which is removed) for a failed run."""
-    kept = Path(tempfile.mkdtemp(prefix="offload-demo-logs-"))
+def keep_logs(root: Path, prefix: str = "offload-demo-logs-") -> Path:
+    """Copy the cluster's logs out of `root` (which is removed) for a failed run, into a new
+    folder (named with `prefix`) under the system temp dir; returns it."""
+    kept = Path(tempfile.mkdtemp(prefix=prefix))
     for log in root.glob("*.log"):
         shutil.copy2(log, kept / log.name)
     return kept
@@ -188,7 +190,9 @@ async def _offload(
     async with (
         OffloadClient(cluster.broker_address, cluster.api_key) as client,
         grpc.aio.insecure_channel(cluster.broker_address) as channel,
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+        aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=5), headers=cluster.ops_headers
+        ) as http,
     ):
         broker = _BrokerCalls(pb_grpc.EdgeBrokerStub(channel), cluster.api_key)
         size_mb = (await asyncio.to_thread(model.stat)).st_size / 1e6

@@ -17,6 +17,7 @@ import pytest
 
 from edge_client.demo.cluster import processes_naming
 from tests.docker_support import require_docker
+from tests.ops_support import ops_headers
 
 DEMO = [sys.executable, "-m", "edge_client.cli", "demo"]
 NO_DOCKER = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
@@ -153,7 +154,12 @@ def test_keep_leaves_the_dashboard_up_until_ctrl_c() -> None:
     output = "".join(lines)
     url = re.search(r"^dashboard\s+(http://\S+)", output, re.M)
     assert url, output
-    with urllib.request.urlopen(f"{url.group(1)}api/deployments", timeout=10) as response:
+    token_file = re.search(r"OFFLOAD_OPS_TOKEN_FILE=(\S+);", output)
+    assert token_file, output
+    request = urllib.request.Request(
+        f"{url.group(1)}api/deployments", headers=ops_headers(Path(token_file.group(1)))
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
         body = response.read().decode()
     assert '"state": "running"' in body and '"node_id": "node-a"' in body, body
     demo.send_signal(signal.SIGINT)

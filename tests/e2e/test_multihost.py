@@ -120,6 +120,7 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for line in (
         "--listen 0.0.0.0:7000 --ops-listen 0.0.0.0:8080",
+        "--api-keys-file api.keys --ops-token-file ops.token",
         "--listen 0.0.0.0:7070 --advertise-host 10.0.0.2 --site factory",
         "offload deploy model.onnx --site factory --gpus 1",
         "offload move robot-1 --site depot",
@@ -129,7 +130,9 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
     model = modelzoo.model_path("mlp")
     inputs = modelzoo.sample_inputs(model, seed=3)
     (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
-    (tmp_path / "join.token").write_text(secrets.token_hex(24) + "\n")
+    for secret in ("join.token", "ops.token"):
+        (tmp_path / secret).write_text(secrets.token_hex(24) + "\n")
+        (tmp_path / secret).chmod(0o600)
     key = subprocess.run(
         [*PYTHON, "keygen", "robot-1"], capture_output=True, text=True, check=True
     ).stdout
@@ -150,6 +153,7 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
                 "--cluster", str(tmp_path / "cluster.yaml"),
                 "--join-token-file", str(tmp_path / "join.token"),
                 "--api-keys-file", str(tmp_path / "api.keys"),
+                "--ops-token-file", str(tmp_path / "ops.token"),
                 "--cooldown", "0",
             ], tmp_path / "broker.log", r"broker listening on"))  # fmt: skip
             for ns, ip, site in (
@@ -171,6 +175,7 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
                 "OFFLOAD_BROKER": f"{broker_ip}:7000",
                 "OFFLOAD_API_KEY_FILE": str(tmp_path / "robot.key"),
                 "OFFLOAD_OPS": f"http://{broker_ip}:8080",
+                "OFFLOAD_OPS_TOKEN_FILE": str(tmp_path / "ops.token"),
             }
             nodes = json.loads(device("nodes", "--json", env=env))
             assert {(n["node_id"], n["site"], n["state"]) for n in nodes} == {

@@ -21,8 +21,9 @@ from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 from protos.offload.v1 import node_pb2_grpc as npb_grpc
-from tests.chromium_support import DomDump, require_chromium, run_chromium
+from tests.chromium_support import DomDump, log_in, open_page, require_chromium
 from tests.cluster_support import JOIN_TOKEN, THREE_NODES, Cluster, infer_once, wait_for_log
+from tests.ops_support import ops_headers
 
 
 @pytest.fixture
@@ -66,9 +67,14 @@ async def test_placement_follows_the_client_and_the_topology(cluster: Cluster) -
             await infer_once(deployment)
 
 
+def _ops_token_file(cluster: Cluster) -> Path:
+    """The ops token the broker wrote to its state dir (it runs without --ops-token-file)."""
+    return cluster.root / "broker-state" / "ops-token"
+
+
 async def _ops(cluster: Cluster, path: str) -> list[dict]:
     async with (
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(headers=ops_headers(_ops_token_file(cluster))) as http,
         http.get(f"http://127.0.0.1:{cluster.ops_port}{path}") as response,
     ):
         assert response.status == 200
@@ -265,7 +271,8 @@ async def test_cli_shows_nodes_deployments_and_explanations(
     key_file.write_text(cluster.api_keys["alice"])
     env = {"OFFLOAD_BROKER": cluster.broker_address, "OFFLOAD_API_KEY_FILE": str(key_file)}
     ops = f"http://127.0.0.1:{cluster.ops_port}"
-    nodes = await asyncio.to_thread(_offload, "nodes", "--ops", ops)
+    token = str(_ops_token_file(cluster))
+    nodes = await asyncio.to_thread(_offload, "nodes", "--ops", ops, "--ops-token-file", token)
     assert nodes.returncode == 0, nodes.stderr
     for node in ("node-a", "node-b", "node-c"):
         assert node in nodes.stdout
@@ -374,7 +381,10 @@ async def test_dashboard_shows_the_live_cluster(cluster: Cluster, tmp_path: Path
             model_sha256=sha, model_name="mlp", gpus=4, p2p_required=True, site="site-b"
         )
     url = f"http://127.0.0.1:{cluster.ops_port}/"
-    dom = DomDump(await run_chromium(chromium, tmp_path / "profile", "--dump-dom", url))
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, url, _ops_token_file(cluster).read_text().strip())
+        dom = DomDump(await page.dom())
+        png = await page.screenshot()
     assert [e.attrs["data-node-id"] for e in dom.having("data-node-id")] == [
         "node-a",
         "node-b",
@@ -385,6 +395,4 @@ async def test_dashboard_shows_the_live_cluster(cluster: Cluster, tmp_path: Path
     assert len(used) == 4
     rows = [e.attrs["data-deployment-id"] for e in dom.having("data-deployment-id")]
     assert rows == [deployment.deployment_id]
-    screenshot = tmp_path / "dashboard.png"
-    await run_chromium(chromium, tmp_path / "profile2", f"--screenshot={screenshot}", url)
-    assert screenshot.stat().st_size > 10_000
+    assert len(png) > 10_000

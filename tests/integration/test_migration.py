@@ -25,6 +25,7 @@ from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import broker_pb2 as pb
 from tests.cluster_support import JOIN_TOKEN, THREE_NODES, Cluster, EdgeClient
 from tests.docker_support import require_docker
+from tests.ops_support import ops_headers
 
 NODE_A, NODE_B, NODE_C = THREE_NODES
 BROKEN_IMAGE = "edge-offload/broken:test"
@@ -293,6 +294,7 @@ async def test_the_cli_deploys_infers_moves_migrates_and_drains(
         "OFFLOAD_BROKER": cluster.broker_address,
         "OFFLOAD_API_KEY_FILE": str(key_file),
         "OFFLOAD_OPS": f"http://127.0.0.1:{cluster.ops_port}",
+        "OFFLOAD_OPS_TOKEN_FILE": str(cluster.root / "broker-state" / "ops-token"),
     }
 
     def offload(*args: str) -> subprocess.CompletedProcess[str]:
@@ -341,8 +343,9 @@ async def test_the_cli_deploys_infers_moves_migrates_and_drains(
 
 
 async def _ops(cluster: Cluster, path: str) -> list[dict]:
+    headers = ops_headers(cluster.root / "broker-state" / "ops-token")
     async with (
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(headers=headers) as http,
         http.get(f"http://127.0.0.1:{cluster.ops_port}{path}") as response,
     ):
         return await response.json()

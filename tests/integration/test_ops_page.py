@@ -1,9 +1,12 @@
 """The dashboard page in real headless Chromium, served by the real ops app on loopback.
 
-Chromium (Debian's `chromium`, at /usr/bin/chromium) loads `/`, runs the page's JavaScript, which
-fetches `/api/...` from the server, and then either dumps the DOM (the test checks what it says)
-or takes a screenshot (the test decodes the PNG and checks that the GPUs were drawn, free and
-used). Without Chromium the tests skip, and fail under CI=true, where .ci/run installs it.
+Chromium (Debian's `chromium`, at /usr/bin/chromium) opens `/` as a user does: the page sends
+it to the login form, the test types the ops token and submits, and the dashboard's
+JavaScript fetches `/api/...` with the session cookie the login gave. The test then reads the
+DOM (and checks what it says) or takes a screenshot (decodes the PNG and checks that the GPUs
+were drawn, free and used). Chromium is driven over its DevTools pipe, so the token is typed,
+never put in a command line or a URL. Without Chromium the tests skip, and fail under
+CI=true, where .ci/run installs it.
 """
 
 from __future__ import annotations
@@ -17,15 +20,23 @@ from pathlib import Path
 
 import pytest
 
-from broker.ops import BrokerMetrics, create_ops_app, start_ops_server
-from tests.chromium_support import WINDOW, DomDump, element_text, require_chromium, run_chromium
-from tests.ops_support import DEPLOYMENT_ID, StaticOpsView
+from broker.ops import BrokerMetrics, OpsAuth, create_ops_app, start_ops_server
+from tests.chromium_support import (
+    WINDOW,
+    DomDump,
+    element_text,
+    log_in,
+    open_page,
+    require_chromium,
+)
+from tests.ops_support import DEPLOYMENT_ID, OPS_TOKEN, StaticOpsView
 
 DASHBOARD_CSS = Path(__file__).parents[2] / "broker" / "ops" / "static" / "dashboard.css"
 
 
 async def serve(view: StaticOpsView) -> AsyncIterator[str]:
-    runner, port = await start_ops_server(create_ops_app(view, BrokerMetrics()), "127.0.0.1", 0)
+    app = create_ops_app(view, BrokerMetrics(), OpsAuth(OPS_TOKEN))
+    runner, port = await start_ops_server(app, "127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:
@@ -110,7 +121,9 @@ def css_color(variable: str) -> bytes:
 
 async def test_page_renders_nodes_topology_and_deployment(page_url: str, tmp_path: Path) -> None:
     chromium = require_chromium()
-    html = await run_chromium(chromium, tmp_path / "profile", "--dump-dom", page_url)
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, page_url, OPS_TOKEN)
+        html = await page.dom()
     dom = DomDump(html)
 
     assert element_text(html, "status").startswith("last updated"), element_text(html, "status")
@@ -135,9 +148,44 @@ async def test_page_renders_nodes_topology_and_deployment(page_url: str, tmp_pat
         assert expected in text
 
 
+async def test_without_the_token_the_page_shows_no_data(page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await page.navigate(page_url)
+        await page.wait_for("document.getElementById('login') !== null")
+        assert await page.evaluate("fetch('/api/nodes').then((r) => r.status)") == 401
+        await page.evaluate("document.getElementById('token').focus()")
+        await page.type_text("not-the-token")
+        await page.evaluate("document.getElementById('login').requestSubmit()")
+        error = await page.wait_for(
+            "document.getElementById('login-error')?.hidden === false"
+            " && document.getElementById('login-error').textContent"
+        )
+        html = await page.dom()
+        assert await page.evaluate("fetch('/api/deployments').then((r) => r.status)") == 401
+    assert error == "wrong token: try again"
+    assert DomDump(html).having("data-node-id") == []
+    assert DEPLOYMENT_ID not in html and "node-dgx-a" not in html
+
+
+async def test_the_session_is_a_cookie_scripts_cannot_read(page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, page_url, OPS_TOKEN)
+        assert await page.evaluate("location.href") == page_url
+        assert await page.evaluate("document.cookie") == ""  # HttpOnly
+        assert OPS_TOKEN not in await page.evaluate("JSON.stringify(sessionStorage)")
+        assert await page.evaluate("fetch('/api/nodes').then((r) => r.status)") == 200
+        await page.evaluate("document.querySelector('form.logout').requestSubmit()")
+        await page.wait_for("document.getElementById('login') !== null")
+        assert await page.evaluate("fetch('/api/nodes').then((r) => r.status)") == 401
+
+
 async def test_empty_broker_page_says_so(empty_page_url: str, tmp_path: Path) -> None:
     chromium = require_chromium()
-    html = await run_chromium(chromium, tmp_path / "profile", "--dump-dom", empty_page_url)
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, empty_page_url, OPS_TOKEN)
+        html = await page.dom()
     assert element_text(html, "status").startswith("last updated")
     assert element_text(html, "nodes") == "no nodes registered yet"
     assert element_text(html, "deployments") == "no deployments yet"
@@ -146,10 +194,11 @@ async def test_empty_broker_page_says_so(empty_page_url: str, tmp_path: Path) ->
 
 async def test_screenshot_shows_free_and_used_gpus(page_url: str, tmp_path: Path) -> None:
     chromium = require_chromium()
-    png = tmp_path / "ops-page.png"
-    await run_chromium(chromium, tmp_path / "profile", f"--screenshot={png}", page_url)
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, page_url, OPS_TOKEN)
+        png = await page.screenshot()
 
-    width, height, rows = decode_png(png.read_bytes())
+    width, height, rows = decode_png(png)
     assert (width, height) == WINDOW
     pixels = collections.Counter(row[x : x + 3] for row in rows for x in range(0, len(row), 3))
     background, most = pixels.most_common(1)[0]

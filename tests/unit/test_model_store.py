@@ -224,3 +224,24 @@ def test_arbitrary_bytes_are_refused_as_invalid_models(tmp_path: Path, data: byt
     with pytest.raises(InvalidModel):
         put(store, data)
     assert contents(store) == []
+
+
+def test_the_store_and_its_files_are_private(
+    tmp_path: Path, model_bytes: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = store_at(tmp_path)
+    stored = store.root / put(store, model_bytes).sha256
+    assert (store.root.stat().st_mode & 0o777, stored.stat().st_mode & 0o777) == (0o700, 0o600)
+    with store.upload(sha(model_bytes)) as upload:
+        upload.write(model_bytes[:10])
+        (staged,) = store.root.glob(".upload-*/*")
+        assert (staged.parent.stat().st_mode & 0o777, staged.stat().st_mode & 0o777) == (
+            0o700,
+            0o600,
+        )
+    store.root.chmod(0o755)
+    stored.chmod(0o644)
+    store_at(tmp_path)
+    assert (store.root.stat().st_mode & 0o777, stored.stat().st_mode & 0o777) == (0o700, 0o600)
+    assert f"{store.root} was readable by others" in caplog.text
+    assert f"{stored} was readable by others" in caplog.text

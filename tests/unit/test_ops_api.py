@@ -13,13 +13,22 @@ from dataclasses import dataclass
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from broker.ops import (
     BrokerMetrics,
+    OpsAuth,
     create_ops_app,
     start_ops_server,
 )
-from tests.ops_support import DEPLOYMENT_ID, StaticOpsView, sample_deployments, sample_nodes
+from broker.ops.auth import SESSION_COOKIE
+from tests.ops_support import (
+    DEPLOYMENT_ID,
+    OPS_TOKEN,
+    StaticOpsView,
+    sample_deployments,
+    sample_nodes,
+)
 
 
 @dataclass
@@ -34,10 +43,23 @@ class OpsServer:
 async def ops() -> AsyncIterator[OpsServer]:
     view = StaticOpsView()
     metrics = BrokerMetrics()
-    runner, port = await start_ops_server(create_ops_app(view, metrics), "127.0.0.1", 0)
+    app = create_ops_app(view, metrics, OpsAuth(OPS_TOKEN))
+    runner, port = await start_ops_server(app, "127.0.0.1", 0)
     try:
-        async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {OPS_TOKEN}"}
+        async with aiohttp.ClientSession(headers=headers) as http:
             yield OpsServer(f"http://127.0.0.1:{port}", view, metrics, http)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def locked_metrics() -> AsyncIterator[str]:
+    """An ops server whose /metrics needs the token too; its base URL."""
+    app = create_ops_app(StaticOpsView(), BrokerMetrics(), OpsAuth(OPS_TOKEN, metrics_open=False))
+    runner, port = await start_ops_server(app, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
 
@@ -201,3 +223,96 @@ async def test_view_data_json_cannot_carry_is_500(ops: OpsServer) -> None:
     async with ops.http.get(f"{ops.base_url}/api/deployments") as response:
         assert response.status == 500
         assert "not JSON-serialisable" in (await response.json())["error"]
+
+
+@pytest.mark.parametrize(
+    "path", ["/api/nodes", "/api/deployments", "/api/migrations", "/api/nope", "/nope"]
+)
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer wrong-token", f"Bearer {OPS_TOKEN}x", OPS_TOKEN, "Bearer "]
+)
+async def test_api_without_the_token_is_json_401_with_no_data(
+    ops: OpsServer, path: str, authorization: str | None
+) -> None:
+    headers = {} if authorization is None else {"Authorization": authorization}
+    async with (
+        aiohttp.ClientSession(headers=headers) as anonymous,
+        anonymous.get(ops.base_url + path) as response,
+    ):
+        assert response.status == 401
+        assert response.content_type == "application/json"
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        body = await response.json()
+    assert body["status"] == 401
+    assert "--ops-token-file" in body["error"]
+    assert set(body) == {"error", "status"}
+
+
+async def test_healthz_and_metrics_stay_open(ops: OpsServer) -> None:
+    async with aiohttp.ClientSession() as anonymous:
+        for path in ("/healthz", "/metrics", "/static/dashboard.js", "/login"):
+            async with anonymous.get(ops.base_url + path) as response:
+                assert response.status == 200, path
+
+
+async def test_metrics_can_require_the_token(locked_metrics: str) -> None:
+    async with aiohttp.ClientSession() as anonymous:
+        async with anonymous.get(f"{locked_metrics}/metrics") as response:
+            assert response.status == 401
+        async with anonymous.get(f"{locked_metrics}/healthz") as response:
+            assert response.status == 200
+    headers = {"Authorization": f"Bearer {OPS_TOKEN}"}
+    async with (
+        aiohttp.ClientSession(headers=headers) as operator,
+        operator.get(f"{locked_metrics}/metrics") as response,
+    ):
+        assert response.status == 200
+        assert "offload_nodes" in await response.text()
+
+
+async def test_the_dashboard_sends_a_browser_without_a_session_to_login(ops: OpsServer) -> None:
+    async with aiohttp.ClientSession() as browser:
+        async with browser.get(f"{ops.base_url}/", allow_redirects=False) as response:
+            assert response.status == 303
+            assert response.headers["Location"] == "/login"
+        async with browser.get(f"{ops.base_url}/login") as response:
+            page = await response.text()
+    assert '<form id="login" method="post" action="/login">' in page
+    assert DEPLOYMENT_ID not in page
+
+
+async def test_login_gives_a_cookie_session_that_reads_the_api(ops: OpsServer) -> None:
+    jar = aiohttp.CookieJar(unsafe=True)  # cookies of 127.0.0.1
+    async with aiohttp.ClientSession(cookie_jar=jar) as browser:
+        login = f"{ops.base_url}/login"
+        async with browser.post(login, data={"token": "wrong"}) as response:
+            assert response.status == 401
+            assert "wrong token" in await response.text()
+        assert len(jar) == 0
+        async with browser.post(login, data={"token": OPS_TOKEN}, allow_redirects=False) as r:
+            assert (r.status, r.headers["Location"]) == (303, "/")
+            cookie = r.cookies[SESSION_COOKIE]
+        assert cookie["httponly"] and cookie["samesite"] == "Strict"
+        assert OPS_TOKEN not in cookie.value
+        async with browser.get(f"{ops.base_url}/api/deployments") as response:
+            assert response.status == 200
+            assert [d["deployment_id"] for d in await response.json()] == [DEPLOYMENT_ID]
+        async with browser.post(f"{ops.base_url}/logout", allow_redirects=False) as response:
+            assert response.status == 303
+        async with browser.get(f"{ops.base_url}/api/deployments") as response:
+            assert response.status == 401
+
+
+@pytest.mark.parametrize(("token", "status"), [(OPS_TOKEN, 200), ("some-other-token-0123", 401)])
+async def test_a_session_of_another_token_is_refused(
+    ops: OpsServer, token: str, status: int
+) -> None:
+    session = web.Response()
+    OpsAuth(token).start_session(session)
+    jar = aiohttp.CookieJar(unsafe=True)
+    jar.update_cookies(session.cookies)
+    async with (
+        aiohttp.ClientSession(cookie_jar=jar) as browser,
+        browser.get(f"{ops.base_url}/api/nodes") as response,
+    ):
+        assert response.status == status

@@ -35,6 +35,7 @@ from broker.state import (
     StateStore,
     new_api_key,
     parse_api_key,
+    parse_api_keys_file,
 )
 from broker.state.schema import MIGRATIONS
 
@@ -201,10 +202,13 @@ def test_a_failing_migration_leaves_the_file_at_the_previous_version(
     StateStore(tmp_path).close()
     broken = (*MIGRATIONS, "CREATE TABLE extra (a INTEGER) STRICT;\nCREATE TABLE clients (b);")
     monkeypatch.setattr(broker.state.store, "MIGRATIONS", broken)
-    with pytest.raises(SchemaError, match=r"to schema version 2 failed, it stays at version 1"):
+    version = len(MIGRATIONS)
+    with pytest.raises(
+        SchemaError, match=f"to schema version {version + 1} failed, it stays at version {version}"
+    ):
         StateStore(tmp_path)
     path = tmp_path / DB_FILENAME
-    assert inspect(path, "PRAGMA user_version") == [(1,)]
+    assert inspect(path, "PRAGMA user_version") == [(version,)]
     assert inspect(path, "SELECT name FROM sqlite_master WHERE name = 'extra'") == []
 
 
@@ -265,6 +269,84 @@ def test_only_a_salted_hash_is_stored_and_a_new_key_replaces_the_old(
         ("alice", 1000.0),
         ("bob", 1000.0),
     ]
+
+
+def test_replacing_the_keys_makes_exactly_them_work(store: StateStore) -> None:
+    alice, bob, carol = new_api_key("alice"), new_api_key("bob"), new_api_key("carol")
+    changes = store.replace_client_keys([alice, bob])
+    assert (changes.added, changes.replaced, changes.revoked) == (("alice", "bob"), (), ())
+
+    alice2 = new_api_key("alice")
+    changes = store.replace_client_keys([alice2, carol])
+    assert (changes.added, changes.replaced, changes.revoked) == (("carol",), ("alice",), ("bob",))
+    assert [store.client_for_api_key(k) for k in (alice, alice2, bob, carol)] == [
+        None, "alice", None, "carol",
+    ]  # fmt: skip
+    # Revoked clients keep their row: their deployments refer to it.
+    assert [c.client_id for c in store.list_clients()] == ["alice", "bob", "carol"]
+
+    hashes = key_hashes(store)
+    assert not store.replace_client_keys([alice2, carol])
+    assert key_hashes(store) == hashes  # a key given again keeps its hash
+    store.replace_client_keys([bob])
+    assert store.client_for_api_key(bob) == "bob"
+    assert key_hashes(store)["alice"] == key_hashes(store)["carol"] == ""
+
+
+def key_hashes(store: StateStore) -> dict[str, str]:
+    rows = inspect(store.path, "SELECT client_id, key_hash FROM clients")
+    return {str(client_id): str(key_hash) for client_id, key_hash in rows}
+
+
+def test_a_bad_set_of_keys_changes_nothing(store: StateStore) -> None:
+    alice = new_api_key("alice")
+    store.replace_client_keys([alice])
+    with pytest.raises(ConstraintError, match="two API keys of client 'bob'"):
+        store.replace_client_keys([new_api_key("bob"), new_api_key("bob")])
+    with pytest.raises(ConstraintError, match="must look like") as refused:
+        store.replace_client_keys(["alice.short"])
+    assert "short" not in str(refused.value)
+    assert store.client_for_api_key(alice) == "alice"
+
+
+def test_a_keys_file_is_parsed_with_line_numbers() -> None:
+    alice, bob = new_api_key("alice"), new_api_key("bob")
+    text = f"# clients\n\n{alice}\n  {bob}  \n"
+    assert parse_api_keys_file(text, "keys") == (alice, bob)
+    with pytest.raises(ValueError, match=r"^keys, line 2: not an API key") as refused:
+        parse_api_keys_file(f"{alice}\nalice.sec ret-0123456789abcdef\n", "keys")
+    assert "sec ret" not in str(refused.value)
+    with pytest.raises(ValueError, match="keys, line 3: a second key of client 'alice' \\(line 1"):
+        parse_api_keys_file(f"{alice}\n{bob}\n{new_api_key('alice')}\n", "keys")
+
+
+def test_the_state_dir_and_its_files_are_private(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    with StateStore(state_dir) as opened:
+        opened.put_client("alice", KEY)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in state_dir.iterdir()}
+    assert state_dir.stat().st_mode & 0o777 == 0o700
+    assert {DB_FILENAME, f"{DB_FILENAME}-wal", f"{DB_FILENAME}-shm"} <= modes.keys()
+    assert set(modes.values()) == {0o600}
+
+
+def test_looser_modes_are_tightened_at_open_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state_dir = tmp_path / "state"
+    StateStore(state_dir).close()
+    wal = state_dir / f"{DB_FILENAME}-wal"
+    wal.write_bytes(b"")
+    state_dir.chmod(0o755)
+    (state_dir / DB_FILENAME).chmod(0o644)
+    wal.chmod(0o666)
+    with StateStore(state_dir):
+        pass
+    assert state_dir.stat().st_mode & 0o777 == 0o700
+    assert (state_dir / DB_FILENAME).stat().st_mode & 0o777 == 0o600
+    assert not wal.exists() or wal.stat().st_mode & 0o777 == 0o600
+    for path in (state_dir, state_dir / DB_FILENAME, wal):
+        assert f"state: {path} was readable by others" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -356,6 +438,39 @@ def test_models_are_deduplicated_by_hash(store: StateStore) -> None:
     assert [m.sha256 for m in store.list_models()] == [other, SHA]
     with pytest.raises(ConstraintError, match="recorded with 1234 bytes, not 5"):
         store.put_model(model(size_bytes=5))
+
+
+def test_model_owners_and_their_bytes(populated: StateStore) -> None:
+    store = populated
+    other = hashlib.sha256(b"other").hexdigest()
+    store.put_model(model(other, size_bytes=100))
+    store.put_client("bob", new_api_key("bob"))
+    assert not store.owns_model("alice", SHA)
+    assert store.client_model_bytes("alice") == 0
+    assert store.add_model_owner(SHA, "alice")
+    assert not store.add_model_owner(SHA, "alice")
+    store.add_model_owner(other, "alice")
+    store.add_model_owner(other, "bob")
+    assert store.owns_model("alice", SHA) and not store.owns_model("bob", SHA)
+    assert (store.client_model_bytes("alice"), store.client_model_bytes("bob")) == (1334, 100)
+    with pytest.raises(ConstraintError, match=r"model 'f+' is unknown"):
+        store.add_model_owner("f" * 64, "alice")
+    with pytest.raises(ConstraintError, match="client 'carol' is unknown"):
+        store.add_model_owner(SHA, "carol")
+
+
+def test_the_owners_migration_gives_deployed_models_to_their_clients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS[:1])
+    with StateStore(tmp_path) as old:
+        old.put_client("alice", KEY)
+        old.put_model(model())
+        old.create_deployment(deployment())
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
+    with StateStore(tmp_path) as upgraded:
+        assert upgraded.owns_model("alice", SHA)
+        assert upgraded.client_model_bytes("alice") == 1234
 
 
 @pytest.mark.parametrize("sha", ["abc", SHA.upper(), SHA[:-1] + "g"])
@@ -499,6 +614,17 @@ def test_migrations_are_recorded_and_updated(populated: StateStore, clock: Clock
     with pytest.raises(ConstraintError, match="CHECK constraint failed"):
         store.update_migration("m1", downtime_ms=-1.0)
     assert store.list_migrations("d1") == [done]
+
+
+def test_an_infinite_downtime_slipped_in_earlier_reads_as_unknown(
+    populated: StateStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    populated.create_deployment(deployment())
+    populated.create_migration(migration())
+    populated.update_migration("m1", downtime_ms=float("inf"))
+    assert inspect(populated.path, "SELECT downtime_ms FROM migrations") == [(float("inf"),)]
+    assert populated.list_migrations() == [migration(downtime_ms=None, updated_at=1000.0)]
+    assert "migration=m1 has downtime_ms=inf; read as unknown" in caplog.text
 
 
 # -- events -------------------------------------------------------------------------------

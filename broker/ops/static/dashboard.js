@@ -332,7 +332,11 @@ function renderMigrations(migrations) {
 // ---- polling ----
 
 async function fetchJson(path) {
-  const response = await fetch(path, { cache: "no-store" });
+  // The session cookie of /login goes along (same origin); without it, log in again.
+  const response = await fetch(path, { cache: "no-store", credentials: "same-origin" });
+  if (response.status === 401) {
+    window.location.assign("/login");
+  }
   if (!response.ok) {
     let message = `HTTP ${response.status}`;
     try {

@@ -1,0 +1,147 @@
+"""`KeyVerifier`: which client an API key belongs to, without letting key checks crowd out
+anything else.
+
+A key check is a ~35 ms scrypt hash (`broker.state.api_keys`). It runs in a small pool of its
+own, never on the broker's state thread, so node heartbeats, placement and the store's other
+work never queue behind it (the hash releases the GIL). Three bounds keep it cheap:
+
+- a verified key is cached (by its sha256): only a client's first call costs a hash;
+- one check per distinct key is in flight: concurrent calls with the same key await it;
+- at most `max_pending` distinct checks wait for the pool, and every address (the host part
+  of gRPC's `context.peer()`) has a budget of failed checks that refills at
+  `failure_refill_per_s`; past either, a check is refused with `ResourceExhausted` at once,
+  without hashing, so a flood of bogus keys costs the broker almost nothing.
+
+Plain asyncio over a blocking `check(api_key) -> client id | None` function (the store's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from broker.errors import ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+KeyCheck = Callable[[str], str | None]
+"""Blocking: the client id `api_key` authenticates, or None."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLimits:
+    workers: int = 2
+    """Threads that hash keys."""
+    max_pending: int = 64
+    """Distinct keys waiting for (or in) the pool; more are refused at once."""
+    failure_burst: int = 20
+    """Failed checks an address may make back to back..."""
+    failure_refill_per_s: float = 2.0
+    """...and how fast its budget comes back."""
+    max_addresses: int = 10_000
+    """Addresses whose failure budget is remembered (the least recently failed go first)."""
+
+
+@dataclass(slots=True)
+class _Budget:
+    tokens: float
+    at: float
+
+
+def peer_host(peer: str) -> str:
+    """The address part of a gRPC peer (`ipv4:1.2.3.4:5678` -> `ipv4:1.2.3.4`,
+    `ipv6:[::1]:5678` -> `ipv6:[::1]`); anything else as given."""
+    head, colon, port = peer.rpartition(":")
+    return head if colon and port.isdigit() and ":" in head else peer
+
+
+class KeyVerifier:
+    def __init__(
+        self,
+        check: KeyCheck,
+        limits: KeyLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._check = check
+        self._limits = limits or KeyLimits()
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(self._limits.workers, thread_name_prefix="key-check")
+        self._verified: dict[str, str] = {}
+        """sha256 of a key -> its client id."""
+        self._in_flight: dict[str, asyncio.Future[str | None]] = {}
+        self._generation = 0
+        """Bumped by `forget`: a check started before it neither answers later calls nor
+        enters the cache."""
+        self._budgets: OrderedDict[str, _Budget] = OrderedDict()
+
+    async def client_for(self, api_key: str, peer: str) -> str | None:
+        """The client id of `api_key`, or None when it authenticates no one.
+        ResourceExhausted when `peer`'s address failed too often lately or too many keys
+        wait for a check."""
+        digest = hashlib.sha256(api_key.encode()).hexdigest()
+        if (client_id := self._verified.get(digest)) is not None:
+            return client_id
+        host = peer_host(peer)
+        budget = self._budget(host)
+        if budget is not None and budget.tokens < 1:
+            wait_s = (1 - budget.tokens) / self._limits.failure_refill_per_s
+            raise ResourceExhausted(
+                f"too many failed API key checks from this address; retry in {wait_s:.1f}s"
+            )
+        generation = self._generation
+        future = self._in_flight.get(digest)
+        if future is None:
+            if len(self._in_flight) >= self._limits.max_pending:
+                raise ResourceExhausted("too many API keys waiting to be checked; retry soon")
+            future = asyncio.get_running_loop().run_in_executor(self._pool, self._check, api_key)
+            self._in_flight[digest] = future
+            future.add_done_callback(lambda done: self._done(digest, done))
+        client_id = await asyncio.shield(future)
+        if client_id is None:
+            self._failed(host)
+        elif generation == self._generation:
+            self._verified[digest] = client_id
+        return client_id
+
+    def _done(self, digest: str, future: asyncio.Future[str | None]) -> None:
+        if self._in_flight.get(digest) is future:
+            del self._in_flight[digest]
+
+    def forget(self) -> None:
+        """Drop the cached keys (after the set of valid keys changed); checks under way
+        answer the calls waiting for them but are neither cached nor shared any more."""
+        self._generation += 1
+        self._verified.clear()
+        self._in_flight.clear()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _budget(self, host: str) -> _Budget | None:
+        """`host`'s failure budget, refilled to now; None when it has not failed lately."""
+        budget = self._budgets.get(host)
+        if budget is None:
+            return None
+        now = self._clock()
+        budget.tokens = min(
+            self._limits.failure_burst,
+            budget.tokens + (now - budget.at) * self._limits.failure_refill_per_s,
+        )
+        budget.at = now
+        return budget
+
+    def _failed(self, host: str) -> None:
+        budget = self._budget(host) or _Budget(self._limits.failure_burst, self._clock())
+        budget.tokens -= 1
+        self._budgets[host] = budget
+        self._budgets.move_to_end(host)
+        while len(self._budgets) > self._limits.max_addresses:
+            self._budgets.popitem(last=False)
+        if budget.tokens < 1:
+            logger.warning("peer=%s: failed API key checks past its budget; throttled", host)
