@@ -18,7 +18,7 @@ releases), so refusals are identical and are not failures. A placed request of k
 *degraded* when its slowest link ranks below the best k-group of the idle machine (what the node
 advertises); that is a failure, every other placed request is *satisfied*. Per topology and
 policy, averaged over the sequences: requests satisfied before the first failure, degraded
-groups, the mean slowest-link rank (`node_daemon.topology.link_rank`) of the groups of two
+groups, the mean slowest-link rank (`common.topology.link_rank`) of the groups of two
 or more GPUs given, and avoidable splits: groups of two or more spanning NUMA nodes (those of
 the topo-tree) while one NUMA node alone had enough free GPUs (links may justify a split, so
 this is reported, not judged); then best_group minus each baseline over the same sequences,
@@ -45,8 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.topology import TopoKind, Topology, best_group_brute_force
 from node_daemon.inventory import Gpu, GpuSpec, Inventory, Link, LinkKind, inventory_from_capture
-from node_daemon.topology import TopoKind, Topology, best_group_brute_force
 from tests.data import TOPOLOGIES
 
 REQUEST_SIZES = {1: 4, 2: 3, 4: 2, 8: 1}

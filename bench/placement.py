@@ -25,7 +25,7 @@ asking to spread; releases of random live deployments in between.
     that is not P2P-capable (NVLink, PIX or PXB) when it asked for P2P. Reported over those
     steps: multi-GPU requests satisfied before the first failure, multi-GPU failures, the
     P2P requests given non-P2P groups, the mean slowest link rank
-    (`node_daemon.topology.link_rank`) of the multi-GPU groups given, the mean client latency.
+    (`common.topology.link_rank`) of the multi-GPU groups given, the mean client latency.
 
 Target (issue 4): p99 under 2 ms per decision and over 1,000 decisions/s at 10,000 nodes.
 
@@ -61,9 +61,9 @@ from broker.placement import (
     place,
     place_brute_force,
 )
-from node_daemon.gpu_allocator import P2P_KINDS
+from common.inventory import P2P_KINDS
+from common.topology import Topology, link_rank
 from node_daemon.inventory import GpuSpec, inventory_from_capture
-from node_daemon.topology import Topology, link_rank
 from tests.data import TOPOLOGIES
 
 CAPTURES = {

@@ -25,10 +25,10 @@ import grpc
 import numpy as np
 
 import modelzoo
+from common.content import file_sha256
 from edge_client.rpc.tensors import infer_request
 from images.build import ImageBuildError, build_image
 from node_daemon.inventory import GpuSpec
-from node_daemon.model_cache import file_sha256
 from node_daemon.runtimes import RuntimeUnavailable
 from node_daemon.server import NodeSettings, start_node
 from protos.inference import grpc_service_pb2_grpc as infer_grpc

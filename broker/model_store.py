@@ -41,8 +41,7 @@ from pathlib import Path
 import onnx
 
 from broker.state.permissions import PRIVATE_FILE, private_dir, tighten
-from node_daemon.errors import InvalidRequest
-from node_daemon.model_cache import PutResult, check_sha256
+from common.content import InvalidDigest, PutResult, check_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class ModelNotFound(ModelStoreError):
 def _checked(sha256: str, what: str = "sha256") -> str:
     try:
         return check_sha256(sha256, what)
-    except InvalidRequest as err:
+    except InvalidDigest as err:
         raise InvalidModel(str(err)) from None
 
 

@@ -61,8 +61,8 @@ from broker.state import (
     NodeState,
     StateStore,
 )
-from node_daemon.inventory import Gpu, Inventory, Link, LinkKind
-from node_daemon.topology import Topology
+from common.inventory import Gpu, Inventory, Link, LinkKind
+from common.topology import Topology
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -41,6 +40,7 @@ from typing import Any, Self, TypeVar
 import grpc
 import numpy as np
 
+from common.content import file_sha256
 from edge_client.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -170,15 +170,6 @@ class _Replica:
                 self.idle.set()
 
 
-def _file_sha256(path: Path) -> str:
-    """Blocking: reads the whole file."""
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while block := stream.read(CHUNK_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class OffloadClient:
     """One edge device's client of the broker, and of the replica of its deployment.
 
@@ -305,7 +296,7 @@ class OffloadClient:
         (logged as deduplicated). InvalidInput when the broker refuses the file (not ONNX);
         OSError when it cannot be read here."""
         stub = self._broker()
-        sha = await asyncio.to_thread(_file_sha256, path)
+        sha = await asyncio.to_thread(file_sha256, path, CHUNK_BYTES)
 
         async def chunks() -> AsyncIterator[npb.ModelChunk]:
             stream = await asyncio.to_thread(path.open, "rb")

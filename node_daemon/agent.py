@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.content import check_sha256
+from common.topology import Topology
 from node_daemon.errors import (
     AlreadyExists,
     InvalidRequest,
@@ -36,7 +38,7 @@ from node_daemon.errors import (
 )
 from node_daemon.gpu_allocator import GpuAllocator
 from node_daemon.inventory import Gpu, Inventory
-from node_daemon.model_cache import ModelCache, check_sha256
+from node_daemon.model_cache import ModelCache
 from node_daemon.runtimes import (
     Replica,
     ReplicaFailed,
@@ -46,7 +48,6 @@ from node_daemon.runtimes import (
     Runtime,
     uncancellable,
 )
-from node_daemon.topology import Topology
 from runtime.errors import quote
 
 logger = logging.getLogger(__name__)

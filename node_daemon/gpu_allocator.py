@@ -11,15 +11,10 @@ import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from common.inventory import P2P_KINDS, Inventory
+from common.topology import Topology
 from node_daemon.errors import GpusExhausted, InvalidRequest
-from node_daemon.inventory import Inventory, LinkKind
-from node_daemon.topology import Topology
 from runtime.errors import quote
-
-# Link kinds over which CUDA peer-to-peer works on every platform: NVLink, and PCIe below
-# the host bridge. PHB often does not (consumer cards, several root complexes), NODE and
-# SYS never do.
-P2P_KINDS = frozenset({LinkKind.NV, LinkKind.PIX, LinkKind.PXB})
 
 
 @dataclass(slots=True)

@@ -12,40 +12,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from common.content import PutResult, check_sha256, file_sha256
 from node_daemon.errors import InvalidRequest, ModelNotCached, ModelTooLarge
-from runtime.errors import quote
 
 logger = logging.getLogger(__name__)
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 DEFAULT_MAX_BYTES = 2 * 1024**3
-
-
-def check_sha256(value: str, what: str = "sha256") -> str:
-    """`value` if it is 64 lowercase hex digits; InvalidRequest otherwise."""
-    if not _SHA256.fullmatch(value):
-        raise InvalidRequest(f"{what} {quote(value)} is not 64 lowercase hex digits")
-    return value
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    sha256: str
-    size_bytes: int
-    deduplicated: bool
 
 
 class Upload:

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 import modelzoo
+from common.content import file_sha256
 from edge_client.demo.cluster import (
     CLUSTER_FILE,
     DEMO_NODES,
@@ -32,7 +33,6 @@ from edge_client.demo.cluster import (
     wait_for_log,
 )
 from edge_client.rpc.tensors import infer_request
-from node_daemon.model_cache import file_sha256
 from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 
 from broker.placement.model import RejectReason, Strategy
 from broker.placement.scoring import RANK_SCALE, GroupTerms, group_terms
-from node_daemon.gpu_allocator import P2P_KINDS
-from node_daemon.topology import Topology, set_bits
+from common.inventory import P2P_KINDS
+from common.topology import Topology, set_bits
 
 MEMO_LIMIT = 1 << 16
 """Entries per memo table before it is emptied."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from node_daemon.topology import Topology
+from common.topology import Topology
 
 
 class PriorityClass(enum.IntEnum):

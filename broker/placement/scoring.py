@@ -9,7 +9,7 @@ of k GPUs out of its free GPUs F (R = F - G stay free; n GPUs in all):
     latency       L, in ms: shortest path between the sites plus the node's access latency
     load          U, 0..1
     topology      1 - (slowest(G) + mean(G)) / (2 * 28), 0 for k <= 1: the link ranks
-                  (`node_daemon.topology.link_rank`) of the group's slowest link and its mean
+                  (`common.topology.link_rank`) of the group's slowest link and its mean
                   pair, against NV18 (rank 28, the fastest link of any capture); 0..1
     fragmentation sum over s = 2, 4, 8, ... <= n of (future_F(s) - future_R(s)) / 28, where
                   future_X(s) is the best slowest-link rank of any s GPUs inside X (0 when X
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker.placement.model import ScoreTerm, ScoreTerms, Strategy, Term
-from node_daemon.topology import NV_RANK_BASE
+from common.topology import NV_RANK_BASE
 
 RANK_SCALE = NV_RANK_BASE + 18
 """The link rank of NV18 (H100 SXM): the fastest link in any capture; topology and

@@ -7,7 +7,7 @@ import re
 from broker.errors import InvalidRequest, quote
 from broker.rpc import validate
 from broker.service import MAX_GPUS
-from node_daemon.inventory import Gpu, Inventory, Link, LinkKind, Nic
+from common.inventory import Gpu, Inventory, Link, LinkKind, Nic
 from protos.offload.v1 import node_pb2 as npb
 
 _NV = re.compile(r"NV(\d{1,2})")

@@ -1,10 +1,12 @@
-"""GPU inventory: one model (`model.py`) from NVML, a `nvidia-smi topo -m` capture, or none.
+"""GPU inventory readers: the one model (`common.inventory`) from NVML, a `nvidia-smi topo -m`
+capture, or none (re-exported here for the readers' callers).
 
 Sources: `NvmlInventory` (nvml.py), `TopologyFileInventory` / `inventory_from_capture`
 (topo_file.py), `cpu_only_inventory` (cpu_only.py). NVML and captures both end in
 `build_inventory` (assembly.py); errors are in errors.py.
 """
 
+from common.inventory import Gpu, Inventory, Link, LinkKind, Nic
 from node_daemon.inventory.assembly import (
     GpuAffinity,
     GpuDetails,
@@ -14,7 +16,6 @@ from node_daemon.inventory.assembly import (
 )
 from node_daemon.inventory.cpu_only import cpu_only_inventory
 from node_daemon.inventory.errors import InventoryError, InventoryUnavailable, TopologyParseError
-from node_daemon.inventory.model import Gpu, Inventory, Link, LinkKind, Nic
 from node_daemon.inventory.nvml import (
     NvmlInventory,
     NvmlReader,

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from node_daemon.inventory.model import Gpu, Inventory, Link, Nic
+from common.inventory import Gpu, Inventory, Link, Nic
 
 _SINGLE_NODE = re.compile(r"[0-9]+")
 

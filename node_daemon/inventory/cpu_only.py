@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from node_daemon.inventory.model import Inventory
+from common.inventory import Inventory
 
 
 def cpu_only_inventory() -> Inventory:

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import pynvml
 
+from common.inventory import Inventory, Link, LinkKind
 from node_daemon.inventory.assembly import (
     GpuAffinity,
     GpuDetails,
@@ -43,7 +44,6 @@ from node_daemon.inventory.assembly import (
     build_inventory,
 )
 from node_daemon.inventory.errors import InventoryUnavailable
-from node_daemon.inventory.model import Inventory, Link, LinkKind
 
 logger = logging.getLogger(__name__)
 

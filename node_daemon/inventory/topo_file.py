@@ -44,6 +44,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.inventory import Inventory, Link, LinkKind, Nic
 from node_daemon.inventory.assembly import (
     GpuAffinity,
     GpuDetails,
@@ -51,7 +52,6 @@ from node_daemon.inventory.assembly import (
     build_inventory,
 )
 from node_daemon.inventory.errors import TopologyParseError
-from node_daemon.inventory.model import Inventory, Link, LinkKind, Nic
 
 logger = logging.getLogger(__name__)
 

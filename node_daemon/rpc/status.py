@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from common.content import InvalidDigest
 from node_daemon.errors import (
     AlreadyExists,
     InvalidRequest,
@@ -18,6 +19,7 @@ from runtime.rpc.status import StatusTable, error_mapper
 
 STATUS_TABLE: StatusTable = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidDigest, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),

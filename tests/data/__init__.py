@@ -2,7 +2,7 @@
 
 `topologies/`: real `nvidia-smi topo -m` captures, each with its provenance lines (see its
 README). `p2p_bandwidth/`: `p2pBandwidthLatencyTest` outputs from some of the same kinds of
-machine, the evidence behind the link order in `node_daemon.topology`.
+machine, the evidence behind the link order in `common.topology`.
 """
 
 from pathlib import Path

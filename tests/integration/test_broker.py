@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 import modelzoo
-from node_daemon.model_cache import file_sha256
+from common.content import file_sha256
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import modelzoo
+from common.content import file_sha256
 from images.build import build_image
-from node_daemon.model_cache import file_sha256
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 from tests.data import TOPOLOGIES

@@ -18,9 +18,9 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescr
 from google.protobuf.message import Message
 
 import modelzoo
+from common.content import file_sha256
 from node_daemon.agent import NodeAgent
 from node_daemon.inventory import GpuSpec
-from node_daemon.model_cache import file_sha256
 from node_daemon.server import NodeSettings, start_node
 from protos.inference import grpc_service_pb2 as ipb
 from protos.offload.v1 import node_pb2 as pb

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from common.content import InvalidDigest
 from node_daemon.errors import InvalidRequest, ModelNotCached, ModelTooLarge
 from node_daemon.model_cache import ModelCache
 
@@ -48,9 +49,9 @@ def test_wrong_declared_hash_stores_nothing(tmp_path: Path) -> None:
 )
 def test_malformed_hash_is_refused(tmp_path: Path, sha: str) -> None:
     cache = ModelCache(tmp_path / "models")
-    with pytest.raises(InvalidRequest, match="not 64 lowercase hex digits"):
+    with pytest.raises(InvalidDigest, match="not 64 lowercase hex digits"):
         cache.upload(sha)
-    with pytest.raises(InvalidRequest, match="not 64 lowercase hex digits"):
+    with pytest.raises(InvalidDigest, match="not 64 lowercase hex digits"):
         cache.path(sha)
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from broker.model_store import InvalidModel, ModelNotFound, ModelStore, ModelTooLarge
-from node_daemon.model_cache import PutResult
+from common.content import PutResult
 
 LIMIT = 1 << 20
 

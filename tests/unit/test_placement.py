@@ -28,9 +28,9 @@ from broker.placement import (
     place_brute_force,
 )
 from broker.placement.search import TOP_CANDIDATES
-from node_daemon.gpu_allocator import P2P_KINDS
+from common.inventory import P2P_KINDS
+from common.topology import Topology
 from node_daemon.inventory import Gpu, GpuSpec, Inventory, Link, LinkKind, inventory_from_capture
-from node_daemon.topology import Topology
 from tests.data import TOPOLOGIES
 
 BE, STD, CRIT = PriorityClass.BEST_EFFORT, PriorityClass.STANDARD, PriorityClass.CRITICAL

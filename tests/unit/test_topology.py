@@ -1,4 +1,4 @@
-"""node_daemon.topology: link ranks, the topo-tree, and best_group against its brute force."""
+"""common.topology: link ranks, the topo-tree, and best_group against its brute force."""
 
 from __future__ import annotations
 
@@ -10,6 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.topology import (
+    NO_LINK_RANK,
+    TopoKind,
+    Topology,
+    best_group_brute_force,
+    link_rank,
+)
 from node_daemon.inventory import (
     Gpu,
     GpuDetails,
@@ -20,13 +27,6 @@ from node_daemon.inventory import (
     build_inventory,
     inventory_from_capture,
     parse_topology,
-)
-from node_daemon.topology import (
-    NO_LINK_RANK,
-    TopoKind,
-    Topology,
-    best_group_brute_force,
-    link_rank,
 )
 from tests.data import TOPOLOGIES
 

@@ -1,7 +1,8 @@
-"""The one inventory model every source produces (NVML, a topology capture, or no GPU).
+"""The one GPU inventory model every source produces (NVML, a topology capture, or no GPU).
 
-Plain frozen values. Whatever the source, everything after it (topology, placement,
-registration) reads only these types.
+Plain frozen values, shared by the node daemon (which reads them) and the broker (which
+places on them); the readers live in `node_daemon.inventory`. Whatever the source,
+everything after it (topology, placement, registration) reads only these types.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ class LinkKind(enum.StrEnum):
     """Between PCIe host bridges within one NUMA node."""
     SYS = "SYS"
     """Across the SMP interconnect between NUMA nodes (QPI/UPI/xGMI)."""
+
+
+P2P_KINDS = frozenset({LinkKind.NV, LinkKind.PIX, LinkKind.PXB})
+"""Link kinds over which CUDA peer-to-peer works on every platform: NVLink, and PCIe below
+the host bridge. PHB often does not (consumer cards, several root complexes), NODE and SYS
+never do."""
 
 
 @dataclass(frozen=True, slots=True)

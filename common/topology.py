@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from node_daemon.inventory.model import Gpu, Inventory, Link, LinkKind
+from common.inventory import Gpu, Inventory, Link, LinkKind
 
 _PCIE_RANK = {
     LinkKind.SYS: 1,
