@@ -14,7 +14,10 @@ Hierarchy::
     │   │                    (FAILED_PRECONDITION, naming the largest possible)
     │   └── Busy             the deployment is being migrated or deleted: the same call
     │                        succeeds once that has finished (FAILED_PRECONDITION)
-    └── NodeUnavailable      the chosen node failed to start the replica (UNAVAILABLE)
+    └── NodeUnavailable      the chosen node failed to start the replica, or could not be
+        │                    reached (UNAVAILABLE): placed again
+        └── ReplicaFailed    the node ran the replica and it failed by itself (its model
+                             does not load, it exited): placing it again would fail alike
 
 An error's message is meant for the caller: it names the field and quotes at most a short
 prefix of an offending value (`quote`). Text that comes from a node (its status details, a
@@ -63,4 +66,8 @@ class Busy(Impossible):
 
 
 class NodeUnavailable(BrokerError):
+    pass
+
+
+class ReplicaFailed(NodeUnavailable):
     pass

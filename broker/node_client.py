@@ -7,11 +7,20 @@ from collections.abc import Sequence
 
 import grpc
 
-from broker.errors import MESSAGE_CHARS, NodeUnavailable, ResourceExhausted, client_text
+from broker.errors import (
+    MESSAGE_CHARS,
+    NodeUnavailable,
+    ReplicaFailed,
+    ResourceExhausted,
+    client_text,
+)
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 
 START_TIMEOUT_S = 120.0
+_REPLICA_FAULTS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+"""What a node answers when the replica itself cannot run (StartFailed: its model does not
+load or it exits; a spec the node refuses)."""
 CALL_TIMEOUT_S = 15.0
 
 
@@ -33,6 +42,10 @@ class NodeClient:
         message = f"node {self.node_id} could not {action}: {err.code().name} {details}"
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(message)
+        if err.code() in _REPLICA_FAULTS:
+            return ReplicaFailed(message)
+        # The node unreachable or gone mid-call, its model fetch failed, a deadline: none of
+        # it says the replica cannot run, so the deployment is placed again.
         return NodeUnavailable(message)
 
     async def start_replica(
@@ -49,8 +62,9 @@ class NodeClient:
         token: str,
     ) -> str:
         """Start a replica and return its endpoint once it is ready (the node fetches the
-        model from the broker when its cache lacks it). NodeUnavailable or ResourceExhausted
-        on failure."""
+        model from the broker when its cache lacks it). ReplicaFailed when the replica itself
+        failed, NodeUnavailable when the node did not answer or could not get the model,
+        ResourceExhausted when it lacks the GPUs."""
         spec = pb.ReplicaSpec(
             deployment_id=deployment_id,
             epoch=epoch,

@@ -32,6 +32,7 @@ from broker.errors import (
     InvalidRequest,
     NodeUnavailable,
     NotFound,
+    ReplicaFailed,
     ResourceExhausted,
     quote,
 )
@@ -828,12 +829,13 @@ class Broker:
     async def _start(
         self, record: DeploymentRecord, reason: str, on_failure: DeploymentState
     ) -> DeploymentRecord:
-        """Start the replica of a `starting` record and write the outcome. On a node's
-        failure the deployment becomes `on_failure` (failed for a first deploy:
-        NodeUnavailable is raised; pending for one placed again). A node that has not the
-        GPUs the broker gave (a race with a replica still stopping) makes it pending, to be
-        placed again. A deployment deleted while its replica started is left deleted and the
-        replica stopped."""
+        """Start the replica of a `starting` record and write the outcome. When the replica
+        itself failed (ReplicaFailed: its model does not load, it exited) the deployment
+        becomes `on_failure` (failed for a first deploy: NodeUnavailable is raised; pending
+        for one placed again). Any other failure (the node unreachable or killed mid-start,
+        its model fetch failed, the GPUs the broker gave not free there yet) makes it
+        pending, to be placed again. A deployment deleted while its replica started is left
+        deleted and the replica stopped."""
         spec = DeploySpec.from_json(record.request_json)
         assert record.node_id is not None
         entry = self._nodes[record.node_id]
@@ -850,7 +852,7 @@ class Broker:
                 token=record.token,
             )
         except (NodeUnavailable, ResourceExhausted) as err:
-            again = on_failure is DeploymentState.PENDING or isinstance(err, ResourceExhausted)
+            again = on_failure is DeploymentState.PENDING or not isinstance(err, ReplicaFailed)
             async with self._placing:
                 current = await self._still_starting(record)
                 if current is not None and again:

@@ -177,3 +177,31 @@ async def test_a_failover_whose_target_cannot_start_waits_pending_for_a_node(
         await cluster_agrees(cluster)
     finally:
         await cluster.stop()
+
+
+async def test_a_node_killed_while_its_replica_starts_leaves_the_deployment_pending(
+    cluster: Cluster,
+) -> None:
+    """node-a's daemon SIGKILLed mid-start: the node did not say the replica cannot run, so
+    the deployment is placed again (pending, then running), never `failed`."""
+    async with cluster.edge("alice") as alice:
+        sha = (await alice.upload(modelzoo.model_path("resnet18"))).sha256
+        offset = cluster.node_log("node-a").stat().st_size
+        call = asyncio.create_task(
+            alice.deploy(model_sha256=sha, model_name="resnet18", gpus=1, site="site-a"),
+            name="deploy",
+        )
+        await wait_for_log(cluster.node_log("node-a"), r"replica=d-\w+-1 starting", after=offset)
+        cluster.nodes["node-a"].send_signal(signal.SIGKILL)
+        cluster.nodes["node-a"].wait()
+        deployment = await call
+        assert deployment.state == "pending", deployment.reason
+        assert "node-a" in deployment.reason
+        await cluster.start_node(NODE_A)
+
+        async def running() -> bool:
+            return (await alice.get(deployment.deployment_id)).state == "running"
+
+        await _until(running)
+        assert (await alice.get(deployment.deployment_id)).epoch > 1
+    await cluster_agrees(cluster)
