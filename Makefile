@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test lint bench bench-full protos image image-cuda docker-engine clean help
+.PHONY: venv demo test lint bench bench-full chaos protos image image-cuda docker-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -37,6 +37,9 @@ bench: $(STAMP)  ## every benchmark, short mode; figures beside their baselines
 
 bench-full: $(STAMP)  ## every benchmark, full mode
 	$(PY) -m bench
+
+chaos: $(STAMP)  ## faults and hostile input on a loopback cluster, short mode (ARGS="--scenarios ...")
+	$(PY) -m bench.chaos --quick $(ARGS)
 
 protos: $(STAMP)  ## regenerate the committed gRPC/protobuf code
 	$(PY) -m protos.generate
