@@ -683,15 +683,17 @@ class Broker:
             await self._db(self._store.set_node_state, node_id, state)
 
     async def deploy(self, client_id: str, spec: DeploySpec) -> DeploymentRecord:
-        """Place and start a deployment; returns it once its replica is ready (or pending,
-        when its node turned out not to have the GPUs: it is placed again).
+        """Place and start a deployment; returns it once its replica is ready, or pending
+        when the start failed for another reason than the replica itself (the node killed or
+        unreachable mid-start, the GPUs not free there yet): it is placed again.
 
         The placement and the start run as the broker's own task: a caller that goes away
         (its deadline, a cancelled call) leaves it to end running, pending or failed, never
         starting with its GPUs held.
 
         InvalidRequest, NotFound (model not uploaded), Impossible (more than any node has),
-        ResourceExhausted (nothing fits now), NodeUnavailable (the node failed to start it).
+        ResourceExhausted (nothing fits now), NodeUnavailable (the replica failed by itself:
+        the deployment is failed).
         """
         spec.validate()
         # Another client's model answers exactly as one nobody uploaded.
@@ -699,7 +701,7 @@ class Broker:
             raise NotFound(f"model {spec.model_sha256} is not uploaded; call UploadModel first")
         if spec.site not in self.network.sites:
             raise InvalidRequest(
-                f"site {spec.site!r} is unknown; known sites: {', '.join(self.network.sites)}"
+                f"site {quote(spec.site)} is unknown; known sites: {', '.join(self.network.sites)}"
             )
         deployment_id = f"d-{secrets.token_hex(5)}"
         task = self._own(self._deploy(deployment_id, client_id, spec), f"deploy-{deployment_id}")
@@ -1209,7 +1211,7 @@ class Broker:
     async def report_location(self, client_id: str, site: str) -> None:
         if site not in self.network.sites:
             raise InvalidRequest(
-                f"site {site!r} is unknown; known sites: {', '.join(self.network.sites)}"
+                f"site {quote(site)} is unknown; known sites: {', '.join(self.network.sites)}"
             )
         await self._db(self._store.set_client_site, client_id, site)
 
