@@ -527,12 +527,14 @@ class Broker:
         # A heartbeat may have been taken before a switch it is processed after.
         settled_before = time.time() - 2 * self.settings.heartbeat_interval_s
         entry.replicas = frozenset(rid for rid, _ in replicas)
+        records = await self._db(
+            self._store.list_deployments,
+            states=(DeploymentState.RUNNING, DeploymentState.STARTING),
+        )
         expected = {
             replica_id(d.deployment_id, d.epoch): d
-            for d in await self._db(
-                self._store.list_deployments, states=(DeploymentState.RUNNING,)
-            )
-            if d.node_id == node_id
+            for d in records
+            if d.state is DeploymentState.RUNNING and d.node_id == node_id
         }
         for replica, deployment in expected.items():
             if (
@@ -548,15 +550,20 @@ class Broker:
                     node_id,
                 )
                 await self.requeue(deployment, f"replica lost on node {node_id}")
-        starting = {
-            replica_id(d.deployment_id, d.epoch)
-            for d in await self._db(
-                self._store.list_deployments, states=(DeploymentState.STARTING,)
-            )
+        # Claimed besides the running ones: replicas starting, and those a move holds (its
+        # target before the switch, its source until it stops), however long that takes.
+        claimed = {
+            *expected,
+            *(
+                replica_id(d.deployment_id, d.epoch)
+                for d in records
+                if d.state is DeploymentState.STARTING
+            ),
+            *(replica_id(deployment, epoch) for deployment, epoch in self._holds),
         }
         now = time.monotonic()
         for replica, _state in replicas:
-            if replica in expected or replica in starting:
+            if replica in claimed:
                 self._orphans.pop((node_id, replica), None)
                 continue
             first = self._orphans.setdefault((node_id, replica), now)

@@ -205,3 +205,36 @@ async def test_a_node_killed_while_its_replica_starts_leaves_the_deployment_pend
         await _until(running)
         assert (await alice.get(deployment.deployment_id)).epoch > 1
     await cluster_agrees(cluster)
+
+
+async def test_a_migrations_replicas_are_never_taken_for_orphans(tmp_path: Path) -> None:
+    """No client acks the switch, so the old replica drains for the whole drain timeout
+    (8 s), well past the orphan grace (3 s): the move holds it, so the migration stops it,
+    not reconciliation."""
+    cluster = Cluster(tmp_path)
+    try:
+        await cluster.start_broker("--drain-timeout", "8")
+        await asyncio.gather(cluster.start_node(NODE_A), cluster.start_node(NODE_C))
+        async with cluster.edge("alice") as alice:
+            sha = (await alice.upload(modelzoo.model_path("mlp"))).sha256
+            deployment = await alice.deploy(
+                model_sha256=sha, model_name="mlp", gpus=1, site="site-a"
+            )
+            await alice.stub.Migrate(
+                pb.MigrateRequest(deployment_id=deployment.deployment_id, to_node="node-c"),
+                metadata=alice.metadata,
+            )
+
+            async def completed() -> bool:
+                listed = await alice.stub.ListMigrations(
+                    pb.ListMigrationsRequest(deployment_id=deployment.deployment_id),
+                    metadata=alice.metadata,
+                )
+                return [m.state for m in listed.migrations] == ["completed"]
+
+            await _until(completed)
+        (moved,) = await cluster_agrees(cluster)
+        assert (moved.node_id, moved.epoch) == ("node-c", 2)
+        assert "no deployment claims it" not in cluster.broker_log.read_text()
+    finally:
+        await cluster.stop()
