@@ -32,17 +32,24 @@ class CommandError(Exception):
     """A problem the user can fix; the message says how."""
 
 
-def _api_key(args: argparse.Namespace) -> str:
-    path = args.api_key_file or os.environ.get("OFFLOAD_API_KEY_FILE")
+def _secret(path: str | None, flag: str, env: str, what: str, hint: str = "") -> str:
+    """The secret in the file `path` (the value of `flag`) or in the file $`env` names.
+    CommandError when neither is given (with `hint`: which file that is), or the file cannot
+    be read or is empty."""
+    path = path or os.environ.get(env)
     if not path:
-        raise CommandError("give --api-key-file F (or set OFFLOAD_API_KEY_FILE)")
+        raise CommandError(f"give {flag} F (or set {env}){hint}")
     try:
-        key = Path(path).read_text().strip()
+        secret = Path(path).read_text().strip()
     except OSError as err:
-        raise CommandError(f"cannot read the API key file {path}: {err.strerror}") from err
-    if not key:
-        raise CommandError(f"the API key file {path} is empty")
-    return key
+        raise CommandError(f"cannot read the {what} file {path}: {err.strerror}") from err
+    if not secret:
+        raise CommandError(f"the {what} file {path} is empty")
+    return secret
+
+
+def _api_key(args: argparse.Namespace) -> str:
+    return _secret(args.api_key_file, "--api-key-file", "OFFLOAD_API_KEY_FILE", "API key")
 
 
 def _broker(args: argparse.Namespace) -> str:
@@ -63,19 +70,13 @@ async def edge_call(args: argparse.Namespace, method: str, request: Any) -> Any:
 
 
 def _ops_token(args: argparse.Namespace) -> str:
-    path = args.ops_token_file or os.environ.get("OFFLOAD_OPS_TOKEN_FILE")
-    if not path:
-        raise CommandError(
-            "give --ops-token-file F (or set OFFLOAD_OPS_TOKEN_FILE): the broker's "
-            "--ops-token-file, or <state-dir>/ops-token when it runs without one"
-        )
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as err:
-        raise CommandError(f"cannot read the ops token file {path}: {err.strerror}") from err
-    if not token:
-        raise CommandError(f"the ops token file {path} is empty")
-    return token
+    return _secret(
+        args.ops_token_file,
+        "--ops-token-file",
+        "OFFLOAD_OPS_TOKEN_FILE",
+        "ops token",
+        ": the broker's --ops-token-file, or <state-dir>/ops-token when it runs without one",
+    )
 
 
 async def ops_get(args: argparse.Namespace, path: str) -> Any:
