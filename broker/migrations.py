@@ -372,12 +372,4 @@ class Migrations:
 def _request(record: DeploymentRecord, site: str) -> PlacementRequest:
     """What placement is asked for the deployment's replica at the next epoch."""
     spec = DeploySpec.from_json(record.request_json)
-    return PlacementRequest(
-        deployment_id=f"{record.deployment_id}@{record.epoch + 1}",
-        site=site,
-        gpus=spec.gpus,
-        gpu_memory_mib=spec.gpu_memory_mib,
-        p2p_required=spec.p2p_required,
-        priority=spec.priority,
-        latency_slo_ms=spec.latency_slo_ms or None,
-    )
+    return spec.placement_request(f"{record.deployment_id}@{record.epoch + 1}", site)

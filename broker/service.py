@@ -144,6 +144,19 @@ class DeploySpec:
         if self.latency_slo_ms < 0:
             raise InvalidRequest("latency_slo_ms must not be negative")
 
+    def placement_request(self, placement_id: str, site: str) -> PlacementRequest:
+        """What placement is asked for a replica of this deployment for a client at `site`
+        (`placement_id` names it in the snapshot and the explanation)."""
+        return PlacementRequest(
+            deployment_id=placement_id,
+            site=site,
+            gpus=self.gpus,
+            gpu_memory_mib=self.gpu_memory_mib,
+            p2p_required=self.p2p_required,
+            priority=self.priority,
+            latency_slo_ms=self.latency_slo_ms or None,
+        )
+
     def to_json(self) -> str:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data["priority"] = int(self.priority)
@@ -741,15 +754,7 @@ class Broker:
                     f"asks for {spec.gpus} GPU(s); the largest node has {largest} "
                     f"({largest_node or 'no nodes registered'}): ask for at most {largest}"
                 )
-            request = PlacementRequest(
-                deployment_id=deployment_id,
-                site=spec.site,
-                gpus=spec.gpus,
-                gpu_memory_mib=spec.gpu_memory_mib,
-                p2p_required=spec.p2p_required,
-                priority=spec.priority,
-                latency_slo_ms=spec.latency_slo_ms or None,
-            )
+            request = spec.placement_request(deployment_id, spec.site)
             started = time.perf_counter()
             try:
                 decision = place(snapshot, request, self.network)
