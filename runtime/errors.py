@@ -30,9 +30,16 @@ _ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 # Absolute paths of two or more components: a host's files, a traceback's source files.
 _PATH = re.compile(r"(?<![\w.:/])/(?:[\w.+@-]+/)+[\w.+@-]*")
-# `ValueError: `, `grpc.aio.AioRpcError: `, `<class 'KeyError'>`: exception class names.
+# `ValueError: `, `grpc.aio.AioRpcError: `, `<class 'KeyError'>`, a bare `Exception`:
+# exception class names.
 _CLASS_NAME = re.compile(
-    r"<class '[\w.]+'>:? ?|\b(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b:? ?"
+    r"<class '[\w.]+'>:? ?"
+    r"|\b(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*)?(?:Error|Exception|Exit|Interrupt)\b:? ?"
+)
+# A Python traceback's header and its indented frames (a log tail may hold one; its last,
+# unindented line stays, without its class name).
+_TRACEBACK = re.compile(
+    r"^[ \t]*Traceback \(most recent call last\):\n(?:[ \t]+.*(?:\n|$))*", re.MULTILINE
 )
 
 
@@ -47,10 +54,12 @@ def quote(value: str, limit: int = QUOTE_CHARS) -> str:
 
 def client_text(text: str, limit: int = MESSAGE_CHARS) -> str:
     """`text` as a caller may see it: without terminal escape codes and control characters
-    (newlines stay), absolute paths replaced by `<path>`, exception class names removed, and
-    at most `limit` characters (the rest is counted, not shown)."""
+    (newlines stay), Python tracebacks' frames dropped, absolute paths replaced by `<path>`,
+    exception class names removed, and at most `limit` characters (the rest is counted, not
+    shown)."""
     text = _ANSI.sub("", text)
     text = _CONTROL.sub("", text)
+    text = _TRACEBACK.sub("", text)
     text = _PATH.sub("<path>", text)
     text = _CLASS_NAME.sub("", text)
     if len(text) <= limit:
