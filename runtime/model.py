@@ -9,6 +9,8 @@ from __future__ import annotations
 import glob
 import logging
 import math
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,11 +114,19 @@ class OnnxModel:
         gpu_mem_limit_mib: int = 0,
         intra_op_threads: int = 0,
     ) -> OnnxModel:
-        """Load `path` into a session. Blocking. ModelLoadError when it cannot be loaded."""
+        """Load `path` into a session. Blocking. ModelLoadError when it cannot be loaded.
+
+        ONNX Runtime's intra-op threads do not spin while they wait for work: spinning made
+        each idle thread burn a core between requests (the MLP's replica used 850 µs of CPU
+        per 20 µs inference on 2 cores, 370 µs without spinning; docs/BENCHMARKS.md "Data
+        path"), which a node with several replicas and its clients pay in latency.
+        """
         providers = choose_providers(device, gpu_mem_limit_mib)
         options = ort.SessionOptions()
         if intra_op_threads > 0:
             options.intra_op_num_threads = intra_op_threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         try:
             session = ort.InferenceSession(str(path), options, providers=providers)
         except (ort_state.Fail, ort_state.InvalidGraph, ort_state.InvalidProtobuf) as err:
@@ -189,8 +199,15 @@ class OnnxModel:
         except (ort_state.Fail, ort_state.RuntimeException) as err:
             raise InferenceFailed(f"inference failed: {err}") from err
 
-    def warm_up(self, inputs: Mapping[str, np.ndarray] | None = None) -> None:
-        """One inference, so the first real request does not pay for lazy set-up.
+    def warm_up(
+        self,
+        inputs: Mapping[str, np.ndarray] | None = None,
+        timed_runs: int = 10,
+        budget_s: float = 0.2,
+    ) -> float:
+        """One inference, so the first real request does not pay for lazy set-up, then up to
+        `timed_runs` more within `budget_s` to measure the model's compute time. Returns the
+        median of the timed runs in ms (the first run's time when none fit the budget).
 
         `inputs` (every input of the model, checked like a request's) when given; otherwise
         zeros with each dynamic dimension 1 for the first axis (batch) and 64 elsewhere.
@@ -208,13 +225,18 @@ class OnnxModel:
             except InvalidInput as err:
                 raise ModelLoadError(f"warm-up inputs do not fit the model: {err}") from err
         try:
-            self._session.run(None, feeds)
+            times = [_timed(self._session, feeds)]
         except (ort_state.InvalidArgument, ort_state.Fail, ort_state.RuntimeException) as err:
             given = ", ".join(f"{k}={list(v.shape)}" for k, v in feeds.items())
             raise ModelLoadError(
                 f"warm-up inference failed with inputs {given}: {err}. Give inputs this "
                 "model accepts with --warmup-inputs FILE.npz"
             ) from err
+        deadline = time.monotonic() + budget_s
+        timed: list[float] = []
+        while len(timed) < timed_runs and time.monotonic() < deadline:
+            timed.append(_timed(self._session, feeds))
+        return statistics.median(timed or times) * 1000
 
     def _check_shared_dims(self, feeds: Mapping[str, np.ndarray]) -> None:
         seen: dict[str, tuple[str, int]] = {}
@@ -269,6 +291,12 @@ def _to_array(tensor: RequestTensor, spec: TensorSpec) -> np.ndarray:
                 f"[{info.min}, {info.max}]"
             )
     return values.astype(dtype, copy=False).reshape(tensor.shape)
+
+
+def _timed(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> float:
+    started = time.perf_counter()
+    session.run(None, dict(feeds))
+    return time.perf_counter() - started
 
 
 def _zeros(spec: TensorSpec) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -26,13 +27,16 @@ import numpy as np
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.errors import ModelLoadError
 from runtime.model import DEVICES, OnnxModel
-from runtime.rpc.auth import TokenAuthInterceptor
+from runtime.rpc.auth import BearerToken, require_token
+from runtime.rpc.registration import add_servicer
 from runtime.rpc.servicer import InferenceServicer, ServingState
-from runtime.rpc.status import MalformedRequests
+from runtime.rpc.status import parse_in_handler
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_INLINE_BELOW_MS = 20.0
+SINGLE_THREAD_BELOW_MS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,10 @@ class RuntimeSettings:
     grace_s: float = 10.0
     """How long accepted inferences get to finish after SIGTERM."""
     concurrency: int = 2
-    """Inferences run at once (worker threads sharing the session)."""
+    """Inferences run at once (worker threads sharing the session) when not inline."""
+    inline_below_ms: float = DEFAULT_INLINE_BELOW_MS
+    """A model whose measured compute time (median, at warm-up) is at most this runs its
+    inferences on the event loop, one at a time, instead of in worker threads."""
     intra_op_threads: int = 0
     """ONNX Runtime threads per inference; 0 lets ONNX Runtime choose."""
     warmup_inputs: Path | None = None
@@ -78,6 +85,11 @@ class RunningServer:
                 self.state.in_flight,
                 grace_s,
             )
+        # Calls gRPC received before the signal but has not handed to the servicer yet (an
+        # inline inference holds the loop) get their answer, UNAVAILABLE, before the stop
+        # would cut them: give the loop two inferences' time to dispatch them.
+        settle_s = 0.01 + (2 * self.state.compute_s if self.state.inline else 0.0)
+        await asyncio.sleep(min(settle_s, max(0.0, grace_s - (time.monotonic() - started))))
         remaining = max(0.0, grace_s - (time.monotonic() - started))
         await self.server.stop(remaining)
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -94,14 +106,17 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
     executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="infer")
     limit = settings.max_message_bytes
     server = grpc.aio.server(
-        interceptors=[MalformedRequests(), TokenAuthInterceptor(settings.token)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
         ],
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceServicer(state, settings.name, executor), server
+    add_servicer(
+        server,
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server,
+        InferenceServicer(state, settings.name, executor),
+        # The token is checked first: a refused call's request is never parsed.
+        [parse_in_handler, require_token(BearerToken(settings.token))],
     )
     try:
         port = server.add_insecure_port(f"{settings.host}:{settings.port}")
@@ -114,26 +129,64 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
 
 
 async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
-    """Load and warm up the model, then turn ready. ModelLoadError when either fails."""
+    """Load and warm up the model, choose how to run it from its measured compute time, then
+    turn ready. ModelLoadError when loading or the warm-up fails.
+
+    The choices, each logged: a model that computes in under `SINGLE_THREAD_BELOW_MS` with
+    ONNX Runtime's default threads (and no --intra-op-threads) is loaded again with one
+    thread and keeps the faster of the two (a tiny model gains nothing from a thread pool
+    and pays for waking it); a model within --inline-below-ms runs inline.
+    """
     started = time.monotonic()
-    model = await asyncio.to_thread(
-        OnnxModel.load,
+    warmup_inputs = _read_warmup_inputs(settings.warmup_inputs)
+    model, compute_ms = await asyncio.to_thread(
+        _load_warm, settings, settings.intra_op_threads, warmup_inputs
+    )
+    threads = "default"
+    if settings.intra_op_threads == 0 and compute_ms < SINGLE_THREAD_BELOW_MS:
+        single, single_ms = await asyncio.to_thread(_load_warm, settings, 1, warmup_inputs)
+        logger.info(
+            "model=%s compute %.3f ms with the default threads, %.3f ms with one",
+            settings.name,
+            compute_ms,
+            single_ms,
+        )
+        if single_ms <= compute_ms:
+            model, compute_ms, threads = single, single_ms, "1"
+    running.state.inline = compute_ms <= settings.inline_below_ms
+    running.state.compute_s = compute_ms / 1000
+    # What is alive now (modules, the session) lives as long as the process: keep it out of
+    # the collector's full passes, which otherwise take milliseconds in the middle of a call.
+    gc.collect()
+    gc.freeze()
+    running.state.model = model
+    logger.info(
+        "model=%s ready provider=%s intra-op threads %s (load and warm-up %.2fs); "
+        "compute %.2f ms: %s",
+        settings.name,
+        model.provider,
+        settings.intra_op_threads or threads,
+        time.monotonic() - started,
+        compute_ms,
+        f"runs inline on the event loop (at most --inline-below-ms {settings.inline_below_ms:g})"
+        if running.state.inline
+        else f"runs in {settings.concurrency} worker thread(s) "
+        f"(over --inline-below-ms {settings.inline_below_ms:g})",
+    )
+
+
+def _load_warm(
+    settings: RuntimeSettings, intra_op_threads: int, inputs: dict[str, np.ndarray] | None
+) -> tuple[OnnxModel, float]:
+    """A loaded, warmed-up session and its compute time in ms. Blocking."""
+    model = OnnxModel.load(
         settings.model,
         settings.name,
         settings.device,
         settings.gpu_mem_limit_mib,
-        settings.intra_op_threads,
+        intra_op_threads,
     )
-    loaded = time.monotonic()
-    await asyncio.to_thread(model.warm_up, _read_warmup_inputs(settings.warmup_inputs))
-    running.state.model = model
-    logger.info(
-        "model=%s ready provider=%s (load %.2fs, warm-up %.2fs)",
-        settings.name,
-        model.provider,
-        loaded - started,
-        time.monotonic() - loaded,
-    )
+    return model, model.warm_up(inputs)
 
 
 def _read_warmup_inputs(path: Path | None) -> dict[str, np.ndarray] | None:
@@ -224,7 +277,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds accepted inferences get to finish after SIGTERM",
     )
     p.add_argument(
-        "--concurrency", type=_positive(int), default=2, help="inferences run at once (default 2)"
+        "--concurrency",
+        type=_positive(int),
+        default=2,
+        help="inferences run at once in worker threads, for a model not run inline (default 2)",
+    )
+    p.add_argument(
+        "--inline-below-ms",
+        type=_positive(float),
+        default=DEFAULT_INLINE_BELOW_MS,
+        metavar="MS",
+        help="run inferences on the event loop, one at a time, when the model's compute time "
+        "measured at warm-up is at most MS (no thread hand-off: lower latency; a health "
+        "check waits for at most one inference); 0: always in worker threads "
+        f"(default {DEFAULT_INLINE_BELOW_MS:g})",
     )
     p.add_argument(
         "--intra-op-threads",
@@ -266,6 +332,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         max_message_bytes=args.max_message_bytes,
         grace_s=args.grace,
         concurrency=args.concurrency,
+        inline_below_ms=args.inline_below_ms,
         intra_op_threads=args.intra_op_threads,
         warmup_inputs=args.warmup_inputs,
     )

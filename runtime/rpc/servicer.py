@@ -30,6 +30,11 @@ class ServingState:
 
     def __init__(self) -> None:
         self.model: OnnxModel | None = None
+        self.inline = False
+        """Run inferences on the event loop instead of a worker thread (decided at load, from
+        the model's measured compute time; see `runtime.server.load_model`)."""
+        self.compute_s = 0.0
+        """The model's compute time measured at warm-up (median)."""
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -119,6 +124,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         with self._state.track():
             feeds = model.prepare(convert.request_tensors(request))
             names = model.output_names([o.name for o in request.outputs])
-            loop = asyncio.get_running_loop()
-            arrays = await loop.run_in_executor(self._executor, model.run, feeds, names)
+            if self._state.inline:
+                arrays = model.run(feeds, names)
+            else:
+                loop = asyncio.get_running_loop()
+                arrays = await loop.run_in_executor(self._executor, model.run, feeds, names)
         return convert.infer_response(request, names, arrays)

@@ -5,7 +5,8 @@ refuses requests that do not parse. The node daemon uses both.
 No input makes an RPC answer UNKNOWN:
 
 - a request that is not a valid message (corrupt protobuf, invalid UTF-8 in a string field)
-  is INVALID_ARGUMENT (`MalformedRequests`; grpc alone would answer UNKNOWN);
+  is INVALID_ARGUMENT (`parse_in_handler`, or the `MalformedRequests` interceptor that
+  applies it per call; grpc alone would answer UNKNOWN);
 - an error in the table gets its code, and its message through `client_text` (bounded, no
   escape codes, host paths or exception class names);
 - anything else is a bug: it is logged with its traceback and a reference, and the caller
@@ -114,16 +115,63 @@ async def _each_parsed(
         yield await _parsed(parse, message, method, context)
 
 
+def parse_in_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` with no deserializer (grpc then hands it the raw bytes), parsing them itself
+    so that a `DecodeError` is answered INVALID_ARGUMENT.
+
+    Unary requests are parsed before the servicer method starts, each message of a client
+    stream as the servicer reads it. Handlers without a deserializer and bidirectional ones
+    (none here) are returned unchanged.
+    """
+    if handler.request_deserializer is None:
+        return handler
+    parse: Parse = handler.request_deserializer
+    serialize = handler.response_serializer
+    if handler.unary_unary is not None:
+        unary_unary = handler.unary_unary
+
+        async def parsed_unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await unary_unary(await _parsed(parse, raw, method, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            parsed_unary_unary, response_serializer=serialize
+        )
+    if handler.unary_stream is not None:
+        unary_stream = handler.unary_stream
+
+        async def parsed_unary_stream(
+            raw: bytes, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            request = await _parsed(parse, raw, method, context)
+            async for response in unary_stream(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(
+            parsed_unary_stream, response_serializer=serialize
+        )
+    if handler.stream_unary is not None:
+        stream_unary = handler.stream_unary
+
+        async def parsed_stream_unary(
+            raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> Any:
+            return await stream_unary(_each_parsed(parse, raw, method, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            parsed_stream_unary, response_serializer=serialize
+        )
+    return handler
+
+
 class MalformedRequests(grpc.aio.ServerInterceptor):
-    """Refuses requests that do not parse with INVALID_ARGUMENT.
+    """Refuses requests that do not parse with INVALID_ARGUMENT (`parse_in_handler` on each
+    call's handler).
 
     grpc.aio parses a request before the servicer runs and answers UNKNOWN when its
-    deserializer raises. This interceptor gives each handler no deserializer (grpc then hands
-    it the raw bytes) and parses them in the handler, where a `DecodeError` can be answered.
-    Unary requests are parsed before the servicer method starts, each message of a client
-    stream as the servicer reads it. Put it first among the interceptors, so that a call the
-    token check refuses is refused before its request is parsed. Bidirectional handlers
-    (none here) are passed through unchanged.
+    deserializer raises. Put it first among the interceptors, so that a call the token check
+    refuses is refused before its request is parsed. The runtime, whose calls are on the
+    latency path, applies `parse_in_handler` once at registration instead (see
+    `runtime.rpc.registration`): an interceptor costs every call its own await chain.
     """
 
     async def intercept_service(
@@ -132,45 +180,9 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
+        if handler is None:
             return handler
-        parse: Parse = handler.request_deserializer
-        method = handler_call_details.method
-        serialize = handler.response_serializer
-        if handler.unary_unary is not None:
-            unary_unary = handler.unary_unary
-
-            async def parsed_unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-                return await unary_unary(await _parsed(parse, raw, method, context), context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                parsed_unary_unary, response_serializer=serialize
-            )
-        if handler.unary_stream is not None:
-            unary_stream = handler.unary_stream
-
-            async def parsed_unary_stream(
-                raw: bytes, context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
-                request = await _parsed(parse, raw, method, context)
-                async for response in unary_stream(request, context):
-                    yield response
-
-            return grpc.unary_stream_rpc_method_handler(
-                parsed_unary_stream, response_serializer=serialize
-            )
-        if handler.stream_unary is not None:
-            stream_unary = handler.stream_unary
-
-            async def parsed_stream_unary(
-                raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-            ) -> Any:
-                return await stream_unary(_each_parsed(parse, raw, method, context), context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                parsed_stream_unary, response_serializer=serialize
-            )
-        return handler
+        return parse_in_handler(handler_call_details.method, handler)
 
 
 STATUS_TABLE: StatusTable = (

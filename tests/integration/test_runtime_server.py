@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -359,5 +360,47 @@ async def test_warmup_inputs_make_a_picky_model_ready(tmp_path: Path) -> None:
     try:
         await load_model(running, settings)
         assert running.state.ready
+    finally:
+        await running.drain(1.0)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "code"),
+    [((), grpc.StatusCode.UNAUTHENTICATED), (AUTH, grpc.StatusCode.INVALID_ARGUMENT)],
+    ids=["no-token", "token"],
+)
+async def test_garbage_bytes_are_refused_token_first(served, metadata, code) -> None:
+    running, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await infer(b"\xff\xff\xff\x0f garbage", metadata=metadata)
+        assert caught.value.code() == code
+        unknown = channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await unknown(b"", metadata=AUTH)
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize(("inline_below_ms", "inline"), [(0.0, False), (1e6, True)])
+async def test_inline_or_threads_by_measured_compute_time(
+    probe_model: Path, probe_inputs, caplog, inline_below_ms: float, inline: bool
+) -> None:
+    settings = settings_for(probe_model, inline_below_ms=inline_below_ms)
+    running = await start_server(settings)
+    with caplog.at_level("INFO", logger="runtime.server"):
+        await load_model(running, settings)
+    try:
+        assert running.state.inline is inline
+        assert running.state.compute_s > 0
+        said = "runs inline on the event loop" if inline else "runs in 2 worker thread(s)"
+        assert said in caplog.text
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            replies = await asyncio.gather(
+                *(stub.ModelInfer(raw_request(probe_inputs), metadata=AUTH) for _ in range(8))
+            )
+        for reply in replies:
+            np.testing.assert_array_equal(response_arrays(reply)["y"], probe_inputs["x"] * 2)
     finally:
         await running.drain(1.0)
