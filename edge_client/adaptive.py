@@ -1,0 +1,297 @@
+"""Where each inference runs: on the remote replica or on the device's own model.
+
+Pure bookkeeping over figures and times the caller passes in (monotonic seconds); no clock,
+no I/O, so it is tested with explicit figures (as `edge_client.observer` is).
+
+Policies (`Policy`):
+
+- ``remote``: always the replica (the default without a local model).
+- ``local``: always the local model.
+- ``remote-then-local``: the replica while it answers; the local model only while it does
+  not (a fallback), probing the replica again with backoff.
+- ``fastest`` (the default with a local model): the side whose recent figures are lower.
+  A figure is one request's latency as the client measured it: for the replica the whole
+  round trip, transfer included; for the local model its compute time. Each side's estimate
+  is the median of its last `AdaptiveSettings.window` figures. The side that loses is still
+  sent one request (a probe) every `probe_every` requests or `probe_interval_s` seconds,
+  whichever comes first, so that a recovered link or an idle device is noticed; a probe
+  that beats the winner's estimate is followed by another at once, until the estimates
+  agree which side is faster. The winner changes only when the other side is better by
+  `margin` (hysteresis).
+
+Reachability: a remote attempt that fails (unreachable, refused, past its deadline, no
+endpoint) marks the replica down; while it is down every request goes to the local model
+(policies other than ``remote``), and one request at a time probes the replica again after
+a backoff that doubles from `retry_min_s` to `retry_max_s`. The first success ends it.
+
+Each decision carries its reason (`Reason`); `OffloadChooser.summary` counts them per side.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from edge_client.errors import InvalidInput
+
+
+class Policy(enum.StrEnum):
+    REMOTE = "remote"
+    LOCAL = "local"
+    FASTEST = "fastest"
+    REMOTE_THEN_LOCAL = "remote-then-local"
+
+
+class Target(enum.StrEnum):
+    REMOTE = "remote"
+    """The deployment's replica."""
+    LOCAL = "local"
+    """The device's own model."""
+
+
+class Reason(enum.StrEnum):
+    POLICY = "policy"
+    """The policy sends every request to this side (or to it while it answers)."""
+    FASTER = "faster"
+    """fastest: this side's estimate is the lower."""
+    MEASURING = "measuring"
+    """fastest: this side has too few figures yet."""
+    PROBE = "probe"
+    """The losing side, occasionally, or the replica again after it failed."""
+    REMOTE_DOWN = "remote-down"
+    """The replica failed recently (or has no endpoint): local until the next probe."""
+    FALLBACK = "fallback"
+    """The replica failed this very request; it was served locally."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    target: Target
+    reason: Reason
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveSettings:
+    """How `fastest` and the reachability probes behave (module docstring)."""
+
+    window: int = 5
+    """Figures per side whose median is the side's estimate."""
+    min_figures: int = 2
+    """fastest measures each side this many times before comparing."""
+    probe_every: int = 20
+    """fastest: at most this many requests between two probes of the losing side."""
+    probe_interval_s: float = 3.0
+    """fastest: at most this long between two probes of the losing side."""
+    margin: float = 0.05
+    """fastest: the other side must be better by this fraction to become the winner."""
+    retry_min_s: float = 0.25
+    """First wait before probing a replica that failed; doubles at each failed probe."""
+    retry_max_s: float = 4.0
+    probe_timeout_s: float = 2.0
+    """Deadline of a probe of a replica that failed (a normal call has the client's)."""
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 1 <= self.min_figures <= self.window:
+            raise InvalidInput("window must be >= 1 and min_figures within 1..window")
+        if self.probe_every < 1:
+            raise InvalidInput("probe_every must be >= 1")
+        if not 0 <= self.margin < 1:
+            raise InvalidInput("margin must be in [0, 1)")
+        times = (self.probe_interval_s, self.retry_min_s, self.retry_max_s, self.probe_timeout_s)
+        if not all(t > 0 for t in times) or self.retry_min_s > self.retry_max_s:
+            raise InvalidInput("probe and retry times must be > 0, retry_min_s <= retry_max_s")
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionCount:
+    target: Target
+    reason: Reason
+    requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadStats:
+    """Where the client's requests ran, and why, since it started."""
+
+    policy: Policy
+    local_model: str
+    """The local model's file name; empty without one."""
+    decisions: tuple[DecisionCount, ...]
+    """Requests per (side, reason) that succeeded or were answered by the side (a request
+    that fell back counts once, as local/fallback)."""
+    remote_requests: int
+    local_requests: int
+    fallbacks: int
+    """Requests the replica failed and the local model then served."""
+    remote_estimate_ms: float | None
+    """Median of the replica's recent round trips; None without figures."""
+    local_estimate_ms: float | None
+    remote_reachable: bool
+    """False between a failed remote attempt and the next success."""
+    preferred: Target
+    """Where a request goes now, probes aside."""
+
+
+def parse_policy(name: str | None, has_local: bool) -> Policy:
+    """The policy called `name` (None: ``fastest`` with a local model, else ``remote``).
+    InvalidInput for an unknown name, or a policy that needs a local model without one."""
+    if name is None:
+        return Policy.FASTEST if has_local else Policy.REMOTE
+    try:
+        policy = Policy(name)
+    except ValueError:
+        valid = ", ".join(p.value for p in Policy)
+        raise InvalidInput(f"unknown offload policy {name[:40]!r}; use one of {valid}") from None
+    if policy != Policy.REMOTE and not has_local:
+        raise InvalidInput(f"offload policy {policy} needs a local model (local_model=PATH)")
+    return policy
+
+
+class OffloadChooser:
+    """The decisions of one client. Not thread-safe: call it from the client's event loop."""
+
+    def __init__(
+        self, policy: Policy, settings: AdaptiveSettings | None = None, local_model: str = ""
+    ) -> None:
+        self.policy = policy
+        self.settings = settings or AdaptiveSettings()
+        self._local_model = local_model
+        self._figures = {t: deque[float](maxlen=self.settings.window) for t in Target}
+        self._winner = Target.REMOTE
+        self._since_probe = 0
+        self._last_probe_at: float | None = None
+        self._confirm = False
+        self._down = False
+        self._retry_at = 0.0
+        self._retry_wait_s = self.settings.retry_min_s
+        self._down_probe_in_flight = False
+        self._counts: Counter[tuple[Target, Reason]] = Counter()
+        self._fallbacks = 0
+
+    @property
+    def can_fall_back(self) -> bool:
+        """Whether a failed remote attempt is served locally."""
+        return self.policy in (Policy.FASTEST, Policy.REMOTE_THEN_LOCAL)
+
+    def estimate(self, target: Target) -> float | None:
+        """The median of `target`'s recent figures (seconds); None without figures."""
+        figures = self._figures[target]
+        return statistics.median(figures) if figures else None
+
+    def choose(self, now: float) -> Decision:
+        """Where the next request goes. A remote decision with reason PROBE while the replica
+        is down must be followed by `remote_succeeded` or `remote_failed`."""
+        if self.policy == Policy.REMOTE:
+            return Decision(Target.REMOTE, Reason.POLICY)
+        if self.policy == Policy.LOCAL:
+            return Decision(Target.LOCAL, Reason.POLICY)
+        if self._down:
+            if now >= self._retry_at and not self._down_probe_in_flight:
+                self._down_probe_in_flight = True
+                return Decision(Target.REMOTE, Reason.PROBE)
+            return Decision(Target.LOCAL, Reason.REMOTE_DOWN)
+        if self.policy == Policy.REMOTE_THEN_LOCAL:
+            return Decision(Target.REMOTE, Reason.POLICY)
+        for target in Target:
+            if len(self._figures[target]) < self.settings.min_figures:
+                return Decision(target, Reason.MEASURING)
+        self._update_winner()
+        loser = Target.LOCAL if self._winner == Target.REMOTE else Target.REMOTE
+        self._since_probe += 1
+        if self._last_probe_at is None:
+            self._last_probe_at = now
+        if (
+            self._confirm
+            or self._since_probe > self.settings.probe_every
+            or now - self._last_probe_at >= self.settings.probe_interval_s
+        ):
+            self._confirm = False
+            self._since_probe = 0
+            self._last_probe_at = now
+            return Decision(loser, Reason.PROBE)
+        return Decision(self._winner, Reason.FASTER)
+
+    @property
+    def probing_down_remote(self) -> bool:
+        """Whether the replica is down and a probe of it is out now."""
+        return self._down and self._down_probe_in_flight
+
+    def remote_succeeded(self, decision: Decision, seconds: float) -> None:
+        """The replica answered a request sent by `decision` in `seconds` (round trip)."""
+        self._down = False
+        self._down_probe_in_flight = False
+        self._retry_wait_s = self.settings.retry_min_s
+        self._figure(Target.REMOTE, seconds)
+        self._counts[decision.target, decision.reason] += 1
+
+    def remote_failed(self, now: float) -> None:
+        """A remote attempt failed at `now` (unreachable, refused, deadline, no endpoint):
+        the replica is down until a probe succeeds; the next probe waits a backoff."""
+        if self._down and not self._down_probe_in_flight:
+            return  # a request sent before it was known down: the backoff already runs
+        if self._down:
+            self._retry_wait_s = min(self.settings.retry_max_s, self._retry_wait_s * 2)
+        self._down = True
+        self._down_probe_in_flight = False
+        self._retry_at = now + self._retry_wait_s
+
+    def remote_abandoned(self) -> None:
+        """A remote attempt ended with neither an answer nor a failure of the replica (the
+        request's own error, a cancellation): a probe of a down replica may go out again."""
+        if self._down:
+            self._down_probe_in_flight = False
+
+    def local_succeeded(self, decision: Decision, seconds: float) -> None:
+        """The local model answered a request sent by `decision` (or by a fallback) in
+        `seconds`; a fallback counts as local/fallback whatever `decision` said."""
+        self._figure(Target.LOCAL, seconds)
+        if decision.target == Target.REMOTE:
+            self._fallbacks += 1
+            self._counts[Target.LOCAL, Reason.FALLBACK] += 1
+        else:
+            self._counts[decision.target, decision.reason] += 1
+
+    def _figure(self, target: Target, seconds: float) -> None:
+        self._figures[target].append(seconds)
+        if self.policy != Policy.FASTEST or target == self._winner:
+            return
+        winner = self.estimate(self._winner)
+        # A probe that beats the winner: look again at once rather than a period later.
+        self._confirm = winner is not None and seconds < winner * (1 - self.settings.margin)
+
+    def _update_winner(self) -> None:
+        remote = self.estimate(Target.REMOTE)
+        local = self.estimate(Target.LOCAL)
+        assert remote is not None and local is not None
+        keep = 1 - self.settings.margin
+        if self._winner == Target.REMOTE and local < remote * keep:
+            self._winner = Target.LOCAL
+        elif self._winner == Target.LOCAL and remote < local * keep:
+            self._winner = Target.REMOTE
+
+    def summary(self) -> OffloadStats:
+        remote = self.estimate(Target.REMOTE)
+        local = self.estimate(Target.LOCAL)
+        if self.policy == Policy.LOCAL or self._down:
+            preferred = Target.LOCAL
+        elif self.policy == Policy.FASTEST:
+            preferred = self._winner
+        else:
+            preferred = Target.REMOTE
+        return OffloadStats(
+            policy=self.policy,
+            local_model=self._local_model,
+            decisions=tuple(
+                DecisionCount(target, reason, n)
+                for (target, reason), n in sorted(self._counts.items())
+            ),
+            remote_requests=sum(n for (t, _), n in self._counts.items() if t == Target.REMOTE),
+            local_requests=sum(n for (t, _), n in self._counts.items() if t == Target.LOCAL),
+            fallbacks=self._fallbacks,
+            remote_estimate_ms=remote * 1000 if remote is not None else None,
+            local_estimate_ms=local * 1000 if local is not None else None,
+            remote_reachable=not self._down,
+            preferred=preferred,
+        )

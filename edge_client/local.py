@@ -1,0 +1,119 @@
+"""The device's own copy of a model: an ONNX Runtime session on the CPU, checked exactly as
+the replica checks a request (it is `runtime.model.OnnxModel`, the replica's own class).
+
+Loading and running are blocking: the client calls them through `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.errors import InvalidInput, ServerError
+from runtime import errors as runtime_errors
+from runtime.datatypes import datatype_from_numpy
+from runtime.model import OnnxModel, RequestTensor, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+
+class LocalModel:
+    """An ONNX model run in this process. Thread-safe (ONNX Runtime sessions are)."""
+
+    def __init__(self, model: OnnxModel, path: Path) -> None:
+        self.path = path
+        self._model = model
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self._model.inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self._model.outputs
+
+    @classmethod
+    def load(cls, path: Path, threads: int = 0) -> LocalModel:
+        """Load `path` on the CPU (no warm-up: zeros do not suit every model, and the first
+        request's figure is one of several in the estimate). Blocking.
+        `threads`: ONNX Runtime's intra-op threads (0: its default, one per core).
+        InvalidInput when the file is missing or is not a model ONNX Runtime can run."""
+        if not path.is_file():
+            raise InvalidInput(f"local model {path}: no such file")
+        try:
+            model = OnnxModel.load(path, path.stem, device="cpu", intra_op_threads=threads)
+        except runtime_errors.ModelLoadError as err:
+            raise InvalidInput(f"local model {path} cannot be loaded: {err}") from err
+        return cls(model, path)
+
+    def run(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] = ()
+    ) -> dict[str, np.ndarray]:
+        """The outputs by name (`outputs` empty: all). Blocking. InvalidInput for inputs the
+        model refuses (the replica's own checks and messages); ServerError when ONNX Runtime
+        fails on inputs it accepted."""
+        try:
+            tensors = [
+                RequestTensor(
+                    name,
+                    datatype_from_numpy(array.dtype),
+                    array.shape,
+                    raw=np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes(),
+                )
+                for name, array in inputs.items()
+            ]
+        except ValueError as err:
+            raise InvalidInput(f"inputs cannot be encoded: {err}") from err
+        try:
+            feeds = self._model.prepare(tensors)
+            names = self._model.output_names(outputs)
+            arrays = self._model.run(feeds, names)
+        except runtime_errors.InvalidInput as err:
+            raise InvalidInput(f"local model {self.path.name}: {err}") from err
+        except runtime_errors.InferenceFailed as err:
+            raise ServerError(f"local model {self.path.name}: {err}") from err
+        return dict(zip(names, arrays, strict=True))
+
+    def check_stands_in_for(
+        self, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], what: str
+    ) -> None:
+        """InvalidInput unless this model takes the same inputs as `what` (names, datatypes,
+        shapes: a fixed dimension must match a fixed one) and gives each of its outputs
+        (name and datatype), so a request and its answer read the same on either side."""
+        problems = [
+            *_differences("input", self.inputs, inputs, exact_names=True),
+            *_differences("output", self.outputs, outputs, exact_names=False),
+        ]
+        if problems:
+            raise InvalidInput(
+                f"local model {self.path.name} cannot stand in for {what}: " + "; ".join(problems)
+            )
+
+
+def _differences(
+    kind: str, ours: Sequence[TensorSpec], theirs: Sequence[TensorSpec], exact_names: bool
+) -> list[str]:
+    mine = {s.name: s for s in ours}
+    problems = []
+    for spec in theirs:
+        local = mine.get(spec.name)
+        if local is None:
+            problems.append(f"no {kind} {spec.describe()}")
+            continue
+        if local.datatype != spec.datatype:
+            problems.append(f"{kind} {spec.name!r} is {local.datatype}, not {spec.datatype}")
+        elif kind == "input" and not _shapes_agree(local.shape, spec.shape):
+            problems.append(
+                f"{kind} {spec.name!r} has shape {list(local.shape)}, not {list(spec.shape)}"
+            )
+    if exact_names:
+        extra = sorted(set(mine) - {s.name for s in theirs})
+        problems.extend(f"{kind} {name!r} is not the deployment's" for name in extra)
+    return problems
+
+
+def _shapes_agree(a: Sequence[int], b: Sequence[int]) -> bool:
+    return len(a) == len(b) and all(x == y or x < 0 or y < 0 for x, y in zip(a, b, strict=True))

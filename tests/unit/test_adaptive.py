@@ -1,0 +1,190 @@
+"""Offload decisions from explicit figures and times (`edge_client.adaptive`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_client.adaptive import (
+    AdaptiveSettings,
+    Decision,
+    DecisionCount,
+    OffloadChooser,
+    Policy,
+    Reason,
+    Target,
+    parse_policy,
+)
+from edge_client.errors import InvalidInput
+
+REMOTE, LOCAL = Target.REMOTE, Target.LOCAL
+
+
+def test_policy_names_defaults_and_the_ones_that_need_a_local_model() -> None:
+    assert parse_policy(None, has_local=False) == Policy.REMOTE
+    assert parse_policy(None, has_local=True) == Policy.FASTEST
+    assert parse_policy("remote-then-local", has_local=True) == Policy.REMOTE_THEN_LOCAL
+    assert parse_policy("remote", has_local=False) == Policy.REMOTE
+    with pytest.raises(InvalidInput, match="unknown offload policy 'quickest'; use one of remote"):
+        parse_policy("quickest", has_local=True)
+    for name in ("local", "fastest", "remote-then-local"):
+        with pytest.raises(InvalidInput, match="needs a local model"):
+            parse_policy(name, has_local=False)
+
+
+def test_settings_out_of_range_are_refused() -> None:
+    for bad in (
+        {"window": 0},
+        {"min_figures": 6},
+        {"probe_every": 0},
+        {"margin": 1.0},
+        {"retry_min_s": 5.0, "retry_max_s": 1.0},
+        {"probe_timeout_s": 0.0},
+    ):
+        with pytest.raises(InvalidInput):
+            AdaptiveSettings(**bad)  # type: ignore[arg-type]
+
+
+class Run:
+    """Drives a chooser as the client does: choose, then report the side's figure."""
+
+    def __init__(self, policy: Policy, **settings: float) -> None:
+        self.chooser = OffloadChooser(policy, AdaptiveSettings(**settings))  # type: ignore[arg-type]
+        self.now = 0.0
+
+    def request(self, remote_s: float | None, local_s: float) -> Decision:
+        """One request; `remote_s` None: the replica fails it (and it falls back when the
+        policy allows)."""
+        decision = self.chooser.choose(self.now)
+        if decision.target == REMOTE:
+            if remote_s is not None:
+                self.chooser.remote_succeeded(decision, remote_s)
+                self.now += remote_s
+                return decision
+            self.chooser.remote_failed(self.now)
+            if not self.chooser.can_fall_back:
+                return decision
+        self.chooser.local_succeeded(decision, local_s)
+        self.now += local_s
+        return decision
+
+    def requests(self, n: int, remote_s: float | None, local_s: float) -> list[Decision]:
+        return [self.request(remote_s, local_s) for _ in range(n)]
+
+
+def test_remote_and_local_policies_never_choose_the_other_side() -> None:
+    remote = Run(Policy.REMOTE)
+    assert {d for d in remote.requests(30, 0.5, 0.001)} == {Decision(REMOTE, Reason.POLICY)}
+    local = Run(Policy.LOCAL)
+    assert {d for d in local.requests(30, 0.001, 0.5)} == {Decision(LOCAL, Reason.POLICY)}
+    assert local.chooser.summary().decisions == (DecisionCount(LOCAL, Reason.POLICY, 30),)
+
+
+def test_fastest_measures_both_sides_then_takes_the_faster_and_probes_the_other_rarely() -> None:
+    run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
+    first = run.requests(4, 0.030, 0.200)
+    assert [(d.target, d.reason) for d in first] == [
+        (REMOTE, Reason.MEASURING),
+        (REMOTE, Reason.MEASURING),
+        (LOCAL, Reason.MEASURING),
+        (LOCAL, Reason.MEASURING),
+    ]
+    steady = run.requests(55, 0.030, 0.200)
+    probes = [i for i, d in enumerate(steady) if d.reason == Reason.PROBE]
+    assert probes == [10, 21, 32, 43, 54]
+    assert all(steady[i].target == LOCAL for i in probes)
+    assert all(
+        d == Decision(REMOTE, Reason.FASTER) for i, d in enumerate(steady) if i not in probes
+    )
+    stats = run.chooser.summary()
+    assert stats.preferred == REMOTE
+    assert (stats.remote_estimate_ms, stats.local_estimate_ms) == (
+        pytest.approx(30),
+        pytest.approx(200),
+    )
+
+
+def test_fastest_probes_after_an_interval_even_when_requests_are_few() -> None:
+    run = Run(Policy.FASTEST, probe_every=1000, probe_interval_s=1.0)
+    run.requests(4, 0.030, 0.200)
+    steady = run.requests(40, 0.030, 0.200)
+    # 1 s at 30 ms a request, counted from the first comparison: one probe, after 34.
+    probes = [i for i, d in enumerate(steady) if d.reason == Reason.PROBE]
+    assert probes == [34]
+
+
+def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers() -> None:
+    run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
+    run.requests(20, 0.030, 0.200)
+    # The link slows down: the remote round trip is now 400 ms.
+    slow = run.requests(10, 0.400, 0.200)
+    switched = next(i for i, d in enumerate(slow) if d == Decision(LOCAL, Reason.FASTER))
+    assert switched <= 3  # the median of 5 turns after 3 slow figures
+    assert run.chooser.summary().preferred == LOCAL
+    more = run.requests(40, 0.400, 0.200)
+    assert sum(d.target == REMOTE for d in more) <= 4  # probes only
+    # The link recovers: one probe beats the local estimate, more probes follow at once
+    # until the median agrees, then the remote wins again.
+    recovered = run.requests(30, 0.030, 0.200)
+    first_probe = next(i for i, d in enumerate(recovered) if d.reason == Reason.PROBE)
+    back = next(i for i, d in enumerate(recovered) if d == Decision(REMOTE, Reason.FASTER))
+    assert first_probe <= 10
+    assert back - first_probe <= 4
+    assert [d.target for d in recovered[first_probe : first_probe + 3]] == [REMOTE] * 3
+    assert run.chooser.summary().preferred == REMOTE
+
+
+def test_fastest_keeps_the_winner_when_the_other_side_is_only_marginally_better() -> None:
+    run = Run(Policy.FASTEST, probe_every=5, probe_interval_s=1000, margin=0.1)
+    run.requests(10, 0.100, 0.200)
+    steady = run.requests(30, 0.100, 0.095)  # local 5 % better: inside the margin
+    assert all(d.target == REMOTE for d in steady if d.reason != Reason.PROBE)
+
+
+@pytest.mark.parametrize("policy", [Policy.FASTEST, Policy.REMOTE_THEN_LOCAL])
+def test_an_unreachable_replica_sends_requests_local_until_a_probe_succeeds(
+    policy: Policy,
+) -> None:
+    run = Run(policy, retry_min_s=1.0, retry_max_s=4.0, probe_every=1000, probe_interval_s=1000)
+    run.requests(6, 0.030, 0.200)
+    failed = run.request(None, 0.200)  # the replica fails this one: it falls back
+    assert failed.target == REMOTE
+    stats = run.chooser.summary()
+    assert (stats.remote_reachable, stats.preferred, stats.fallbacks) == (False, LOCAL, 1)
+    # Local for the backoff (1 s, at 300 ms a request), then one probe, which fails too.
+    down = run.requests(4, None, 0.300)
+    assert [d.reason for d in down] == [Reason.REMOTE_DOWN] * 3 + [Reason.PROBE]
+    assert down[3].target == REMOTE
+    # The backoff doubled: 2 s of local requests before the next probe, which succeeds.
+    again = run.requests(12, 0.030, 0.300)
+    probe = next(i for i, d in enumerate(again) if d.reason == Reason.PROBE)
+    assert probe == 6
+    after = again[probe + 1 :]
+    assert after and all(d.target == REMOTE for d in after)
+    assert run.chooser.summary().remote_reachable
+    counts = {(c.target, c.reason): c.requests for c in run.chooser.summary().decisions}
+    assert counts[LOCAL, Reason.FALLBACK] == 2  # the first failure and the failed probe
+    assert counts[REMOTE, Reason.PROBE] == 1
+
+
+def test_one_probe_at_a_time_while_the_replica_is_down() -> None:
+    chooser = OffloadChooser(Policy.REMOTE_THEN_LOCAL, AdaptiveSettings(retry_min_s=1.0))
+    chooser.remote_failed(0.0)
+    assert chooser.choose(0.5) == Decision(LOCAL, Reason.REMOTE_DOWN)
+    assert chooser.choose(1.0) == Decision(REMOTE, Reason.PROBE)
+    assert chooser.probing_down_remote
+    # Concurrent requests stay local while the probe is out.
+    assert chooser.choose(1.1) == Decision(LOCAL, Reason.REMOTE_DOWN)
+    # A probe that ends with no verdict (cancelled) lets the next request probe.
+    chooser.remote_abandoned()
+    assert chooser.choose(1.2) == Decision(REMOTE, Reason.PROBE)
+    chooser.remote_succeeded(Decision(REMOTE, Reason.PROBE), 0.05)
+    assert chooser.choose(1.3) == Decision(REMOTE, Reason.POLICY)
+
+
+def test_remote_policy_never_falls_back_but_knows_the_replica_is_down() -> None:
+    run = Run(Policy.REMOTE)
+    assert run.request(None, 0.2) == Decision(REMOTE, Reason.POLICY)
+    stats = run.chooser.summary()
+    assert not run.chooser.can_fall_back
+    assert (stats.remote_reachable, stats.local_requests, stats.remote_requests) == (False, 0, 0)
+    assert run.chooser.choose(run.now) == Decision(REMOTE, Reason.POLICY)
