@@ -57,6 +57,13 @@ class Migrations:
         """deployment id -> time.monotonic() of the end of its last migration."""
         self._moves: dict[str, Move] = {}
         """migration id -> its reservation, while it runs."""
+        self.background_targets = True
+        """Make-before-break starts its target at background CPU priority (`start_target`);
+        False only to measure what that buys (`python -m bench.migration
+        --foreground-targets`)."""
+        self._decided: dict[str, float] = {}
+        """migration id -> time.monotonic() of its decision, while it runs (the switch tells
+        the client how long it prepared)."""
 
     # --- triggers ------------------------------------------------------------------------
 
@@ -211,21 +218,39 @@ class Migrations:
             event.set()
 
     async def on_observation(
-        self, client_id: str, deployment_id: str, migration_id: str, gap_ms: float, failed: int
+        self,
+        client_id: str,
+        deployment_id: str,
+        migration_id: str,
+        gap_ms: float,
+        failed: int,
+        span_gap_ms: float | None = None,
     ) -> None:
+        """Keep what the client saw: the longest gap across the switch (`gap_ms`, the
+        downtime), and over the whole migration (`span_gap_ms`; None from an older client).
+        Values are checked by the caller (`broker.rpc.validate`); negative ones are refused
+        here too."""
         broker = self.broker
         await broker.get(client_id, deployment_id)
-        if gap_ms < 0 or failed < 0:
-            raise InvalidRequest("longest_gap_ms and failed_requests must not be negative")
+        if gap_ms < 0 or failed < 0 or (span_gap_ms is not None and span_gap_ms < 0):
+            raise InvalidRequest(
+                "longest_gap_ms, span_gap_ms and failed_requests must not be negative"
+            )
         records = await broker.list_migrations(deployment_id)
         if not any(m.migration_id == migration_id for m in records):
             raise NotFound(f"migration {migration_id} of deployment {deployment_id} not found")
-        await broker.update_migration(migration_id, downtime_ms=gap_ms, failed_requests=failed)
+        await broker.update_migration(
+            migration_id, downtime_ms=gap_ms, span_gap_ms=span_gap_ms, failed_requests=failed
+        )
         broker.metrics.observe_downtime(gap_ms / 1000)
+        if span_gap_ms is not None:
+            broker.metrics.observe_span_gap(span_gap_ms / 1000)
         logger.info(
-            "migration=%s client-observed gap %.1f ms, %d failed request(s)",
+            "migration=%s client-observed gap %.1f ms across the switch, %s over the "
+            "migration, %d failed request(s)",
             migration_id,
             gap_ms,
+            "-" if span_gap_ms is None else f"{span_gap_ms:.1f} ms",
             failed,
         )
 
@@ -270,6 +295,7 @@ class Migrations:
             stop_grace_ms=self.broker.settings.stop_grace_ms,
         )
         self._moves[plan.migration_id] = move
+        self._decided[plan.migration_id] = time.monotonic()
         self._acks[(plan.deployment_id, plan.epoch)] = asyncio.Event()
         try:
             timeline = Timeline()
@@ -298,6 +324,7 @@ class Migrations:
 
     def _finish(self, plan: MigrationPlan) -> None:
         move = self._moves.pop(plan.migration_id, None)
+        self._decided.pop(plan.migration_id, None)
         if move is not None:
             self.broker.release_move(move)
         self._acks.pop((plan.deployment_id, plan.epoch), None)
@@ -306,8 +333,15 @@ class Migrations:
     # --- MigrationHost -------------------------------------------------------------------
 
     async def start_target(self, plan: MigrationPlan) -> str:
+        """Make-before-break starts the target at background CPU priority (the node raises
+        it once the target is ready, before it answers, so before the switch): the replica
+        serving meanwhile may share the target's CPUs. Nothing serves during the start of
+        the other strategies; they start it at full speed."""
         try:
-            return await self.broker.start_move_target(self._moves[plan.migration_id])
+            return await self.broker.start_move_target(
+                self._moves[plan.migration_id],
+                background=self.background_targets and plan.strategy is Strategy.MAKE_BEFORE_BREAK,
+            )
         except (NodeUnavailable, ResourceExhausted) as err:
             raise TargetFailed(str(err)) from err
 
@@ -322,6 +356,7 @@ class Migrations:
             hold_source=plan.strategy is Strategy.MAKE_BEFORE_BREAK,
             reason=plan.trigger,
             migration_id=plan.migration_id,
+            decided_at=self._decided.get(plan.migration_id),
         )
 
     async def wait_ack(self, plan: MigrationPlan, timeout_s: float) -> bool:
@@ -363,6 +398,7 @@ class Migrations:
                 reason=reason,
                 downtime_ms=None,
                 failed_requests=None,
+                span_gap_ms=None,
                 created_at=now,
                 updated_at=now,
             ),

@@ -60,11 +60,13 @@ class NodeClient:
         cpus: float,
         memory_mib: int,
         token: str,
+        background_start: bool = False,
     ) -> str:
         """Start a replica and return its endpoint once it is ready (the node fetches the
         model from the broker when its cache lacks it). ReplicaFailed when the replica itself
         failed, NodeUnavailable when the node did not answer or could not get the model,
-        ResourceExhausted when it lacks the GPUs."""
+        ResourceExhausted when it lacks the GPUs. `background_start`: at background CPU
+        priority until ready (node.proto, `ReplicaSpec.background_start`)."""
         spec = pb.ReplicaSpec(
             deployment_id=deployment_id,
             epoch=epoch,
@@ -75,6 +77,7 @@ class NodeClient:
             cpus=cpus,
             memory_mib=memory_mib,
             token=token,
+            background_start=background_start,
         )
         try:
             reply = await self._stub.StartReplica(

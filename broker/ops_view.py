@@ -116,6 +116,7 @@ class BrokerOpsView:
                     "outcome": m.outcome or None,
                     "reason": m.reason,
                     "downtime_ms": m.downtime_ms,
+                    "span_gap_ms": m.span_gap_ms,
                     "failed_requests": m.failed_requests,
                     "timeline": json.loads(m.timeline_json or "[]"),
                 }

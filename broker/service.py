@@ -178,6 +178,9 @@ class PlacementUpdate:
     reason: str
     state: DeploymentState
     migration_id: str = ""
+    prepared_ms: float | None = None
+    """On a migration's switch: from the broker's decision to this update, in ms (the
+    client's span window reaches back that far)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1045,9 +1048,11 @@ class Broker:
             )
             return move
 
-    async def start_move_target(self, move: Move) -> str:
-        """Start the replica of `move.epoch` on the target; its endpoint once ready.
-        NodeUnavailable or ResourceExhausted when the node cannot."""
+    async def start_move_target(self, move: Move, *, background: bool = False) -> str:
+        """Start the replica of `move.epoch` on the target; its endpoint once ready. With
+        `background`, the node starts it at background CPU priority and raises it once it
+        is ready (a replica serves meanwhile). NodeUnavailable or ResourceExhausted when
+        the node cannot."""
         record = await self._db(self._store.get_deployment, move.deployment_id)
         entry = self._nodes.get(move.target_node)
         if record is None or entry is None:
@@ -1063,6 +1068,7 @@ class Broker:
             cpus=spec.cpus,
             memory_mib=spec.memory_mib,
             token=record.token,
+            background_start=background,
         )
 
     async def stop_replica(
@@ -1082,11 +1088,19 @@ class Broker:
             logger.warning("replica=%s: %s (the node reconciles it)", replica, err)
 
     async def commit_switch(
-        self, move: Move, endpoint: str, *, hold_source: bool, reason: str, migration_id: str
+        self,
+        move: Move,
+        endpoint: str,
+        *,
+        hold_source: bool,
+        reason: str,
+        migration_id: str,
+        decided_at: float | None = None,
     ) -> None:
         """Point the deployment at the target (one decision: the record, the target's hold
         turned into the record's GPUs and, with `hold_source`, the source's GPUs held until
-        `release_move`), then push the update to the client's stream."""
+        `release_move`), then push the update to the client's stream, with the time since
+        `decided_at` (time.monotonic() of the migration's decision) as its `prepared_ms`."""
         entry = self._nodes[move.target_node]
         async with self._placing:
             if hold_source and move.source_node:
@@ -1109,8 +1123,10 @@ class Broker:
                 explanation_json=move.explanation_json,
             )
             self._holds.pop((move.deployment_id, move.epoch), None)
+        prepared_ms = None if decided_at is None else (time.monotonic() - decided_at) * 1000
         self.watchers.push(
-            move.deployment_id, placement_update(record, reason, migration_id=migration_id)
+            move.deployment_id,
+            placement_update(record, reason, migration_id=migration_id, prepared_ms=prepared_ms),
         )
 
     async def abandon_move(self, move: Move, reason: str) -> None:
@@ -1242,7 +1258,10 @@ def explanation_json(decision: Decision, why: str = "") -> str:
 
 
 def placement_update(
-    record: DeploymentRecord, reason: str, migration_id: str = ""
+    record: DeploymentRecord,
+    reason: str,
+    migration_id: str = "",
+    prepared_ms: float | None = None,
 ) -> PlacementUpdate:
     return PlacementUpdate(
         record.deployment_id,
@@ -1252,6 +1271,7 @@ def placement_update(
         reason,
         record.state,
         migration_id,
+        prepared_ms,
     )
 
 

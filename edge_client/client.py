@@ -17,8 +17,19 @@ Paths:
   closed once its calls in flight finish), then the client acknowledges it (AckSwitch). The
   stream is reopened with backoff when it breaks, and renewed every `watch_renew_s` (its
   deadline).
-- An update carrying a migration id opens an observation window (`edge_client.observer`);
-  when it closes the client reports it (ReportObservation) and keeps it for `stats()`.
+- Adaptive offload (`edge_client.adaptive`): with a local copy of the model
+  (`local_model=PATH`, `edge_client.local`), each request goes to the replica or runs on the
+  device, by the policy (`remote`, `local`, `fastest`, `remote-then-local`) and the measured
+  figures; local inference runs in a worker thread. Under `fastest` and `remote-then-local`
+  a request the replica fails (unreachable, refused, past its deadline, no endpoint) is
+  served locally at once, so neither a dead broker nor a dead node reaches the application;
+  the replica is probed again with backoff. `stats().offload` counts the decisions and their
+  reasons; they are reported to the broker every `offload_report_s` (ObservationReport with
+  no migration id and its `offload` field).
+- An update carrying a migration id opens an observation window (`edge_client.observer`),
+  and, with the update's `prepared_ms`, a span reaching back to the broker's decision; when
+  the window closes the client reports both gaps (ReportObservation) and keeps them for
+  `stats()`.
 
 Every gRPC error becomes an `edge_client.errors.OffloadError` through one table,
 `STATUS_ERRORS`; `grpc.RpcError` never leaves this module.
@@ -31,8 +42,9 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -41,6 +53,15 @@ import grpc
 import numpy as np
 
 from common.content import file_sha256
+from edge_client.adaptive import (
+    AdaptiveSettings,
+    Decision,
+    OffloadChooser,
+    OffloadStats,
+    Policy,
+    Target,
+    parse_policy,
+)
 from edge_client.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -55,6 +76,7 @@ from edge_client.errors import (
     Unauthenticated,
     Unavailable,
 )
+from edge_client.local import LocalModel
 from edge_client.observer import DEFAULT_WINDOW_S, ClientStats, GapObserver
 from edge_client.rpc.tensors import infer_request, response_arrays
 from protos.inference import grpc_service_pb2 as ipb
@@ -62,6 +84,7 @@ from protos.inference import grpc_service_pb2_grpc as ipb_grpc
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
+from runtime.model import TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +119,9 @@ STATUS_ERRORS: Mapping[grpc.StatusCode, type[OffloadError]] = {
 _RETRIED_ONCE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 """Inference statuses sent once more on the newest endpoint."""
 
+_FALLS_BACK = (Unavailable, DeadlineExceeded)
+"""Remote failures a local model serves instead, under the policies that fall back."""
+
 _PRIORITIES = {
     "best-effort": pb.PRIORITY_CLASS_BEST_EFFORT,
     "best_effort": pb.PRIORITY_CLASS_BEST_EFFORT,
@@ -128,6 +154,13 @@ class Deployment:
     model_name: str
 
 
+@dataclass(frozen=True, slots=True)
+class OffloadClientStats(ClientStats):
+    """`ClientStats` (every request, wherever it ran) and where requests ran, and why."""
+
+    offload: OffloadStats
+
+
 def _deployment(message: pb.Deployment) -> Deployment:
     return Deployment(
         deployment_id=message.deployment_id,
@@ -155,6 +188,12 @@ class _Replica:
         self._in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+
+    async def metadata(self, model_name: str, timeout_s: float) -> ipb.ModelMetadataResponse:
+        """ModelMetadata on this replica; AioRpcError as gRPC raises it."""
+        return await self._stub.ModelMetadata(
+            ipb.ModelMetadataRequest(name=model_name), metadata=self._metadata, timeout=timeout_s
+        )
 
     async def infer(
         self, request: ipb.ModelInferRequest, timeout_s: float
@@ -189,6 +228,11 @@ class OffloadClient:
         switch_wait_s: float = 2.0,
         watch_renew_s: float = 60.0,
         observation_window_s: float = DEFAULT_WINDOW_S,
+        local_model: Path | str | None = None,
+        policy: str | None = None,
+        local_threads: int = 0,
+        adaptive: AdaptiveSettings | None = None,
+        offload_report_s: float = 10.0,
     ) -> None:
         """`broker` is host:port. Timeouts in seconds: `call_timeout_s` is the deadline of
         each inference attempt and each quick broker call; `deploy_timeout_s` of an upload
@@ -196,7 +240,16 @@ class OffloadClient:
         idempotent broker call keeps retrying UNAVAILABLE; `switch_wait_s` how long a failed
         inference waits for a newer endpoint before its retry; `watch_renew_s` the deadline of
         the WatchDeployment stream, which is then reopened at once; `observation_window_s`
-        the window after a migration's update (`edge_client.observer`)."""
+        the window after a migration's update (`edge_client.observer`).
+
+        Adaptive offload (`edge_client.adaptive`): `local_model` is an ONNX file the device
+        runs itself (the deployment's model, or a smaller one with the same inputs and
+        outputs), loaded by `connect()` on the CPU with `local_threads` intra-op threads (0:
+        one per core); `policy` is "remote", "local", "fastest" or "remote-then-local" (None:
+        "fastest" with a local model, else "remote"); `adaptive` tunes the estimates and
+        probes; `offload_report_s` how often the decisions are reported to the broker (0:
+        never). InvalidInput for an unknown policy, a policy that needs a local model
+        without one, or a local model file that does not exist."""
         self.broker = broker
         self._metadata = (("authorization", f"Bearer {api_key}"),)
         self._call_timeout_s = call_timeout_s
@@ -216,12 +269,30 @@ class OffloadClient:
         # Replaced by a fresh event each time it is set: a waiter wakes on the next one.
         self._switched = asyncio.Event()
         self._succeeded = asyncio.Event()
+        self._local_path = Path(local_model) if local_model is not None else None
+        if self._local_path is not None and not self._local_path.is_file():
+            raise InvalidInput(f"local model {self._local_path}: no such file")
+        self._chooser = OffloadChooser(
+            parse_policy(policy, self._local_path is not None),
+            adaptive,
+            self._local_path.name if self._local_path else "",
+        )
+        self._local_threads = local_threads
+        self._local: LocalModel | None = None
+        self._offload_report_s = offload_report_s
+        self._offload_task: asyncio.Task[None] | None = None
+        self._session = uuid.uuid4().hex[:16]
 
     async def connect(self) -> None:
-        """Open the broker channel (no call is made: a wrong key shows on the first call).
+        """Open the broker channel (no call is made: a wrong key shows on the first call)
+        and load the local model, if any (InvalidInput when it cannot be loaded).
         Idempotent."""
         if self._closing:
             raise NotConnected("the client is closed; make a new one")
+        if self._local_path is not None and self._local is None:
+            self._local = await asyncio.to_thread(
+                LocalModel.load, self._local_path, self._local_threads
+            )
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.broker, options=_CHANNEL_OPTIONS)
             self._stub = pb_grpc.EdgeBrokerStub(self._channel)
@@ -257,9 +328,14 @@ class OffloadClient:
         """The deployment followed now, at its current epoch; None before deploy/attach."""
         return self._deployment
 
-    def stats(self) -> ClientStats:
-        """Requests, failures, latency percentiles and the closed migration observations."""
-        return self._observer.stats()
+    def stats(self) -> OffloadClientStats:
+        """Requests, failures, latency percentiles (of every request, remote or local), the
+        closed migration observations, and where requests ran and why (`offload`)."""
+        base = self._observer.stats()
+        return OffloadClientStats(
+            **{f.name: getattr(base, f.name) for f in fields(base)},
+            offload=self._chooser.summary(),
+        )
 
     # --- broker calls ------------------------------------------------------------------
 
@@ -382,6 +458,7 @@ class OffloadClient:
             deployment.node_id,
         )
         await self._follow(deployment)
+        await self._offload_to(deployment)
         return deployment
 
     async def attach(self, deployment_id: str) -> Deployment:
@@ -398,6 +475,7 @@ class OffloadClient:
         )
         deployment = _deployment(reply)
         await self._follow(deployment)
+        await self._offload_to(deployment)
         return deployment
 
     async def report_location(self, site: str) -> str | None:
@@ -415,6 +493,82 @@ class OffloadClient:
         migration_id = str(reply.migration_id) or None
         logger.info("location site=%s reported; migration=%s", site, migration_id)
         return migration_id
+
+    # --- adaptive offload --------------------------------------------------------------
+
+    async def _offload_to(self, deployment: Deployment) -> None:
+        """With a local model: check that it can stand in for the deployment's (the
+        replica's ModelMetadata; skipped with a warning when the replica does not answer),
+        and report the decisions periodically. InvalidInput when it cannot stand in: the
+        local model is then dropped and every request goes to the replica."""
+        if self._local is None:
+            return
+        if self._offload_task is not None:
+            self._offload_task.cancel()
+            await asyncio.gather(self._offload_task, return_exceptions=True)
+            self._offload_task = None
+        replica = self._replica
+        if replica is not None:
+            try:
+                metadata = await replica.metadata(deployment.model_name, self._call_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                logger.warning(
+                    "deployment=%s: the local model is not checked against the replica's "
+                    "(ModelMetadata: %s %s)",
+                    deployment.deployment_id,
+                    err.code().name,
+                    err.details(),
+                )
+            else:
+                try:
+                    self._local.check_stands_in_for(
+                        _specs(metadata.inputs),
+                        _specs(metadata.outputs),
+                        f"deployment {deployment.deployment_id} ({deployment.model_name})",
+                    )
+                except InvalidInput as err:
+                    self._local = None
+                    self._chooser = OffloadChooser(Policy.REMOTE, self._chooser.settings)
+                    raise InvalidInput(
+                        f"{err}. The deployment is followed; every request goes to its replica"
+                    ) from err
+        if self._offload_report_s > 0:
+            self._offload_task = self._spawn(
+                self._report_offload(deployment.deployment_id),
+                f"offload-report-{deployment.deployment_id}",
+            )
+
+    async def _report_offload(self, deployment_id: str) -> None:
+        """Every `offload_report_s`, when anything changed, send the decisions to the broker
+        (one attempt each: the next period sends newer figures). A broker that refuses them
+        (INVALID_ARGUMENT, UNIMPLEMENTED: it predates offload reports) is not asked again."""
+        stub = self._broker()
+        sent: tuple[object, ...] | None = None
+        while True:
+            await asyncio.sleep(self._offload_report_s)
+            summary = self._chooser.summary()
+            if summary.decisions == sent:
+                continue
+            report = pb.ObservationReport(
+                deployment_id=deployment_id, offload=_offload_message(self._session, summary)
+            )
+            try:
+                await stub.ReportObservation(
+                    report, metadata=self._metadata, timeout=self._call_timeout_s
+                )
+            except grpc.aio.AioRpcError as err:
+                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+                    logger.warning(
+                        "deployment=%s: the broker refuses offload reports (%s %s); they stay "
+                        "in stats() only",
+                        deployment_id,
+                        err.code().name,
+                        err.details(),
+                    )
+                    return
+                logger.debug("deployment=%s: offload report not sent: %s", deployment_id, err)
+                continue
+            sent = summary.decisions
 
     # --- following the deployment ------------------------------------------------------
 
@@ -493,8 +647,11 @@ class OffloadClient:
         """One placement update: observe a migration, switch to a newer epoch's endpoint."""
         current = self._deployment
         assert current is not None
+        # How long the broker prepared the migration: the span window opens that long ago
+        # (the observer ignores a value that is not a finite non-negative number).
+        prepared_s = update.prepared_ms / 1000 if update.HasField("prepared_ms") else None
         if update.migration_id and self._observer.migration(
-            current.deployment_id, update.migration_id, time.monotonic()
+            current.deployment_id, update.migration_id, time.monotonic(), prepared_s
         ):
             self._spawn(
                 self._report_observation(update.migration_id),
@@ -605,11 +762,12 @@ class OffloadClient:
                 break
             await succeeded.wait()
         logger.info(
-            "deployment=%s migration=%s observed: longest gap %.1f ms, %d of %d request(s) "
-            "failed, %d retried",
+            "deployment=%s migration=%s observed: longest gap %.1f ms across the switch, "
+            "%s over the whole migration, %d of %d request(s) failed, %d retried",
             observation.deployment_id,
             migration_id,
             observation.longest_gap_ms,
+            "-" if observation.span_gap_ms is None else f"{observation.span_gap_ms:.1f} ms",
             observation.failed_requests,
             observation.requests,
             observation.retried_requests,
@@ -621,6 +779,7 @@ class OffloadClient:
             longest_gap_ms=observation.longest_gap_ms,
             failed_requests=observation.failed_requests,
             requests=observation.requests,
+            span_gap_ms=observation.span_gap_ms,
         )
         try:
             await self._retrying(
@@ -655,50 +814,120 @@ class OffloadClient:
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] = ()
     ) -> dict[str, np.ndarray]:
         """Run the deployment's model on `inputs` (by input name) and return the outputs by
-        name (`outputs` empty: all of them). Idempotent, so a call that fails with
-        UNAVAILABLE or CANCELLED (not by us) is sent once more, on the newest endpoint
-        (waiting up to `switch_wait_s` for one when the endpoint has not changed). Each
-        attempt has the deadline `call_timeout_s`. Raises an OffloadError: InvalidInput for
-        tensors the model refuses, Unavailable when the retry failed too, NotDeployed before
-        deploy or attach."""
+        name (`outputs` empty: all of them), on the replica or on the local model as the
+        policy decides (`stats().offload` says where and why). Idempotent, so a remote call
+        that fails with UNAVAILABLE or CANCELLED (not by us) is sent once more, on the newest
+        endpoint (waiting up to `switch_wait_s` for one when the endpoint has not changed).
+        Under `fastest` and `remote-then-local` a request the replica fails (unreachable,
+        refused, past its deadline, no endpoint, no deployment yet) is served by the local
+        model at once instead, with no wait. Each remote attempt has the deadline
+        `call_timeout_s`. Raises an OffloadError: InvalidInput for tensors the model refuses,
+        Unavailable when the retry failed too (and nothing falls back), NotDeployed before
+        deploy or attach (unless the request runs locally)."""
         self._broker()  # connected?
         deployment = self._deployment
-        if deployment is None:
-            raise NotDeployed("no deployment to infer on: call deploy() or attach() first")
-        try:
-            request = infer_request(deployment.model_name, inputs, outputs)
-        except ValueError as err:
-            raise InvalidInput(f"inputs cannot be encoded: {err}") from err
+        request = None
+        if deployment is not None:
+            try:
+                request = infer_request(deployment.model_name, inputs, outputs)
+            except ValueError as err:
+                raise InvalidInput(f"inputs cannot be encoded: {err}") from err
         started = time.monotonic()
+        decision = self._chooser.choose(started)
+        if decision.target == Target.REMOTE:
+            fallback = self._chooser.can_fall_back and self._local is not None
+            try:
+                return await self._infer_remote(decision, request, started, fallback)
+            except _FALLS_BACK as err:
+                if not fallback or self._closing:
+                    raise
+                logger.debug("%s; served by the local model", err)
+        return await self._infer_local(decision, inputs, outputs, started)
+
+    async def _infer_remote(
+        self,
+        decision: Decision,
+        request: ipb.ModelInferRequest | None,
+        started: float,
+        fallback: bool,
+    ) -> dict[str, np.ndarray]:
+        """One request on the replica (and its one retry). With `fallback` a failure the
+        local model can serve is raised without being recorded (the local answer will be),
+        and the retry goes only to a newer endpoint that is already there."""
+        answered = False
         retried = False
         try:
-            replica = self._replica or await self._newest_replica(None)
+            if request is None:
+                raise NotDeployed("no deployment to infer on: call deploy() or attach() first")
+            timeout_s = self._call_timeout_s
+            if self._chooser.probing_down_remote:
+                timeout_s = min(timeout_s, self._chooser.settings.probe_timeout_s)
+            replica = self._replica
+            if replica is None and fallback:
+                raise Unavailable("the deployment has no endpoint now")
+            replica = replica or await self._newest_replica(None)
             try:
-                response = await replica.infer(request, self._call_timeout_s)
+                response = await replica.infer(request, timeout_s)
             except grpc.aio.AioRpcError as err:
-                if err.code() not in _RETRIED_ONCE or self._closing:
+                newer = self._replica is not None and self._replica is not replica
+                if err.code() not in _RETRIED_ONCE or self._closing or (fallback and not newer):
                     raise self._infer_error(err, replica) from err
                 retried = True
                 replica = await self._newest_replica(replica)
                 logger.debug(
-                    "deployment=%s: %s; retrying on epoch=%d at %s",
-                    deployment.deployment_id,
+                    "%s; retrying on epoch=%d at %s",
                     err.code().name,
                     replica.epoch,
                     replica.endpoint,
                 )
                 try:
-                    response = await replica.infer(request, self._call_timeout_s)
+                    response = await replica.infer(request, timeout_s)
                 except grpc.aio.AioRpcError as again:
                     raise self._infer_error(again, replica) from again
             try:
                 arrays = response_arrays(response)
             except ValueError as err:
                 raise InvalidInput(f"outputs cannot be decoded: {err}") from err
-        except OffloadError:
-            self._observer.record(started, time.monotonic(), ok=False, retried=retried)
+        except OffloadError as err:
+            answered = True
+            if isinstance(err, (*_FALLS_BACK, NotDeployed)):
+                self._chooser.remote_failed(time.monotonic())
+            else:
+                self._chooser.remote_abandoned()
+            # A request with no deployment to go to was never sent: it is not counted.
+            served_locally = fallback and isinstance(err, (*_FALLS_BACK, NotDeployed))
+            if not (served_locally or isinstance(err, NotDeployed)):
+                self._observer.record(started, time.monotonic(), ok=False, retried=retried)
             raise
-        self._observer.record(started, time.monotonic(), ok=True, retried=retried)
+        finally:
+            if not answered:
+                self._chooser.remote_abandoned()
+        finished = time.monotonic()
+        self._chooser.remote_succeeded(decision, finished - started)
+        self._observer.record(started, finished, ok=True, retried=retried)
+        self._succeeded.set()
+        self._succeeded = asyncio.Event()
+        return arrays
+
+    async def _infer_local(
+        self,
+        decision: Decision,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        started: float,
+    ) -> dict[str, np.ndarray]:
+        """One request on the local model, in a worker thread."""
+        local = self._local
+        assert local is not None  # the chooser picks local only with a local model
+        begun = time.monotonic()
+        try:
+            arrays = await asyncio.to_thread(local.run, inputs, outputs)
+        except OffloadError:
+            self._observer.record(started, time.monotonic(), ok=False)
+            raise
+        finished = time.monotonic()
+        self._chooser.local_succeeded(decision, finished - begun)
+        self._observer.record(started, finished, ok=True)
         self._succeeded.set()
         self._succeeded = asyncio.Event()
         return arrays
@@ -707,6 +936,32 @@ class OffloadClient:
         if self._closing:
             return NotConnected("the client was closed during the call")
         return _mapped(err, f"infer on epoch {replica.epoch} at {replica.endpoint}")
+
+
+def _specs(tensors: Sequence[ipb.ModelMetadataResponse.TensorMetadata]) -> list[TensorSpec]:
+    return [
+        TensorSpec(t.name, t.datatype, tuple(t.shape), (None,) * len(t.shape)) for t in tensors
+    ]
+
+
+def _offload_message(session: str, summary: OffloadStats) -> pb.OffloadSummary:
+    return pb.OffloadSummary(
+        session=session,
+        policy=summary.policy.value,
+        local_model=summary.local_model,
+        decisions=[
+            pb.OffloadDecisionCount(
+                target=d.target.value, reason=d.reason.value, requests=d.requests
+            )
+            for d in summary.decisions
+        ],
+        remote_requests=summary.remote_requests,
+        local_requests=summary.local_requests,
+        fallbacks=summary.fallbacks,
+        remote_estimate_ms=summary.remote_estimate_ms or 0.0,
+        local_estimate_ms=summary.local_estimate_ms or 0.0,
+        remote_reachable=summary.remote_reachable,
+    )
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
@@ -719,7 +974,7 @@ class SyncOffloadClient:
     private event loop in a background thread; call `close()` (or use `with`) to stop it.
     Methods may be called from any thread, one at a time or concurrently."""
 
-    def __init__(self, broker: str, api_key: str, **options: float) -> None:
+    def __init__(self, broker: str, api_key: str, **options: Any) -> None:
         """`options` are OffloadClient's keyword arguments. Connects (no broker call)."""
         self._client = OffloadClient(broker, api_key, **options)
         self._loop = asyncio.new_event_loop()
@@ -763,10 +1018,10 @@ class SyncOffloadClient:
     def deployment(self) -> Deployment | None:
         return self._client.deployment
 
-    def stats(self) -> ClientStats:
+    def stats(self) -> OffloadClientStats:
         return self._run(self._stats())
 
-    async def _stats(self) -> ClientStats:
+    async def _stats(self) -> OffloadClientStats:
         return self._client.stats()
 
     def upload_model(self, path: Path) -> str:

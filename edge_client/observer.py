@@ -18,16 +18,41 @@ outage that began before the update arrived is counted whole. ``requests`` and
 raised; a request that failed once and succeeded on its retry is a success (it is counted
 in ``retried_requests``). The window closes at ``end``: once ``f`` exists and the time
 passed ``u + window_s``; without a success after ``u`` it stays open.
+
+That window is the switch. The migration began earlier: the target replica started (model
+load, warm-up) while the old one served, on CPUs they may share. The span is the whole of it:
+
+- ``p``: the update's ``prepared_ms``, how long the broker had prepared the migration
+  (from its decision to sending the update); ``d = u - p`` is its decision on the client's
+  clock (later than the true one by the update's transit time, a few ms at most);
+- ``span_gap`` is the largest difference between consecutive successful completions from
+  the last one at or before ``d`` to ``end``: every gap that ends after ``d``, counted whole,
+  so ``span_gap >= longest_gap``.
+
+The span ends where the switch window does: the broker stops the old replica 0.2 s after the
+client's ack (plus its drain), well inside the default 2 s window. Why a duration carried by
+the switch, not a notice when the preparation starts: the client cannot miss it. A notice
+could be lost to a watch stream that broke and reopened while the target started (the
+reopened stream begins with the current placement, not the history), and could arrive after
+a reordering on the client's side; the duration arrives in the same message as the switch,
+and needs no clock shared with the broker. The cost is that the client keeps the gaps of the
+last `HISTORY_S` (only those that could still be a span's worst: a suffix-maximum stack, a
+handful of entries), since it learns where the span began only once it is over but for the
+switch.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
 
 DEFAULT_WINDOW_S = 2.0
 DEFAULT_LATENCY_SAMPLES = 10_000
+HISTORY_S = 600.0
+"""How far back a span may begin: longer than any preparation (a replica's start is given
+120 s); a longer `prepared_ms` is clamped to it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +62,13 @@ class MigrationObservation:
     deployment_id: str
     migration_id: str
     longest_gap_ms: float
+    """Across the switch (the window in the module docstring)."""
     failed_requests: int
     requests: int
     retried_requests: int
+    span_gap_ms: float | None = None
+    """Over the whole migration, decision to the window's end; None when the update
+    carried no preparation time (an older broker)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +100,35 @@ class _Window:
     failed: int
     retried: int = 0
     first_success: float | None = None
+    span_before: float | None = None
+    """The longest gap that ended between the decision and the update; None: no span."""
+
+
+class _GapHistory:
+    """The gaps between consecutive successes that ended within the last `horizon_s`,
+    reduced to those that are the longest of some suffix (each longer than every later
+    one): `worst_since(t)` is then the first whose end is after `t`. Appending pops the
+    shorter gaps before it, so a steady load keeps a handful of entries."""
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self._ends: list[float] = []
+        self._gaps: list[float] = []
+
+    def add(self, end: float, gap: float) -> None:
+        while self._gaps and self._gaps[-1] <= gap:
+            self._gaps.pop()
+            self._ends.pop()
+        self._ends.append(end)
+        self._gaps.append(gap)
+        old = bisect.bisect_left(self._ends, end - self.horizon_s)
+        if old:
+            del self._ends[:old], self._gaps[:old]
+
+    def worst_since(self, t: float) -> float:
+        """The longest gap that ended after `t` (0.0 when none did)."""
+        i = bisect.bisect_right(self._ends, t)
+        return self._gaps[i] if i < len(self._gaps) else 0.0
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -99,6 +157,7 @@ class GapObserver:
         self._failed_since_success = 0
         self._open: dict[str, _Window] = {}
         self._closed: list[MigrationObservation] = []
+        self._history = _GapHistory(HISTORY_S)
 
     def record(self, started: float, finished: float, ok: bool, retried: bool = False) -> None:
         """One inference request that completed at `finished` (succeeded, or raised)."""
@@ -106,6 +165,8 @@ class GapObserver:
         self._retried += retried
         if ok:
             self._latencies.append(finished - started)
+            if self._last_success is not None:
+                self._history.add(finished, finished - self._last_success)
             self._last_success = finished
             self._failed_since_success = 0
         else:
@@ -125,11 +186,19 @@ class GapObserver:
                 if window.first_success is None:
                     window.first_success = finished
 
-    def migration(self, deployment_id: str, migration_id: str, at: float) -> bool:
-        """Open the window of a migration whose update arrived at `at`; False (and nothing
-        changes) when that migration already has one, open or closed."""
+    def migration(
+        self, deployment_id: str, migration_id: str, at: float, prepared_s: float | None = None
+    ) -> bool:
+        """Open the window of a migration whose update arrived at `at`, `prepared_s` after
+        the broker decided it (None: unknown, no span is measured; a value that is not a
+        finite non-negative number is treated as unknown, one over `HISTORY_S` clamped to
+        it). False (and nothing changes) when that migration already has one, open or
+        closed."""
         if migration_id in self._open or any(o.migration_id == migration_id for o in self._closed):
             return False
+        span_before = None
+        if prepared_s is not None and math.isfinite(prepared_s) and prepared_s >= 0:
+            span_before = self._history.worst_since(at - min(prepared_s, HISTORY_S))
         # Since the last success every completed request failed: they belong to the window.
         self._open[migration_id] = _Window(
             deployment_id=deployment_id,
@@ -139,6 +208,7 @@ class GapObserver:
             longest_gap=0.0,
             requests=self._failed_since_success,
             failed=self._failed_since_success,
+            span_before=span_before,
         )
         return True
 
@@ -156,6 +226,11 @@ class GapObserver:
             failed_requests=window.failed,
             requests=window.requests,
             retried_requests=window.retried,
+            span_gap_ms=(
+                None
+                if window.span_before is None
+                else max(window.span_before, window.longest_gap) * 1000
+            ),
         )
         self._closed.append(observation)
         return observation

@@ -153,9 +153,11 @@ async def _move(args: argparse.Namespace) -> int:
 
 def _describe(m: pb.Migration) -> str:
     gap = "-" if m.downtime_ms < 0 else f"{m.downtime_ms:.1f} ms"
+    span = "-" if m.span_gap_ms < 0 else f"{m.span_gap_ms:.1f} ms"
     return (
         f"{m.migration_id} {m.deployment_id} {m.trigger} {m.source_node} -> {m.target_node} "
-        f"{m.strategy}: {m.state}{f' ({m.reason})' if m.reason else ''}; client gap {gap}"
+        f"{m.strategy}: {m.state}{f' ({m.reason})' if m.reason else ''}; client gap {gap} "
+        f"at the switch, {span} over the migration"
     )
 
 
@@ -218,13 +220,14 @@ async def _migrations(args: argparse.Namespace) -> int:
         print(json.dumps(migrations, indent=2))
         return 0
     table = Table("migration", "deployment", "trigger", "from", "to", "strategy", "outcome",
-                  "client gap", "failed")  # fmt: skip
+                  "gap at switch", "worst gap", "failed")  # fmt: skip
     for m in migrations:
-        gap = m["downtime_ms"]
+        gap, span = m["downtime_ms"], m.get("span_gap_ms")  # absent from an older broker
         table.add_row(
             m["migration_id"], m["deployment_id"], m["trigger"], m["source"] or "-",
             m["target"] or "-", m["strategy"], m["outcome"] or "under way",
             "-" if gap is None else f"{gap:.1f} ms",
+            "-" if span is None else f"{span:.1f} ms",
             "-" if m["failed_requests"] is None else str(m["failed_requests"]),
         )  # fmt: skip
     Console().print(table)

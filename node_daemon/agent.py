@@ -98,6 +98,8 @@ class StartRequest:
     cpus: float = 0.0
     memory_mib: int = 0
     warmup_inputs_sha256: str = ""
+    background_start: bool = False
+    """At background CPU priority until ready (`ReplicaSpec.background`)."""
 
     @property
     def replica_id(self) -> str:
@@ -281,9 +283,14 @@ class NodeAgent:
             gpu_memory_mib=request.gpu_memory_mib,
             cpus=request.cpus,
             memory_mib=request.memory_mib,
+            background=request.background_start,
         )
         logger.info(
-            "replica=%s starting model=%s gpus=%s", replica_id, request.model_name, allocation.gpus
+            "replica=%s starting model=%s gpus=%s%s",
+            replica_id,
+            request.model_name,
+            allocation.gpus,
+            " at background priority" if request.background_start else "",
         )
         start = asyncio.ensure_future(self.runtime.start(spec, self.ready_timeout_s))
         self._starts[replica_id] = start

@@ -108,6 +108,7 @@ def sample_migrations() -> list[MigrationInfo]:
             "strategy": "make-before-break",
             "outcome": "succeeded",
             "downtime_ms": 42.5,
+            "span_gap_ms": 97.5,
             "failed_requests": 0,
             "reason": "",
             "timeline": [

@@ -6,8 +6,11 @@ that several brokers (tests) can live in one process. Metric names:
 - `offload_nodes{state}`, `offload_gpus{state="free"|"used"}`, `offload_deployments{state}`:
   gauges of the current state. The ops app sets them from the `OpsView` at every scrape.
 - `offload_placement_seconds`: histogram of placement decision time (100 us .. 1 s).
-- `offload_migration_downtime_seconds`: histogram of the gap clients observed during a
-  migration (1 ms .. 10 s).
+- `offload_migration_downtime_seconds`: histogram of the gap clients observed across a
+  migration's switch (1 ms .. 10 s).
+- `offload_migration_span_gap_seconds`: histogram of the longest gap clients observed over a
+  whole migration, from the broker's decision to the old replica stopped (the target's start
+  included; same buckets). Only from clients that measure it.
 - `offload_migrations_total{outcome}`: counter of finished migrations by outcome.
 """
 
@@ -99,6 +102,13 @@ class BrokerMetrics:
             buckets=DOWNTIME_BUCKETS_S,
             registry=self.registry,
         )
+        self._span_gap = Histogram(
+            "offload_migration_span_gap_seconds",
+            "Longest gap a client observed over one whole migration (decision to the old "
+            "replica stopped).",
+            buckets=DOWNTIME_BUCKETS_S,
+            registry=self.registry,
+        )
         self._migrations = Counter(
             "offload_migrations",
             "Finished migrations, by outcome.",
@@ -142,6 +152,12 @@ class BrokerMetrics:
         migration is counted). Raises ValueError below 0."""
         _check_seconds("migration downtime", seconds)
         self._downtime.observe(seconds)
+
+    def observe_span_gap(self, seconds: float) -> None:
+        """The longest gap a client observed over one whole migration, decision to the old
+        replica stopped. Raises ValueError below 0."""
+        _check_seconds("migration span gap", seconds)
+        self._span_gap.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The registry in Prometheus' text exposition format, and its Content-Type."""

@@ -108,7 +108,12 @@ class MigrationInfo(TypedDict):
     reason: str
     """Why it rolled back or failed; empty otherwise."""
     downtime_ms: float | None
-    """The longest gap the client observed, in milliseconds; None until reported."""
+    """The longest gap the client observed across the switch, in milliseconds; None until
+    reported."""
+    span_gap_ms: float | None
+    """The longest gap the client observed over the whole migration (the decision to the
+    old replica stopped: the target's start included), in milliseconds; None until
+    reported, or from a client that does not measure it."""
     failed_requests: int | None
     """Requests the client saw fail during the migration; None until reported."""
     timeline: list[TimelineEvent]

@@ -175,6 +175,7 @@ def migration_message(m: MigrationRecord) -> pb.Migration:
         reason=client_text(m.reason),
         downtime_ms=-1.0 if m.downtime_ms is None else m.downtime_ms,
         failed_requests=-1 if m.failed_requests is None else m.failed_requests,
+        span_gap_ms=-1.0 if m.span_gap_ms is None else m.span_gap_ms,
     )
 
 
@@ -296,6 +297,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
                     reason=update.reason,
                     migration_id=update.migration_id,
                     state=str(update.state),
+                    prepared_ms=update.prepared_ms,
                 )
 
     @mapped_errors
@@ -326,12 +328,17 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     ) -> pb.ObservationAck:
         client_id = await self._client(context)
         validate.integer("requests", request.requests, 0, validate.MAX_REQUESTS)
+        gap_ms = validate.number("longest_gap_ms", request.longest_gap_ms, 0, validate.MAX_GAP_MS)
+        span_gap_ms = None
+        if request.HasField("span_gap_ms"):  # unset from an older client
+            span_gap_ms = validate.span_gap(request.span_gap_ms, gap_ms)
         await self._migrations.on_observation(
             client_id,
             validate.identifier("deployment_id", request.deployment_id),
             validate.identifier("migration_id", request.migration_id),
-            validate.number("longest_gap_ms", request.longest_gap_ms, 0, validate.MAX_GAP_MS),
+            gap_ms,
             validate.integer("failed_requests", request.failed_requests, 0, validate.MAX_REQUESTS),
+            span_gap_ms=span_gap_ms,
         )
         return pb.ObservationAck()
 

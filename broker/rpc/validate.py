@@ -111,6 +111,18 @@ def priority(value: int) -> PriorityClass:
         raise InvalidRequest(f"priority {value} is not a priority class: {known}") from None
 
 
+def span_gap(value: float, switch_gap_ms: float) -> float:
+    """A migration's span gap: a gap like `longest_gap_ms`, and no shorter than it (the span
+    window holds the switch window). A client's rounding may put it a hair below: within
+    1 µs it is taken as the switch gap."""
+    number("span_gap_ms", value, 0, MAX_GAP_MS)
+    if value < switch_gap_ms - 1e-3:
+        raise InvalidRequest(
+            f"span_gap_ms must be at least longest_gap_ms ({switch_gap_ms:g}), not {value:g}"
+        )
+    return max(value, switch_gap_ms)
+
+
 def count(field: str, items: Sized, most: int) -> None:
     """A repeated field has at most `most` entries."""
     if (size := len(items)) > most:

@@ -152,11 +152,15 @@ class MigrationRecord:
     reason: str
     """Why it was started, or why it failed or rolled back."""
     downtime_ms: float | None
-    """The longest gap clients saw; None until measured."""
+    """The longest gap clients saw across the switch; None until measured."""
     failed_requests: int | None
     """Requests that failed during the move; None until known."""
     created_at: float
     updated_at: float
+    span_gap_ms: float | None = None
+    """The longest gap clients saw over the whole migration, from the decision to the old
+    replica stopped (at least `downtime_ms`); None until measured, or from a client that
+    does not measure it. Schema version 3."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,5 +123,13 @@ INSERT INTO model_owners (sha256, client_id, created_at)
 """
 """Version 2: which clients uploaded each model (a client deploys only those)."""
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2)
+_V3 = """
+-- NULL: not measured (every migration recorded before this version, and reports from
+-- clients that measure only the switch).
+ALTER TABLE migrations ADD COLUMN span_gap_ms REAL CHECK (span_gap_ms >= 0);
+"""
+"""Version 3: the longest gap a client saw over the whole migration (the decision to the old
+replica stopped), beside `downtime_ms` (across the switch only)."""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
 """The scripts in order; `len(MIGRATIONS)` is the schema version this broker writes."""

@@ -78,7 +78,8 @@ _DEPLOYMENT_COLUMNS = (
 )
 _MIGRATION_COLUMNS = (
     "migration_id, deployment_id, trigger, source_node, target_node, strategy, state, "
-    "timeline_json, outcome, reason, downtime_ms, failed_requests, created_at, updated_at"
+    "timeline_json, outcome, reason, downtime_ms, failed_requests, created_at, updated_at, "
+    "span_gap_ms"
 )
 
 
@@ -739,6 +740,7 @@ def _migration(row: sqlite3.Row) -> MigrationRecord:
         failed_requests=row["failed_requests"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        span_gap_ms=_finite_or_none(row["span_gap_ms"], "span_gap_ms", row["migration_id"]),
     )
 
 

@@ -250,6 +250,11 @@ async def _offload(
             migrations=migrations,
             gaps_ms={o.migration_id: o.longest_gap_ms for o in stats.migrations},
             failed_in_window={o.migration_id: o.failed_requests for o in stats.migrations},
+            span_gaps_ms={
+                o.migration_id: o.span_gap_ms
+                for o in stats.migrations
+                if o.span_gap_ms is not None
+            },
             explanations=explanations,
             dashboard=cluster.ops_url,
             kept=options.keep,
@@ -314,7 +319,11 @@ async def _watch(
                 async with http.get(f"{cluster.ops_url}api/{key}") as response:
                     if response.status == 200:
                         setattr(snapshot, key, await response.json())
-        snapshot.gaps_ms = {o.migration_id: o.longest_gap_ms for o in client.stats().migrations}
+        observed = client.stats().migrations
+        snapshot.gaps_ms = {o.migration_id: o.longest_gap_ms for o in observed}
+        snapshot.span_gaps_ms = {
+            o.migration_id: o.span_gap_ms for o in observed if o.span_gap_ms is not None
+        }
 
     if live:
         with Live(live_view(snapshot), console=narrator.console, refresh_per_second=4) as view:
@@ -386,6 +395,7 @@ class _BrokerCalls:
                 "outcome": m.outcome or None,
                 "reason": m.reason,
                 "downtime_ms": None if m.downtime_ms < 0 else m.downtime_ms,
+                "span_gap_ms": None if m.span_gap_ms < 0 else m.span_gap_ms,
                 "timeline": [{"event": e.event, "at": e.at} for e in m.timeline],
             }
             for m in reply.migrations

@@ -29,6 +29,7 @@ def start_request(spec: pb.ReplicaSpec) -> StartRequest:
         cpus=spec.cpus,
         memory_mib=spec.memory_mib,
         warmup_inputs_sha256=spec.warmup_inputs_sha256,
+        background_start=spec.background_start,
     )
 
 
@@ -46,6 +47,7 @@ def replica_spec(request: StartRequest) -> pb.ReplicaSpec:
         gpu_count=request.gpu_count,
         p2p_required=request.p2p_required,
         warmup_inputs_sha256=request.warmup_inputs_sha256,
+        background_start=request.background_start,
     )
 
 

@@ -54,6 +54,13 @@ class ReplicaSpec:
     """CPU limit in cores; 0: none."""
     memory_mib: int = 0
     """Memory limit; 0: none."""
+    background: bool = False
+    """Start at background CPU priority and raise it to normal once the replica is ready,
+    before `start` returns (see `BACKGROUND_LIMIT_S`). For a migration's target: its start
+    (imports, model load, warm-up) must not take CPU from the replica serving meanwhile.
+    Raising at ready rather than at the switch costs nothing (a ready target takes no calls
+    until the switch) and leaves no window in which a replica that serves could still be at
+    background priority, whoever dies when: the broker needs no call to raise it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +89,12 @@ class ReplicaStats:
     cpu_pct: float
     """Percent of one core."""
     memory_used_mib: int
+
+
+BACKGROUND_LIMIT_S = 20.0
+"""A replica started at background priority is raised to normal after this long even if it
+is not ready yet: on CPUs that the serving load keeps busy it would otherwise barely run,
+and a migration whose target never starts helps nobody."""
 
 
 class ResourceUpdateUnsupported(Exception):

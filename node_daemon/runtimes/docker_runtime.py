@@ -9,6 +9,13 @@ its token on the host. The labels are set when the container is created, so a da
 at any step of a start leaves a container the next one finds: one that was created but never
 started is removed then; one that runs is adopted (and so listed, for the broker to claim or
 stop).
+
+A replica started with `background` is created with the lowest CPU weight
+(`cpu_shares=2`, cgroup v2 `cpu.weight` 1, against 100 for its siblings, the replica serving
+among them) and given the default weight back (`container.update(cpu_shares=1024)`) once
+ready, or after `BACKGROUND_LIMIT_S`, before `start` returns. Its `offload.background` label
+says it was started so: a daemon that adopts a running one gives it the default weight
+again (idempotent), in case the daemon that started it died before it could.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,6 +39,7 @@ import requests.exceptions
 from docker.models.containers import Container
 
 from node_daemon.runtimes.base import (
+    BACKGROUND_LIMIT_S,
     LABEL_PREFIX,
     LISTENING,
     Replica,
@@ -49,12 +58,16 @@ CONTAINER_PORT = 8001
 NETWORKS = ("bridge", "host")
 RUNTIME_UID = 10001  # the image's `offload` user
 CPU_PERIOD_US = 100_000
+BACKGROUND_CPU_SHARES = 2
+"""Docker's smallest CPU weight (cgroup v2 cpu.weight 1)."""
+NORMAL_CPU_SHARES = 1024
+"""Docker's default CPU weight (cgroup v2 cpu.weight 100)."""
 _ENGINE_HINT = (
     "start one with `make docker-engine` (installs and starts Debian's engine, as root) or "
     "`sudo dockerd &`, or point DOCKER_HOST at a running engine"
 )
 # Labels this runtime owns (the caller's labels must not use them).
-_OWN = ("replica", "host", "secrets", "gpu-mode")
+_OWN = ("replica", "host", "secrets", "gpu-mode", "background")
 
 
 def connect_docker() -> docker.DockerClient:
@@ -137,14 +150,29 @@ class DockerRuntime:
         try:
             await uncancellable(self._create(spec, secrets))
             container = self._started[spec.replica_id].container
+            lowered = time.monotonic() if spec.background else None
+
+            async def alive() -> None:
+                nonlocal lowered
+                if lowered is not None and time.monotonic() - lowered > BACKGROUND_LIMIT_S:
+                    logger.warning(
+                        "replica=%s not ready after %.0fs at background priority: raising it",
+                        spec.replica_id,
+                        BACKGROUND_LIMIT_S,
+                    )
+                    await self._raise(spec.replica_id, container)
+                    lowered = None
+                await asyncio.to_thread(self._check_alive, container)
+
             endpoint = await self._endpoint(container, spec.host, ready_timeout_s)
-            await wait_ready(
-                endpoint,
-                spec.token,
-                spec.model_name,
-                ready_timeout_s,
-                alive=lambda: asyncio.to_thread(self._check_alive, container),
-            )
+            await wait_ready(endpoint, spec.token, spec.model_name, ready_timeout_s, alive=alive)
+            if lowered is not None:
+                await self._raise(spec.replica_id, container)
+                logger.info(
+                    "replica=%s back at normal priority (ready) after %.2fs",
+                    spec.replica_id,
+                    time.monotonic() - lowered,
+                )
         except BaseException as err:
             tail = await uncancellable(self._discard(spec.replica_id, secrets))
             if isinstance(err, ReplicaFailed | TimeoutError | docker.errors.APIError):
@@ -179,6 +207,16 @@ class DockerRuntime:
         tail = await asyncio.to_thread(self._log_tail, started.container)
         await self.stop(replica_id, grace_s=0)
         return tail
+
+    async def _raise(self, replica_id: str, container: Container) -> None:
+        """The default CPU weight again. ReplicaFailed when the engine refuses: a replica
+        must not serve at background priority."""
+        try:
+            await asyncio.to_thread(container.update, cpu_shares=NORMAL_CPU_SHARES)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as err:
+            raise ReplicaFailed(
+                f"cannot raise replica {replica_id} from background priority: {err}"
+            ) from err
 
     def _run(self, spec: ReplicaSpec, secrets: Path) -> Container:
         image = self.image
@@ -228,6 +266,9 @@ class DockerRuntime:
             f"{LABEL_PREFIX}secrets": str(secrets),
             f"{LABEL_PREFIX}gpu-mode": gpu_mode,
         }
+        if spec.background:
+            labels[f"{LABEL_PREFIX}background"] = "1"
+            kwargs["cpu_shares"] = BACKGROUND_CPU_SHARES
         if spec.cpus > 0:
             kwargs |= {"cpu_period": CPU_PERIOD_US, "cpu_quota": int(spec.cpus * CPU_PERIOD_US)}
         if spec.memory_mib > 0:
@@ -333,6 +374,11 @@ class DockerRuntime:
                     logger.error("replica=%s: %s", replica_id, err)
             endpoint = ""
             if container.status == "running":
+                if labels.get("background") == "1":
+                    try:  # its daemon may have died before it raised it
+                        await self._raise(replica_id, container)
+                    except ReplicaFailed as err:
+                        logger.error("replica=%s: %s", replica_id, err)
                 try:
                     endpoint = await self._endpoint(container, labels.get("host", ""), 5.0)
                 except (ReplicaFailed, TimeoutError) as err:

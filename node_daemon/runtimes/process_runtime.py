@@ -12,6 +12,16 @@ still running (`adopt`). Without a `workdir`, folders are temporary and nothing 
 pid and then its endpoint, so a daemon killed between any two steps leaves a folder the next
 one finds: a replica that never became ready (no endpoint) is stopped and removed then, its
 process found by its pid or, killed before the pid was written, by its token path.
+
+A replica started with `background` runs at SCHED_IDLE until it is ready. Scheduling policy
+is per thread on Linux, and a new thread takes its creator's: every thread of the process
+(`/proc/PID/task`) is lowered right after the spawn, before the interpreter has started any
+(and again once it listens, for any that raced the first pass), so ONNX Runtime's pools,
+created later, inherit it. Once ready (or after `BACKGROUND_LIMIT_S`) every thread is put
+back to SCHED_OTHER, before `start` returns and so before the replica record carries an
+endpoint: an adopted replica with an endpoint was raised, and one without is stopped.
+Leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of 20; a daemon with neither
+starts every replica at normal priority (and says so once).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -31,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from node_daemon.runtimes.base import (
+    BACKGROUND_LIMIT_S,
     LISTENING,
     Replica,
     ReplicaFailed,
@@ -58,6 +70,9 @@ class _Running:
     started_ticks: int | None = None
     """An adopted process's start time (clock ticks after boot), which tells it from a
     later process given the same pid."""
+    background_since: float | None = None
+    """time.monotonic() when its threads were put at background priority; None when it
+    runs at normal priority."""
 
     @property
     def pid(self) -> int:
@@ -116,6 +131,44 @@ def _write_record(
     os.replace(tmp, workdir / _RECORD)
 
 
+_CAP_SYS_NICE = 23
+
+
+def can_leave_background() -> bool:
+    """Whether this process may take a thread out of SCHED_IDLE again: Linux allows it
+    with CAP_SYS_NICE, or with an RLIMIT_NICE of at least 20 (nice 0)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        caps = next(line for line in status.splitlines() if line.startswith("CapEff:"))
+        if int(caps.split()[1], 16) >> _CAP_SYS_NICE & 1:
+            return True
+    except (OSError, StopIteration, ValueError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or soft >= 20
+
+
+def set_background(pid: int, background: bool) -> int:
+    """Put every thread of `pid` at SCHED_IDLE (`background`) or back at SCHED_OTHER (its
+    nice value untouched); returns how many threads were changed. Threads that exit
+    meanwhile, or a process that is gone, are skipped. PermissionError when the kernel
+    refuses (see `can_leave_background`)."""
+    policy = os.SCHED_IDLE if background else os.SCHED_OTHER
+    param = os.sched_param(0)
+    try:
+        tids = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return 0
+    changed = 0
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, param)
+        except ProcessLookupError:
+            continue
+        changed += 1
+    return changed
+
+
 def _log_tail(workdir: Path, lines: int = 40) -> str:
     path = workdir / _LOG
     if not path.exists():
@@ -147,6 +200,8 @@ class ProcessRuntime:
         """`workdir`: where each replica's folder goes; see the module docstring."""
         self._workdir = workdir
         self._running: dict[str, _Running] = {}
+        self._background = can_leave_background()
+        self._warned_background = False
 
     async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica:
         """Start the replica and return once it is ready. ReplicaFailed (with its log tail)
@@ -164,7 +219,11 @@ class ProcessRuntime:
         try:
             await uncancellable(self._spawn(spec, workdir))
             running = self._running[spec.replica_id]
+            if spec.background:
+                self._lower(running)
             port = await self._port(running, ready_timeout_s)
+            if running.background_since is not None:
+                set_background(running.pid, True)  # threads that raced the first pass
             endpoint = f"{spec.host}:{port}"
             await wait_ready(
                 endpoint,
@@ -173,6 +232,7 @@ class ProcessRuntime:
                 ready_timeout_s,
                 alive=lambda: self._check_alive(spec.replica_id),
             )
+            self._raise(running, "ready")
         except BaseException as err:
             tail = _log_tail(workdir)
             await uncancellable(self._discard(spec.replica_id, workdir))
@@ -220,10 +280,52 @@ class ProcessRuntime:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 
+    def _lower(self, running: _Running) -> None:
+        """Put a replica just spawned at background priority, if it can be raised again."""
+        if not self._background:
+            if not self._warned_background:
+                self._warned_background = True
+                logger.warning(
+                    "replicas start at normal priority: leaving SCHED_IDLE again needs "
+                    "CAP_SYS_NICE or an RLIMIT_NICE of 20, which this daemon lacks"
+                )
+            return
+        set_background(running.pid, True)
+        running.background_since = time.monotonic()
+
+    def _raise(self, running: _Running, why: str) -> None:
+        """Back to normal priority (every thread); nothing when it runs there already.
+        ReplicaFailed when the kernel refuses: a replica must not serve at background
+        priority, so its start fails (and it is stopped)."""
+        if running.background_since is None:
+            return
+        try:
+            set_background(running.pid, False)
+        except PermissionError as err:
+            raise ReplicaFailed(f"cannot raise it from background priority: {err}") from err
+        logger.info(
+            "replica=%s back at normal priority (%s) after %.2fs",
+            running.replica.replica_id,
+            why,
+            time.monotonic() - running.background_since,
+        )
+        running.background_since = None
+
+    def _raise_if_overdue(self, running: _Running) -> None:
+        since = running.background_since
+        if since is not None and time.monotonic() - since > BACKGROUND_LIMIT_S:
+            logger.warning(
+                "replica=%s not ready after %.0fs at background priority: raising it",
+                running.replica.replica_id,
+                BACKGROUND_LIMIT_S,
+            )
+            self._raise(running, "overdue")
+
     async def _port(self, running: _Running, timeout_s: float) -> int:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
+            self._raise_if_overdue(running)
             text = (running.workdir / _LOG).read_text(errors="replace")
             if match := LISTENING.search(text):
                 return int(match.group(1))
@@ -234,6 +336,7 @@ class ProcessRuntime:
 
     async def _check_alive(self, replica_id: str) -> None:
         running = self._running[replica_id]
+        self._raise_if_overdue(running)
         if not running.alive():
             raise ReplicaFailed(f"exited with code {running.exit_code()}")
 

@@ -220,6 +220,26 @@ ATTACKS = {
         {"deployment_id": "d-1", "migration_id": "m-1", "longest_gap_ms": math.inf},
         "longest_gap_ms must be a finite number within 0..3.6e+06",
     ),
+    "NaN span_gap_ms": (
+        "ReportObservation",
+        {
+            "deployment_id": "d-1",
+            "migration_id": "m-1",
+            "longest_gap_ms": 1.0,
+            "span_gap_ms": math.nan,
+        },
+        "span_gap_ms must be a finite number within 0..3.6e+06",
+    ),
+    "span_gap_ms under longest_gap_ms": (
+        "ReportObservation",
+        {
+            "deployment_id": "d-1",
+            "migration_id": "m-1",
+            "longest_gap_ms": 90.0,
+            "span_gap_ms": 20.0,
+        },
+        "span_gap_ms must be at least longest_gap_ms (90), not 20",
+    ),
     "AckSwitch epoch -1": ("AckSwitch", {"deployment_id": "d-1", "epoch": -1}, "epoch must"),
     "port 99999": (
         "Register",

@@ -218,6 +218,10 @@ async def test_moving_the_client_migrates_with_no_failed_request_and_reports_the
     assert "client_acknowledged" in [e.event for e in record.timeline]
     assert record.downtime_ms == pytest.approx(observation.longest_gap_ms)
     assert record.failed_requests == 0
+    # And the worst gap over the whole migration, the target's start included (issue 12).
+    assert observation.span_gap_ms is not None
+    assert observation.span_gap_ms >= observation.longest_gap_ms
+    assert record.span_gap_ms == pytest.approx(observation.span_gap_ms)
 
 
 def _script(broker: str, api_key: str, model: Path) -> tuple[dict[str, np.ndarray], int]:

@@ -64,6 +64,7 @@ class Stream:
     failed: list[tuple[float, str]] = field(default_factory=list)
     endpoint: str = ""
     epoch: int = 0
+    updates: list[pb.PlacementUpdate] = field(default_factory=list)
 
     async def follow(self) -> None:
         watch = self.alice.stub.WatchDeployment(
@@ -71,6 +72,7 @@ class Stream:
             metadata=self.alice.metadata,
         )
         async for update in watch:
+            self.updates.append(update)
             if update.endpoint and update.epoch > self.epoch:
                 self.endpoint, self.epoch = update.endpoint, update.epoch
                 await self.alice.stub.AckSwitch(
@@ -178,6 +180,18 @@ async def test_mobility_migrates_make_before_break_with_no_failed_request(
     ]  # fmt: skip
     assert stream.failed == []
     assert stream.epoch == 2
+    # The switch tells the client how long the broker prepared it: at least the target's
+    # start, so a client's span window reaches back over it (issue 12).
+    (switch,) = [u for u in stream.updates if u.migration_id]
+    at = {e.event: e.at for e in record.timeline}
+    assert (switch.migration_id, switch.epoch) == (record.migration_id, 2)
+    assert switch.HasField("prepared_ms")
+    assert switch.prepared_ms >= (at["target_ready"] - at["target_started"]) * 1000
+    assert not stream.updates[0].HasField("prepared_ms")  # the current placement: no span
+    # The target was started at background priority and raised once ready.
+    log = cluster.node_log("node-c").read_text()
+    assert f"replica={record.deployment_id}-2 starting model=resnet18" in log
+    assert "at background priority" in log and "back at normal priority (ready)" in log
     async with cluster.edge("alice") as alice:
         deployment = await alice.get(stream.deployment.deployment_id)
     assert (deployment.node_id, deployment.epoch) == ("node-c", 2)

@@ -124,6 +124,14 @@ def test_observation_bounds() -> None:
     )
 
 
+def test_a_span_gap_is_a_gap_no_shorter_than_the_switch_gap() -> None:
+    assert validate.span_gap(140.0, 80.0) == 140.0
+    assert validate.span_gap(80.0 - 1e-4, 80.0) == 80.0  # a client's rounding
+    refused(lambda: validate.span_gap(math.nan, 80.0), "span_gap_ms", "0..3.6e+06")
+    refused(lambda: validate.span_gap(-1.0, 0.0), "span_gap_ms", "0..3.6e+06")
+    refused(lambda: validate.span_gap(50.0, 80.0), "span_gap_ms", "at least longest_gap_ms (80)")
+
+
 # --- strings -------------------------------------------------------------------------------
 
 

@@ -94,3 +94,58 @@ def test_stats_count_requests_and_give_nearest_rank_percentiles() -> None:
     observer.record(300.0, 300.5, ok=True)  # evicts the oldest sample (1 ms)
     assert observer.stats().latency_p99_ms == pytest.approx(100.0)
     assert observer.stats().migrations == ()
+
+
+def test_the_span_counts_the_gaps_of_the_preparation_that_the_switch_window_misses() -> None:
+    observer = GapObserver(window_s=2.0)
+    _steady(observer, 0.0, 5.0, 0.05)  # quiet: 50 ms apart, last at 4.95
+    observer.record(4.9, 5.2, ok=True)  # 250 ms: before the decision (5.5), not in the span
+    _steady(observer, 5.3, 6.0, 0.05)  # 5.2 -> 5.3 (100 ms) ends before 5.5: outside too
+    observer.record(5.9, 6.18, ok=True)  # 230 ms while the target starts: in the span
+    _steady(observer, 6.2, 8.0, 0.05)
+    # The switch arrives at 8.0, 2.5 s after the broker decided.
+    assert observer.migration("d1", "m1", at=8.0, prepared_s=2.5)
+    observer.record(8.0, 8.07, ok=True)  # 120 ms across the switch (from 7.95)
+    _steady(observer, 8.1, 10.1, 0.05)
+    observation = observer.close("m1", now=10.1)
+    assert observation is not None
+    assert observation.longest_gap_ms == pytest.approx(120.0)
+    assert observation.span_gap_ms == pytest.approx(230.0)
+
+
+def test_a_gap_that_straddles_the_decision_counts_whole_and_the_span_covers_the_switch() -> None:
+    observer = GapObserver(window_s=1.0)
+    observer.record(0.9, 1.0, ok=True)
+    observer.record(1.0, 1.4, ok=True)  # 400 ms, ending after the decision at 1.2
+    observer.record(1.4, 1.5, ok=True)
+    assert observer.migration("d1", "m1", at=2.0, prepared_s=0.8)
+    observer.record(2.0, 2.6, ok=True)  # 1.1 s across the switch: the worst of both
+    observer.record(2.6, 3.1, ok=True)
+    observation = observer.close("m1", now=3.1)
+    assert observation is not None
+    assert observation.longest_gap_ms == pytest.approx(1100.0)
+    assert observation.span_gap_ms == pytest.approx(1100.0)
+
+
+def test_no_preparation_time_means_no_span_and_a_bad_one_is_ignored() -> None:
+    observer = GapObserver(window_s=0.5)
+    _steady(observer, 0.0, 1.0, 0.1)
+    assert observer.migration("d1", "old-broker", at=1.0)
+    assert observer.migration("d1", "nan", at=1.0, prepared_s=float("nan"))
+    assert observer.migration("d1", "negative", at=1.0, prepared_s=-1.0)
+    _steady(observer, 1.0, 2.0, 0.1)
+    for migration_id in ("old-broker", "nan", "negative"):
+        observation = observer.close(migration_id, now=2.0)
+        assert observation is not None and observation.span_gap_ms is None
+
+
+def test_a_span_older_than_the_history_is_clamped_and_old_gaps_are_forgotten() -> None:
+    observer = GapObserver(window_s=0.5)
+    observer.record(0.0, 0.0, ok=True)
+    observer.record(0.0, 30.0, ok=True)  # 30 s, ending 30.0: beyond the history at 700
+    _steady(observer, 30.05, 700.0, 0.05)
+    assert observer.migration("d1", "m1", at=700.0, prepared_s=1e9)
+    _steady(observer, 700.0, 701.0, 0.05)
+    observation = observer.close("m1", now=701.0)
+    assert observation is not None
+    assert observation.span_gap_ms == pytest.approx(50.0)

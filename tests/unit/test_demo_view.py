@@ -81,6 +81,7 @@ def test_the_live_view_marks_the_node_holding_the_replica() -> None:
         step="waypoint 2/4",
         load=load,
         gaps_ms={"m-1": 55.5},
+        span_gaps_ms={"m-1": 130.5},
     )
     text = rendered(live_view(snapshot))
     row_a = next(line for line in text.splitlines() if line.strip().startswith("node-a"))
@@ -92,6 +93,7 @@ def test_the_live_view_marks_the_node_holding_the_replica() -> None:
     # The client's own gap wins over the broker's copy of it.
     assert "m-1" in text and "node-a → node-b" in text and "750 ms" in text
     assert "55.5 ms" in text and "61.0 ms" not in text
+    assert "130.5 ms" in text  # and the worst gap over the whole migration beside it
 
 
 def report(failed: int, outcome: str) -> Report:
@@ -110,6 +112,7 @@ def report(failed: int, outcome: str) -> Report:
         migrations=[{**MIGRATION, "outcome": outcome}],
         gaps_ms={"m-1": 55.5},
         failed_in_window={"m-1": 0},
+        span_gaps_ms={"m-1": 140.5},
         explanations=[("first placement: node-a, GPUs [0], epoch 1", "chosen: node-a\nline 2")],
         dashboard="http://127.0.0.1:8080/",
         kept=False,
@@ -127,7 +130,8 @@ def test_the_report_has_percentiles_timelines_explanations_and_the_dashboard() -
     assert "first placement: node-a, GPUs [0], epoch 1\n    chosen: node-a\n    line 2" in text
     assert (
         "m-1 mobility node-a → node-b make-before-break: succeeded, took 750 ms; "
-        "client-observed downtime 55.5 ms, 0 failed request(s)"
+        "client-observed downtime 55.5 ms, 0 failed request(s), worst gap over the whole "
+        "migration 140.5 ms"
     ) in text
     assert "decided +0  completed +750 (ms)" in text
     assert "dashboard  http://127.0.0.1:8080/  (stopped with the demo" in text

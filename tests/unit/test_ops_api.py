@@ -104,7 +104,7 @@ async def test_api_migrations_keeps_the_timeline(ops: OpsServer) -> None:
         assert response.headers["Cache-Control"] == "no-store"
         (migration,) = await response.json()
     assert migration["migration_id"] == "mig-0001"
-    assert migration["downtime_ms"] == 42.5
+    assert (migration["downtime_ms"], migration["span_gap_ms"]) == (42.5, 97.5)
     assert [e["event"] for e in migration["timeline"]] == [
         "triggered",
         "target_ready",
@@ -118,6 +118,7 @@ async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     ops.metrics.observe_placement(0.0012)
     ops.metrics.record_migration("succeeded", 0.0425)
     ops.metrics.record_migration("rolled_back", None)
+    ops.metrics.observe_span_gap(0.0975)
     async with ops.http.get(f"{ops.base_url}/metrics") as response:
         assert response.status == 200
         assert response.content_type == "text/plain"
@@ -132,6 +133,9 @@ async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     assert 'offload_placement_seconds_bucket{le="0.001"} 0.0' in text
     assert "offload_migration_downtime_seconds_count 1.0" in text
     assert 'offload_migration_downtime_seconds_bucket{le="0.05"} 1.0' in text
+    assert "offload_migration_span_gap_seconds_count 1.0" in text
+    assert 'offload_migration_span_gap_seconds_bucket{le="0.05"} 0.0' in text
+    assert 'offload_migration_span_gap_seconds_bucket{le="0.1"} 1.0' in text
     assert 'offload_migrations_total{outcome="succeeded"} 1.0' in text
     assert 'offload_migrations_total{outcome="rolled_back"} 1.0' in text
 
@@ -154,6 +158,8 @@ def test_metrics_refuse_negative_or_nan_seconds() -> None:
         metrics.observe_placement(-0.001)
     with pytest.raises(ValueError, match="migration downtime"):
         metrics.record_migration("succeeded", float("nan"))
+    with pytest.raises(ValueError, match="migration span gap"):
+        metrics.observe_span_gap(float("inf"))
     body, _ = metrics.render()
     # The refused migration was not counted either.
     assert b"offload_migrations_total{" not in body

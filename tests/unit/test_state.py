@@ -731,3 +731,38 @@ def test_a_process_killed_mid_transaction_leaves_nothing_of_it(tmp_path: Path) -
         assert store.list_deployments() == []
         assert store.list_events() == []
     assert inspect(tmp_path / DB_FILENAME, "PRAGMA integrity_check") == [("ok",)]
+
+
+def test_the_span_gap_migration_keeps_older_migrations_unmeasured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS[:2])
+    with StateStore(tmp_path) as old:
+        old.put_client("alice", KEY)
+        old.put_model(model())
+        old.upsert_node(node("n1"))
+        old.upsert_node(node("n2", site="site-b"))
+        old.create_deployment(deployment())
+    # Written as a version-2 broker did: without the column.
+    with closing(sqlite3.connect(tmp_path / DB_FILENAME)) as conn, conn:
+        conn.execute(
+            "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
+            "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
+            "failed_requests, created_at, updated_at) VALUES ('m1', 'd1', 'mobility', 'n1', "
+            "'n2', 'make_before_break', 'completed', '[]', 'succeeded', '', 80.0, 0, 40.0, 40.0)"
+        )
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
+    with StateStore(tmp_path) as upgraded:
+        (before,) = upgraded.list_migrations()
+        assert (before.downtime_ms, before.span_gap_ms) == (80.0, None)
+        after = upgraded.update_migration("m1", span_gap_ms=140.0)
+        assert (after.downtime_ms, after.span_gap_ms) == (80.0, 140.0)
+        assert upgraded.list_migrations() == [after]
+    assert inspect(tmp_path / DB_FILENAME, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+
+
+def test_a_negative_span_gap_is_refused(populated: StateStore) -> None:
+    populated.create_deployment(deployment())
+    populated.create_migration(migration())
+    with pytest.raises(ConstraintError):
+        populated.update_migration("m1", span_gap_ms=-1.0)

@@ -245,7 +245,8 @@ function timelineSvg(migration) {
   const spanMs = Math.max((events[events.length - 1].at - t0) * 1000, 1);
   const x = (atMs) => 10 + ((width - 20) * Math.min(atMs, spanMs)) / spanMs;
   const hasDowntime = migration.downtime_ms !== null && migration.downtime_ms !== undefined;
-  const height = hasDowntime ? 100 : 72;
+  const hasSpan = migration.span_gap_ms !== null && migration.span_gap_ms !== undefined;
+  const height = hasDowntime ? (hasSpan ? 128 : 100) : 72;
   const svg = s("svg", {
     class: "timeline",
     viewBox: `0 0 ${width} ${height}`,
@@ -285,6 +286,23 @@ function timelineSvg(migration) {
       ),
     );
   }
+  if (hasDowntime && hasSpan) {
+    // The worst gap over the whole migration (the target's start included), same scale.
+    const spanWidth = Math.max(x(migration.span_gap_ms) - 10, 2);
+    svg.append(
+      s(
+        "rect",
+        { class: "downtime-bar span-gap-bar", x: 10, y: 102, width: spanWidth, height: 8 },
+        s("title", {}, `longest gap over the whole migration: ${ms(migration.span_gap_ms)}`),
+      ),
+      s(
+        "text",
+        { x: 10, y: 124, class: "downtime-label" },
+        `worst gap over the whole migration ${ms(migration.span_gap_ms)} (decision to old ` +
+          "replica stopped)",
+      ),
+    );
+  }
   return svg;
 }
 
@@ -308,7 +326,9 @@ function migrationCard(migration) {
         ` deployment ${migration.deployment_id} \u00b7 ${migration.trigger} \u00b7 ` +
           `${migration.source ?? "?"} \u2192 ${migration.target ?? "?"} \u00b7 ` +
           `${migration.strategy} \u00b7 started ${started} \u00b7 ` +
-          `downtime ${ms(migration.downtime_ms)} \u00b7 failed requests ${failed}`,
+          `downtime ${ms(migration.downtime_ms)} \u00b7 ` +
+          `worst gap over the migration ${ms(migration.span_gap_ms)} \u00b7 ` +
+          `failed requests ${failed}`,
       ),
     ),
     events.length ? timelineSvg(migration) : h("p", { class: "empty" }, "no events recorded yet"),

@@ -164,7 +164,7 @@ class WatchDeploymentRequest(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
 
 class PlacementUpdate(_message.Message):
-    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason", "migration_id", "state")
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason", "migration_id", "state", "prepared_ms")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class PlacementUpdate(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_MS_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     endpoint: str
     token: str
@@ -179,7 +180,8 @@ class PlacementUpdate(_message.Message):
     reason: str
     migration_id: str
     state: str
-    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., migration_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+    prepared_ms: float
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., migration_id: _Optional[str] = ..., state: _Optional[str] = ..., prepared_ms: _Optional[float] = ...) -> None: ...
 
 class ReportLocationRequest(_message.Message):
     __slots__ = ("client_id", "site")
@@ -208,18 +210,22 @@ class AckSwitchResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ObservationReport(_message.Message):
-    __slots__ = ("deployment_id", "migration_id", "longest_gap_ms", "failed_requests", "requests")
+    __slots__ = ("deployment_id", "migration_id", "longest_gap_ms", "failed_requests", "requests", "span_gap_ms", "offload")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     LONGEST_GAP_MS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_GAP_MS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     migration_id: str
     longest_gap_ms: float
     failed_requests: int
     requests: int
-    def __init__(self, deployment_id: _Optional[str] = ..., migration_id: _Optional[str] = ..., longest_gap_ms: _Optional[float] = ..., failed_requests: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+    span_gap_ms: float
+    offload: OffloadSummary
+    def __init__(self, deployment_id: _Optional[str] = ..., migration_id: _Optional[str] = ..., longest_gap_ms: _Optional[float] = ..., failed_requests: _Optional[int] = ..., requests: _Optional[int] = ..., span_gap_ms: _Optional[float] = ..., offload: _Optional[_Union[OffloadSummary, _Mapping]] = ...) -> None: ...
 
 class ObservationAck(_message.Message):
     __slots__ = ()
@@ -244,7 +250,7 @@ class MigrationEvent(_message.Message):
     def __init__(self, event: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
 
 class Migration(_message.Message):
-    __slots__ = ("migration_id", "deployment_id", "trigger", "source_node", "target_node", "strategy", "state", "timeline", "outcome", "reason", "downtime_ms", "failed_requests")
+    __slots__ = ("migration_id", "deployment_id", "trigger", "source_node", "target_node", "strategy", "state", "timeline", "outcome", "reason", "downtime_ms", "failed_requests", "span_gap_ms")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +263,7 @@ class Migration(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_GAP_MS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     deployment_id: str
     trigger: str
@@ -269,7 +276,8 @@ class Migration(_message.Message):
     reason: str
     downtime_ms: float
     failed_requests: int
-    def __init__(self, migration_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., trigger: _Optional[str] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., strategy: _Optional[str] = ..., state: _Optional[str] = ..., timeline: _Optional[_Iterable[_Union[MigrationEvent, _Mapping]]] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., downtime_ms: _Optional[float] = ..., failed_requests: _Optional[int] = ...) -> None: ...
+    span_gap_ms: float
+    def __init__(self, migration_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., trigger: _Optional[str] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., strategy: _Optional[str] = ..., state: _Optional[str] = ..., timeline: _Optional[_Iterable[_Union[MigrationEvent, _Mapping]]] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., downtime_ms: _Optional[float] = ..., failed_requests: _Optional[int] = ..., span_gap_ms: _Optional[float] = ...) -> None: ...
 
 class DrainNodeRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -294,3 +302,37 @@ class ListMigrationsResponse(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     migrations: _containers.RepeatedCompositeFieldContainer[Migration]
     def __init__(self, migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...
+
+class OffloadSummary(_message.Message):
+    __slots__ = ("session", "policy", "local_model", "decisions", "remote_requests", "local_requests", "fallbacks", "remote_estimate_ms", "local_estimate_ms", "remote_reachable")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ESTIMATE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ESTIMATE_MS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    policy: str
+    local_model: str
+    decisions: _containers.RepeatedCompositeFieldContainer[OffloadDecisionCount]
+    remote_requests: int
+    local_requests: int
+    fallbacks: int
+    remote_estimate_ms: float
+    local_estimate_ms: float
+    remote_reachable: bool
+    def __init__(self, session: _Optional[str] = ..., policy: _Optional[str] = ..., local_model: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[OffloadDecisionCount, _Mapping]]] = ..., remote_requests: _Optional[int] = ..., local_requests: _Optional[int] = ..., fallbacks: _Optional[int] = ..., remote_estimate_ms: _Optional[float] = ..., local_estimate_ms: _Optional[float] = ..., remote_reachable: bool = ...) -> None: ...
+
+class OffloadDecisionCount(_message.Message):
+    __slots__ = ("target", "reason", "requests")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    reason: str
+    requests: int
+    def __init__(self, target: _Optional[str] = ..., reason: _Optional[str] = ..., requests: _Optional[int] = ...) -> None: ...

@@ -69,7 +69,7 @@ class Inventory(_message.Message):
     def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[GpuLink, _Mapping]]] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., nics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaSpec(_message.Message):
-    __slots__ = ("deployment_id", "epoch", "model_sha256", "model_name", "gpu_uuids", "gpu_memory_mib", "cpus", "memory_mib", "token", "gpu_count", "p2p_required", "warmup_inputs_sha256")
+    __slots__ = ("deployment_id", "epoch", "model_sha256", "model_name", "gpu_uuids", "gpu_memory_mib", "cpus", "memory_mib", "token", "gpu_count", "p2p_required", "warmup_inputs_sha256", "background_start")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class ReplicaSpec(_message.Message):
     GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     P2P_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     WARMUP_INPUTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_START_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     epoch: int
     model_sha256: str
@@ -94,7 +95,8 @@ class ReplicaSpec(_message.Message):
     gpu_count: int
     p2p_required: bool
     warmup_inputs_sha256: str
-    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ..., gpu_count: _Optional[int] = ..., p2p_required: bool = ..., warmup_inputs_sha256: _Optional[str] = ...) -> None: ...
+    background_start: bool
+    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ..., gpu_count: _Optional[int] = ..., p2p_required: bool = ..., warmup_inputs_sha256: _Optional[str] = ..., background_start: bool = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("replica_id", "spec", "endpoint", "state", "exit_code", "log_tail", "runtime", "ref")

@@ -1,0 +1,191 @@
+"""Adaptive offload against a real broker and node daemons (process runtime) on loopback:
+a device with its own copy of the model keeps answering when the broker and its replica's
+node die, and goes back to the replica when they return."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import modelzoo
+from edge_client.adaptive import Reason, Target
+from edge_client.client import Deployment, OffloadClient
+from edge_client.errors import InvalidInput, NotDeployed, OffloadError
+from tests.cluster_support import THREE_NODES, Cluster
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    cluster = Cluster(tmp_path)
+    try:
+        await cluster.start_broker()
+        await asyncio.gather(*(cluster.start_node(plan, "process") for plan in THREE_NODES))
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.05)
+
+
+def _replica_pid(cluster: Cluster, deployment: Deployment) -> int:
+    state = cluster.root / f"{deployment.node_id}-state" / "replicas"
+    record = state / f"{deployment.deployment_id}-{deployment.epoch}" / "replica.json"
+    return int(json.loads(record.read_text())["pid"])
+
+
+def _reference(model: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, inputs), strict=True))
+
+
+class _Load:
+    """A steady request loop, one at a time; every answer is checked against ONNX Runtime."""
+
+    def __init__(self, client: OffloadClient, model: Path) -> None:
+        self.client = client
+        self.inputs = modelzoo.sample_inputs(model)
+        self.expected = _reference(model, self.inputs)
+        self.successes = 0
+        self.failures: list[str] = []
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="inference-load")
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                outputs = await self.client.infer(self.inputs)
+            except OffloadError as err:
+                self.failures.append(f"{type(err).__name__}: {err}")
+            else:
+                for name, array in self.expected.items():
+                    np.testing.assert_allclose(outputs[name], array, rtol=1e-5, atol=1e-6)
+                self.successes += 1
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task
+
+
+def _remote(client: OffloadClient) -> int:
+    return client.stats().offload.remote_requests
+
+
+def _local(client: OffloadClient) -> int:
+    return client.stats().offload.local_requests
+
+
+async def test_killing_the_broker_then_the_replicas_node_fails_no_request(
+    cluster: Cluster,
+) -> None:
+    model = modelzoo.model_path("mlp")
+    async with OffloadClient(
+        cluster.broker_address,
+        cluster.api_keys["alice"],
+        local_model=model,
+        policy="remote-then-local",
+        offload_report_s=0.5,
+    ) as client:
+        first = await client.deploy(await client.upload_model(model), "mlp", site="site-a")
+        assert first.node_id == "node-a"
+        load = _Load(client, model)
+        try:
+            await _until(lambda: _remote(client) > 10, "remote inference")
+            # The broker dies: the replica keeps serving, nothing runs locally.
+            cluster.kill_broker()
+            before = _remote(client)
+            await _until(lambda: _remote(client) > before + 20, "remote inference, broker down")
+            assert _local(client) == 0
+            # The replica's node dies too (daemon and replica): the local model serves.
+            node_a = cluster.nodes["node-a"]
+            node_a.send_signal(signal.SIGKILL)
+            node_a.wait()
+            os.kill(_replica_pid(cluster, first), signal.SIGKILL)
+            await _until(lambda: _local(client) > 20, "local inference, broker and node down")
+            assert not client.stats().offload.remote_reachable
+            # Both return: the deployment is placed again and requests go remote again.
+            await cluster.start_broker()
+            await cluster.start_node(THREE_NODES[0], "process")
+            await _until(
+                lambda: client.deployment is not None and client.deployment.epoch >= 2,
+                "the deployment placed again",
+            )
+            after = _remote(client)
+            await _until(lambda: _remote(client) > after + 20, "remote inference again")
+        finally:
+            await load.stop()
+    assert load.failures == []
+    stats = client.stats()
+    assert stats.failures == 0 and stats.requests == load.successes
+    offload = stats.offload
+    assert offload.remote_reachable and offload.preferred == Target.REMOTE
+    counts = {(c.target, c.reason): c.requests for c in offload.decisions}
+    assert counts[Target.LOCAL, Reason.FALLBACK] >= 1
+    assert counts[Target.LOCAL, Reason.REMOTE_DOWN] > 0
+    assert counts[Target.REMOTE, Reason.PROBE] >= 1
+
+
+async def test_policies_choose_by_figures_and_local_models_are_checked(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    mlp = modelzoo.model_path("mlp")
+    key = cluster.api_keys["bob"]
+    with pytest.raises(InvalidInput, match="unknown offload policy 'nearest'"):
+        OffloadClient(cluster.broker_address, key, local_model=mlp, policy="nearest")
+    with pytest.raises(InvalidInput, match="needs a local model"):
+        OffloadClient(cluster.broker_address, key, policy="fastest")
+    with pytest.raises(InvalidInput, match="no such file"):
+        OffloadClient(cluster.broker_address, key, local_model=tmp_path / "absent.onnx")
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a model" * 100)
+    with pytest.raises(InvalidInput, match="cannot be loaded"):
+        async with OffloadClient(cluster.broker_address, key, local_model=garbage):
+            pass
+
+    # A local model whose inputs differ from the deployment's is refused; the deployment is
+    # still followed, remotely.
+    transformer = modelzoo.model_path("transformer")
+    async with OffloadClient(cluster.broker_address, key, local_model=mlp) as client:
+        sha = await client.upload_model(transformer)
+        with pytest.raises(InvalidInput, match=r"cannot stand in for deployment .*input_ids"):
+            await client.deploy(sha, "transformer", site="site-b")
+        await client.infer(modelzoo.sample_inputs(transformer))
+        assert client.stats().offload.remote_requests == 1
+
+    # `local` needs no deployment; `fastest` (the default with a local model) runs the
+    # small model where it is faster (here: in process) and probes the replica now and then.
+    inputs = modelzoo.sample_inputs(mlp)
+    expected = _reference(mlp, inputs)
+    async with OffloadClient(cluster.broker_address, key, local_model=mlp, policy="local") as c:
+        outputs = await c.infer(inputs)
+        assert c.stats().offload.local_requests == 1
+    np.testing.assert_allclose(outputs["logits"], expected["logits"], rtol=1e-5, atol=1e-6)
+    async with OffloadClient(cluster.broker_address, key) as plain:
+        with pytest.raises(NotDeployed):
+            await plain.infer(inputs)
+    async with OffloadClient(cluster.broker_address, key, local_model=mlp) as client:
+        await client.deploy(await client.upload_model(mlp), "mlp", site="site-c")
+        for _ in range(60):
+            outputs = await client.infer(inputs)
+            np.testing.assert_allclose(outputs["logits"], expected["logits"], rtol=1e-5, atol=1e-6)
+        offload = client.stats().offload
+    counts = {(c.target, c.reason): c.requests for c in offload.decisions}
+    assert offload.policy == "fastest" and offload.preferred == Target.LOCAL
+    assert counts[Target.REMOTE, Reason.MEASURING] == 2
+    assert counts[Target.LOCAL, Reason.FASTER] > counts.get((Target.REMOTE, Reason.PROBE), 0) > 0

@@ -1,0 +1,121 @@
+"""A replica started at background priority (a migration's target) runs there until it is
+ready and at normal priority from then on, whatever the runtime, and a daemon that adopts
+one its predecessor left low raises it (issue 12)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+import modelzoo
+import node_daemon.runtimes.process_runtime
+from images.build import build_image
+from node_daemon.runtimes import DockerRuntime, ProcessRuntime, ReplicaSpec
+from node_daemon.runtimes.docker_runtime import BACKGROUND_CPU_SHARES, NORMAL_CPU_SHARES
+from node_daemon.runtimes.process_runtime import can_leave_background
+from tests.docker_support import require_docker
+
+TOKEN = "priority-test-token"
+
+needs_cap = pytest.mark.skipif(
+    not can_leave_background(), reason="needs CAP_SYS_NICE or RLIMIT_NICE 20"
+)
+
+
+def policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of `pid` (empty once it is gone)."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out.add(os.sched_getscheduler(int(task.name)))
+        except (ProcessLookupError, ValueError):
+            continue
+    return out
+
+
+def spec(replica_id: str, background: bool) -> ReplicaSpec:
+    return ReplicaSpec(
+        replica_id, modelzoo.model_path("mlp"), "mlp", TOKEN, labels={"node": "prio"},
+        background=background,
+    )  # fmt: skip
+
+
+@needs_cap
+async def test_a_process_replica_starts_idle_and_serves_at_normal_priority(
+    tmp_path: Path,
+) -> None:
+    runtime = ProcessRuntime(workdir=tmp_path)
+    seen: set[int] = set()
+    try:
+        start = asyncio.create_task(runtime.start(spec("bg-1", True)), name="start")
+        # Sample every thread's policy while it starts (imports, model load, warm-up).
+        while not start.done():
+            running = runtime._running.get("bg-1")
+            if running is not None:
+                seen |= policies(running.pid)
+            await asyncio.sleep(0.01)
+        replica = await start
+        assert os.SCHED_IDLE in seen and os.SCHED_OTHER not in seen
+        # Ready: every thread, ONNX Runtime's included, is back at normal priority.
+        after = policies(int(replica.ref))
+        assert after == {os.SCHED_OTHER}
+        normal = await runtime.start(spec("fg-1", False))
+        assert policies(int(normal.ref)) == {os.SCHED_OTHER}
+    finally:
+        await runtime.close()
+
+
+@needs_cap
+async def test_a_process_replica_not_ready_in_time_is_raised_anyway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(node_daemon.runtimes.process_runtime, "BACKGROUND_LIMIT_S", 0.0)
+    runtime = ProcessRuntime(workdir=tmp_path)
+    try:
+        replica = await runtime.start(spec("bg-2", True))
+        assert policies(int(replica.ref)) == {os.SCHED_OTHER}
+        assert "not ready after 0s at background priority: raising it" in caplog.text
+    finally:
+        await runtime.close()
+
+
+@pytest.fixture
+async def docker_runtime() -> AsyncIterator[DockerRuntime]:
+    require_docker().close()
+    image = build_image("cpu", progress=lambda _line: None)
+    runtime = DockerRuntime.connect(image)
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+def cpu_shares(runtime: DockerRuntime, replica_id: str) -> int:
+    container = runtime._started[replica_id].container
+    container.reload()
+    return int(container.attrs["HostConfig"]["CpuShares"])
+
+
+@pytest.mark.docker
+async def test_a_container_starts_light_and_an_adopting_daemon_raises_one_left_light(
+    docker_runtime: DockerRuntime,
+) -> None:
+    await docker_runtime.start(spec("bg-3", True))
+    assert cpu_shares(docker_runtime, "bg-3") == NORMAL_CPU_SHARES
+    # As a daemon killed between the start and the raise would leave it.
+    container = docker_runtime._started["bg-3"].container
+    await asyncio.to_thread(container.update, cpu_shares=BACKGROUND_CPU_SHARES)
+    assert cpu_shares(docker_runtime, "bg-3") == BACKGROUND_CPU_SHARES
+    image = docker_runtime.image
+    await docker_runtime.detach()
+    successor = DockerRuntime.connect(image)
+    try:
+        (adopted,) = await successor.adopt({"node": "prio"})
+        assert adopted.replica_id == "bg-3" and adopted.endpoint
+        assert cpu_shares(successor, "bg-3") == NORMAL_CPU_SHARES
+    finally:
+        await successor.close()
