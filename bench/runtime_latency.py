@@ -25,20 +25,18 @@ import json
 import os
 import platform
 import signal
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-import grpc
 import numpy as np
 import onnxruntime as ort
 
 import modelzoo
 from bench import echo_server
+from bench.timing import channel_to, percentiles, timed
 from edge_client.rpc.tensors import infer_request
 from images.build import ImageBuildError, build_image
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, ReplicaSpec, RuntimeUnavailable
@@ -48,26 +46,6 @@ TOKEN = "bench-token"
 TARGET_EXTRA_MS = 0.3
 ROUNDS = 5
 RUNTIMES = ("docker", "docker-host", "process")
-
-
-def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    ordered = sorted(samples_ms)
-    return {
-        "p50": statistics.median(ordered),
-        "p99": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
-        "n": len(ordered),
-    }
-
-
-async def timed(call: Callable[[], Awaitable[object]], warmup: int, n: int) -> list[float]:
-    for _ in range(warmup):
-        await call()
-    samples = []
-    for _ in range(n):
-        started = time.perf_counter()
-        await call()
-        samples.append((time.perf_counter() - started) * 1000)
-    return samples
 
 
 @contextlib.asynccontextmanager
@@ -86,17 +64,6 @@ async def echo_endpoint() -> AsyncIterator[str]:
         finally:
             process.send_signal(signal.SIGTERM)
             await process.wait()
-
-
-def channel_to(endpoint: str) -> grpc.aio.Channel:
-    limit = echo_server.MAX_MESSAGE
-    return grpc.aio.insecure_channel(
-        endpoint,
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-        ],
-    )
 
 
 async def bench_model(

@@ -1,0 +1,46 @@
+"""Timing helpers the latency benchmarks share, free of our protobuf code.
+
+`bench.peers_client` runs tritonclient, whose generated `inference.*` protobuf symbols collide
+with ours in one process; it imports these from here, as `bench.runtime_latency` does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+
+from bench import echo_server
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples_ms)
+    return {
+        "p50": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+        "n": len(ordered),
+    }
+
+
+async def timed(call: Callable[[], Awaitable[object]], warmup: int, n: int) -> list[float]:
+    for _ in range(warmup):
+        await call()
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        await call()
+        samples.append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+def channel_to(endpoint: str) -> grpc.aio.Channel:
+    limit = echo_server.MAX_MESSAGE
+    return grpc.aio.insecure_channel(
+        endpoint,
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ],
+    )
