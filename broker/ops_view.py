@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import time
 
-from broker.ops import DeploymentInfo, MigrationInfo, NodeInfo
+from broker.ops import DeploymentInfo, MigrationInfo, NodeInfo, OffloadInfo
 from broker.placement import PriorityClass
 from broker.service import Broker, NodeEntry
-from broker.state import DeploymentRecord
+from broker.state import DeploymentRecord, OffloadReportRecord
 
 
 def topology_matrix(entry: NodeEntry) -> str:
@@ -35,6 +35,29 @@ def _summary(record: DeploymentRecord) -> str:
         return explanation.get("note", "")
     deciding = ", ".join(explanation.get("deciding", [])) or "only candidate"
     return f"latency {chosen['latency_ms']:.1f} ms; deciding: {deciding}"
+
+
+def offload_info(report: OffloadReportRecord, now: float) -> OffloadInfo:
+    """One session's latest offload report as the ops API shows it; `now` in Unix seconds."""
+    s = report.summary
+    total = s.remote_requests + s.local_requests
+    return {
+        "session": s.session,
+        "policy": s.policy,
+        "local_model": s.local_model,
+        "remote_requests": s.remote_requests,
+        "local_requests": s.local_requests,
+        "remote_share": round(s.remote_requests / total, 4) if total else None,
+        "fallbacks": s.fallbacks,
+        "decisions": [
+            {"target": c.target, "reason": c.reason, "requests": c.requests} for c in s.decisions
+        ],
+        "remote_estimate_ms": s.remote_estimate_ms,
+        "local_estimate_ms": s.local_estimate_ms,
+        "remote_reachable": s.remote_reachable,
+        "reported_at": report.reported_at,
+        "reported_age_s": round(max(now - report.reported_at, 0.0), 3),
+    }
 
 
 class BrokerOpsView:
@@ -83,6 +106,10 @@ class BrokerOpsView:
         return nodes
 
     async def deployments(self) -> list[DeploymentInfo]:
+        now = time.time()
+        offload: dict[str, list[OffloadInfo]] = {}
+        for report in await self._broker.offload_reports():
+            offload.setdefault(report.deployment_id, []).append(offload_info(report, now))
         return [
             {
                 "deployment_id": r.deployment_id,
@@ -97,6 +124,7 @@ class BrokerOpsView:
                 "site": r.site,
                 "reason": r.reason or None,
                 "explanation": _summary(r),
+                "offload": offload.get(r.deployment_id, []),
             }
             for r in sorted(await self._active(), key=lambda r: r.created_at)
         ]

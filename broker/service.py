@@ -60,6 +60,8 @@ from broker.state import (
     ModelRecord,
     NodeRecord,
     NodeState,
+    OffloadReportRecord,
+    OffloadSummary,
     StateStore,
 )
 from common.inventory import Gpu, Inventory, Link, LinkKind
@@ -97,6 +99,9 @@ NODE_ID = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")
 """What a node id may be (it names the node in logs, metrics and replica endpoints)."""
 _ADDRESS = re.compile(r"[^\s:]{1,253}:(\d{1,5})")
 MAX_GPUS = 64
+OFFLOAD_SESSIONS_KEPT = 8
+"""Offload summaries kept per deployment: those of the client's most recently reported
+sessions (a client that restarts begins a new session)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1180,6 +1185,46 @@ class Broker:
             if m.migration_id == migration_id:
                 return m
         raise NotFound(f"migration {migration_id} not found")
+
+    # --- adaptive offload reports ----------------------------------------------------------
+
+    async def record_offload(
+        self, client_id: str, deployment_id: str, summary: OffloadSummary
+    ) -> None:
+        """Keep `summary` as the latest of its session for the client's deployment, stamped
+        now. NotFound for an unknown deployment and for another client's (as `get`), also
+        when it is deleted before the report is written. A report its session has a newer one
+        of (more requests) changes nothing; so does the same report twice."""
+        record = OffloadReportRecord(deployment_id, client_id, summary, time.time())
+        if not await self._db(self._put_offload, record):
+            raise NotFound(f"deployment {deployment_id} not found")
+        logger.debug(
+            "deployment=%s session=%s offload: %d remote, %d local, %d fallback(s)",
+            deployment_id,
+            summary.session,
+            summary.remote_requests,
+            summary.local_requests,
+            summary.fallbacks,
+        )
+
+    def _put_offload(self, record: OffloadReportRecord) -> bool:
+        """In the state thread, one transaction: the deployment is the client's and visible,
+        and the report is written, or nothing is (False)."""
+        with self._store.transaction():
+            current = self._store.get_deployment(record.deployment_id)
+            if (
+                current is None
+                or current.client_id != record.client_id
+                or current.state not in VISIBLE
+            ):
+                return False
+            self._store.put_offload_report(record, keep=OFFLOAD_SESSIONS_KEPT)
+        return True
+
+    async def offload_reports(self) -> list[OffloadReportRecord]:
+        """The latest offload summary of each session of every deployment, by deployment, the
+        most recently reported first (a deleted deployment's are gone with it)."""
+        return await self._db(self._store.list_offload_reports)
 
     async def get(self, client_id: str, deployment_id: str) -> DeploymentRecord:
         """NotFound for an unknown deployment and for another client's: the two look alike."""

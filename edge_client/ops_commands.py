@@ -243,6 +243,7 @@ async def _status(args: argparse.Namespace) -> int:
     deployment_states = Counter(d["state"] for d in deployments)
     free = sum(g["free"] for g in gpus)
     last = migrations[0] if migrations else None
+    offload = _offload_totals(deployments)
     if args.json:
         summary = {
             "nodes": node_states,
@@ -250,6 +251,7 @@ async def _status(args: argparse.Namespace) -> int:
             "deployments": deployment_states,
             "migrations": len(migrations),
             "last_migration": last,
+            "offload": offload,
         }
         print(json.dumps(summary, indent=2))
         return 0
@@ -260,7 +262,31 @@ async def _status(args: argparse.Namespace) -> int:
         f"migrations   {len(migrations)}"
         + (f"; last {last['migration_id']} {last['outcome'] or 'under way'}" if last else "")
     )
+    if offload["deployments"]:
+        unreachable = offload["replica_unreachable"]
+        print(
+            f"offload      {offload['deployments']} deployment(s) with a device model: "
+            f"{offload['remote_requests']} remote, {offload['local_requests']} local, "
+            f"{offload['fallbacks']} fallback(s)"
+            + (f"; replica unreachable: {', '.join(unreachable)}" if unreachable else "")
+        )
     return 0
+
+
+def _offload_totals(deployments: list[dict[str, Any]]) -> dict[str, Any]:
+    """The clients' offload reports summed over deployments and sessions; which deployments'
+    clients last saw their replica unreachable."""
+    reported = [d for d in deployments if d.get("offload")]  # absent from an older broker
+    sessions = [o for d in reported for o in d["offload"]]
+    return {
+        "deployments": len(reported),
+        "remote_requests": sum(o["remote_requests"] for o in sessions),
+        "local_requests": sum(o["local_requests"] for o in sessions),
+        "fallbacks": sum(o["fallbacks"] for o in sessions),
+        "replica_unreachable": [
+            d["deployment_id"] for d in reported if not d["offload"][0]["remote_reachable"]
+        ],
+    }
 
 
 def _listing(counts: Counter[str]) -> str:

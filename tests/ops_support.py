@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.ops import DeploymentInfo, GpuInfo, LinkInfo, MigrationInfo, NodeInfo
+from broker.ops import DeploymentInfo, GpuInfo, LinkInfo, MigrationInfo, NodeInfo, OffloadInfo
 
 DEPLOYMENT_ID = "dep-7f3a"
 OPS_TOKEN = "ops-token-for-tests-0123456789"
@@ -77,6 +77,49 @@ def sample_nodes() -> list[NodeInfo]:
     ]
 
 
+def sample_offload() -> list[OffloadInfo]:
+    """The deployment's client: this start of it (mostly local, the replica unreachable now)
+    and an earlier one (all remote)."""
+    return [
+        {
+            "session": "5e55a0c0ffee0001",
+            "policy": "fastest",
+            "local_model": "resnet50-int8.onnx",
+            "remote_requests": 40,
+            "local_requests": 160,
+            "remote_share": 0.2,
+            "fallbacks": 3,
+            "decisions": [
+                {"target": "local", "reason": "fallback", "requests": 3},
+                {"target": "local", "reason": "faster", "requests": 150},
+                {"target": "local", "reason": "remote-down", "requests": 7},
+                {"target": "remote", "reason": "measuring", "requests": 2},
+                {"target": "remote", "reason": "probe", "requests": 38},
+            ],
+            "remote_estimate_ms": 18.25,
+            "local_estimate_ms": 6.5,
+            "remote_reachable": False,
+            "reported_at": 1_700_000_100.0,
+            "reported_age_s": 4.0,
+        },
+        {
+            "session": "5e55a0c0ffee0000",
+            "policy": "remote",
+            "local_model": "",
+            "remote_requests": 12,
+            "local_requests": 0,
+            "remote_share": 1.0,
+            "fallbacks": 0,
+            "decisions": [{"target": "remote", "reason": "policy", "requests": 12}],
+            "remote_estimate_ms": 20.0,
+            "local_estimate_ms": None,
+            "remote_reachable": True,
+            "reported_at": 1_700_000_000.0,
+            "reported_age_s": 104.0,
+        },
+    ]
+
+
 def sample_deployments() -> list[DeploymentInfo]:
     return [
         {
@@ -92,6 +135,7 @@ def sample_deployments() -> list[DeploymentInfo]:
             "site": "metro-east",
             "reason": None,
             "explanation": "latency 2.0 ms; NV12 group; load 0.5",
+            "offload": sample_offload(),
         }
     ]
 

@@ -14,6 +14,8 @@ from broker.ops.view import (
     LinkInfo,
     MigrationInfo,
     NodeInfo,
+    OffloadDecisionInfo,
+    OffloadInfo,
     OpsView,
     TimelineEvent,
 )
@@ -25,6 +27,8 @@ __all__ = [
     "LinkInfo",
     "MigrationInfo",
     "NodeInfo",
+    "OffloadDecisionInfo",
+    "OffloadInfo",
     "OpsAuth",
     "OpsView",
     "TimelineEvent",

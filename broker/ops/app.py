@@ -3,7 +3,8 @@
 Routes, GET (HEAD too, as HTTP wants) unless said otherwise; any other method is 405:
 
 - `/healthz`: `ok`, text/plain. Always open.
-- `/metrics`: Prometheus text format. The state gauges are set from the view at each scrape.
+- `/metrics`: Prometheus text format. The state gauges and the clients' offload series are set
+  from the view at each scrape.
   Open unless `OpsAuth.metrics_open` is off.
 - `/api/nodes`, `/api/deployments`, `/api/migrations`: what `OpsView` returns, as JSON, with
   `Cache-Control: no-store`. The ops token needed (`broker.ops.auth`).
@@ -207,6 +208,16 @@ async def _metrics(request: web.Request) -> web.Response:
     metrics.set_nodes(collections.Counter(node["state"] for node in nodes))
     metrics.set_gpus(free=free, used=len(gpus) - free)
     metrics.set_deployments(collections.Counter(d["state"] for d in deployments))
+    requests: collections.Counter[tuple[str, str, str]] = collections.Counter()
+    reachable: dict[str, bool] = {}
+    for d in deployments:
+        sessions = d["offload"]
+        for session in sessions:
+            for c in session["decisions"]:
+                requests[d["deployment_id"], c["target"], c["reason"]] += c["requests"]
+        if sessions:  # the most recent first
+            reachable[d["deployment_id"]] = sessions[0]["remote_reachable"]
+    metrics.set_offload(requests, reachable)
     body, content_type = metrics.render()
     return web.Response(
         body=body, headers={"Content-Type": content_type, "Cache-Control": "no-store"}

@@ -12,12 +12,19 @@ that several brokers (tests) can live in one process. Metric names:
   whole migration, from the broker's decision to the old replica stopped (the target's start
   included; same buckets). Only from clients that measure it.
 - `offload_migrations_total{outcome}`: counter of finished migrations by outcome.
+- `offload_client_requests_total{deployment,target,reason}`: requests edge clients ran on
+  their replica (`target="remote"`) or their own model (`"local"`), by reason, summed over the
+  latest report of each client session the broker keeps. Set from the `OpsView` at every
+  scrape. It falls (a counter reset to Prometheus) when the broker forgets an old session of a
+  deployment, and vanishes with the deployment.
+- `offload_client_remote_reachable{deployment}`: 1 when the deployment's client last reported
+  its replica reachable, 0 when it had just failed; absent before a report.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -27,6 +34,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 PLACEMENT_BUCKETS_S = (
     0.0001,
@@ -66,6 +75,34 @@ DOWNTIME_BUCKETS_S = (
 def _check_seconds(what: str, seconds: float) -> None:
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{what} must be a finite number of seconds >= 0, got {seconds!r}")
+
+
+class _OffloadCollector(Collector):
+    """The edge clients' offload reports as last set: counters and gauges built at collect
+    time, so a deployment that is gone leaves no series behind."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str, str], int] = {}
+        self.reachable: dict[str, bool] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "offload_client_requests",
+            "Requests edge clients ran on their replica (remote) or their own model (local), "
+            "by reason; the latest report of each client session, summed.",
+            labels=["deployment", "target", "reason"],
+        )
+        for labels, count in sorted(self.requests.items()):
+            requests.add_metric(list(labels), count)
+        yield requests
+        reachable = GaugeMetricFamily(
+            "offload_client_remote_reachable",
+            "1 when the deployment's client last reported its replica reachable, else 0.",
+            labels=["deployment"],
+        )
+        for deployment, up in sorted(self.reachable.items()):
+            reachable.add_metric([deployment], 1.0 if up else 0.0)
+        yield reachable
 
 
 class BrokerMetrics:
@@ -115,6 +152,8 @@ class BrokerMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self._offload = _OffloadCollector()
+        self.registry.register(self._offload)
         # Every state a gauge has shown: a state that empties reads 0 instead of vanishing,
         # so that alerts on e.g. offload_nodes{state="lost"} see the drop.
         self._seen: dict[str, set[str]] = {"nodes": set(), "deployments": set()}
@@ -133,6 +172,15 @@ class BrokerMetrics:
     def set_deployments(self, counts: Mapping[str, int]) -> None:
         """Set `offload_deployments` to `counts` (state -> number); missing states read 0."""
         self._set_by_state(self._deployments, self._seen["deployments"], counts)
+
+    def set_offload(
+        self, requests: Mapping[tuple[str, str, str], int], reachable: Mapping[str, bool]
+    ) -> None:
+        """Set the clients' offload series: requests by (deployment, target, reason), and
+        whether each deployment's client last saw its replica reachable. Replaces what was
+        set before: a deployment missing now has no series."""
+        self._offload.requests = dict(requests)
+        self._offload.reachable = dict(reachable)
 
     def observe_placement(self, seconds: float) -> None:
         """Record one placement decision that took `seconds`. Raises ValueError below 0."""

@@ -55,6 +55,45 @@ class NodeInfo(TypedDict):
     """The topology as `nvidia-smi topo -m` prints it (a matrix), for operators to read."""
 
 
+class OffloadDecisionInfo(TypedDict):
+    """Requests of one client session that ran on one side for one reason."""
+
+    target: str
+    """"remote" (the deployment's replica) or "local" (the device's own model)."""
+    reason: str
+    """"policy", "faster", "measuring", "probe", "remote-down" or "fallback"."""
+    requests: int
+
+
+class OffloadInfo(TypedDict):
+    """Where one client session's requests ran and why: its latest report, cumulative since
+    the client started."""
+
+    session: str
+    """Names one start of the client."""
+    policy: str
+    """"remote", "local", "fastest" or "remote-then-local"."""
+    local_model: str
+    """The device's model file name; empty when not reported."""
+    remote_requests: int
+    local_requests: int
+    remote_share: float | None
+    """remote_requests / (remote + local), 0..1; None before any request."""
+    fallbacks: int
+    """Requests the replica failed and the local model then served."""
+    decisions: list[OffloadDecisionInfo]
+    remote_estimate_ms: float | None
+    """Median of the replica's recent round trips (transfer included); None: no figure."""
+    local_estimate_ms: float | None
+    """Median of the local model's recent compute times; None: no figure."""
+    remote_reachable: bool
+    """False between a failed remote attempt and the next success, as last reported."""
+    reported_at: float
+    """When the broker received the report, Unix seconds."""
+    reported_age_s: float
+    """Seconds since then (the broker's clock)."""
+
+
 class DeploymentInfo(TypedDict):
     """A client deployment and where it runs."""
 
@@ -79,6 +118,9 @@ class DeploymentInfo(TypedDict):
     """Why it is in its state (pending, preempted, failed), when there is a reason."""
     explanation: str
     """One-line summary of the placement explanation (the deciding terms)."""
+    offload: list[OffloadInfo]
+    """Adaptive offload reports of the client's sessions, the most recent first (a few at
+    most); empty when its client has no local model, or predates the reports."""
 
 
 class TimelineEvent(TypedDict):

@@ -7,7 +7,10 @@ import re
 from broker.errors import InvalidRequest, quote
 from broker.rpc import validate
 from broker.service import MAX_GPUS
+from broker.state import OffloadCount, OffloadSummary
+from common import offload
 from common.inventory import Gpu, Inventory, Link, LinkKind, Nic
+from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import node_pb2 as npb
 
 _NV = re.compile(r"NV(\d{1,2})")
@@ -85,4 +88,64 @@ def inventory_from_proto(message: npb.Inventory) -> Inventory:
         cuda_version=validate.matching(
             "inventory.cuda_version", message.cuda_version, _VERSION, "a short version"
         ),
+    )
+
+
+def offload_from_proto(message: pb.OffloadSummary) -> OffloadSummary:
+    """A client's offload summary, every field within its bounds and the totals consistent
+    with the decisions (as `edge_client.adaptive` counts them: a side's requests are the sum
+    of its decisions, the fallbacks are the local requests of reason "fallback"), so what the
+    dashboard shows adds up; InvalidRequest naming the first field that does not."""
+    field = "offload"
+    session = validate.identifier(f"{field}.session", message.session)
+    policy = validate.word(f"{field}.policy", message.policy, offload.POLICIES)
+    local_model = message.local_model
+    if local_model:
+        validate.file_name(f"{field}.local_model", local_model)
+    most = len(offload.TARGETS) * len(offload.REASONS)
+    validate.count(f"{field}.decisions", message.decisions, most)
+    decisions: dict[tuple[str, str], int] = {}
+    for i, d in enumerate(message.decisions):
+        at = f"{field}.decisions[{i}]"
+        key = (
+            validate.word(f"{at}.target", d.target, offload.TARGETS),
+            validate.word(f"{at}.reason", d.reason, offload.REASONS),
+        )
+        if key in decisions:
+            raise InvalidRequest(f"{at} repeats target {key[0]} with reason {key[1]}")
+        decisions[key] = validate.integer(f"{at}.requests", d.requests, 0, validate.MAX_REQUESTS)
+    totals = {}
+    for target, name in (("remote", "remote_requests"), ("local", "local_requests")):
+        total = validate.integer(
+            f"{field}.{name}", getattr(message, name), 0, validate.MAX_REQUESTS
+        )
+        counted = sum(n for (t, _), n in decisions.items() if t == target)
+        if total != counted:
+            raise InvalidRequest(
+                f"{field}.{name} {total} is not the sum of its decisions' requests ({counted})"
+            )
+        totals[target] = total
+    fallbacks = validate.integer(f"{field}.fallbacks", message.fallbacks, 0, validate.MAX_REQUESTS)
+    if fallbacks != (counted := decisions.get(("local", "fallback"), 0)):
+        raise InvalidRequest(
+            f"{field}.fallbacks {fallbacks} is not the local requests of reason fallback "
+            f"({counted})"
+        )
+    return OffloadSummary(
+        session=session,
+        policy=policy,
+        local_model=local_model,
+        decisions=tuple(
+            OffloadCount(target, reason, n) for (target, reason), n in sorted(decisions.items())
+        ),
+        remote_requests=totals["remote"],
+        local_requests=totals["local"],
+        fallbacks=fallbacks,
+        remote_estimate_ms=validate.estimate(
+            f"{field}.remote_estimate_ms", message.remote_estimate_ms
+        ),
+        local_estimate_ms=validate.estimate(
+            f"{field}.local_estimate_ms", message.local_estimate_ms
+        ),
+        remote_reachable=message.remote_reachable,
     )

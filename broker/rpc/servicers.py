@@ -18,7 +18,7 @@ from broker.migrations import Migrations
 from broker.model_store import Upload
 from broker.quotas import within_idle_timeout
 from broker.rpc import validate
-from broker.rpc.convert import inventory_from_proto
+from broker.rpc.convert import inventory_from_proto, offload_from_proto
 from broker.rpc.status import mapped_errors
 from broker.service import MAX_GPUS, Broker, DeploySpec, ReplicaState
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
@@ -326,20 +326,40 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     async def ReportObservation(
         self, request: pb.ObservationReport, context: grpc.aio.ServicerContext
     ) -> pb.ObservationAck:
+        """A migration's observation (`migration_id` set), an offload summary (`offload`
+        set), or both; every field is checked before either is recorded."""
         client_id = await self._client(context)
+        deployment_id = validate.identifier("deployment_id", request.deployment_id)
+        summary = offload_from_proto(request.offload) if request.HasField("offload") else None
         validate.integer("requests", request.requests, 0, validate.MAX_REQUESTS)
         gap_ms = validate.number("longest_gap_ms", request.longest_gap_ms, 0, validate.MAX_GAP_MS)
+        failed = validate.integer(
+            "failed_requests", request.failed_requests, 0, validate.MAX_REQUESTS
+        )
         span_gap_ms = None
         if request.HasField("span_gap_ms"):  # unset from an older client
             span_gap_ms = validate.span_gap(request.span_gap_ms, gap_ms)
-        await self._migrations.on_observation(
-            client_id,
-            validate.identifier("deployment_id", request.deployment_id),
-            validate.identifier("migration_id", request.migration_id),
-            gap_ms,
-            validate.integer("failed_requests", request.failed_requests, 0, validate.MAX_REQUESTS),
-            span_gap_ms=span_gap_ms,
-        )
+        if request.migration_id:
+            await self._migrations.on_observation(
+                client_id,
+                deployment_id,
+                validate.identifier("migration_id", request.migration_id),
+                gap_ms,
+                failed,
+                span_gap_ms=span_gap_ms,
+            )
+        elif summary is None:
+            raise InvalidRequest(
+                "the report has neither a migration_id (a migration's observation) nor an "
+                "offload summary"
+            )
+        elif gap_ms or failed or request.requests or span_gap_ms is not None:
+            raise InvalidRequest(
+                "longest_gap_ms, span_gap_ms, failed_requests and requests describe a "
+                "migration: give its migration_id"
+            )
+        if summary is not None:
+            await self._broker.record_offload(client_id, deployment_id, summary)
         return pb.ObservationAck()
 
     @mapped_errors

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sized
+from collections.abc import Collection, Sized
 
 from broker.errors import InvalidRequest, quote
 from broker.placement import PriorityClass
@@ -37,6 +37,8 @@ MAX_REPLICAS = 1024
 """Replicas one node may report."""
 MAX_LIST = 64
 """Entries in a node's list of runtimes or NICs."""
+MAX_ESTIMATE_MS = 3_600_000.0
+"""A client's latency estimate of either side of adaptive offload: an hour at most."""
 
 ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """Deployment, migration and client ids: 1-64 letters, digits, '_', '.', '-'."""
@@ -47,6 +49,8 @@ NAME = re.compile(r"[^\x00-\x1f\x7f]{1,128}")
 """Free-form names (sites, GPU names and UUIDs, versions, file names): printable text."""
 _NAME_RULE = "1-128 characters without control characters"
 SITE = re.compile(r"[^\x00-\x1f\x7f]{1,64}")
+FILE_NAME = re.compile(r"[^\x00-\x1f\x7f/]{1,255}")
+"""A file's name without its directory, as a client reports it (its local model's)."""
 
 
 def number(field: str, value: float, low: float, high: float) -> float:
@@ -95,6 +99,23 @@ def site(field: str, value: str) -> str:
 
 def name(field: str, value: str) -> str:
     return matching(field, value, NAME, _NAME_RULE)
+
+
+def file_name(field: str, value: str) -> str:
+    return matching(field, value, FILE_NAME, "1-255 characters without '/' or control characters")
+
+
+def word(field: str, value: str, allowed: Collection[str]) -> str:
+    """`value` if it is one of `allowed`; InvalidRequest listing them otherwise."""
+    if value not in allowed:
+        raise InvalidRequest(f"{field} {quote(value)} is not one of: {', '.join(sorted(allowed))}")
+    return value
+
+
+def estimate(field: str, value: float) -> float | None:
+    """A latency estimate in ms: finite and within 0..MAX_ESTIMATE_MS; 0 means none yet
+    (None)."""
+    return number(field, value, 0, MAX_ESTIMATE_MS) or None
 
 
 def epoch(field: str, value: int) -> int:

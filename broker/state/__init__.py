@@ -25,6 +25,9 @@ from broker.state.records import (
     ModelRecord,
     NodeRecord,
     NodeState,
+    OffloadCount,
+    OffloadReportRecord,
+    OffloadSummary,
 )
 from broker.state.store import DB_FILENAME, StateStore
 
@@ -43,6 +46,9 @@ __all__ = [
     "ModelRecord",
     "NodeRecord",
     "NodeState",
+    "OffloadCount",
+    "OffloadReportRecord",
+    "OffloadSummary",
     "SchemaError",
     "StateError",
     "StateStore",

@@ -173,3 +173,50 @@ class EventRecord:
     subject: str
     """The id of what it happened to."""
     detail_json: str
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadCount:
+    """Requests one client sent to one side for one reason."""
+
+    target: str
+    """Where they ran: "remote" (the replica) or "local" (the device's own model)."""
+    reason: str
+    """Why (`common.offload.REASONS`)."""
+    requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadSummary:
+    """Where one client session's requests ran and why, cumulative since the client started
+    (as `ObservationReport.offload` carries it, checked)."""
+
+    session: str
+    """Names one start of the client; a newer summary of the session supersedes the older."""
+    policy: str
+    """`common.offload.POLICIES`."""
+    local_model: str
+    """The local model's file name; "" when the client did not say."""
+    decisions: tuple[OffloadCount, ...]
+    """At most one entry per (target, reason)."""
+    remote_requests: int
+    local_requests: int
+    fallbacks: int
+    """Requests the replica failed and the local model then served."""
+    remote_estimate_ms: float | None
+    """Median of the replica's recent round trips, transfer included; None: no figure yet."""
+    local_estimate_ms: float | None
+    """Median of the local model's recent compute times; None: no figure yet."""
+    remote_reachable: bool
+    """False between a failed remote attempt and the next success."""
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadReportRecord:
+    """The latest summary of one session of a client's deployment. Schema version 4."""
+
+    deployment_id: str
+    client_id: str
+    summary: OffloadSummary
+    reported_at: float
+    """When the broker received it."""

@@ -131,5 +131,28 @@ ALTER TABLE migrations ADD COLUMN span_gap_ms REAL CHECK (span_gap_ms >= 0);
 """Version 3: the longest gap a client saw over the whole migration (the decision to the old
 replica stopped), beside `downtime_ms` (across the switch only)."""
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
+_V4 = """
+-- The latest adaptive offload summary of each client session of a deployment (cumulative
+-- counts since the client started; a newer report of the session replaces the row).
+CREATE TABLE offload_reports (
+    deployment_id      TEXT NOT NULL REFERENCES deployments (deployment_id),
+    client_id          TEXT NOT NULL REFERENCES clients (client_id),
+    session            TEXT NOT NULL CHECK (session <> ''),
+    policy             TEXT NOT NULL,
+    local_model        TEXT NOT NULL,
+    decisions_json     TEXT NOT NULL
+                       CHECK (json_valid(decisions_json) AND json_type(decisions_json) = 'array'),
+    remote_requests    INTEGER NOT NULL CHECK (remote_requests >= 0),
+    local_requests     INTEGER NOT NULL CHECK (local_requests >= 0),
+    fallbacks          INTEGER NOT NULL CHECK (fallbacks >= 0),
+    remote_estimate_ms REAL CHECK (remote_estimate_ms >= 0),
+    local_estimate_ms  REAL CHECK (local_estimate_ms >= 0),
+    remote_reachable   INTEGER NOT NULL CHECK (remote_reachable IN (0, 1)),
+    reported_at        REAL NOT NULL,
+    PRIMARY KEY (deployment_id, client_id, session)
+) STRICT;
+"""
+"""Version 4: adaptive offload summaries, the latest per (deployment, client, session)."""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4)
 """The scripts in order; `len(MIGRATIONS)` is the schema version this broker writes."""

@@ -56,6 +56,9 @@ from broker.state.records import (
     ModelRecord,
     NodeRecord,
     NodeState,
+    OffloadCount,
+    OffloadReportRecord,
+    OffloadSummary,
 )
 from broker.state.schema import MIGRATIONS
 
@@ -81,6 +84,12 @@ _MIGRATION_COLUMNS = (
     "timeline_json, outcome, reason, downtime_ms, failed_requests, created_at, updated_at, "
     "span_gap_ms"
 )
+_OFFLOAD_COLUMNS = (
+    "deployment_id, client_id, session, policy, local_model, decisions_json, remote_requests, "
+    "local_requests, fallbacks, remote_estimate_ms, local_estimate_ms, remote_reachable, "
+    "reported_at"
+)
+_OFFLOAD_KEY = ("deployment_id", "client_id", "session")
 
 
 def _placeholders(columns: str) -> str:
@@ -573,12 +582,16 @@ class StateStore:
 
     def delete_deployment(self, deployment_id: str) -> DeploymentRecord:
         """Mark a deployment deleted and return it. The row stays, for the audit trail and the
-        history of its migrations (which refer to it); its id is never reused. Idempotent:
-        deleting a deleted deployment changes nothing. KeyError for an unknown deployment."""
+        history of its migrations (which refer to it); its id is never reused. Its offload
+        reports go (they describe a deployment that no longer serves). Idempotent: deleting a
+        deleted deployment changes nothing. KeyError for an unknown deployment."""
         with self.transaction():
             current = self.get_deployment(deployment_id)
             if current is None:
                 raise KeyError(f"deployment {deployment_id!r} is unknown")
+            self._conn.execute(
+                "DELETE FROM offload_reports WHERE deployment_id = ?", (deployment_id,)
+            )
             if current.state is DeploymentState.DELETED:
                 return current
             return self.update_deployment(deployment_id, state=DeploymentState.DELETED)
@@ -632,6 +645,51 @@ class StateStore:
             params,
         )
         return [_migration(row) for row in rows]
+
+    # -- offload reports ------------------------------------------------------------------
+
+    def put_offload_report(self, record: OffloadReportRecord, keep: int) -> bool:
+        """Keep `record` as the latest summary of its session, replacing the stored one, unless
+        the stored one counts more requests: counts only grow within a session, so that one is
+        newer and `record` arrived late (or twice). Then only the `keep` sessions of the
+        deployment and client reported most recently stay. Returns whether `record` was kept.
+        ConstraintError for an unknown deployment or client, or a value the schema refuses
+        (a negative count or estimate); nothing is written then."""
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        names = [name.strip() for name in _OFFLOAD_COLUMNS.split(",")]
+        updates = ", ".join(f"{n} = excluded.{n}" for n in names if n not in _OFFLOAD_KEY)
+        with self.transaction():
+            self._require("deployments", "deployment_id", record.deployment_id, "deployment")
+            self._require("clients", "client_id", record.client_id, "client")
+            cursor = self._conn.execute(
+                f"INSERT INTO offload_reports ({_OFFLOAD_COLUMNS}) "
+                f"VALUES ({_placeholders(_OFFLOAD_COLUMNS)}) "
+                f"ON CONFLICT ({', '.join(_OFFLOAD_KEY)}) DO UPDATE SET {updates} "
+                "WHERE excluded.remote_requests + excluded.local_requests >= "
+                "offload_reports.remote_requests + offload_reports.local_requests",
+                _offload_params(record),
+            )
+            kept = cursor.rowcount > 0
+            self._conn.execute(
+                "DELETE FROM offload_reports WHERE deployment_id = :d AND client_id = :c "
+                "AND session NOT IN (SELECT session FROM offload_reports "
+                "WHERE deployment_id = :d AND client_id = :c "
+                "ORDER BY reported_at DESC, session DESC LIMIT :keep)",
+                {"d": record.deployment_id, "c": record.client_id, "keep": keep},
+            )
+        return kept
+
+    def list_offload_reports(self, deployment_id: str | None = None) -> list[OffloadReportRecord]:
+        """The stored offload summaries, of one deployment or all (`deployment_id` None): by
+        deployment, the most recently reported session first."""
+        condition = "" if deployment_id is None else "WHERE deployment_id = ?"
+        rows = self._query(
+            f"SELECT {_OFFLOAD_COLUMNS} FROM offload_reports {condition} "
+            "ORDER BY deployment_id, reported_at DESC, session DESC",
+            () if deployment_id is None else (deployment_id,),
+        )
+        return [_offload(row) for row in rows]
 
     # -- events ---------------------------------------------------------------------------
 
@@ -725,6 +783,7 @@ def _migration_params(record: MigrationRecord) -> dict[str, object]:
 
 
 def _migration(row: sqlite3.Row) -> MigrationRecord:
+    subject = f"migration={row['migration_id']}"
     return MigrationRecord(
         migration_id=row["migration_id"],
         deployment_id=row["deployment_id"],
@@ -736,18 +795,65 @@ def _migration(row: sqlite3.Row) -> MigrationRecord:
         timeline_json=row["timeline_json"],
         outcome=row["outcome"],
         reason=row["reason"],
-        downtime_ms=_finite_or_none(row["downtime_ms"], "downtime_ms", row["migration_id"]),
+        downtime_ms=_finite_or_none(row["downtime_ms"], "downtime_ms", subject),
         failed_requests=row["failed_requests"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
-        span_gap_ms=_finite_or_none(row["span_gap_ms"], "span_gap_ms", row["migration_id"]),
+        span_gap_ms=_finite_or_none(row["span_gap_ms"], "span_gap_ms", subject),
     )
 
 
-def _finite_or_none(value: float | None, column: str, migration_id: str) -> float | None:
+def _offload_params(record: OffloadReportRecord) -> dict[str, object]:
+    summary = record.summary
+    return {
+        "deployment_id": record.deployment_id,
+        "client_id": record.client_id,
+        "session": summary.session,
+        "policy": summary.policy,
+        "local_model": summary.local_model,
+        "decisions_json": json.dumps([dataclasses.asdict(c) for c in summary.decisions]),
+        "remote_requests": summary.remote_requests,
+        "local_requests": summary.local_requests,
+        "fallbacks": summary.fallbacks,
+        "remote_estimate_ms": summary.remote_estimate_ms,
+        "local_estimate_ms": summary.local_estimate_ms,
+        "remote_reachable": int(summary.remote_reachable),
+        "reported_at": record.reported_at,
+    }
+
+
+def _offload(row: sqlite3.Row) -> OffloadReportRecord:
+    subject = f"deployment={row['deployment_id']} session={row['session']}"
+    return OffloadReportRecord(
+        deployment_id=row["deployment_id"],
+        client_id=row["client_id"],
+        summary=OffloadSummary(
+            session=row["session"],
+            policy=row["policy"],
+            local_model=row["local_model"],
+            decisions=tuple(
+                OffloadCount(str(c["target"]), str(c["reason"]), int(c["requests"]))
+                for c in json.loads(row["decisions_json"])
+            ),
+            remote_requests=row["remote_requests"],
+            local_requests=row["local_requests"],
+            fallbacks=row["fallbacks"],
+            remote_estimate_ms=_finite_or_none(
+                row["remote_estimate_ms"], "remote_estimate_ms", subject
+            ),
+            local_estimate_ms=_finite_or_none(
+                row["local_estimate_ms"], "local_estimate_ms", subject
+            ),
+            remote_reachable=bool(row["remote_reachable"]),
+        ),
+        reported_at=row["reported_at"],
+    )
+
+
+def _finite_or_none(value: float | None, column: str, subject: str) -> float | None:
     """`value`, or None ("not measured") for an infinity an older broker let in: no read
     path may break on it (JSON has no infinity)."""
     if value is None or math.isfinite(value):
         return value
-    logger.warning("state: migration=%s has %s=%r; read as unknown", migration_id, column, value)
+    logger.warning("state: %s has %s=%r; read as unknown", subject, column, value)
     return None

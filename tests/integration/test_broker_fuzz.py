@@ -209,6 +209,7 @@ async def test_fuzzed_fields_and_bytes_never_answer_unknown_or_internal(running:
 
 
 DEPLOY = {"model_sha256": "0" * 64, "model_name": "mlp", "gpus": 1, "site": "site-a"}
+OFFLOAD = {"session": "0123456789abcdef", "policy": "fastest", "remote_reachable": True}
 ATTACKS = {
     "NaN latency_slo_ms": ("Deploy", {**DEPLOY, "latency_slo_ms": math.nan}, "0..60000"),
     "inf cpus": ("Deploy", {**DEPLOY, "cpus": math.inf}, "cpus must be a finite number"),
@@ -239,6 +240,40 @@ ATTACKS = {
             "span_gap_ms": 20.0,
         },
         "span_gap_ms must be at least longest_gap_ms (90), not 20",
+    ),
+    "NaN offload estimate": (
+        "ReportObservation",
+        {"deployment_id": "d-1", "offload": {**OFFLOAD, "remote_estimate_ms": math.nan}},
+        "offload.remote_estimate_ms must be a finite number within 0..3.6e+06",
+    ),
+    "huge offload count": (
+        "ReportObservation",
+        {
+            "deployment_id": "d-1",
+            "offload": {
+                **OFFLOAD,
+                "decisions": [{"target": "local", "reason": "faster", "requests": 2**62}],
+                "local_requests": 2**62,
+            },
+        },
+        "offload.decisions[0].requests must be within 0..2147483648",
+    ),
+    "unknown offload reason": (
+        "ReportObservation",
+        {
+            "deployment_id": "d-1",
+            "offload": {
+                **OFFLOAD,
+                "decisions": [{"target": "local", "reason": "x" * 5000, "requests": 1}],
+                "local_requests": 1,
+            },
+        },
+        "offload.decisions[0].reason 'xxxx",
+    ),
+    "report of nothing": (
+        "ReportObservation",
+        {"deployment_id": "d-1"},
+        "neither a migration_id",
     ),
     "AckSwitch epoch -1": ("AckSwitch", {"deployment_id": "d-1", "epoch": -1}, "epoch must"),
     "port 99999": (

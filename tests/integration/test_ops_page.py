@@ -148,6 +148,35 @@ async def test_page_renders_nodes_topology_and_deployment(page_url: str, tmp_pat
         assert expected in text
 
 
+async def test_page_renders_the_offload_panel(page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, page_url, OPS_TOKEN)
+        html = await page.dom()
+        share = await page.evaluate(
+            "getComputedStyle(document.querySelector("
+            "'[data-offload-session=\"5e55a0c0ffee0001\"] .share-remote')).width"
+        )
+    dom = DomDump(html)
+    rows = dom.having("data-offload-session")
+    assert [
+        (e.attrs["data-offload-deployment"], e.attrs["data-offload-session"]) for e in rows
+    ] == [
+        (DEPLOYMENT_ID, "5e55a0c0ffee0001"),
+        (DEPLOYMENT_ID, "5e55a0c0ffee0000"),
+    ]
+    panel = element_text(html, "offload")
+    for expected in [
+        "fastest", "resnet50-int8.onnx", "20% remote", "40 / 160", "18.3 ms", "6.5 ms",
+        "unreachable", "local: fallback 3, faster 150, remote-down 7", "remote: measuring 2",
+        "4.0 s ago", "100% remote", "reachable",
+    ]:  # fmt: skip
+        assert expected in panel, (expected, panel)
+    assert element_text(html, "offload-summary") == "1 deployment(s) with a device model"
+    # 20% of the 5rem bar: the width is set through the CSSOM, which the page's CSP allows.
+    assert share.endswith("px") and 14 <= float(share[:-2]) <= 18, share
+
+
 async def test_without_the_token_the_page_shows_no_data(page_url: str, tmp_path: Path) -> None:
     chromium = require_chromium()
     async with open_page(chromium, tmp_path / "profile") as page:
@@ -189,6 +218,7 @@ async def test_empty_broker_page_says_so(empty_page_url: str, tmp_path: Path) ->
     assert element_text(html, "status").startswith("last updated")
     assert element_text(html, "nodes") == "no nodes registered yet"
     assert element_text(html, "deployments") == "no deployments yet"
+    assert element_text(html, "offload") == "no offload reports yet"
     assert element_text(html, "migrations") == "no migrations yet"
 
 

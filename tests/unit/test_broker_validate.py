@@ -25,9 +25,11 @@ from broker.errors import (
 )
 from broker.placement import PriorityClass
 from broker.rpc import validate
-from broker.rpc.convert import inventory_from_proto
+from broker.rpc.convert import inventory_from_proto, offload_from_proto
 from broker.rpc.servicers import _replicas, _strategy, deploy_spec
 from broker.rpc.status import status_of
+from common import offload
+from edge_client.adaptive import Policy, Reason, Target
 from migration.mechanism import Strategy
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import node_pb2 as npb
@@ -279,3 +281,119 @@ def test_client_text_is_bounded() -> None:
 )
 def test_every_error_has_its_status(error: type[BrokerError], code: grpc.StatusCode) -> None:
     assert status_of(error("x")) == code
+
+
+# --- adaptive offload summaries -----------------------------------------------------------
+
+
+def offload_message(**changes: Any) -> pb.OffloadSummary:
+    """A summary as `edge_client.client` sends it, with `changes`."""
+    fields: dict[str, Any] = {
+        "session": "0123456789abcdef",
+        "policy": "fastest",
+        "local_model": "mlp.onnx",
+        "decisions": [
+            pb.OffloadDecisionCount(target="remote", reason="measuring", requests=2),
+            pb.OffloadDecisionCount(target="local", reason="faster", requests=50),
+            pb.OffloadDecisionCount(target="local", reason="fallback", requests=1),
+        ],
+        "remote_requests": 2,
+        "local_requests": 51,
+        "fallbacks": 1,
+        "remote_estimate_ms": 12.5,
+        "local_estimate_ms": 0.0,
+        "remote_reachable": True,
+    }
+    return pb.OffloadSummary(**{**fields, **changes})
+
+
+def test_an_offload_summary_converts_with_zero_estimates_as_none() -> None:
+    summary = offload_from_proto(offload_message())
+    assert (summary.session, summary.policy, summary.local_model) == (
+        "0123456789abcdef",
+        "fastest",
+        "mlp.onnx",
+    )
+    assert [(c.target, c.reason, c.requests) for c in summary.decisions] == [
+        ("local", "fallback", 1),
+        ("local", "faster", 50),
+        ("remote", "measuring", 2),
+    ]
+    assert (summary.remote_requests, summary.local_requests, summary.fallbacks) == (2, 51, 1)
+    assert (summary.remote_estimate_ms, summary.local_estimate_ms) == (12.5, None)
+    assert summary.remote_reachable
+    empty = offload_from_proto(
+        pb.OffloadSummary(session="s1", policy="remote-then-local", remote_reachable=False)
+    )
+    assert (empty.decisions, empty.local_model, empty.remote_estimate_ms) == ((), "", None)
+
+
+def _decision(target: str = "remote", reason: str = "policy", requests: int = 1) -> Any:
+    return pb.OffloadDecisionCount(target=target, reason=reason, requests=requests)
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"session": ""}, "offload.session '' must be 1-64"),
+        ({"session": "s" * 65}, "offload.session"),
+        ({"session": "s\x00"}, "offload.session"),
+        ({"policy": "nearest"}, "offload.policy 'nearest' is not one of: fastest, local"),
+        ({"policy": ""}, "offload.policy '' is not one of"),
+        ({"local_model": "models/mlp.onnx"}, "offload.local_model"),
+        ({"local_model": "m" * 256}, "offload.local_model"),
+        ({"local_model": "mlp\x1b[31m.onnx"}, "offload.local_model"),
+        ({"remote_estimate_ms": math.nan}, "offload.remote_estimate_ms must be a finite number"),
+        ({"remote_estimate_ms": math.inf}, "offload.remote_estimate_ms must be a finite number"),
+        ({"local_estimate_ms": -1.0}, "offload.local_estimate_ms must be a finite number"),
+        ({"local_estimate_ms": 1e308}, "within 0..3.6e+06"),
+        ({"remote_requests": 2**40}, "offload.remote_requests must be within 0..2147483648"),
+        ({"local_requests": -1}, "offload.local_requests must be within"),
+        ({"fallbacks": 2**63 - 1}, "offload.fallbacks must be within"),
+        ({"remote_requests": 3}, "offload.remote_requests 3 is not the sum of its decisions"),
+        ({"local_requests": 50}, "offload.local_requests 50 is not the sum of its decisions"),
+        ({"fallbacks": 0}, "offload.fallbacks 0 is not the local requests of reason fallback"),
+        (
+            {"decisions": [_decision(target="cloud")], "remote_requests": 0},
+            "offload.decisions[0].target 'cloud' is not one of: local, remote",
+        ),
+        (
+            {"decisions": [_decision(reason="cheaper")], "remote_requests": 1},
+            "offload.decisions[0].reason 'cheaper' is not one of",
+        ),
+        (
+            {"decisions": [_decision(requests=2**31 + 1)], "remote_requests": 0},
+            "offload.decisions[0].requests must be within 0..2147483648",
+        ),
+        (
+            {"decisions": [_decision(requests=-5)], "remote_requests": 0},
+            "offload.decisions[0].requests must be within",
+        ),
+        (
+            {"decisions": [_decision(), _decision()], "remote_requests": 2},
+            "offload.decisions[1] repeats target remote with reason policy",
+        ),
+        (
+            {"decisions": [_decision()] * 13, "remote_requests": 13},
+            "offload.decisions has 13 entries; at most 12",
+        ),
+    ],
+)
+def test_hostile_offload_summaries_are_refused_naming_the_field(
+    changes: dict[str, Any], expected: str
+) -> None:
+    message = refused(
+        lambda: offload_from_proto(
+            offload_message(**{"local_requests": 0, "fallbacks": 0, **changes})
+            if "decisions" in changes
+            else offload_message(**changes)
+        ),
+        expected,
+    )
+    assert len(message) < 200, message
+
+
+def test_the_broker_accepts_exactly_the_words_the_client_uses() -> None:
+    assert {p.value for p in Policy} == offload.POLICIES
+    assert {t.value for t in Target} == offload.TARGETS
+    assert {r.value for r in Reason} == offload.REASONS

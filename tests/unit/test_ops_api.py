@@ -322,3 +322,48 @@ async def test_a_session_of_another_token_is_refused(
         browser.get(f"{ops.base_url}/api/nodes") as response,
     ):
         assert response.status == status
+
+
+async def test_api_deployments_carries_the_clients_offload_reports(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/api/deployments") as response:
+        (deployment,) = await response.json()
+    latest, older = deployment["offload"]
+    assert set(latest) == {
+        "session", "policy", "local_model", "remote_requests", "local_requests", "remote_share",
+        "fallbacks", "decisions", "remote_estimate_ms", "local_estimate_ms", "remote_reachable",
+        "reported_at", "reported_age_s",
+    }  # fmt: skip
+    assert (latest["policy"], latest["remote_share"], latest["fallbacks"]) == ("fastest", 0.2, 3)
+    assert (latest["remote_estimate_ms"], latest["local_estimate_ms"]) == (18.25, 6.5)
+    assert latest["remote_reachable"] is False
+    assert {"target": "local", "reason": "fallback", "requests": 3} in latest["decisions"]
+    assert older["local_estimate_ms"] is None and older["reported_at"] < latest["reported_at"]
+
+
+async def test_metrics_sum_the_offload_reports_and_forget_a_deployment_gone(
+    ops: OpsServer,
+) -> None:
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        text = await response.text()
+    series = f'deployment="{DEPLOYMENT_ID}"'
+    # Both sessions' latest reports, summed by target and reason.
+    assert (
+        f'offload_client_requests_total{{{series},reason="policy",target="remote"}} 12.0' in text
+    )
+    assert (
+        f'offload_client_requests_total{{{series},reason="faster",target="local"}} 150.0' in text
+    )
+    assert (
+        f'offload_client_requests_total{{{series},reason="fallback",target="local"}} 3.0' in text
+    )
+    assert "# TYPE offload_client_requests_total counter" in text
+    # Reachability as the most recent session last said.
+    assert f"offload_client_remote_reachable{{{series}}} 0.0" in text
+    ops.view.deployment_list[0]["offload"][0]["remote_reachable"] = True
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        assert f"offload_client_remote_reachable{{{series}}} 1.0" in await response.text()
+    ops.view.deployment_list = []
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        text = await response.text()
+    assert DEPLOYMENT_ID not in text
+    assert "# TYPE offload_client_requests_total counter" in text

@@ -31,6 +31,9 @@ from broker.state import (
     ModelRecord,
     NodeRecord,
     NodeState,
+    OffloadCount,
+    OffloadReportRecord,
+    OffloadSummary,
     SchemaError,
     StateStore,
     new_api_key,
@@ -766,3 +769,126 @@ def test_a_negative_span_gap_is_refused(populated: StateStore) -> None:
     populated.create_migration(migration())
     with pytest.raises(ConstraintError):
         populated.update_migration("m1", span_gap_ms=-1.0)
+
+
+# -- offload reports ----------------------------------------------------------------------
+
+
+def summary(
+    session: str = "s1", remote: int = 3, local: int = 7, **changes: Any
+) -> OffloadSummary:
+    record = OffloadSummary(
+        session=session,
+        policy="fastest",
+        local_model="mlp.onnx",
+        decisions=(
+            OffloadCount("local", "faster", local),
+            OffloadCount("remote", "probe", remote),
+        ),
+        remote_requests=remote,
+        local_requests=local,
+        fallbacks=0,
+        remote_estimate_ms=12.5,
+        local_estimate_ms=None,
+        remote_reachable=True,
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def report(at: float, deployment_id: str = "d1", **changes: Any) -> OffloadReportRecord:
+    return OffloadReportRecord(deployment_id, "alice", summary(**changes), at)
+
+
+def test_the_latest_offload_report_of_a_session_replaces_the_earlier(
+    populated: StateStore,
+) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    store.create_deployment(deployment("d2"))
+    assert store.put_offload_report(report(50.0), keep=8)
+    assert store.put_offload_report(report(60.0, remote=5, local=9, remote_reachable=False), 8)
+    assert store.put_offload_report(report(61.0, "d2", session="s9"), keep=8)
+    assert store.list_offload_reports("d1") == [
+        report(60.0, remote=5, local=9, remote_reachable=False)
+    ]
+    # A report that arrives late (fewer requests than the stored one) changes nothing; the
+    # same report twice is kept (its time only moves on).
+    assert not store.put_offload_report(report(70.0, remote=4, local=9), keep=8)
+    assert store.put_offload_report(report(71.0, remote=5, local=9, remote_reachable=False), 8)
+    assert store.list_offload_reports() == [
+        report(71.0, remote=5, local=9, remote_reachable=False),
+        report(61.0, "d2", session="s9"),
+    ]
+    (stored,) = store.list_offload_reports("d2")
+    assert stored.summary.decisions == summary().decisions
+    assert store.list_offload_reports("d3") == []
+
+
+def test_only_the_newest_sessions_of_a_deployment_are_kept(populated: StateStore) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    store.create_deployment(deployment("d2"))
+    store.put_offload_report(report(10.0, "d2", session="other"), keep=3)
+    for i in range(5):
+        store.put_offload_report(report(20.0 + i, session=f"s{i}"), keep=3)
+    assert [r.summary.session for r in store.list_offload_reports("d1")] == ["s4", "s3", "s2"]
+    # A late report of a session still kept does not push others out.
+    assert not store.put_offload_report(report(30.0, session="s2", remote=0, local=0), keep=3)
+    assert [r.summary.session for r in store.list_offload_reports("d1")] == ["s4", "s3", "s2"]
+    assert [r.summary.session for r in store.list_offload_reports("d2")] == ["other"]
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        store.put_offload_report(report(40.0), keep=0)
+
+
+def test_deleting_a_deployment_drops_its_offload_reports(populated: StateStore) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    store.create_deployment(deployment("d2"))
+    store.put_offload_report(report(10.0), keep=8)
+    store.put_offload_report(report(11.0, session="s2"), keep=8)
+    store.put_offload_report(report(12.0, "d2"), keep=8)
+    store.delete_deployment("d1")
+    assert store.list_offload_reports() == [report(12.0, "d2")]
+    assert inspect(store.path, "SELECT COUNT(*) FROM offload_reports") == [(1,)]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (report(10.0, "d9"), "deployment 'd9' is unknown"),
+        (dataclasses.replace(report(10.0), client_id="carol"), "client 'carol' is unknown"),
+        (report(10.0, fallbacks=-1), "CHECK constraint failed"),
+        (report(10.0, local_estimate_ms=-0.5), "CHECK constraint failed"),
+        (report(10.0, session=""), "CHECK constraint failed"),
+    ],
+)
+def test_an_offload_report_breaking_a_rule_is_refused(
+    populated: StateStore, bad: OffloadReportRecord, error: str
+) -> None:
+    populated.create_deployment(deployment())
+    with pytest.raises(ConstraintError, match=error):
+        populated.put_offload_report(bad, keep=8)
+    assert populated.list_offload_reports() == []
+
+
+def test_a_version_3_file_gains_offload_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS[:3])
+    with StateStore(tmp_path) as old:
+        old.put_client("alice", KEY)
+        old.put_model(model())
+        old.upsert_node(node("n1"))
+        old.upsert_node(node("n2", site="site-b"))
+        old.create_deployment(deployment())
+        old.create_migration(migration(span_gap_ms=140.0))
+    path = tmp_path / DB_FILENAME
+    assert inspect(path, "PRAGMA user_version") == [(3,)]
+    assert inspect(path, "SELECT name FROM sqlite_master WHERE name = 'offload_reports'") == []
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
+    with StateStore(tmp_path) as upgraded:
+        assert upgraded.list_offload_reports() == []
+        assert upgraded.list_migrations() == [migration(span_gap_ms=140.0)]
+        assert upgraded.put_offload_report(report(50.0), keep=8)
+        assert upgraded.list_offload_reports() == [report(50.0)]
+    assert inspect(path, "PRAGMA user_version") == [(4,)] == [(len(MIGRATIONS),)]

@@ -1,5 +1,5 @@
 // The broker's live dashboard: polls /api/nodes, /api/deployments and /api/migrations every
-// second and redraws. Plain DOM, no libraries (the broker host may have no Internet). Data is
+// second and redraws (the offload panel comes from each deployment's `offload` reports). Plain DOM, no libraries (the broker host may have no Internet). Data is
 // only ever set as text (textContent, attributes), never parsed as HTML.
 "use strict";
 
@@ -236,6 +236,74 @@ function renderDeployments(deployments) {
   );
 }
 
+// ---- adaptive offload: where each device's requests ran, and why ----
+
+function shareBar(share) {
+  if (share === null || share === undefined) return h("span", { class: "empty" }, "no requests");
+  const remote = Math.round(share * 100);
+  const fill = h("span", { class: "share-remote" });
+  fill.style.width = `${remote}%`; // CSSOM: the page's CSP allows no style attributes
+  return h(
+    "span",
+    { class: "share", title: `${remote}% remote, ${100 - remote}% local` },
+    h("span", { class: "share-bar", "aria-hidden": "true" }, fill),
+    ` ${remote}% remote`,
+  );
+}
+
+function reasons(session) {
+  const byTarget = new Map();
+  for (const d of session.decisions) {
+    if (!byTarget.has(d.target)) byTarget.set(d.target, []);
+    byTarget.get(d.target).push(`${d.reason} ${d.requests}`);
+  }
+  return [...byTarget].map(([target, parts]) => `${target}: ${parts.join(", ")}`).join(" \u00b7 ") || "\u2014";
+}
+
+const OFFLOAD_COLUMNS = [
+  ["deployment", (d) => h("code", {}, d.deployment_id)],
+  ["client", (d) => d.client_id],
+  ["session", (d, o) => h("code", {}, o.session)],
+  ["policy", (d, o) => o.policy],
+  ["local model", (d, o) => o.local_model || "\u2014"],
+  ["share", (d, o) => shareBar(o.remote_share)],
+  ["remote / local", (d, o) => `${o.remote_requests} / ${o.local_requests}`],
+  ["by reason", (d, o) => reasons(o)],
+  ["fallbacks", (d, o) => String(o.fallbacks)],
+  ["estimate remote", (d, o) => (o.remote_estimate_ms === null ? "\u2014" : ms(o.remote_estimate_ms))],
+  ["estimate local", (d, o) => (o.local_estimate_ms === null ? "\u2014" : ms(o.local_estimate_ms))],
+  ["replica", (d, o) => badge(o.remote_reachable ? "reachable" : "unreachable")],
+  ["reported", (d, o) => age(o.reported_age_s)],
+];
+
+function renderOffload(deployments) {
+  const box = document.getElementById("offload");
+  const rows = deployments.flatMap((d) => (d.offload || []).map((o, i) => [d, o, i]));
+  const devices = deployments.filter((d) => (d.offload || []).length).length;
+  document.getElementById("offload-summary").textContent = devices
+    ? `${devices} deployment(s) with a device model`
+    : "";
+  if (!rows.length) {
+    box.replaceChildren(h("p", { class: "empty" }, "no offload reports yet"));
+    return;
+  }
+  const head = h("tr", {}, ...OFFLOAD_COLUMNS.map(([title]) => h("th", { scope: "col" }, title)));
+  const body = rows.map(([d, o, i]) =>
+    h(
+      "tr",
+      {
+        "data-offload-deployment": d.deployment_id,
+        "data-offload-session": o.session,
+        class: i ? "offload-older" : null, // an earlier start of the client
+      },
+      ...OFFLOAD_COLUMNS.map(([, cell]) => h("td", {}, cell(d, o))),
+    ),
+  );
+  box.replaceChildren(
+    h("table", { class: "deployments offload" }, h("thead", {}, head), h("tbody", {}, ...body)),
+  );
+}
+
 // ---- migrations ----
 
 function timelineSvg(migration) {
@@ -384,6 +452,7 @@ async function refresh() {
     ]);
     renderNodes(nodes);
     renderDeployments(deployments);
+    renderOffload(deployments);
     renderMigrations(migrations);
     lastUpdated = new Date();
     setStatus(true, `last updated ${lastUpdated.toLocaleTimeString()}`);
