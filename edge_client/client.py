@@ -94,6 +94,8 @@ CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
+FINAL_REPORT_S = 1.0
+"""How long `close` waits for the broker to take the last offload report."""
 _CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -281,6 +283,7 @@ class OffloadClient:
         self._local: LocalModel | None = None
         self._offload_report_s = offload_report_s
         self._offload_task: asyncio.Task[None] | None = None
+        self._offload_refused = False
         self._session = uuid.uuid4().hex[:16]
 
     async def connect(self) -> None:
@@ -299,7 +302,14 @@ class OffloadClient:
 
     async def close(self) -> None:
         """Stop following (cancels every background task) and close every channel; calls in
-        flight end with NotConnected. Idempotent. Observations still open are not reported."""
+        flight end with NotConnected. Idempotent. Observations still open are not reported;
+        offload decisions are, once, within `FINAL_REPORT_S`."""
+        if not self._closing and self._offload_task is not None and not self._offload_refused:
+            deployment = self._deployment
+            if deployment is not None:
+                with contextlib.suppress(grpc.aio.AioRpcError, OffloadError):
+                    summary = self._chooser.summary()
+                    await self._send_offload(deployment.deployment_id, summary, FINAL_REPORT_S)
         self._closing = True
         for task in self._tasks:
             task.cancel()
@@ -539,23 +549,18 @@ class OffloadClient:
             )
 
     async def _report_offload(self, deployment_id: str) -> None:
-        """Every `offload_report_s`, when anything changed, send the decisions to the broker
-        (one attempt each: the next period sends newer figures). A broker that refuses them
-        (INVALID_ARGUMENT, UNIMPLEMENTED: it predates offload reports) is not asked again."""
-        stub = self._broker()
-        sent: tuple[object, ...] | None = None
+        """Every `offload_report_s`, when anything changed (counts, estimates, reachability),
+        send the decisions to the broker (one attempt each: the next period sends newer
+        figures; `close` sends the last ones). A broker that refuses them (INVALID_ARGUMENT,
+        UNIMPLEMENTED: it predates offload reports) is not asked again."""
+        sent: OffloadStats | None = None
         while True:
             await asyncio.sleep(self._offload_report_s)
             summary = self._chooser.summary()
-            if summary.decisions == sent:
+            if summary == sent:
                 continue
-            report = pb.ObservationReport(
-                deployment_id=deployment_id, offload=_offload_message(self._session, summary)
-            )
             try:
-                await stub.ReportObservation(
-                    report, metadata=self._metadata, timeout=self._call_timeout_s
-                )
+                await self._send_offload(deployment_id, summary, self._call_timeout_s)
             except grpc.aio.AioRpcError as err:
                 if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
                     logger.warning(
@@ -565,10 +570,19 @@ class OffloadClient:
                         err.code().name,
                         err.details(),
                     )
+                    self._offload_refused = True
                     return
                 logger.debug("deployment=%s: offload report not sent: %s", deployment_id, err)
                 continue
-            sent = summary.decisions
+            sent = summary
+
+    async def _send_offload(
+        self, deployment_id: str, summary: OffloadStats, timeout_s: float
+    ) -> None:
+        report = pb.ObservationReport(
+            deployment_id=deployment_id, offload=_offload_message(self._session, summary)
+        )
+        await self._broker().ReportObservation(report, metadata=self._metadata, timeout=timeout_s)
 
     # --- following the deployment ------------------------------------------------------
 

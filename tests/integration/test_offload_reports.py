@@ -132,6 +132,29 @@ async def test_a_devices_decisions_reach_the_ops_api_metrics_and_status(
     assert deployment.deployment_id not in await _ops(cluster, "/metrics")
 
 
+async def test_close_reports_the_last_decisions(cluster: Cluster) -> None:
+    """A period that never elapsed (an hour) loses nothing: close() sends the counts."""
+    model = modelzoo.model_path("mlp")
+    inputs = modelzoo.sample_inputs(model)
+    async with OffloadClient(
+        cluster.broker_address,
+        cluster.api_keys["alice"],
+        local_model=model,
+        policy="local",
+        offload_report_s=3600,
+    ) as client:
+        deployment = await client.deploy(await client.upload_model(model), "mlp", site="site-a")
+        for _ in range(7):
+            await client.infer(inputs)
+        assert await _offload(cluster, deployment.deployment_id) == []
+    (session,) = await _offload(cluster, deployment.deployment_id)
+    assert (session["policy"], session["local_requests"], session["remote_requests"]) == (
+        "local",
+        7,
+        0,
+    )
+
+
 async def test_reports_the_broker_refuses(cluster: Cluster) -> None:
     summary = pb.OffloadSummary(
         session="0123456789abcdef",
