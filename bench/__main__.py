@@ -25,7 +25,15 @@ from typing import Any
 
 import onnxruntime
 
-from bench import gpu_allocation, migration, peers, placement, replica_start, runtime_latency
+from bench import (
+    gpu_allocation,
+    migration,
+    offload,
+    peers,
+    placement,
+    replica_start,
+    runtime_latency,
+)
 
 BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "runtime_latency": runtime_latency.main,
@@ -33,6 +41,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "gpu_allocation": gpu_allocation.main,
     "placement": placement.main,
     "migration": migration.main,
+    "offload": offload.main,
     "peers": peers.main,
 }
 

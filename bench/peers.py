@@ -61,7 +61,7 @@ import numpy as np
 import onnxruntime as ort
 
 import modelzoo
-from bench.runtime_latency import ROUNDS, TOKEN, echo_endpoint
+from bench.runtime_latency import TOKEN, echo_endpoint
 from images import build as images_build
 from images.build import ImageBuildError, build_image
 from modelzoo.cache import atomic_write, cache_root
@@ -76,6 +76,10 @@ from node_daemon.runtimes import (
 )
 from node_daemon.runtimes.docker_runtime import connect_docker
 from runtime.model import OnnxModel
+
+ROUNDS = 10
+"""Alternating latency blocks per contender: more, shorter blocks spread a load spike from
+another process over every contender instead of one."""
 
 KSERVE_REQUIREMENT = "kserve>=0.21"
 REPORTED_PACKAGES = ("kserve", "onnxruntime", "grpcio", "protobuf", "numpy")

@@ -1,0 +1,454 @@
+"""Adaptive offload: a weak device running the model itself against offloading it.
+
+How it is emulated. The device is a container of the runtime image limited with
+`docker run --cpus N` (CFS quota; `bench.offload_device` runs in it). The link is our own
+delaying HTTP CONNECT proxy (`bench.link`, in this process), which gRPC in the device goes
+through (`grpc_proxy`): `lan` adds nothing (the device to node path on loopback, plus the
+proxy's relay, under a millisecond per 602 KB request), `slow` adds delay each way and a
+bandwidth limit. Not `tc netem`: it does not work on this machine. One process runs the
+broker and a CPU node daemon on loopback (process runtime: the replica runs unconstrained,
+as on a normal node). Models: the ResNet-18-shaped CNN, the MobileNetV2-shaped CNN, PP-OCRv4
+recognition (pretrained).
+
+Contenders, in one device container per size and model, timed in alternating blocks
+(rounds: 5 in full mode, 4 with --quick; each contender one block per round, the order
+rotated each round) so that
+machine noise falls on all alike; requests one after another:
+
+  - ORT default: plain `onnxruntime.InferenceSession(path)`, no session options (ORT's
+    default threads, one per core the container sees, and its default spinning): what a
+    device user runs without us;
+  - ours (local): `OffloadClient(policy="local")`, as tuned: one intra-op thread per whole
+    CPU of the device (at least one), no spinning (`runtime.model.OnnxModel`);
+  - remote: `OffloadClient(policy="remote")`, on `lan` and on `slow`;
+  - fastest: `OffloadClient(policy="fastest")`, one client per link keeping its state
+    across its blocks (its measuring requests and probes of the losing side included).
+
+speedup = local p50 / remote p50 on `lan`, against each local baseline. fastest/best =
+fastest p50 / min(ours p50, remote p50) on the same link (target <= 1.10). Then `switch`:
+a fresh `fastest` client through lan -> slow -> lan, counting the requests it took to move
+to local and back. Published anchors: AVEC (offloading to a remote accelerator) up to 7x
+faster than on the device; Neurosurgeon (partitioned DNNs, mobile + server) 3.1x faster on
+average, up to 40.7x, than cloud-only. The target (issue 16) is >= 6x for the CNN on the
+0.25-CPU device.
+
+    python -m bench.offload [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import modelzoo
+from bench.link import Conditions, DelayLink
+from broker.server import BrokerConfig, RunningBroker, start_broker
+from edge_client.client import OffloadClient
+from images.build import ImageBuildError, build_image
+from node_daemon.broker_link import BrokerLink
+from node_daemon.inventory import GpuSpec
+from node_daemon.server import NodeSettings, start_node
+from tests.data import TOPOLOGIES
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("resnet18", "mobilenetv2", "ppocr_rec")
+CPUS = (0.25, 0.5, 1.0)
+LINKS = {
+    "lan": Conditions(),
+    "slow": Conditions(delay_ms=100.0, rate_mbit=10.0),
+}
+CLUSTER_YAML = "sites: [site-a]\nlinks: []\n"
+JOIN_TOKEN = "bench-offload-join-token-0123456789"
+CLIENT_ID = "bench-offload"
+API_KEY = f"{CLIENT_ID}.bench-offload-secret-0123456789"
+CAPTURE = "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
+TARGET_SPEEDUP = 6.0
+TARGET_FASTEST = 1.10
+AVEC_SPEEDUP = 7.0
+NEUROSURGEON = "3.1x avg, up to 40.7x (vs cloud-only)"
+DEVICE_TIMEOUT_S = 900
+FASTEST_BLOCKS = 2
+"""fastest's blocks are this many times as long as the others: its first request after a
+pause longer than its probe interval (3 s; the other blocks take longer) is a probe of the
+losing side, which in short blocks would weigh more than it does in steady use."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    cpus: tuple[float, ...]
+    models: tuple[str, ...]
+    warmup: int
+    """Requests per contender before the rounds (not the fastest clients: they start cold)."""
+    rounds: int
+    block: int
+    """Requests per block: each local contender and remote on lan (fastest: twice as many)."""
+    block_slow: int
+    """Requests per block of remote on the slow link (each takes most of a second)."""
+    n_switch: int
+    """Requests per phase of the switch run."""
+    switch_cpus: tuple[float, ...]
+
+
+FULL = Mode(CPUS, MODELS, warmup=3, rounds=5, block=10, block_slow=3, n_switch=40,
+            switch_cpus=CPUS)  # fmt: skip
+QUICK = Mode((0.25, 1.0), ("resnet18", "mobilenetv2"), warmup=2, rounds=4, block=6,
+             block_slow=2, n_switch=30, switch_cpus=(0.25,))  # fmt: skip
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples_ms)
+    return {
+        "p50": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+        "n": len(ordered),
+    }
+
+
+@contextlib.asynccontextmanager
+async def cluster(tmp: Path) -> AsyncIterator[RunningBroker]:
+    """A broker and one CPU node (process runtime) joined to it, on loopback."""
+    (tmp / "cluster.yaml").write_text(CLUSTER_YAML)
+    broker = await start_broker(
+        BrokerConfig(
+            listen="127.0.0.1:0",
+            ops_listen="127.0.0.1:0",
+            state_dir=tmp / "broker",
+            cluster=tmp / "cluster.yaml",
+            join_token=JOIN_TOKEN,
+            api_keys=(API_KEY,),
+        )
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(broker.stop)
+        node_id = f"bench-offload-{secrets.token_hex(3)}"
+        server, port, agent = await start_node(
+            NodeSettings(
+                listen="127.0.0.1:0",
+                site="site-a",
+                node_id=node_id,
+                state_dir=tmp / node_id,
+                topology_file=TOPOLOGIES / CAPTURE,
+                gpu_spec=GpuSpec("Tesla V100-SXM2-16GB", 16384),
+                runtime="process",
+            )
+        )
+        stack.push_async_callback(agent.close, stop_replicas=True)
+        stack.push_async_callback(server.stop, 1.0)
+        link = BrokerLink(f"127.0.0.1:{broker.port}", JOIN_TOKEN, agent, f"127.0.0.1:{port}")
+        agent.fetch_model = link.fetch_model
+        stack.push_async_callback(link.close)
+        task = asyncio.create_task(link.run(), name=f"broker-link-{node_id}")
+        stack.push_async_callback(_cancel, task)
+        registered = asyncio.create_task(link.registered.wait())
+        await asyncio.wait((registered, task), timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        await _cancel(registered)  # type: ignore[arg-type]
+        if task.done():
+            await task  # raises why the broker refused the node
+        if not link.registered.is_set():
+            raise TimeoutError(f"{node_id} did not register within 60 s")
+        yield broker
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def plan(mode: Mode, switch: bool) -> dict[str, Any]:
+    """The device's plan (`bench.offload_device`): its blocks, rounds and switch phases."""
+    lan, slow = (list(vars_of(LINKS[k])) for k in ("lan", "slow"))
+    blocks = [
+        {"label": "ort-default", "contender": "ort-default", "conditions": lan, "n": mode.block},
+        {"label": "local", "contender": "local", "conditions": lan, "n": mode.block},
+        {"label": "remote/lan", "contender": "remote", "conditions": lan, "n": mode.block},
+        {"label": "fastest/lan", "contender": "fastest/lan", "conditions": lan,
+         "n": FASTEST_BLOCKS * mode.block},
+        {"label": "remote/slow", "contender": "remote", "conditions": slow,
+         "n": mode.block_slow},
+        {"label": "fastest/slow", "contender": "fastest/slow", "conditions": slow,
+         "n": FASTEST_BLOCKS * mode.block},
+    ]  # fmt: skip
+    phases = [{"conditions": c, "n": mode.n_switch} for c in (lan, slow, lan)]
+    return {
+        "warmup": mode.warmup,
+        "rounds": mode.rounds,
+        "blocks": blocks,
+        "switch": phases if switch else [],
+    }
+
+
+def vars_of(conditions: Conditions) -> tuple[float, float]:
+    return (conditions.delay_ms, conditions.rate_mbit)
+
+
+async def run_device(
+    image: str,
+    cpus: float,
+    workdir: Path,
+    model: str,
+    broker_port: int,
+    deployment_id: str,
+    link: DelayLink,
+    device_plan: dict[str, Any],
+) -> dict[str, Any]:
+    """One device container through `device_plan`; its JSON line."""
+    plan_file = workdir / f"plan-{model}-{cpus}.json"
+    plan_file.write_text(json.dumps(device_plan))
+    plan_file.chmod(0o644)
+    command = [
+        "docker", "run", "--rm", "--cpus", str(cpus), "--network", "host",
+        "--label", "offload.bench=offload",
+        "-v", f"{ROOT}:/src:ro", "-v", f"{workdir}:/work:ro",
+        "-e", "PYTHONPATH=/src", "-e", f"grpc_proxy=http://127.0.0.1:{link.port}",
+        "--entrypoint", "/opt/venv/bin/python", image, "-m", "bench.offload_device",
+        "--broker", f"127.0.0.1:{broker_port}", "--api-key", API_KEY,
+        "--deployment", deployment_id, "--model", f"/work/{model}.onnx",
+        "--inputs", f"/work/{model}.npz", "--control", f"127.0.0.1:{link.control_port}",
+        "--threads", str(max(1, int(cpus))), "--plan", f"/work/{plan_file.name}",
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(DEVICE_TIMEOUT_S):
+        stdout, stderr = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(
+            f"device {model} --cpus {cpus} exited {process.returncode}: "
+            + stderr.decode(errors="replace")[-2000:]
+        )
+    result: dict[str, Any] = json.loads(stdout.decode().strip().splitlines()[-1])
+    return result
+
+
+def summarize(device: dict[str, Any]) -> dict[str, Any]:
+    contenders = device["contenders"]
+
+    def figure(label: str) -> dict[str, Any]:
+        c = contenders[label]
+        stats = percentiles(c["latencies_ms"])
+        stats["local_share"] = c["targets"].count("local") / len(c["targets"])
+        return stats
+
+    ort_default, local = figure("ort-default"), figure("local")
+    remote, remote_slow = figure("remote/lan"), figure("remote/slow")
+    fast_lan, fast_slow = figure("fastest/lan"), figure("fastest/slow")
+    out: dict[str, Any] = {
+        "ort_default": ort_default,
+        "local": local,
+        "remote_lan": remote,
+        "remote_slow": remote_slow,
+        "fastest_lan": fast_lan,
+        "fastest_slow": fast_slow,
+        "speedup_vs_ort_default": ort_default["p50"] / remote["p50"],
+        "speedup_vs_ours": local["p50"] / remote["p50"],
+        "fastest_vs_best_lan": fast_lan["p50"] / min(local["p50"], remote["p50"]),
+        "fastest_vs_best_slow": fast_slow["p50"] / min(local["p50"], remote_slow["p50"]),
+        "failures": device["failures"],
+    }
+    if phases := device["switch"]:
+
+        def settled(targets: list[str], side: str) -> int | None:
+            """Requests until every later one (probes aside) ran on `side`."""
+            for i in range(len(targets)):
+                rest = targets[i:]
+                if rest and rest.count(side) >= 0.85 * len(rest) and rest[0] == side:
+                    return i + 1
+            return None
+
+        out["switch"] = {
+            "to_local_after": settled(phases[1]["targets"], "local"),
+            "back_to_remote_after": settled(phases[2]["targets"], "remote"),
+            "phase_p50_ms": [statistics.median(p["latencies_ms"]) for p in phases],
+            "phase_local_share": [p["targets"].count("local") / len(p["targets"]) for p in phases],
+        }
+    return out
+
+
+def prepare_models(workdir: Path, models: Sequence[str]) -> None:
+    """Each model and its inputs, readable by the container's user."""
+    workdir.chmod(0o755)
+    for name in models:
+        path = modelzoo.model_path(name)
+        shutil.copyfile(path, workdir / f"{name}.onnx")
+        np.savez(workdir / f"{name}.npz", **modelzoo.sample_inputs(path))  # type: ignore[arg-type]
+        for suffix in (".onnx", ".npz"):
+            (workdir / f"{name}{suffix}").chmod(0o644)
+
+
+async def bench(mode: Mode, image: str) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "link": {k: c.describe() for k, c in LINKS.items()},
+        "emulation": EMULATION,
+        "devices": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-offload-") as tmp:
+        workdir = Path(tmp) / "work"
+        workdir.mkdir()
+        prepare_models(workdir, mode.models)
+        link = DelayLink()
+        await link.start()
+        try:
+            async with cluster(Path(tmp)) as running:
+                async with OffloadClient(f"127.0.0.1:{running.port}", API_KEY) as owner:
+                    deployments = {}
+                    for name in mode.models:
+                        sha = await owner.upload_model(workdir / f"{name}.onnx")
+                        deployment = await owner.deploy(sha, name, site="site-a")
+                        deployments[name] = deployment.deployment_id
+                        print(f"deployed {name} at {deployment.endpoint}", file=sys.stderr)
+                for cpus in mode.cpus:
+                    for name in mode.models:
+                        print(f"device --cpus {cpus} {name} ...", file=sys.stderr, flush=True)
+                        switch = name == "resnet18" and cpus in mode.switch_cpus
+                        device = await run_device(
+                            image,
+                            cpus,
+                            workdir,
+                            name,
+                            running.port,
+                            deployments[name],
+                            link,
+                            plan(mode, switch),
+                        )
+                        summary = summarize(device)
+                        results["devices"].append(
+                            {"cpus": cpus, "model": name, **summary, "raw": device}
+                        )
+                        print(row(cpus, name, summary), flush=True)
+        finally:
+            await link.close()
+    return results
+
+
+EMULATION = (
+    "device: a container of the runtime image under `docker run --cpus N` (CFS quota); "
+    "link: bench.link, our delaying HTTP CONNECT proxy that gRPC goes through (grpc_proxy), "
+    "not tc netem"
+)
+BASELINES = (
+    "local baselines: ORT default = plain onnxruntime.InferenceSession(path), no options "
+    "(default threads and spinning); ours = OffloadClient(policy='local'), 1 intra-op "
+    "thread per whole CPU (at least 1), no spinning"
+)
+HEADER = (
+    f"{'device':>8} {'model':<12} {'ORT default p50/p99':>20} {'ours p50/p99':>14} "
+    f"{'remote p50/p99':>15} {'speedup vs ORT/ours':>20} {'fastest lan':>12} "
+    f"{'slow: remote':>13} {'fastest slow':>13}"
+)
+
+
+def row(cpus: float, model: str, s: dict[str, Any]) -> str:
+    def pair(f: dict[str, float]) -> str:
+        return f"{f['p50']:.1f}/{f['p99']:.1f}"
+
+    speedups = f"{s['speedup_vs_ort_default']:.1f}x / {s['speedup_vs_ours']:.1f}x"
+    return (
+        f"{cpus:>4g} CPU {model:<12} {pair(s['ort_default']):>20} {pair(s['local']):>14} "
+        f"{pair(s['remote_lan']):>15} {speedups:>20} "
+        f"{s['fastest_lan']['p50']:>5.1f} ({s['fastest_vs_best_lan']:.2f}) "
+        f"{s['remote_slow']['p50']:>13.1f} {s['fastest_slow']['p50']:>6.1f} "
+        f"({s['fastest_vs_best_slow']:.2f})"
+    )
+
+
+def preamble(mode: Mode) -> None:
+    print(f"emulation: {EMULATION}")
+    print(f"link lan: {LINKS['lan'].describe()}; slow: {LINKS['slow'].describe()}")
+    print(BASELINES)
+    print(
+        f"timed in {mode.rounds} rounds of alternating blocks ({mode.block} requests per "
+        f"block, {FASTEST_BLOCKS * mode.block} for fastest, {mode.block_slow} for remote on "
+        "slow); times in ms"
+    )
+    print(HEADER, flush=True)
+
+
+def report(results: dict[str, Any]) -> None:
+    print()
+    print(HEADER)
+    for d in results["devices"]:
+        print(row(d["cpus"], d["model"], d))
+    print(
+        "fastest: p50 (fastest p50 / better of ours and remote on that link; target <= "
+        f"{TARGET_FASTEST:.2f}); published: AVEC {AVEC_SPEEDUP:g}x, Neurosurgeon {NEUROSURGEON}"
+    )
+    for d in results["devices"]:
+        for link in ("lan", "slow"):
+            ratio = d[f"fastest_vs_best_{link}"]
+            verdict = "within" if ratio <= TARGET_FASTEST else "OVER"
+            print(
+                f"fastest {d['cpus']:>4g} CPU {d['model']:<12} {link:<4}: {ratio:.3f} of the "
+                f"better side, {verdict} {TARGET_FASTEST:.2f}"
+            )
+    for d in results["devices"]:
+        if "switch" in d:
+            s = d["switch"]
+            p50 = ", ".join(f"{x:.1f}" for x in s["phase_p50_ms"])
+            print(
+                f"switch ({d['cpus']:g} CPU, {d['model']}): lan -> slow: local after "
+                f"{s['to_local_after']} request(s); slow -> lan: remote after "
+                f"{s['back_to_remote_after']}; phase p50 {p50} ms"
+            )
+    for d in results["devices"]:
+        if d["model"] == "resnet18" and d["cpus"] == 0.25:
+            verdicts = []
+            for key, what, local in (
+                ("speedup_vs_ort_default", "ORT default", d["ort_default"]),
+                ("speedup_vs_ours", "ours (tuned)", d["local"]),
+            ):
+                verdict = "MEETS" if d[key] >= TARGET_SPEEDUP else "MISSES"
+                verdicts.append(
+                    f"vs {what} local ({local['p50']:.1f} ms p50): {d[key]:.1f}x, {verdict}"
+                )
+            print(
+                f"target >= {TARGET_SPEEDUP:g}x, resnet18 on 0.25 CPU, remote "
+                f"{d['remote_lan']['p50']:.1f} ms p50 on lan: " + "; ".join(verdicts)
+            )
+    failures = sum(d["failures"] for d in results["devices"])
+    print(f"failed requests: {failures}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.offload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, models, requests")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    if shutil.which("docker") is None:
+        print("bench.offload needs Docker: the device is a CPU-limited container", file=sys.stderr)
+        return 2
+    try:
+        image = build_image("cpu", progress=lambda line: print(line, file=sys.stderr))
+    except ImageBuildError as err:
+        print(f"cannot build the runtime image: {err}", file=sys.stderr)
+        return 2
+    mode = QUICK if args.quick else FULL
+    preamble(mode)
+    results = asyncio.run(bench(mode, image))
+    results["mode"] = "quick" if args.quick else "full"
+    results["cpu_count"] = os.cpu_count()
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
