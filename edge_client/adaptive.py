@@ -13,11 +13,14 @@ Policies (`Policy`):
   A figure is one request's latency as the client measured it: for the replica the whole
   round trip, transfer included; for the local model its compute time. Each side's estimate
   is the median of its last `AdaptiveSettings.window` figures. The side that loses is still
-  sent one request (a probe) every `probe_every` requests or `probe_interval_s` seconds,
-  whichever comes first, so that a recovered link or an idle device is noticed; a probe
-  that beats the winner's estimate is followed by another at once, until the estimates
-  agree which side is faster. The winner changes only when the other side is better by
-  `margin` (hysteresis).
+  sent one request (a probe) every `probe_every` requests, or sooner once
+  `probe_interval_s` has passed and at least `probe_min_requests` went to the winner since
+  the last probe, so that a recovered link or an idle device is noticed. Time alone never
+  makes a probe: a device that sends a request now and then would otherwise send each one
+  to the losing side. A probe that beats the winner's estimate replaces the loser's older
+  figures (they describe the link or the device before it changed) and is followed by
+  another at once, until the estimates agree which side is faster. The winner changes only
+  when the other side is better by `margin` (hysteresis).
 
 Reachability: a remote attempt that fails (unreachable, refused, past its deadline, no
 endpoint) marks the replica down; while it is down every request goes to the local model
@@ -83,7 +86,9 @@ class AdaptiveSettings:
     probe_every: int = 20
     """fastest: at most this many requests between two probes of the losing side."""
     probe_interval_s: float = 3.0
-    """fastest: at most this long between two probes of the losing side."""
+    """fastest: probe sooner than `probe_every` once this long passed since the last probe..."""
+    probe_min_requests: int = 5
+    """...and at least this many requests went to the winner since."""
     margin: float = 0.05
     """fastest: the other side must be better by this fraction to become the winner."""
     retry_min_s: float = 0.25
@@ -95,8 +100,8 @@ class AdaptiveSettings:
     def __post_init__(self) -> None:
         if self.window < 1 or not 1 <= self.min_figures <= self.window:
             raise InvalidInput("window must be >= 1 and min_figures within 1..window")
-        if self.probe_every < 1:
-            raise InvalidInput("probe_every must be >= 1")
+        if self.probe_every < 1 or not 1 <= self.probe_min_requests <= self.probe_every:
+            raise InvalidInput("probe_every must be >= 1 and probe_min_requests in 1..probe_every")
         if not 0 <= self.margin < 1:
             raise InvalidInput("margin must be in [0, 1)")
         times = (self.probe_interval_s, self.retry_min_s, self.retry_max_s, self.probe_timeout_s)
@@ -205,7 +210,10 @@ class OffloadChooser:
         if (
             self._confirm
             or self._since_probe > self.settings.probe_every
-            or now - self._last_probe_at >= self.settings.probe_interval_s
+            or (
+                self._since_probe > self.settings.probe_min_requests
+                and now - self._last_probe_at >= self.settings.probe_interval_s
+            )
         ):
             self._confirm = False
             self._since_probe = 0
@@ -254,12 +262,17 @@ class OffloadChooser:
             self._counts[decision.target, decision.reason] += 1
 
     def _figure(self, target: Target, seconds: float) -> None:
-        self._figures[target].append(seconds)
         if self.policy != Policy.FASTEST or target == self._winner:
+            self._figures[target].append(seconds)
             return
         winner = self.estimate(self._winner)
-        # A probe that beats the winner: look again at once rather than a period later.
-        self._confirm = winner is not None and seconds < winner * (1 - self.settings.margin)
+        # A probe that beats the winner: its older figures are stale (the link or the device
+        # changed); look again at once rather than a period later.
+        beats = winner is not None and seconds < winner * (1 - self.settings.margin)
+        if beats and not self._confirm:
+            self._figures[target].clear()  # the first probe that beats it; keep the next
+        self._confirm = beats
+        self._figures[target].append(seconds)
 
     def _update_winner(self) -> None:
         remote = self.estimate(Target.REMOTE)
@@ -268,8 +281,10 @@ class OffloadChooser:
         keep = 1 - self.settings.margin
         if self._winner == Target.REMOTE and local < remote * keep:
             self._winner = Target.LOCAL
+            self._confirm = False  # confirmed: the old winner waits for its next probe
         elif self._winner == Target.LOCAL and remote < local * keep:
             self._winner = Target.REMOTE
+            self._confirm = False
 
     def summary(self) -> OffloadStats:
         remote = self.estimate(Target.REMOTE)

@@ -7,6 +7,7 @@ Loading and running are blocking: the client calls them through `asyncio.to_thre
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -39,10 +40,13 @@ class LocalModel:
     def load(cls, path: Path, threads: int = 0) -> LocalModel:
         """Load `path` on the CPU (no warm-up: zeros do not suit every model, and the first
         request's figure is one of several in the estimate). Blocking.
-        `threads`: ONNX Runtime's intra-op threads (0: its default, one per core).
-        InvalidInput when the file is missing or is not a model ONNX Runtime can run."""
+        `threads`: ONNX Runtime's intra-op threads; 0: the CPUs this process may use
+        (`usable_cpus`: a container's CPU limit, not the host's core count ONNX Runtime
+        would count). InvalidInput when the file is missing or is not a model ONNX Runtime
+        can run."""
         if not path.is_file():
             raise InvalidInput(f"local model {path}: no such file")
+        threads = threads or usable_cpus()
         try:
             model = OnnxModel.load(path, path.stem, device="cpu", intra_op_threads=threads)
         except runtime_errors.ModelLoadError as err:
@@ -91,6 +95,27 @@ class LocalModel:
             raise InvalidInput(
                 f"local model {self.path.name} cannot stand in for {what}: " + "; ".join(problems)
             )
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Whole CPUs this process may use: the cores it may run on, capped by its cgroup's CPU
+    quota (cgroup v2 `cpu.max`, as `docker run --cpus` sets it), at least 1.
+
+    ONNX Runtime sizes its thread pool by the cores it sees; in a container limited to a
+    quarter of a CPU on a 2-core host that is two threads taking turns at a quarter's quota.
+    """
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return max(1, cores)
+    if quota == "max":
+        return max(1, cores)
+    try:
+        limit = int(quota) // max(1, int(period))
+    except ValueError:
+        return max(1, cores)
+    return max(1, min(cores, limit))
 
 
 def _differences(

@@ -112,6 +112,19 @@ def test_fastest_probes_after_an_interval_even_when_requests_are_few() -> None:
     assert probes == [34]
 
 
+def test_time_alone_never_sends_a_request_to_the_losing_side() -> None:
+    """A device that sends a request every 10 s: the interval has always passed, yet only one
+    request in `probe_min_requests` + 1 probes the losing side."""
+    run = Run(Policy.FASTEST, probe_every=20, probe_interval_s=3.0, probe_min_requests=5)
+    run.requests(4, 0.030, 0.200)
+    decisions = []
+    for _ in range(36):
+        run.now += 10.0
+        decisions.append(run.request(0.030, 0.200))
+    probes = [i for i, d in enumerate(decisions) if d.reason == Reason.PROBE]
+    assert probes == [5, 11, 17, 23, 29, 35]
+
+
 def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers() -> None:
     run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
     run.requests(20, 0.030, 0.200)
@@ -128,8 +141,10 @@ def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers
     first_probe = next(i for i, d in enumerate(recovered) if d.reason == Reason.PROBE)
     back = next(i for i, d in enumerate(recovered) if d == Decision(REMOTE, Reason.FASTER))
     assert first_probe <= 10
-    assert back - first_probe <= 4
+    # The probe's figure replaces the stale 400 ms ones: one more to confirm, then back.
+    assert back - first_probe == 2
     assert [d.target for d in recovered[first_probe : first_probe + 3]] == [REMOTE] * 3
+    assert all(d.reason == Reason.PROBE for d in recovered[first_probe:] if d.target == LOCAL)
     assert run.chooser.summary().preferred == REMOTE
 
 

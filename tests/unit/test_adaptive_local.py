@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 import modelzoo
 from edge_client.errors import InvalidInput
-from edge_client.local import LocalModel
+from edge_client.local import LocalModel, usable_cpus
 from runtime.model import TensorSpec
 
 
@@ -60,3 +61,18 @@ def test_stands_in_only_for_a_model_with_the_same_inputs_and_outputs() -> None:
     ints = TensorSpec(first.name, "INT64", first.shape, ())
     with pytest.raises(InvalidInput, match="is FP32, not INT64"):
         model.check_stands_in_for([ints], model.outputs, "an integer twin")
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "expected"),
+    [("25000 100000\n", 1), ("200000 100000\n", 2), ("max 100000\n", None), ("garbage", None)],
+    ids=["quarter", "two", "unlimited", "unreadable"],
+)
+def test_local_threads_follow_the_containers_cpu_limit(
+    tmp_path: Path, cpu_max: str, expected: int | None
+) -> None:
+    cores = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text(cpu_max)
+    want = cores if expected is None else min(cores, expected)
+    assert usable_cpus(tmp_path) == want
+    assert usable_cpus(tmp_path / "missing") == cores
