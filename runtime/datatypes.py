@@ -46,8 +46,17 @@ def datatype_from_ort(ort_type: str) -> str:
         raise ValueError(f"ONNX type {ort_type} has no Open Inference Protocol datatype") from None
 
 
+# (kind, itemsize) -> datatype: a dict lookup on every response output.
+_BY_KIND_SIZE: dict[tuple[str, int], str] = {
+    (d.kind, d.itemsize): name for name, d in reversed(NUMPY_DTYPES.items())
+}
+
+
 def datatype_from_numpy(dtype: np.dtype) -> str:
     """The protocol datatype for a numpy dtype (byte order ignored); ValueError if none."""
+    found = _BY_KIND_SIZE.get((dtype.kind, dtype.itemsize))
+    if found is not None:
+        return found
     for name, candidate in NUMPY_DTYPES.items():
         if candidate.kind == dtype.kind and candidate.itemsize == dtype.itemsize:
             return name

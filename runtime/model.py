@@ -102,6 +102,9 @@ class OnnxModel:
         self.inputs = tuple(_spec(a) for a in session.get_inputs())
         self.outputs = tuple(_spec(a) for a in session.get_outputs())
         self._inputs_by_name = {s.name: s for s in self.inputs}
+        self._shared_dims = _shared_dims(self.inputs)
+        """(dimension name, [(input, axis), ...]) for each symbolic dimension that more
+        than one input axis carries: the only ones `prepare` must compare."""
         self._output_names = tuple(s.name for s in self.outputs)
         self.provider: str = session.get_providers()[0]
 
@@ -170,10 +173,11 @@ class OnnxModel:
             if tensor.name in feeds:
                 raise InvalidInput(f"input {quote(tensor.name)} is given more than once")
             feeds[tensor.name] = _to_array(tensor, spec)
-        missing = [s.describe() for s in self.inputs if s.name not in feeds]
-        if missing:
+        if len(feeds) != len(self.inputs):
+            missing = [s.describe() for s in self.inputs if s.name not in feeds]
             raise InvalidInput(f"missing input(s): {', '.join(missing)}")
-        self._check_shared_dims(feeds)
+        if self._shared_dims:
+            self._check_shared_dims(feeds)
         return feeds
 
     def output_names(self, requested: Sequence[str]) -> tuple[str, ...]:
@@ -193,7 +197,7 @@ class OnnxModel:
     def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
         """Run the session. Blocking. InvalidInput when ONNX Runtime rejects the feeds."""
         try:
-            return self._session.run(list(outputs), dict(feeds))
+            return self._session.run(outputs, feeds)
         except ort_state.InvalidArgument as err:
             raise InvalidInput(f"ONNX Runtime rejected the inputs: {err}") from err
         except (ort_state.Fail, ort_state.RuntimeException) as err:
@@ -239,22 +243,29 @@ class OnnxModel:
         return statistics.median(timed or times) * 1000
 
     def _check_shared_dims(self, feeds: Mapping[str, np.ndarray]) -> None:
-        seen: dict[str, tuple[str, int]] = {}
-        for spec in self.inputs:
-            for axis, dim_name in enumerate(spec.dim_names):
-                if dim_name is None:
-                    continue
-                size = feeds[spec.name].shape[axis]
-                first = seen.setdefault(dim_name, (spec.name, size))
-                if first[1] != size:
+        for dim_name, places in self._shared_dims:
+            first_name, first_axis = places[0]
+            first = feeds[first_name].shape[first_axis]
+            for name, axis in places[1:]:
+                size = feeds[name].shape[axis]
+                if size != first:
                     raise InvalidInput(
-                        f"inputs {first[0]!r} and {spec.name!r} disagree on dimension "
-                        f"{dim_name!r}: {first[1]} and {size}; it must be the same size"
+                        f"inputs {first_name!r} and {name!r} disagree on dimension "
+                        f"{dim_name!r}: {first} and {size}; it must be the same size"
                     )
 
     @staticmethod
     def _describe(specs: Sequence[TensorSpec]) -> str:
         return ", ".join(s.describe() for s in specs)
+
+
+def _shared_dims(inputs: Sequence[TensorSpec]) -> tuple[tuple[str, list[tuple[str, int]]], ...]:
+    places: dict[str, list[tuple[str, int]]] = {}
+    for spec in inputs:
+        for axis, dim_name in enumerate(spec.dim_names):
+            if dim_name is not None:
+                places.setdefault(dim_name, []).append((spec.name, axis))
+    return tuple((name, where) for name, where in places.items() if len(where) > 1)
 
 
 def _to_array(tensor: RequestTensor, spec: TensorSpec) -> np.ndarray:
@@ -310,16 +321,20 @@ def _zeros(spec: TensorSpec) -> np.ndarray:
 
 
 def _check_shape(shape: tuple[int, ...], spec: TensorSpec) -> None:
-    expected = f"the model expects {list(spec.shape)} (-1: any size)"
     if any(d < 0 for d in shape):
         raise InvalidInput(f"input {spec.name!r} has shape {list(shape)}: negative size")
     if len(shape) != len(spec.shape):
         raise InvalidInput(
-            f"input {spec.name!r} has shape {list(shape)} of rank {len(shape)}; {expected}"
+            f"input {spec.name!r} has shape {list(shape)} of rank {len(shape)}; "
+            f"{_expects(spec)}"
         )
     for axis, (got, want) in enumerate(zip(shape, spec.shape, strict=True)):
         if want >= 0 and got != want:
             raise InvalidInput(
                 f"input {spec.name!r} has size {got} in dimension {axis} "
-                f"(shape {list(shape)}); {expected}"
+                f"(shape {list(shape)}); {_expects(spec)}"
             )
+
+
+def _expects(spec: TensorSpec) -> str:
+    return f"the model expects {list(spec.shape)} (-1: any size)"
