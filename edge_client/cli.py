@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from broker import server as broker_server
 from edge_client import commands, demo, ops_commands
 from edge_client.demo.cluster import exit_with_parent
+from edge_client.mobility import cli as mobility_cli
 from images import build as image_build
 from modelzoo import cli as models_cli
 from node_daemon import server as node_server
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register_cli(sub)
     commands.register_cli(sub)
     ops_commands.register_cli(sub)
+    mobility_cli.register_cli(sub)
     broker_server.register_cli(sub)
     image_build.register_cli(sub)
     models_cli.register_cli(sub)

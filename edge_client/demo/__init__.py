@@ -53,8 +53,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "--trace",
         type=Path,
         default=DEFAULT_TRACE,
-        help="the mobility trace, a YAML file of {site, dwell_s} waypoints (default: the "
-        "commute through site-a, site-b, site-c and back)",
+        help="the mobility trace, a YAML file of {site, dwell_s} waypoints, or a generated "
+        "vehicle trace (.json, `offload trace generate`) (default: the commute through site-a, "
+        "site-b, site-c and back)",
+    )
+    parser.add_argument(
+        "--vehicle",
+        help="with a generated trace: the vehicle to follow (default: the one with the most "
+        "handovers)",
     )
     parser.add_argument("--model", default="resnet18", choices=modelzoo.ALL)
     parser.add_argument(
@@ -83,7 +89,7 @@ def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
     if not 0 < args.rate <= 1000:
         raise ValueError(f"--rate must be in (0, 1000] inferences per second, got {args.rate:g}")
     sites = load_cluster_network(CLUSTER_FILE).sites
-    trace = load_trace(args.trace, sites)
+    trace = load_trace(args.trace, sites, args.vehicle)
     if args.quick:
         trace = trace.scaled(QUICK_DWELL_FACTOR, QUICK_MIN_DWELL_S)
     return DemoOptions(

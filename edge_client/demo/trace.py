@@ -1,13 +1,17 @@
 """Mobility traces: where a device is, and for how long, as the demo moves it.
 
-A trace is a YAML file::
+A trace is a YAML file of waypoints, or a generated vehicle trace (a `.json` file of
+`edge_client.mobility.traces`, format version 1: `offload trace generate`), of which the demo
+drives one vehicle's site sequence (`--vehicle`, else the vehicle with the most handovers):
+each site it is handed to becomes a waypoint, its stay lasting until the next handover. The
+YAML form::
 
     name: commute                     # optional; default: the file's stem
     waypoints:                        # at least one
       - {site: site-a, dwell_s: 8}    # the site the device is at, and seconds it stays
       - {site: site-b, dwell_s: 8}
 
-`load_trace` checks every field and names the file and line of anything wrong
+`load_trace` checks every field of either form and names the file and line of anything wrong
 (`TraceError`, a ValueError): a YAML error, a missing or unknown key, a site the cluster
 does not have, a dwell that is not a positive number of seconds.
 """
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from edge_client.mobility import traces as mobility_traces
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "commute.yaml"
 MAX_DWELL_S = 3600.0
@@ -48,8 +54,13 @@ class Trace:
         )
 
 
-def load_trace(path: Path, sites: Collection[str]) -> Trace:
-    """Read and check the trace at `path` against the cluster's `sites`."""
+def load_trace(path: Path, sites: Collection[str], vehicle: str | None = None) -> Trace:
+    """Read and check the trace at `path` against the cluster's `sites`; `vehicle` picks one
+    of a generated trace (see the module docstring; TraceError for it with a YAML trace)."""
+    if mobility_traces.is_trace_file(path):
+        return _vehicle_trace(path, sites, vehicle)
+    if vehicle is not None:
+        raise TraceError(f"{path}: --vehicle needs a generated trace (.json), not waypoints")
     try:
         text = path.read_text()
     except OSError as err:
@@ -95,6 +106,42 @@ def load_trace(path: Path, sites: Collection[str]) -> Trace:
             )
         waypoints.append(Waypoint(site, dwell))
     return Trace(name, tuple(waypoints))
+
+
+def _vehicle_trace(path: Path, sites: Collection[str], vehicle_id: str | None) -> Trace:
+    try:
+        generated = mobility_traces.load(path)
+    except mobility_traces.TraceFormatError as err:
+        raise TraceError(str(err)) from err
+    if not generated.vehicles:
+        raise TraceError(f"{path}: the trace has no vehicles")
+    if vehicle_id is None:
+        vehicle = generated.busiest()
+    else:
+        try:
+            vehicle = generated.vehicle(vehicle_id)
+        except KeyError:
+            raise TraceError(
+                f"{path}: no vehicle {vehicle_id[:40]!r}; it has "
+                f"{', '.join(v.id for v in generated.vehicles[:10])}"
+                f"{' ...' if len(generated.vehicles) > 10 else ''}"
+            ) from None
+    unknown = sorted({site for _, site in vehicle.sites} - set(sites))
+    if unknown:
+        raise TraceError(
+            f"{path}: vehicle {vehicle.id} visits site(s) {', '.join(unknown[:5])} that the "
+            f"cluster does not have; its sites are {', '.join(sorted(sites))}"
+        )
+    ends = [t for t, _ in vehicle.sites[1:]] + [vehicle.end_s]
+    waypoints = []
+    for (t, site), end in zip(vehicle.sites, ends, strict=True):
+        if end - t > MAX_DWELL_S:
+            raise TraceError(
+                f"{path}: vehicle {vehicle.id} stays {end - t:.0f} s at {site}, more than "
+                f"{MAX_DWELL_S:.0f} s"
+            )
+        waypoints.append(Waypoint(site, end - t))
+    return Trace(f"{generated.name}/{vehicle.id}", tuple(waypoints))
 
 
 _Where = Callable[[yaml.Node], str]

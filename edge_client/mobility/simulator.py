@@ -1,0 +1,754 @@
+"""Replay a mobility trace of many clients through the real placement and migration policy.
+
+No containers and no broker process: a discrete-event simulation whose decisions are made by
+the broker's own code. Each vehicle of the trace is a client with one deployment (1 GPU whole,
+or a memory share of one for `share_fraction` of them; best-effort, so nothing is preempted).
+
+- It arrives at its first site: `broker.placement.place` on the cluster snapshot, committed
+  (`ClusterSnapshot.commit`); nothing fits: a capacity refusal, and it stays unserved (its
+  deployment pending) until a later handover finds room.
+- At each handover, `today`'s policy decides as `broker.migrations.Migrations.
+  _mobility_choice` does: the best node other than the current one (`place` on the snapshot
+  without it), then `migration.policy.mobility_verdict` (hysteresis, cooldown since the end of
+  the deployment's last migration). No other node fits: a capacity refusal (it stays). A
+  deployment being moved skips the report (the broker's `if_idle`).
+- A move holds the target's GPUs from the decision; the client is served by the old node until
+  the target is ready (`CostModel.start_s`) and has switched (`switch_s`); the old replica
+  keeps its GPUs while it drains (`drain_s`), and the migration ends (cooldown from then).
+- It leaves at the end of its trace: everything it holds is released.
+
+`never` does the same with no migration at all; the `oracle` is always at the nearest node
+(the best latency any node could give its site, capacity and start time ignored): a bound, not
+a policy. Latency, time-weighted over served time: the cell's access latency + the network
+latency from the client's site to its replica's node (`EdgeNetwork.latency_ms`: shortest path
+between the sites + the node's access). A migration is *wasted* when, from its switch until the
+client's next switch or departure, the old node would have served it at least as well
+(time-integrated latency), or when the client left before it switched.
+
+Speed: `place` costs ~0.3 ms on 10,000 nodes, and a migration decision also needs the snapshot
+without the current node. `_Rankings` keeps each (site, request shape)'s top candidates from one
+real `place` and drops them exactly when a change could alter them: a change of a node among
+them, or of a node whose latency alone does not exceed the worst of them (every score term is
+>= 0, so such a node cannot enter the top). The best node other than the current one is then
+the first of the top that is not it (`place` returns the same top as the brute force). With
+`check_every` N, every Nth decision is also taken by `place` itself on the snapshot without the
+current node, as the broker does, and must agree (AssertionError otherwise).
+
+Pre-warm (issue 14, item 3) plugs in as a `Prewarmer`: it sees every handover, may hold standby
+replicas through the `PrewarmHost` (real placement, holding GPUs), and is asked at each move
+whether a standby of the client is warm at the target (a hit: the target is ready at once).
+`NoPrewarm` is the default; its figures print as "-".
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from broker.network import EdgeNetwork
+from broker.placement import (
+    Allocation,
+    Candidate,
+    ClusterSnapshot,
+    NodeSnapshot,
+    PlacementRequest,
+    PriorityClass,
+    Strategy,
+    place,
+)
+from broker.placement.search import TOP_CANDIDATES
+from edge_client.mobility.traces import MobilityTrace
+from migration.policy import Hysteresis, mobility_verdict
+
+SHARE_MIB = 8192
+"""The memory share of a shared-GPU client, MiB."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """How long a make-before-break migration's steps take (docs/BENCHMARKS.md, "Migration
+    under load", make-before-break p50 server timeline)."""
+
+    start_s: float = 0.95
+    """Target started to ready: measured 0.89-0.97 s."""
+    switch_s: float = 0.005
+    """Placement update to the client's ack: measured 3-7 ms."""
+    drain_s: float = 0.6
+    """The old replica's 0.2 s straggler grace, then its drain (measured 0.34-0.46 s)."""
+
+    def __post_init__(self) -> None:
+        for name in ("start_s", "switch_s", "drain_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 s, not {value}")
+
+
+class Policy(enum.StrEnum):
+    NEVER = "never-migrate"
+    TODAY = "today's policy"
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    hysteresis: Hysteresis = field(default_factory=Hysteresis)
+    costs: CostModel = field(default_factory=CostModel)
+    share_fraction: float = 0.25
+    """Clients asking for a memory share of one GPU (`SHARE_MIB`) instead of a whole GPU."""
+    fill: float = 0.0
+    """GPUs held by other tenants before the clients arrive (0..0.99), placed by `place`."""
+    seed: int = 1
+    check_every: int = 0
+    """Also take every Nth decision with `place` itself and compare (0: never)."""
+
+
+# --- pre-warm hook ---------------------------------------------------------------------------
+
+
+class PrewarmHost(Protocol):
+    """What the simulator offers a `Prewarmer`: standby replicas that hold real capacity."""
+
+    def reserve_standby(self, client: str, site: str, t: float) -> str | None:
+        """Place a standby replica of `client`'s deployment for a client at `site` (real
+        placement, its GPUs held from now); the node, or None when nothing fits."""
+        ...
+
+    def release_standby(self, client: str, node_id: str, t: float) -> None:
+        """Release `client`'s standby on `node_id` (its GPU-seconds are counted until now);
+        nothing when it holds none there."""
+        ...
+
+
+class Prewarmer(Protocol):
+    """Predictive pre-warm, plugged into `today`'s policy (see the module docstring)."""
+
+    enabled: bool
+    """False for the no-op: its figures are reported as "-"."""
+
+    def attach(self, host: PrewarmHost) -> None: ...
+
+    def observe(self, client: str, t: float, site: str, node_id: str | None) -> None:
+        """The client is at `site` from `t`, served by `node_id` (None: not served). Called at
+        its arrival and at every handover, before the migration decision."""
+        ...
+
+    def claim(self, client: str, t: float, target: str) -> bool:
+        """A move of `client` to node `target` was decided: True when a warm standby of it is
+        there (it becomes the target, ready at once; the pre-warmer releases the standby's
+        own hold through the host), False for a cold start."""
+        ...
+
+    def depart(self, client: str, t: float) -> None:
+        """The client left: release whatever is held for it."""
+        ...
+
+
+class NoPrewarm:
+    """Today: no standby replicas, every target starts cold."""
+
+    enabled = False
+
+    def attach(self, host: PrewarmHost) -> None:
+        pass
+
+    def observe(self, client: str, t: float, site: str, node_id: str | None) -> None:
+        pass
+
+    def claim(self, client: str, t: float, target: str) -> bool:
+        return False
+
+    def depart(self, client: str, t: float) -> None:
+        pass
+
+
+# --- figures ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """One policy's results over the trace."""
+
+    policy: str
+    clients: int
+    client_hours: float
+    migrations: int
+    wasted: int
+    """Of `migrations` (see the module docstring)."""
+    refused_deploy: int
+    """Arrivals (and pending retries at handovers) nothing could take."""
+    refused_move: int
+    """Handovers at which no other node fits."""
+    unserved_client_hours: float
+    latency_mean_ms: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    prewarm_hit_rate: float | None = None
+    standby_gpu_s: float | None = None
+    decisions: int = 0
+    """Placement answers asked for (arrivals and migration choices)."""
+    place_calls: int = 0
+    """Of which `place` actually ran (the rest came from `_Rankings`)."""
+    wall_s: float = 0.0
+
+    @property
+    def migrations_per_client_hour(self) -> float:
+        return self.migrations / self.client_hours if self.client_hours else 0.0
+
+
+def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The `q`-th percentile (0..100) of `values` weighted by `weights` (time): the smallest
+    value with at least q % of the weight at or below it. NaN without weight."""
+    total = float(weights.sum())
+    if total <= 0:
+        return math.nan
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(weights[order])
+    at = int(np.searchsorted(cumulative, q / 100 * total, side="left"))
+    return float(values[order][min(at, len(values) - 1)])
+
+
+# --- the exact placement cache ---------------------------------------------------------------
+
+
+Shape = int
+"""A request shape: 0 for one whole GPU, else the share in MiB of one GPU."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    top: tuple[Candidate, ...]
+    ids: frozenset[str]
+    worst: float
+    """The worst top penalty; inf when the top is not full (any change may add to it)."""
+    watched: tuple[str, ...]
+
+
+class _Rankings:
+    """The cluster snapshot with each (site, shape)'s top candidates kept while they are exact
+    (see the module docstring). Every change of the snapshot goes through `commit`/`release`."""
+
+    def __init__(self, snapshot: ClusterSnapshot, network: EdgeNetwork, check_every: int):
+        self.snapshot = snapshot
+        self.network = network
+        self.check_every = check_every
+        self._entries: dict[tuple[str, Shape], _Entry] = {}
+        self._watch: dict[str, set[tuple[str, Shape]]] = {}
+        self._floor = network.min_access_ms
+        self._site_of = {node.node_id: node.site for node in snapshot}
+        self.decisions = 0
+        self.place_calls = 0
+
+    @staticmethod
+    def request(deployment_id: str, site: str, shape: Shape) -> PlacementRequest:
+        return PlacementRequest(
+            deployment_id=deployment_id,
+            site=site,
+            gpus=1,
+            gpu_memory_mib=shape,
+            priority=PriorityClass.BEST_EFFORT,
+            strategy=Strategy.PACK,
+        )
+
+    def top(self, site: str, shape: Shape) -> tuple[Candidate, ...]:
+        key = (site, shape)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._compute(key)
+        return entry.top
+
+    def best(self, site: str, shape: Shape) -> Candidate | None:
+        """`place`'s choice for a new deployment at `site`."""
+        self.decisions += 1
+        top = self.top(site, shape)
+        chosen = top[0] if top else None
+        if self.check_every and self.decisions % self.check_every == 0:
+            decision = place(self.snapshot, self.request("check", site, shape), self.network)
+            self._agree(decision.explanation.chosen, chosen, site, None)
+        return chosen
+
+    def best_other(self, site: str, shape: Shape, current: str) -> Candidate | None:
+        """`place`'s choice on the snapshot without `current` (what a migration would take)."""
+        self.decisions += 1
+        chosen = next((c for c in self.top(site, shape) if c.node_id != current), None)
+        if self.check_every and self.decisions % self.check_every == 0:
+            decision = place(
+                self.snapshot.without_node(current),
+                self.request("check", site, shape),
+                self.network,
+            )
+            self._agree(decision.explanation.chosen, chosen, site, current)
+        return chosen
+
+    def commit(
+        self, node_id: str, deployment_id: str, gpus: tuple[int, ...], shape: Shape
+    ) -> None:
+        node = self.snapshot.node(node_id)
+        allocation = Allocation(deployment_id, PriorityClass.BEST_EFFORT, gpus, shape)
+        self.snapshot = self.snapshot.with_node(node.with_allocation(allocation))
+        self._changed(node_id)
+
+    def release(self, node_id: str, deployment_id: str) -> None:
+        self.snapshot = self.snapshot.release(node_id, deployment_id)
+        self._changed(node_id)
+
+    def _compute(self, key: tuple[str, Shape]) -> _Entry:
+        site, shape = key
+        self.place_calls += 1
+        decision = place(self.snapshot, self.request("rank", site, shape), self.network)
+        top = decision.explanation.top
+        full = len(top) == TOP_CANDIDATES
+        worst = top[-1].score.total if full else math.inf
+        watched = tuple(
+            other for d, other in self.network.nearest(site) if d + self._floor <= worst
+        )
+        entry = _Entry(top, frozenset(c.node_id for c in top), worst, watched)
+        self._entries[key] = entry
+        for other in watched:
+            self._watch.setdefault(other, set()).add(key)
+        return entry
+
+    def _changed(self, node_id: str) -> None:
+        site = self._site_of[node_id]
+        watchers = self._watch.get(site)
+        if not watchers:
+            return
+        access = self.network.access_ms(node_id)
+        stale = []
+        for key in watchers:
+            entry = self._entries[key]
+            if (
+                node_id in entry.ids
+                or self.network.distance_ms(key[0], site) + access <= entry.worst
+            ):
+                stale.append(key)
+        for key in stale:
+            entry = self._entries.pop(key)
+            for other in entry.watched:
+                self._watch[other].discard(key)
+
+    @staticmethod
+    def _agree(
+        reference: Candidate | None, ours: Candidate | None, site: str, current: str | None
+    ) -> None:
+        def view(c: Candidate | None) -> object:
+            return None if c is None else (c.node_id, c.gpus, c.latency_ms)
+
+        if view(reference) != view(ours):
+            raise AssertionError(
+                f"cached ranking chose {view(ours)}, place chose {view(reference)} "
+                f"for a client at {site} (current node {current})"
+            )
+
+
+# --- the simulation --------------------------------------------------------------------------
+
+
+class _Client:
+    __slots__ = (
+        "alloc",
+        "epoch",
+        "eval_src",
+        "eval_sum",
+        "gone",
+        "id",
+        "index",
+        "last_end",
+        "node",
+        "old",
+        "seg_t",
+        "shape",
+        "site",
+        "target",
+        "target_alloc",
+        "target_gpus",
+    )
+
+    def __init__(self, index: int, client_id: str, shape: Shape) -> None:
+        self.index = index
+        self.id = client_id
+        self.shape = shape
+        self.site = ""
+        self.node: str | None = None
+        self.alloc = ""
+        self.epoch = 0
+        self.target: str | None = None
+        self.target_alloc = ""
+        self.target_gpus: tuple[int, ...] = ()
+        self.old: tuple[str, str] | None = None
+        self.last_end: float | None = None
+        self.seg_t = 0.0
+        self.eval_src: str | None = None
+        self.eval_sum = 0.0
+        self.gone = False
+
+
+_ARRIVE, _HANDOVER, _DEPART = 0, 1, 2
+_READY, _DRAINED = 0, 1
+
+
+class _Run:
+    """One policy over the whole trace."""
+
+    def __init__(
+        self,
+        trace: MobilityTrace,
+        network: EdgeNetwork,
+        snapshot: ClusterSnapshot,
+        shapes: Sequence[Shape],
+        policy: Policy,
+        options: SimOptions,
+        prewarmer: Prewarmer,
+    ) -> None:
+        self.trace = trace
+        self.network = network
+        self.rankings = _Rankings(snapshot, network, options.check_every)
+        self.policy = policy
+        self.options = options
+        self.prewarmer = prewarmer
+        self.access = {site.name: site.access_ms for site in trace.sites}
+        self.node_site = {node.node_id: node.site for node in snapshot}
+        self.clients = [
+            _Client(i, v.id, shape)
+            for i, (v, shape) in enumerate(zip(trace.vehicles, shapes, strict=True))
+        ]
+        self.by_id = {c.id: c for c in self.clients}
+        self.internal: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.lat: list[float] = []
+        self.dur: list[float] = []
+        self.unserved_s = 0.0
+        self.migrations = self.wasted = self.refused_deploy = self.refused_move = 0
+        self.hits = self.misses = 0
+        self.standby: dict[tuple[str, str], tuple[float, int]] = {}
+        self.standby_gpu_s = 0.0
+        prewarmer.attach(self)
+
+    # --- latency ------------------------------------------------------------------------
+
+    def latency(self, site: str, node_id: str) -> float:
+        return self.access[site] + self.network.latency_ms(site, self.node_site[node_id], node_id)
+
+    def account(self, c: _Client, t: float) -> None:
+        """Close the client's current segment at `t`."""
+        dt = t - c.seg_t
+        c.seg_t = t
+        if dt <= 0:
+            return
+        if c.node is None:
+            self.unserved_s += dt
+            return
+        latency = self.latency(c.site, c.node)
+        self.lat.append(latency)
+        self.dur.append(dt)
+        if c.eval_src is not None:
+            c.eval_sum += dt * (latency - self.latency(c.site, c.eval_src))
+
+    def settle(self, c: _Client) -> None:
+        """The last switched migration's tenure ends: was it wasted?"""
+        if c.eval_src is not None and c.eval_sum >= 0:
+            self.wasted += 1
+        c.eval_src = None
+        c.eval_sum = 0.0
+
+    # --- events -------------------------------------------------------------------------
+
+    def schedule(self, t: float, kind: int, c: int, token: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.internal, (t, self.seq, kind, c, token))
+
+    def run(self) -> Figures:
+        started = time.perf_counter()
+        events: list[tuple[float, int, int, str]] = []
+        for i, vehicle in enumerate(self.trace.vehicles):
+            events.append((vehicle.sites[0][0], i, _ARRIVE, vehicle.sites[0][1]))
+            events.extend((t, i, _HANDOVER, site) for t, site in vehicle.sites[1:])
+            events.append((vehicle.end_s, i, _DEPART, ""))
+        events.sort(key=lambda e: (e[0], e[1], e[2]))
+        internal = self.internal
+        for t, i, kind, site in events:
+            while internal and internal[0][0] <= t:
+                it, _, ikind, ic, token = heapq.heappop(internal)
+                self.on_internal(it, ikind, self.clients[ic], token)
+            c = self.clients[i]
+            if kind == _ARRIVE:
+                self.arrive(c, t, site)
+            elif kind == _HANDOVER:
+                self.handover(c, i, t, site)
+            else:
+                self.depart(c, t)
+        while internal:
+            it, _, ikind, ic, token = heapq.heappop(internal)
+            self.on_internal(it, ikind, self.clients[ic], token)
+        return self.figures(time.perf_counter() - started)
+
+    def deploy(self, c: _Client, t: float) -> None:
+        chosen = self.rankings.best(c.site, c.shape)
+        if chosen is None:
+            self.refused_deploy += 1
+            return
+        c.epoch += 1
+        c.alloc = f"{c.id}@{c.epoch}"
+        self.rankings.commit(chosen.node_id, c.alloc, chosen.gpus, c.shape)
+        c.node = chosen.node_id
+
+    def arrive(self, c: _Client, t: float, site: str) -> None:
+        c.site, c.seg_t = site, t
+        self.deploy(c, t)
+        self.prewarmer.observe(c.id, t, site, c.node)
+
+    def handover(self, c: _Client, i: int, t: float, site: str) -> None:
+        self.account(c, t)
+        c.site = site
+        if c.node is None:
+            self.deploy(c, t)  # the broker's pending retry
+            return
+        if self.policy is Policy.NEVER:
+            return
+        self.prewarmer.observe(c.id, t, site, c.node)
+        if c.target is not None:
+            return  # being moved: the broker skips the report (if_idle)
+        current = c.node
+        chosen = self.rankings.best_other(site, c.shape, current)
+        if chosen is None:
+            self.refused_move += 1
+            return
+        current_ms = self.network.latency_ms(site, self.node_site[current], current)
+        since = None if c.last_end is None else t - c.last_end
+        verdict = mobility_verdict(current_ms, chosen.latency_ms, since, self.options.hysteresis)
+        if not verdict.move:
+            return
+        self.migrations += 1
+        warm = self.prewarmer.claim(c.id, t, chosen.node_id)
+        if self.prewarmer.enabled:
+            self.hits += warm
+            self.misses += not warm
+        c.target = chosen.node_id
+        c.target_alloc = f"{c.id}@{c.epoch + 1}"
+        c.target_gpus = chosen.gpus
+        self.rankings.commit(chosen.node_id, c.target_alloc, chosen.gpus, c.shape)
+        costs = self.options.costs
+        ready = t + (0.0 if warm else costs.start_s) + costs.switch_s
+        self.schedule(ready, _READY, i, c.epoch + 1)
+
+    def on_internal(self, t: float, kind: int, c: _Client, token: int) -> None:
+        if kind == _DRAINED:
+            if c.old is not None and not c.gone:
+                self.rankings.release(*c.old)
+                c.old = None
+                c.last_end = t
+            return
+        if c.gone or c.target is None or token != c.epoch + 1:
+            return
+        self.account(c, t)
+        self.settle(c)
+        assert c.node is not None
+        c.eval_src = c.node
+        c.old = (c.node, c.alloc)
+        c.node, c.alloc, c.epoch = c.target, c.target_alloc, c.epoch + 1
+        c.target = None
+        self.schedule(t + self.options.costs.drain_s, _DRAINED, c.index, 0)
+
+    def depart(self, c: _Client, t: float) -> None:
+        self.account(c, t)
+        self.settle(c)
+        c.gone = True
+        if c.target is not None:
+            self.wasted += 1  # it left before the move switched
+            self.rankings.release(c.target, c.target_alloc)
+            c.target = None
+        if c.old is not None:
+            self.rankings.release(*c.old)
+            c.old = None
+        if c.node is not None:
+            self.rankings.release(c.node, c.alloc)
+            c.node = None
+        self.prewarmer.depart(c.id, t)
+
+    # --- PrewarmHost --------------------------------------------------------------------
+
+    def reserve_standby(self, client: str, site: str, t: float) -> str | None:
+        c = self.by_id[client]
+        chosen = self.rankings.best(site, c.shape)
+        if chosen is None or (client, chosen.node_id) in self.standby:
+            return None
+        self.rankings.commit(chosen.node_id, f"{client}~standby", chosen.gpus, c.shape)
+        self.standby[(client, chosen.node_id)] = (t, len(chosen.gpus))
+        return chosen.node_id
+
+    def release_standby(self, client: str, node_id: str, t: float) -> None:
+        held = self.standby.pop((client, node_id), None)
+        if held is None:
+            return
+        self.standby_gpu_s += (t - held[0]) * held[1]
+        self.rankings.release(node_id, f"{client}~standby")
+
+    # --- results ------------------------------------------------------------------------
+
+    def figures(self, wall_s: float) -> Figures:
+        lat = np.array(self.lat)
+        dur = np.array(self.dur)
+        served_s = float(dur.sum())
+        client_s = served_s + self.unserved_s
+        claims = self.hits + self.misses
+        return Figures(
+            policy=str(self.policy) + ("" if not self.prewarmer.enabled else " + pre-warm"),
+            clients=len(self.clients),
+            client_hours=client_s / 3600,
+            migrations=self.migrations,
+            wasted=self.wasted,
+            refused_deploy=self.refused_deploy,
+            refused_move=self.refused_move,
+            unserved_client_hours=self.unserved_s / 3600,
+            latency_mean_ms=float((lat * dur).sum() / served_s) if served_s else math.nan,
+            latency_p50_ms=weighted_percentile(lat, dur, 50),
+            latency_p99_ms=weighted_percentile(lat, dur, 99),
+            prewarm_hit_rate=(self.hits / claims if claims else 0.0)
+            if self.prewarmer.enabled
+            else None,
+            standby_gpu_s=self.standby_gpu_s if self.prewarmer.enabled else None,
+            decisions=self.rankings.decisions,
+            place_calls=self.rankings.place_calls,
+            wall_s=wall_s,
+        )
+
+
+def oracle(trace: MobilityTrace, network: EdgeNetwork, nodes: Iterable[NodeSnapshot]) -> Figures:
+    """Always at the best node for the site (see the module docstring)."""
+    started = time.perf_counter()
+    access: dict[str, float] = {}
+    for node in nodes:
+        a = network.access_ms(node.node_id)
+        access[node.site] = min(a, access.get(node.site, math.inf))
+    best = {
+        site.name: site.access_ms
+        + min(network.distance_ms(site.name, other) + a for other, a in access.items())
+        for site in trace.sites
+    }
+    lat: list[float] = []
+    dur: list[float] = []
+    for vehicle in trace.vehicles:
+        ends = [t for t, _ in vehicle.sites[1:]] + [vehicle.end_s]
+        for (t, site), end in zip(vehicle.sites, ends, strict=True):
+            lat.append(best[site])
+            dur.append(end - t)
+    lat_a, dur_a = np.array(lat), np.array(dur)
+    served = float(dur_a.sum())
+    return Figures(
+        policy="nearest node (oracle)",
+        clients=len(trace.vehicles),
+        client_hours=served / 3600,
+        migrations=0,
+        wasted=0,
+        refused_deploy=0,
+        refused_move=0,
+        unserved_client_hours=0.0,
+        latency_mean_ms=float((lat_a * dur_a).sum() / served) if served else math.nan,
+        latency_p50_ms=weighted_percentile(lat_a, dur_a, 50),
+        latency_p99_ms=weighted_percentile(lat_a, dur_a, 99),
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def fill_cluster(
+    snapshot: ClusterSnapshot, network: EdgeNetwork, fill: float, seed: int
+) -> ClusterSnapshot:
+    """`snapshot` with other tenants holding about `fill` of its GPUs: requests of 1, 2, 4 or
+    8 GPUs (weights 4:3:2:1) at random sites, placed by `place` until that much is held or
+    nothing more fits."""
+    if not 0 <= fill < 1:
+        raise ValueError(f"fill must be in [0, 1), not {fill}")
+    total = sum(node.gpu_count for node in snapshot)
+    rng = random.Random(seed)
+    sites = network.sites
+    held = 0
+    n = 0
+    failures = 0
+    while held < fill * total and failures < 50:
+        n += 1
+        gpus = rng.choices([1, 2, 4, 8], [4, 3, 2, 1])[0]
+        request = PlacementRequest(
+            f"tenant-{n}", rng.choice(sites), gpus, priority=PriorityClass.BEST_EFFORT
+        )
+        decision = place(snapshot, request, network)
+        if decision.node_id is None:
+            failures += 1
+            continue
+        snapshot = snapshot.commit(request, decision)
+        held += gpus
+    return snapshot
+
+
+def shapes_for(trace: MobilityTrace, share_fraction: float, seed: int) -> list[Shape]:
+    """Each client's request shape, seeded."""
+    rng = random.Random(seed)
+    return [SHARE_MIB if rng.random() < share_fraction else 0 for _ in trace.vehicles]
+
+
+def simulate(
+    trace: MobilityTrace,
+    network: EdgeNetwork,
+    nodes: Sequence[NodeSnapshot],
+    options: SimOptions,
+    prewarmer: Prewarmer | None = None,
+) -> list[Figures]:
+    """Never-migrate, today's policy (with `prewarmer` when given) and the oracle, each over
+    the whole trace from the same cluster. Deterministic for the options' seed."""
+    if not 0 <= options.share_fraction <= 1:
+        raise ValueError("share_fraction must be in [0, 1]")
+    snapshot = fill_cluster(ClusterSnapshot.of(nodes), network, options.fill, options.seed)
+    shapes = shapes_for(trace, options.share_fraction, options.seed)
+    results = [
+        _Run(trace, network, snapshot, shapes, Policy.NEVER, options, NoPrewarm()).run(),
+        _Run(trace, network, snapshot, shapes, Policy.TODAY, options, NoPrewarm()).run(),
+    ]
+    if prewarmer is not None:
+        results.append(
+            _Run(trace, network, snapshot, shapes, Policy.TODAY, options, prewarmer).run()
+        )
+    results.append(oracle(trace, network, nodes))
+    return results
+
+
+def render(results: Sequence[Figures]) -> str:
+    """The table: one column per policy."""
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, cells: Iterable[str]) -> None:
+        rows.append((label, list(cells)))
+
+    def fmt(value: float | None, spec: str) -> str:
+        return (
+            "-"
+            if value is None or (isinstance(value, float) and math.isnan(value))
+            else format(value, spec)
+        )
+
+    row("clients", (f"{r.clients:,}" for r in results))
+    row("client-hours", (f"{r.client_hours:,.1f}" for r in results))
+    row("migrations", (f"{r.migrations:,}" for r in results))
+    row("migrations per client-hour", (f"{r.migrations_per_client_hour:.2f}" for r in results))
+    row("wasted migrations", (f"{r.wasted:,}" for r in results))
+    row("latency mean, ms", (fmt(r.latency_mean_ms, ".2f") for r in results))
+    row("latency p50, ms", (fmt(r.latency_p50_ms, ".2f") for r in results))
+    row("latency p99, ms", (fmt(r.latency_p99_ms, ".2f") for r in results))
+    row("capacity refusals: deploy", (f"{r.refused_deploy:,}" for r in results))
+    row("capacity refusals: move", (f"{r.refused_move:,}" for r in results))
+    row("unserved client-hours", (f"{r.unserved_client_hours:,.2f}" for r in results))
+    row("pre-warm hit rate", (fmt(r.prewarm_hit_rate, ".1%") for r in results))
+    row("standby GPU-seconds", (fmt(r.standby_gpu_s, ",.0f") for r in results))
+    row("placement answers (place run)", (f"{r.decisions:,} ({r.place_calls:,})" for r in results))
+    row("wall time, s", (f"{r.wall_s:.1f}" for r in results))
+    width = max(16, *(len(r.policy) for r in results)) + 2
+    label_w = max(len(label) for label, _ in rows) + 2
+    lines = [" " * label_w + "".join(r.policy.rjust(width) for r in results)]
+    lines += [
+        label.ljust(label_w) + "".join(c.rjust(width) for c in cells) for label, cells in rows
+    ]
+    return "\n".join(lines)
