@@ -28,6 +28,7 @@ import onnxruntime
 from bench import (
     gpu_allocation,
     migration,
+    mobility,
     offload,
     peers,
     placement,
@@ -41,6 +42,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "gpu_allocation": gpu_allocation.main,
     "placement": placement.main,
     "migration": migration.main,
+    "mobility": mobility.main,
     "offload": offload.main,
     "peers": peers.main,
 }

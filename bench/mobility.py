@@ -25,9 +25,10 @@ from pathlib import Path
 from bench.placement import CAPTURES
 from edge_client.mobility import generate, traces
 from edge_client.mobility.cli import add_simulate_arguments, run
+from modelzoo.cache import cache_root
 from tests.data import TOPOLOGIES
 
-DEFAULT_CACHE = Path.home() / ".cache" / "edge-offload" / "traces"
+DEFAULT_CACHE = cache_root() / "traces"
 
 
 def bench_options(quick: bool, seed: int) -> generate.GenerateOptions:
