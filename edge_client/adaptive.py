@@ -20,7 +20,9 @@ Policies (`Policy`):
   to the losing side. A probe that beats the winner's estimate replaces the loser's older
   figures (they describe the link or the device before it changed) and is followed by
   another at once, until the estimates agree which side is faster. The winner changes only
-  when the other side is better by `margin` (hysteresis).
+  when the other side is better by `margin` (hysteresis); the old winner is then probed
+  again after `RECHECK_AFTER` requests, so that a short run of slow figures on one side
+  (noise, not a changed link) costs a few requests rather than a probe period.
 
 Reachability: a remote attempt that fails (unreachable, refused, past its deadline, no
 endpoint) marks the replica down; while it is down every request goes to the local model
@@ -38,6 +40,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from edge_client.errors import InvalidInput
+
+RECHECK_AFTER = 3
+"""fastest: requests to the new winner before the old one is probed again."""
 
 
 class Policy(enum.StrEnum):
@@ -281,10 +286,14 @@ class OffloadChooser:
         keep = 1 - self.settings.margin
         if self._winner == Target.REMOTE and local < remote * keep:
             self._winner = Target.LOCAL
-            self._confirm = False  # confirmed: the old winner waits for its next probe
         elif self._winner == Target.LOCAL and remote < local * keep:
             self._winner = Target.REMOTE
-            self._confirm = False
+        else:
+            return
+        # A new winner: the old one is probed again after RECHECK_AFTER requests rather than
+        # a whole period later, in case a short run of slow figures tipped the medians.
+        self._confirm = False
+        self._since_probe = max(0, self.settings.probe_every - RECHECK_AFTER)
 
     def summary(self) -> OffloadStats:
         remote = self.estimate(Target.REMOTE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edge_client.adaptive import (
+    RECHECK_AFTER,
     AdaptiveSettings,
     Decision,
     DecisionCount,
@@ -145,6 +146,17 @@ def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers
     assert back - first_probe == 2
     assert [d.target for d in recovered[first_probe : first_probe + 3]] == [REMOTE] * 3
     assert all(d.reason == Reason.PROBE for d in recovered[first_probe:] if d.target == LOCAL)
+    assert run.chooser.summary().preferred == REMOTE
+
+
+def test_a_short_run_of_slow_figures_costs_a_few_requests_not_a_probe_period() -> None:
+    run = Run(Policy.FASTEST, probe_every=20, probe_interval_s=1000)
+    run.requests(10, 0.030, 0.200)
+    run.requests(3, 0.300, 0.200)  # three slow round trips tip the median of five
+    after = run.requests(10, 0.030, 0.200)  # the link was fine all along
+    assert after[0] == Decision(LOCAL, Reason.FASTER)
+    back = next(i for i, d in enumerate(after) if d == Decision(REMOTE, Reason.FASTER))
+    assert back <= RECHECK_AFTER + 3
     assert run.chooser.summary().preferred == REMOTE
 
 
