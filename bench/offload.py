@@ -56,6 +56,7 @@ import numpy as np
 
 import modelzoo
 from bench.link import Conditions, DelayLink
+from bench.timing import percentiles
 from broker.server import BrokerConfig, RunningBroker, start_broker
 from edge_client.client import OffloadClient
 from images.build import ImageBuildError, build_image
@@ -107,15 +108,6 @@ FULL = Mode(CPUS, MODELS, warmup=3, rounds=5, block=10, block_slow=3, n_switch=4
             switch_cpus=CPUS)  # fmt: skip
 QUICK = Mode((0.25, 1.0), ("resnet18", "mobilenetv2"), warmup=2, rounds=4, block=6,
              block_slow=2, n_switch=30, switch_cpus=(0.25,))  # fmt: skip
-
-
-def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    ordered = sorted(samples_ms)
-    return {
-        "p50": statistics.median(ordered),
-        "p99": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
-        "n": len(ordered),
-    }
 
 
 @contextlib.asynccontextmanager

@@ -50,11 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from broker.network import EdgeNetwork, NodeLocation, SiteLink
+from broker.network import EdgeNetwork, SiteLink
 from broker.placement import (
     ClusterSnapshot,
     Decision,
-    NodeSnapshot,
     PlacementRequest,
     PriorityClass,
     Strategy,
@@ -63,6 +62,7 @@ from broker.placement import (
 )
 from common.inventory import P2P_KINDS
 from common.topology import Topology, link_rank
+from edge_client.mobility.cluster import SimCluster, random_nodes
 from node_daemon.inventory import GpuSpec, inventory_from_capture
 from tests.data import TOPOLOGIES
 
@@ -89,18 +89,7 @@ TARGET_P99_MS = 2.0
 TARGET_RATE = 1000.0
 
 
-@dataclass(frozen=True, slots=True)
-class Cluster:
-    network: EdgeNetwork
-    nodes: tuple[NodeSnapshot, ...]
-    """By node id."""
-
-    @property
-    def gpus(self) -> int:
-        return sum(node.gpu_count for node in self.nodes)
-
-
-def build_cluster(captures: Path, nodes: int, seed: int) -> Cluster:
+def build_cluster(captures: Path, nodes: int, seed: int) -> SimCluster:
     """`nodes` nodes of the 8-GPU captures over `SITES` sites with a random network."""
     rng = random.Random(seed)
     topologies = [
@@ -118,23 +107,8 @@ def build_cluster(captures: Path, nodes: int, seed: int) -> Cluster:
         if frozenset((a, b)) not in linked:
             linked.add(frozenset((a, b)))
             links.append(SiteLink(a, b, round(rng.uniform(2, 20), 1)))
-    snapshots = []
-    locations = {}
-    for i in range(nodes):
-        node_id = f"node-{i:05d}"
-        site = rng.choice(sites)
-        locations[node_id] = NodeLocation(site, round(rng.uniform(0.2, 2.0), 2))
-        snapshots.append(
-            NodeSnapshot.idle(
-                node_id,
-                site,
-                rng.choice(topologies),
-                runtimes=("docker", "process") if rng.random() < 0.9 else ("process",),
-                cuda_version=rng.choices(["12.4", "12.2", "11.8"], [6, 3, 1])[0],
-                load=round(rng.uniform(0.0, 0.6), 2),
-            )
-        )
-    return Cluster(EdgeNetwork.build(sites, links, locations), tuple(snapshots))
+    snapshots, locations = random_nodes(rng, sites, topologies, nodes)
+    return SimCluster(EdgeNetwork.build(sites, links, locations), tuple(snapshots))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +122,7 @@ class Step:
     load: float | None = None
 
 
-def stream(cluster: Cluster, seed: int, release_p: float, constrained: bool) -> Iterator[Step]:
+def stream(cluster: SimCluster, seed: int, release_p: float, constrained: bool) -> Iterator[Step]:
     """The endless request stream (see the module docstring); the same for every policy."""
     rng = random.Random(seed)
     sites = cluster.network.sites
@@ -217,7 +191,7 @@ class Placer:
 
     name = "place"
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: SimCluster) -> None:
         self.network = cluster.network
         self.snapshot = ClusterSnapshot.of(cluster.nodes)
         self.node_ids = [node.node_id for node in cluster.nodes]
@@ -296,7 +270,7 @@ class FirstFit:
 
     name = "first-fit"
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: SimCluster) -> None:
         self.ids = [node.node_id for node in cluster.nodes]
         self.position = {node_id: i for i, node_id in enumerate(self.ids)}
         self.nodes = [
@@ -410,7 +384,7 @@ def held_gpus(request: PlacementRequest) -> int:
     return 0 if request.gpu_memory_mib else request.gpus
 
 
-def speed(cluster: Cluster, seed: int, decisions: int) -> dict[str, dict[str, float]]:
+def speed(cluster: SimCluster, seed: int, decisions: int) -> dict[str, dict[str, float]]:
     out = {}
     for policy in policies(cluster):
         live = Live()
@@ -508,7 +482,7 @@ class QualityRun:
                 self.satisfied += 1
 
 
-def quality(cluster: Cluster, seed: int) -> dict[str, dict[str, float]]:
+def quality(cluster: SimCluster, seed: int) -> dict[str, dict[str, float]]:
     """Both policies on the same stream, until each has failed a multi-GPU request."""
     site_of = {node.node_id: node.site for node in cluster.nodes}
     runs = [QualityRun(policy, site_of, cluster.network) for policy in policies(cluster)]
@@ -534,7 +508,7 @@ def quality(cluster: Cluster, seed: int) -> dict[str, dict[str, float]]:
     }
 
 
-def policies(cluster: Cluster) -> tuple[Placer, FirstFit]:
+def policies(cluster: SimCluster) -> tuple[Placer, FirstFit]:
     return Placer(cluster), FirstFit(cluster)
 
 

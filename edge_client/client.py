@@ -247,8 +247,9 @@ class OffloadClient:
         Adaptive offload (`edge_client.adaptive`): `local_model` is an ONNX file the device
         runs itself (the deployment's model, or a smaller one with the same inputs and
         outputs), loaded by `connect()` on the CPU with `local_threads` intra-op threads (0:
-        the CPUs this process may use, a container's CPU limit included); `policy` is "remote", "local", "fastest" or "remote-then-local" (None:
-        "fastest" with a local model, else "remote"); `adaptive` tunes the estimates and
+        the CPUs this process may use, a container's CPU limit included); `policy` is
+        "remote", "local", "fastest" or "remote-then-local" (None: "fastest" with a local
+        model, else "remote"); `adaptive` tunes the estimates and
         probes; `offload_report_s` how often the decisions are reported to the broker (0:
         never). InvalidInput for an unknown policy, a policy that needs a local model
         without one, or a local model file that does not exist."""

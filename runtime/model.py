@@ -325,8 +325,7 @@ def _check_shape(shape: tuple[int, ...], spec: TensorSpec) -> None:
         raise InvalidInput(f"input {spec.name!r} has shape {list(shape)}: negative size")
     if len(shape) != len(spec.shape):
         raise InvalidInput(
-            f"input {spec.name!r} has shape {list(shape)} of rank {len(shape)}; "
-            f"{_expects(spec)}"
+            f"input {spec.name!r} has shape {list(shape)} of rank {len(shape)}; {_expects(spec)}"
         )
     for axis, (got, want) in enumerate(zip(shape, spec.shape, strict=True)):
         if want >= 0 and got != want:

@@ -40,6 +40,31 @@ class SimCluster:
         return sum(node.gpu_count for node in self.nodes)
 
 
+def random_nodes(
+    rng: random.Random, sites: Sequence[str], topologies: Sequence[Topology], count: int
+) -> tuple[list[NodeSnapshot], dict[str, NodeLocation]]:
+    """`count` idle nodes `node-00000`...: each one of `topologies` at a random site, with
+    its access latency (0.2-2 ms), runtimes (90 % both), CUDA version and load (0-0.6).
+    Shared with `bench.placement`, whose figures depend on the same draws."""
+    snapshots = []
+    locations = {}
+    for i in range(count):
+        node_id = f"node-{i:05d}"
+        site = rng.choice(sites)
+        locations[node_id] = NodeLocation(site, round(rng.uniform(0.2, 2.0), 2))
+        snapshots.append(
+            NodeSnapshot.idle(
+                node_id,
+                site,
+                rng.choice(topologies),
+                runtimes=("docker", "process") if rng.random() < 0.9 else ("process",),
+                cuda_version=rng.choices(["12.4", "12.2", "11.8"], [6, 3, 1])[0],
+                load=round(rng.uniform(0.0, 0.6), 2),
+            )
+        )
+    return snapshots, locations
+
+
 def load_topologies(captures: Path, specs: Mapping[str, GpuSpec]) -> list[Topology]:
     """The topology of each capture `NN_*.txt` in `captures` whose NN is in `specs`.
     ValueError when one is missing."""
@@ -60,21 +85,6 @@ def build_cluster(
         raise ValueError("a cluster needs at least one node and one topology")
     rng = random.Random(seed)
     sites = [site.name for site in trace.sites]
-    snapshots = []
-    locations = {}
-    for i in range(nodes):
-        node_id = f"node-{i:05d}"
-        site = rng.choice(sites)
-        locations[node_id] = NodeLocation(site, round(rng.uniform(0.2, 2.0), 2))
-        snapshots.append(
-            NodeSnapshot.idle(
-                node_id,
-                site,
-                rng.choice(topologies),
-                runtimes=("docker", "process") if rng.random() < 0.9 else ("process",),
-                cuda_version=rng.choices(["12.4", "12.2", "11.8"], [6, 3, 1])[0],
-                load=round(rng.uniform(0.0, 0.6), 2),
-            )
-        )
+    snapshots, locations = random_nodes(rng, sites, topologies, nodes)
     links = [SiteLink(link.a, link.b, link.latency_ms) for link in trace.links]
     return SimCluster(EdgeNetwork.build(sites, links, locations), tuple(snapshots))
