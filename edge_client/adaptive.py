@@ -12,14 +12,15 @@ Policies (`Policy`):
 - ``fastest`` (the default with a local model): the side whose recent figures are lower.
   A figure is one request's latency as the client measured it: for the replica the whole
   round trip, transfer included; for the local model its compute time. Each side's estimate
-  is the median of its last `AdaptiveSettings.window` figures. The side that loses is still
+  is the median of its last `AdaptiveSettings.window` (9) figures. The side that loses is still
   sent one request (a probe) every `probe_every` requests, or sooner once
   `probe_interval_s` has passed and at least `probe_min_requests` went to the winner since
   the last probe, so that a recovered link or an idle device is noticed. Time alone never
   makes a probe: a device that sends a request now and then would otherwise send each one
-  to the losing side. A probe that beats the winner's estimate replaces the loser's older
-  figures (they describe the link or the device before it changed) and is followed by
-  another at once, until the estimates agree which side is faster. The winner changes only
+  to the losing side. A probe that beats the winner's estimate, or comes in under half the
+  loser's own, replaces the loser's older figures (they describe the link or the device
+  before it changed) and is followed by another at once, until the estimates agree which
+  side is faster. The winner changes only
   when the other side is better by `margin` (hysteresis); the old winner is then probed
   again after `RECHECK_AFTER` requests, so that a short run of slow figures on one side
   (noise, not a changed link) costs a few requests rather than a probe period.
@@ -43,6 +44,9 @@ from edge_client.errors import InvalidInput
 
 RECHECK_AFTER = 3
 """fastest: requests to the new winner before the old one is probed again."""
+STALE_BELOW = 0.5
+"""fastest: a probe under this fraction of the losing side's own estimate means its figures
+are stale (a slow link recovered) even when it does not beat the winner yet."""
 
 
 class Policy(enum.StrEnum):
@@ -84,8 +88,10 @@ class Decision:
 class AdaptiveSettings:
     """How `fastest` and the reachability probes behave (module docstring)."""
 
-    window: int = 5
-    """Figures per side whose median is the side's estimate."""
+    window: int = 9
+    """Figures per side whose median is the side's estimate: a change shows after five
+    (a majority), and a run of up to four slow figures (a CPU quota spent, a busy
+    replica) does not turn it."""
     min_figures: int = 2
     """fastest measures each side this many times before comparing."""
     probe_every: int = 20
@@ -271,12 +277,15 @@ class OffloadChooser:
             self._figures[target].append(seconds)
             return
         winner = self.estimate(self._winner)
-        # A probe that beats the winner: its older figures are stale (the link or the device
-        # changed); look again at once rather than a period later.
+        own = self.estimate(target)
+        # A probe that beats the winner, or one far below the loser's own figures: those
+        # figures are stale (the link or the device changed); look again at once rather
+        # than a period later.
         beats = winner is not None and seconds < winner * (1 - self.settings.margin)
-        if beats and not self._confirm:
-            self._figures[target].clear()  # the first probe that beats it; keep the next
-        self._confirm = beats
+        changed = own is not None and seconds < own * STALE_BELOW
+        if (beats or changed) and not self._confirm:
+            self._figures[target].clear()  # the first such probe; keep the next
+        self._confirm = beats or changed
         self._figures[target].append(seconds)
 
     def _update_winner(self) -> None:

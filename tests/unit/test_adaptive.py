@@ -18,6 +18,8 @@ from edge_client.adaptive import (
 from edge_client.errors import InvalidInput
 
 REMOTE, LOCAL = Target.REMOTE, Target.LOCAL
+TIPPING = AdaptiveSettings().window // 2 + 1
+"""Slow figures in a row that turn a side's median."""
 
 
 def test_policy_names_defaults_and_the_ones_that_need_a_local_model() -> None:
@@ -35,7 +37,7 @@ def test_policy_names_defaults_and_the_ones_that_need_a_local_model() -> None:
 def test_settings_out_of_range_are_refused() -> None:
     for bad in (
         {"window": 0},
-        {"min_figures": 6},
+        {"min_figures": AdaptiveSettings().window + 1},
         {"probe_every": 0},
         {"margin": 1.0},
         {"retry_min_s": 5.0, "retry_max_s": 1.0},
@@ -132,7 +134,7 @@ def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers
     # The link slows down: the remote round trip is now 400 ms.
     slow = run.requests(10, 0.400, 0.200)
     switched = next(i for i, d in enumerate(slow) if d == Decision(LOCAL, Reason.FASTER))
-    assert switched <= 3  # the median of 5 turns after 3 slow figures
+    assert switched <= TIPPING  # the median turns after a majority of slow figures
     assert run.chooser.summary().preferred == LOCAL
     more = run.requests(40, 0.400, 0.200)
     assert sum(d.target == REMOTE for d in more) <= 4  # probes only
@@ -149,10 +151,31 @@ def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers
     assert run.chooser.summary().preferred == REMOTE
 
 
+def test_a_recovered_link_is_seen_even_when_its_first_probe_is_slow() -> None:
+    """The link recovers, but the first probe lands on a slow round trip that does not beat
+    the local side: it is still far below the stale 400 ms figures, so they are dropped
+    and the replica is tried again at once rather than a probe period later."""
+    run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
+    run.requests(10, 0.030, 0.200)
+    run.requests(20, 0.400, 0.200)
+    assert run.chooser.summary().preferred == LOCAL
+    decisions = []
+    for remote_s in [0.195] + [0.030] * 19:  # the first answer after recovery is slow
+        while (decision := run.request(remote_s, 0.200)).target != REMOTE:
+            decisions.append(decision)
+        decisions.append(decision)
+        if decision.reason == Reason.FASTER:
+            break
+    remote = [i for i, d in enumerate(decisions) if d.target == REMOTE]
+    assert decisions[-1] == Decision(REMOTE, Reason.FASTER)
+    assert remote[1] - remote[0] == 1  # the slow probe was followed at once
+    assert len(remote) == 3  # probe, confirm, then the replica wins
+
+
 def test_a_short_run_of_slow_figures_costs_a_few_requests_not_a_probe_period() -> None:
     run = Run(Policy.FASTEST, probe_every=20, probe_interval_s=1000)
     run.requests(10, 0.030, 0.200)
-    run.requests(3, 0.300, 0.200)  # three slow round trips tip the median of five
+    run.requests(TIPPING, 0.300, 0.200)  # a majority of slow round trips tips the median
     after = run.requests(10, 0.030, 0.200)  # the link was fine all along
     assert after[0] == Decision(LOCAL, Reason.FASTER)
     back = next(i for i, d in enumerate(after) if d == Decision(REMOTE, Reason.FASTER))
@@ -164,7 +187,10 @@ def test_fastest_keeps_the_winner_when_the_other_side_is_only_marginally_better(
     run = Run(Policy.FASTEST, probe_every=5, probe_interval_s=1000, margin=0.1)
     run.requests(10, 0.100, 0.200)
     steady = run.requests(30, 0.100, 0.095)  # local 5 % better: inside the margin
-    assert all(d.target == REMOTE for d in steady if d.reason != Reason.PROBE)
+    # Local's first new figure is under half its old ones: it is measured again, and stays
+    # the loser.
+    assert all(d.target == REMOTE for d in steady if d.reason == Reason.FASTER)
+    assert run.chooser.summary().preferred == REMOTE
 
 
 @pytest.mark.parametrize("policy", [Policy.FASTEST, Policy.REMOTE_THEN_LOCAL])
