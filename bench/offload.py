@@ -56,14 +56,12 @@ import numpy as np
 
 import modelzoo
 from bench.link import Conditions, DelayLink
+from bench.migration import JOIN_TOKEN, join_node
 from bench.timing import percentiles
 from broker.server import BrokerConfig, RunningBroker, start_broker
 from edge_client.client import OffloadClient
 from images.build import ImageBuildError, build_image
-from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import GpuSpec
-from node_daemon.server import NodeSettings, start_node
-from tests.data import TOPOLOGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("resnet18", "mobilenetv2", "ppocr_rec")
@@ -73,7 +71,6 @@ LINKS = {
     "slow": Conditions(delay_ms=100.0, rate_mbit=10.0),
 }
 CLUSTER_YAML = "sites: [site-a]\nlinks: []\n"
-JOIN_TOKEN = "bench-offload-join-token-0123456789"
 CLIENT_ID = "bench-offload"
 API_KEY = f"{CLIENT_ID}.bench-offload-secret-0123456789"
 CAPTURE = "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
@@ -124,37 +121,9 @@ async def cluster(tmp: Path) -> AsyncIterator[RunningBroker]:
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(broker.stop)
         node_id = f"bench-offload-{secrets.token_hex(3)}"
-        server, port, agent = await start_node(
-            NodeSettings(
-                listen="127.0.0.1:0",
-                site="site-a",
-                node_id=node_id,
-                state_dir=tmp / node_id,
-                topology_file=TOPOLOGIES / CAPTURE,
-                gpu_spec=GpuSpec("Tesla V100-SXM2-16GB", 16384),
-                runtime="process",
-            )
-        )
-        stack.push_async_callback(agent.close, stop_replicas=True)
-        stack.push_async_callback(server.stop, 1.0)
-        link = BrokerLink(f"127.0.0.1:{broker.port}", JOIN_TOKEN, agent, f"127.0.0.1:{port}")
-        agent.fetch_model = link.fetch_model
-        stack.push_async_callback(link.close)
-        task = asyncio.create_task(link.run(), name=f"broker-link-{node_id}")
-        stack.push_async_callback(_cancel, task)
-        registered = asyncio.create_task(link.registered.wait())
-        await asyncio.wait((registered, task), timeout=60, return_when=asyncio.FIRST_COMPLETED)
-        await _cancel(registered)  # type: ignore[arg-type]
-        if task.done():
-            await task  # raises why the broker refused the node
-        if not link.registered.is_set():
-            raise TimeoutError(f"{node_id} did not register within 60 s")
+        gpus = GpuSpec("Tesla V100-SXM2-16GB", 16384)
+        await join_node(stack, broker, "process", tmp, node_id, "site-a", CAPTURE, gpus)
         yield broker
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 def plan(mode: Mode, switch: bool) -> dict[str, Any]:
