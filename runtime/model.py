@@ -121,8 +121,9 @@ class OnnxModel:
 
         ONNX Runtime's intra-op threads do not spin while they wait for work: spinning made
         each idle thread burn a core between requests (the MLP's replica used 850 µs of CPU
-        per 20 µs inference on 2 cores, 370 µs without spinning; docs/BENCHMARKS.md "Data
-        path"), which a node with several replicas and its clients pay in latency.
+        per 20 µs inference on 2 cores, 370 µs without spinning, in an ad-hoc A/B: docs/
+        BENCHMARKS.md, "Our runtime beside KServe's ModelServer"), which a node with several
+        replicas and its clients pay in latency.
         """
         providers = choose_providers(device, gpu_mem_limit_mib)
         options = ort.SessionOptions()
@@ -206,8 +207,8 @@ class OnnxModel:
     def warm_up(
         self,
         inputs: Mapping[str, np.ndarray] | None = None,
-        timed_runs: int = 10,
-        budget_s: float = 0.2,
+        timed_runs: int = 5,
+        budget_s: float = 0.1,
     ) -> float:
         """One inference, so the first real request does not pay for lazy set-up, then up to
         `timed_runs` more within `budget_s` to measure the model's compute time. Returns the
