@@ -57,3 +57,59 @@ def mobility_verdict(
             f"(cooldown {hysteresis.cooldown_s:g}s)",
         )
     return Verdict(True, f"latency {current_ms:.2f} -> {best_ms:.2f} ms (gain {gain:.2f} ms)")
+
+
+@dataclass(frozen=True, slots=True)
+class PrewarmSettings:
+    """Predictive pre-warm (`broker.prewarm`): standby replicas at a client's predicted next
+    site."""
+
+    budget: int = 0
+    """Standby replicas held at once, cluster-wide; 0 turns pre-warm off."""
+    min_probability: float = 0.3
+    """A prediction less likely than this warms nothing."""
+    ttl_s: float = 120.0
+    """A standby the client has not reached after this long is retired."""
+
+    def __post_init__(self) -> None:
+        if self.budget < 0 or not 0 < self.min_probability <= 1 or not self.ttl_s > 0:
+            raise ValueError("pre-warm: budget >= 0, 0 < min_probability <= 1, ttl_s > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+
+def prewarm_verdict(
+    probability: float,
+    current_ms: float,
+    standby_ms: float,
+    hysteresis: Hysteresis,
+    settings: PrewarmSettings,
+) -> Verdict:
+    """Whether to warm a standby for a client predicted, with `probability`, to go to a site
+    where its replica would be `current_ms` away and the standby's node `standby_ms`.
+
+    Only a move the policy would make is worth warming (the gain passes the hysteresis; the
+    cooldown is not asked: a pre-warmed move costs no start), and only when the expected gain,
+    probability x gain, is at least the hysteresis' `min_gain_ms`."""
+    if probability < settings.min_probability:
+        return Verdict(
+            False,
+            f"next site {probability:.0%} likely, under the {settings.min_probability:.0%} "
+            "pre-warm threshold",
+        )
+    move = mobility_verdict(current_ms, standby_ms, None, hysteresis)
+    if not move.move:
+        return Verdict(False, f"a move there would not be made: {move.reason}")
+    expected = probability * (current_ms - standby_ms)
+    if expected < hysteresis.min_gain_ms:
+        return Verdict(
+            False,
+            f"expected gain {expected:.2f} ms ({probability:.0%} x "
+            f"{current_ms - standby_ms:.2f} ms) under {hysteresis.min_gain_ms:g} ms",
+        )
+    return Verdict(
+        True,
+        f"next site {probability:.0%} likely; a move there gains {current_ms - standby_ms:.2f} ms",
+    )

@@ -18,6 +18,9 @@ from common.topology import Topology
 class PriorityClass(enum.IntEnum):
     """A deployment's priority; only a strictly higher class may preempt a lower one."""
 
+    STANDBY = 0
+    """The broker's own pre-warmed standby replicas (`broker.prewarm`): any deployment
+    preempts them; clients cannot ask for it."""
     BEST_EFFORT = 1
     STANDARD = 2
     CRITICAL = 3

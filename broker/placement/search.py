@@ -65,8 +65,8 @@ MAX_EVICTABLE = 12
 """Lower-priority allocations considered for eviction per node (lowest priorities first):
 bounds the subsets tried on a node to 2**12."""
 
-_FLOOR = (1, (int(PriorityClass.BEST_EFFORT),))
-"""The cheapest eviction there can be: one best-effort allocation."""
+_FLOOR = (1, (int(PriorityClass.STANDBY),))
+"""The cheapest eviction there can be: one standby replica."""
 
 
 def largest_possible(snapshot: ClusterSnapshot) -> tuple[int, str | None]:
@@ -405,15 +405,16 @@ class _Search:
     # --- the decision -------------------------------------------------------------------------
 
     def decide(self, preempt: Callable[[], None]) -> Decision:
-        """The decision from the top options; else, for a class above best-effort, from
-        `preempt`'s options; else none, with the reason."""
+        """The decision from the top options; else, for a class above standby, from
+        `preempt`'s options (a best-effort request may evict standbys only); else none, with
+        the reason."""
         request = self.request
         if self.top.options:
             candidates = [self._candidate(o) for o in self.top.options]
             return self._decision(candidates, _deciding(candidates), "")
         reason = f"no node fits {_describe(request)}: {self._summary()}"
-        if request.priority == PriorityClass.BEST_EFFORT:
-            reason += "; best-effort deployments preempt nothing"
+        if request.priority == PriorityClass.STANDBY:
+            reason += "; standby replicas preempt nothing"
         else:
             preempt()
             if self.preemptions.options:

@@ -124,11 +124,13 @@ def epoch(field: str, value: int) -> int:
 
 
 def priority(value: int) -> PriorityClass:
-    """A priority class; unspecified (0) is standard."""
+    """A priority class; unspecified (0) is standard (so no client can ask for standby)."""
     try:
         return PriorityClass(value or PriorityClass.STANDARD)
     except ValueError:
-        known = ", ".join(f"{int(p)} ({p.name.lower()})" for p in PriorityClass)
+        known = ", ".join(
+            f"{int(p)} ({p.name.lower()})" for p in PriorityClass if p is not PriorityClass.STANDBY
+        )
         raise InvalidRequest(f"priority {value} is not a priority class: {known}") from None
 
 

@@ -382,7 +382,17 @@ def test_equal_or_lower_priority_never_preempts() -> None:
     snapshot = ClusterSnapshot.of([crowded("n", "s0", *[BE] * 8)])
     decision = place(snapshot, request(priority=BE), line(1))
     assert decision.node_id is None
-    assert decision.reason.endswith("best-effort deployments preempt nothing")
+    assert "no eviction of allocations below best_effort makes room" in decision.reason
+
+
+def test_standbys_are_preempted_by_any_deployment_and_preempt_nothing() -> None:
+    standby = PriorityClass.STANDBY
+    snapshot = ClusterSnapshot.of([crowded("n", "s0", *[BE] * 7, standby)])
+    decision = place(snapshot, request(priority=BE), line(1))
+    assert (decision.node_id, decision.preempt) == ("n", ("n-7",))
+    decision = place(snapshot, request(priority=standby), line(1))
+    assert (decision.node_id, decision.preempt) == (None, ())
+    assert decision.reason.endswith("standby replicas preempt nothing")
 
 
 def test_preemption_prefers_lower_priorities_then_the_nearest_node() -> None:
