@@ -19,6 +19,7 @@ import time
 
 from broker.errors import Impossible, InvalidRequest, NodeUnavailable, NotFound, ResourceExhausted
 from broker.placement import ClusterSnapshot, Decision, PlacementRequest, place
+from broker.prewarm import Prewarm
 from broker.service import Broker, DeploySpec, Move
 from broker.state import (
     DeploymentRecord,
@@ -36,7 +37,7 @@ from migration.mechanism import (
     Timeline,
     run_migration,
 )
-from migration.policy import Hysteresis, mobility_verdict
+from migration.policy import Hysteresis, PrewarmSettings, mobility_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,16 @@ Choice = tuple[Decision, str] | None
 
 class Migrations:
     def __init__(
-        self, broker: Broker, hysteresis: Hysteresis, drain_timeout_s: float = 5.0
+        self,
+        broker: Broker,
+        hysteresis: Hysteresis,
+        drain_timeout_s: float = 5.0,
+        prewarm: PrewarmSettings | None = None,
     ) -> None:
         self.broker = broker
         self.hysteresis = hysteresis
+        self.prewarm = Prewarm(broker, hysteresis, prewarm or PrewarmSettings())
+        """Predictive pre-warm: off unless its settings give it a budget."""
         self.drain_timeout_s = drain_timeout_s
         self._acks: dict[tuple[str, int], asyncio.Event] = {}
         self._last: dict[str, float] = {}
@@ -72,35 +79,72 @@ class Migrations:
         node is past the hysteresis. Returns the migrations started."""
         broker = self.broker
         await broker.report_location(client_id, site)
+        self.prewarm.observe(client_id, site)
         started = []
         for record in await broker.list(client_id):
             if record.state is not DeploymentState.RUNNING:
                 continue
-            await broker.set_site(record.deployment_id, site)
+            deployment_id = record.deployment_id
+            await broker.set_site(deployment_id, site)
             try:
                 move = await broker.reserve_move(
-                    record.deployment_id,
+                    deployment_id,
                     lambda r, snapshot: self._mobility_choice(r, snapshot, site),
                     client_id=client_id,
                     if_idle=True,
                 )
             except NotFound:
                 continue  # it stopped running since it was listed
+            except ResourceExhausted as err:
+                logger.info("deployment=%s stays for site %s: %s", deployment_id, site, err)
+                move = None
             if move is not None:
                 started.append(
                     await self._launch(move, MigrationTrigger.MOBILITY, Strategy.MAKE_BEFORE_BREAK)
                 )
+                continue
+            if broker.is_busy(deployment_id):
+                continue  # a move under way: pre-warm plans again when it ends
+            standby = broker.standby_of(deployment_id)
+            if standby is not None and site != record.site:
+                # The client moved and no move was made: what the standby was for is over.
+                await broker.retire_standby(
+                    standby,
+                    f"the client reported {site}"
+                    + (" and stays on its node" if site == standby.site else ""),
+                    "lapsed",
+                )
+            broker.background(self.prewarm.plan(deployment_id), f"prewarm-{deployment_id}")
         return started
 
     def _mobility_choice(
         self, record: DeploymentRecord, snapshot: ClusterSnapshot, site: str
     ) -> Choice:
-        """The best other node that fits, if it beats staying by the hysteresis."""
+        """The best other node that fits, if it beats staying by the hysteresis; the
+        deployment's standby for `site`, if it has one there that does (no cooldown: the
+        move starts nothing)."""
         assert record.node_id is not None
         current = snapshot.get(record.node_id)
         if current is None:
             return None
         current_ms = self.broker.network.latency_ms(site, current.site, record.node_id)
+        standby = self.broker.standby_of(record.deployment_id)
+        if standby is not None and standby.site == site and standby.node_id in snapshot:
+            node = snapshot.node(standby.node_id)
+            standby_ms = self.broker.network.latency_ms(site, node.site, standby.node_id)
+            verdict = mobility_verdict(current_ms, standby_ms, None, self.hysteresis)
+            decision = place(
+                ClusterSnapshot.of([node]), _request(record, site), self.broker.network
+            )
+            if verdict.move and decision.node_id is not None:
+                logger.info(
+                    "deployment=%s site=%s: migrating to its standby on %s, %s",
+                    record.deployment_id,
+                    site,
+                    standby.node_id,
+                    verdict.reason,
+                )
+                return decision, f"client moved to {site}, as predicted: {verdict.reason}"
         decision = place(
             snapshot.without_node(record.node_id), _request(record, site), self.broker.network
         )
@@ -201,6 +245,8 @@ class Migrations:
                 move = await broker.reserve_move(record.deployment_id, choose, if_idle=True)
             except NotFound:
                 continue
+            except ResourceExhausted:
+                move = None  # only by preempting: placed again, it may
             if move is None:
                 logger.error(
                     "deployment=%s lost with node %s and nothing fits now: pending",
@@ -293,6 +339,7 @@ class Migrations:
             epoch=move.epoch,
             drain_timeout_s=self.drain_timeout_s,
             stop_grace_ms=self.broker.settings.stop_grace_ms,
+            prewarmed=move.prewarmed,
         )
         self._moves[plan.migration_id] = move
         self._decided[plan.migration_id] = time.monotonic()
@@ -321,6 +368,9 @@ class Migrations:
                 )
         finally:
             self._finish(plan)
+        self.broker.background(
+            self.prewarm.plan(plan.deployment_id), f"prewarm-{plan.deployment_id}"
+        )
 
     def _finish(self, plan: MigrationPlan) -> None:
         move = self._moves.pop(plan.migration_id, None)
@@ -401,6 +451,7 @@ class Migrations:
                 span_gap_ms=None,
                 created_at=now,
                 updated_at=now,
+                prewarmed=plan.prewarmed,
             ),
         )
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 import time
 
-from broker.ops import DeploymentInfo, MigrationInfo, NodeInfo, OffloadInfo
+from broker.ops import (
+    DeploymentInfo,
+    MigrationInfo,
+    NodeInfo,
+    OffloadInfo,
+    PrewarmInfo,
+    StandbyInfo,
+)
 from broker.placement import PriorityClass
 from broker.service import Broker, NodeEntry
 from broker.state import DeploymentRecord, OffloadReportRecord
@@ -61,8 +68,9 @@ def offload_info(report: OffloadReportRecord, now: float) -> OffloadInfo:
 
 
 class BrokerOpsView:
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, prewarm_budget: int = 0) -> None:
         self._broker = broker
+        self._prewarm_budget = prewarm_budget
 
     async def _active(self) -> list[DeploymentRecord]:
         return await self._broker.visible_deployments()
@@ -147,6 +155,28 @@ class BrokerOpsView:
                     "span_gap_ms": m.span_gap_ms,
                     "failed_requests": m.failed_requests,
                     "timeline": json.loads(m.timeline_json or "[]"),
+                    "prewarmed": m.prewarmed,
                 }
             )
         return out
+
+    async def prewarm(self) -> PrewarmInfo:
+        now = time.monotonic()
+        held_now = self._broker.standbys()
+        active = {id(s) for s in held_now if self._broker.standby_of(s.deployment_id) is s}
+        standbys: list[StandbyInfo] = []
+        for standby in sorted(held_now, key=lambda s: s.created):
+            held = id(standby) in active
+            standbys.append(
+                {
+                    "deployment_id": standby.deployment_id,
+                    "replica_id": standby.replica,
+                    "node_id": standby.node_id,
+                    "site": standby.site,
+                    "gpus": list(standby.record.gpus),
+                    "probability": round(standby.probability, 3) if standby.probability else None,
+                    "state": ("ready" if standby.ready else "starting") if held else "retiring",
+                    "age_s": round(now - standby.created, 3),
+                }
+            )
+        return {"budget": self._prewarm_budget, "standbys": standbys}

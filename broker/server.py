@@ -31,7 +31,7 @@ from broker.rpc.status import MalformedRequests
 from broker.service import Broker, BrokerSettings
 from broker.state import KeyChanges, StateError, StateStore, new_api_key, parse_api_keys_file
 from broker.state.permissions import create_private_file
-from migration.policy import Hysteresis
+from migration.policy import Hysteresis, PrewarmSettings
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 OPS_TOKEN_FILENAME = "ops-token"
 DEFAULT_MAX_MODEL_BYTES = 2 * 1024**3
+PREWARM_SWEEP_S = 5.0
+"""How often deployments without a standby are planned again (new ones, and those the
+budget turned away)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class BrokerConfig:
     settings: BrokerSettings = field(default_factory=BrokerSettings)
     hysteresis: Hysteresis = field(default_factory=Hysteresis)
     drain_timeout_s: float = 5.0
+    prewarm: PrewarmSettings = field(default_factory=PrewarmSettings)
 
 
 @dataclass(slots=True)
@@ -99,7 +103,9 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        migrations = Migrations(broker, config.hysteresis, config.drain_timeout_s)
+        migrations = Migrations(
+            broker, config.hysteresis, config.drain_timeout_s, prewarm=config.prewarm
+        )
         await migrations.resume_after_restart()
         pb_grpc.add_NodeRegistryServicer_to_server(NodeRegistryServicer(broker), server)
         pb_grpc.add_EdgeBrokerServicer_to_server(EdgeBrokerServicer(broker, migrations), server)
@@ -115,7 +121,9 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
         auth = OpsAuth(ops_token, metrics_open=not config.metrics_auth)
         host, _, ops_port_text = config.ops_listen.rpartition(":")
         runner, ops_port = await start_ops_server(
-            create_ops_app(BrokerOpsView(broker), metrics, auth), host, int(ops_port_text)
+            create_ops_app(BrokerOpsView(broker, config.prewarm.budget), metrics, auth),
+            host,
+            int(ops_port_text),
         )
     except BaseException:
         store.close()
@@ -201,6 +209,10 @@ async def serve(config: BrokerConfig) -> int:
                     _every(config.settings.pending_retry_s, broker.retry_pending),
                     name="pending-retry",
                 ),
+                tasks.create_task(
+                    _every(PREWARM_SWEEP_S, running.migrations.prewarm.sweep),
+                    name="prewarm-sweep",
+                ),
             ]
             await stop.wait()
             for task in loops:
@@ -271,6 +283,11 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         ),
         hysteresis=Hysteresis(args.min_gain_ms, args.min_gain_ratio, args.cooldown),
         drain_timeout_s=args.drain_timeout,
+        prewarm=PrewarmSettings(
+            budget=args.prewarm_budget,
+            min_probability=args.prewarm_min_probability,
+            ttl_s=args.prewarm_ttl,
+        ),
     )
 
 
@@ -391,6 +408,32 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         default=5.0,
         metavar="SECONDS",
         help="how long the old replica waits for the client's switch ack",
+    )
+    prewarm = PrewarmSettings()
+    p.add_argument(
+        "--prewarm-budget",
+        type=int,
+        default=prewarm.budget,
+        metavar="N",
+        help="predictive pre-warm: start up to N standby replicas (cluster-wide, at once) at "
+        "the sites clients are predicted to reach next, so the move there is a switch, not a "
+        "start; standbys are preempted by any deployment (default 0: off)",
+    )
+    p.add_argument(
+        "--prewarm-min-probability",
+        type=float,
+        default=prewarm.min_probability,
+        metavar="P",
+        help="warm a standby only for a next site at least this likely, and when probability "
+        f"x latency gain reaches --min-gain-ms (default {prewarm.min_probability:g})",
+    )
+    p.add_argument(
+        "--prewarm-ttl",
+        type=float,
+        default=prewarm.ttl_s,
+        metavar="SECONDS",
+        help=f"retire a standby the client has not reached after this long "
+        f"(default {prewarm.ttl_s:g})",
     )
     p.set_defaults(func=_main)
     k = subparsers.add_parser("keygen", help="print a new API key for a client")

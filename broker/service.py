@@ -62,6 +62,7 @@ from broker.state import (
     NodeState,
     OffloadReportRecord,
     OffloadSummary,
+    StandbyRecord,
     StateStore,
 )
 from common.inventory import Gpu, Inventory, Link, LinkKind
@@ -212,6 +213,13 @@ class Move:
     target_gpus: tuple[int, ...]
     explanation_json: str
     """The target's placement explanation, which becomes the deployment's at the switch."""
+    standby: Standby | None = None
+    """The pre-warmed standby the move switches to (its target replica, started already);
+    None for a cold start."""
+
+    @property
+    def prewarmed(self) -> bool:
+        return self.standby is not None
 
     @property
     def epoch(self) -> int:
@@ -223,7 +231,61 @@ class Move:
         return replica_id(self.deployment_id, self.source_epoch)
 
 
+@dataclass(eq=False, slots=True)
+class Standby:
+    """A replica of a deployment started ahead of a move, at the node placement chose for
+    its client's predicted next site, for the epoch it would serve at (`broker.prewarm`).
+    Held in the snapshot at standby priority: any deployment preempts it."""
+
+    record: StandbyRecord
+    probability: float
+    """How likely the prediction was when it was started."""
+    memory_mib: int
+    created: float
+    """time.monotonic() of its reservation."""
+    task: asyncio.Task[str] | None = None
+    """Its start: the endpoint once ready (NodeUnavailable or ResourceExhausted when the node
+    cannot); None until started."""
+
+    @property
+    def deployment_id(self) -> str:
+        return self.record.deployment_id
+
+    @property
+    def node_id(self) -> str:
+        return self.record.node_id
+
+    @property
+    def site(self) -> str:
+        return self.record.site
+
+    @property
+    def replica(self) -> str:
+        return replica_id(self.record.deployment_id, self.record.epoch)
+
+    @property
+    def allocation_id(self) -> str:
+        return standby_allocation(self.record.deployment_id, self.record.epoch)
+
+    @property
+    def ready(self) -> bool:
+        task = self.task
+        return task is not None and task.done() and not task.cancelled() and not task.exception()
+
+
+STANDBY_SUFFIX = "~standby"
+
+
+def standby_allocation(deployment_id: str, epoch: int) -> str:
+    """The id a standby's hold has in the snapshot (and in a decision's `preempt`)."""
+    return f"{deployment_id}@{epoch}{STANDBY_SUFFIX}"
+
+
 MoveChoice = Callable[[DeploymentRecord, ClusterSnapshot], "tuple[Decision, str] | None"]
+StandbyChoice = Callable[[DeploymentRecord, ClusterSnapshot], "Decision | None"]
+"""Given a running deployment and the cluster as it is now, where its standby goes (a
+placement decision of standby priority), or None for no standby. Pure: it runs under the
+placement lock."""
 """Given a running deployment and the cluster as it is now, the target (a placement
 decision that names a node) and why it moves there; None to leave it where it is. Pure: it
 runs under the placement lock."""
@@ -338,6 +400,11 @@ class Broker:
         reconciliation leaves them alone (their replicas come and go on purpose)."""
         self._holds: dict[tuple[str, int], Hold] = {}
         """(deployment id, epoch) -> GPUs held for that replica beyond the records."""
+        self._standbys: dict[str, Standby] = {}
+        """deployment id -> its standby replica (`broker.prewarm`), while it may be used."""
+        self._retiring: set[Standby] = set()
+        """Standbys being stopped: they hold their GPUs (and count against the budget)
+        until their replica is gone."""
         self._tasks: set[asyncio.Task[Any]] = set()
         """Background work started by a change (placing again, publishing updates)."""
 
@@ -388,6 +455,15 @@ class Broker:
                 )
             logger.warning(
                 "deployment=%s was starting at restart: pending", starting.deployment_id
+            )
+        for left in await self._db(self._store.list_standbys):
+            # The previous broker's standbys: its predictions are gone with it. Each holds its
+            # GPUs until its replica is stopped.
+            standby = Standby(left, 0.0, 0, time.monotonic())
+            self._retiring.add(standby)
+            self.background(
+                self._stop_standby(standby, "the broker restarted", "lapsed"),
+                f"retire-{standby.replica}",
             )
         deployments = await self._db(self._store.list_deployments, states=VISIBLE)
         logger.info(
@@ -581,7 +657,19 @@ class Broker:
                 if d.state is DeploymentState.STARTING
             ),
             *(replica_id(deployment, epoch) for deployment, epoch in self._holds),
+            *(standby.replica for standby in self.standbys() if standby.node_id == node_id),
         }
+        for standby in list(self._standbys.values()):
+            if (
+                standby.node_id == node_id
+                and standby.ready
+                and standby.replica not in running
+                and standby.record.created_at < settled_before
+            ):
+                logger.warning(
+                    "standby %s is not running on node %s; retiring it", standby.replica, node_id
+                )
+                await self.retire_standby(standby, "its replica is gone", "lost")
         now = time.monotonic()
         for replica, _state in replicas:
             if replica in claimed:
@@ -610,6 +698,12 @@ class Broker:
                 lost.append(node_id)
         for node_id in lost:
             await self._db(self._store.set_node_state, node_id, NodeState.LOST)
+        for standby in list(self._standbys.values()):
+            if standby.node_id in lost:
+                self.background(
+                    self.retire_standby(standby, "its node was lost", "lost"),
+                    f"retire-{standby.replica}",
+                )
         return lost
 
     # --- models --------------------------------------------------------------------------
@@ -661,9 +755,10 @@ class Broker:
     # --- deployments ---------------------------------------------------------------------
 
     def _snapshot(self, deployments: Sequence[DeploymentRecord]) -> ClusterSnapshot:
-        """The cluster as placement sees it: the records' allocations and the holds. What no
-        decision may take away (a replica starting, a deployment being moved or deleted, a
-        hold) is entered at the top priority, so nothing preempts it."""
+        """The cluster as placement sees it: the records' allocations, the holds and the
+        standbys. What no decision may take away (a replica starting, a deployment being
+        moved or deleted, a hold) is entered at the top priority, so nothing preempts it; a
+        standby at the lowest, so anything does."""
         by_node: dict[str, list[DeploymentRecord]] = {}
         for d in deployments:
             if d.node_id and d.state in ACTIVE:
@@ -694,6 +789,16 @@ class Broker:
                             PriorityClass.CRITICAL,
                             hold.gpus,
                             hold.memory_mib,
+                        )
+                    )
+            for standby in self.standbys():
+                if standby.node_id == node_id:
+                    node = node.with_allocation(
+                        Allocation(
+                            standby.allocation_id,
+                            PriorityClass.STANDBY,
+                            standby.record.gpus,
+                            standby.memory_mib,
                         )
                     )
             nodes.append(node)
@@ -745,10 +850,11 @@ class Broker:
 
     async def _reserve(
         self, deployment_id: str, client_id: str, spec: DeploySpec, epoch: int
-    ) -> tuple[DeploymentRecord, list[DeploymentRecord]]:
+    ) -> tuple[DeploymentRecord, list[DeploymentRecord | Standby]]:
         """One decision: place the deployment, write it `starting` there and write the
-        deployments it preempts `pending`, all under the lock. The evicted records (as they
-        were: their replicas are still to be stopped)."""
+        deployments it preempts `pending` (the standbys it preempts retiring), all under the
+        lock. The evicted records (as they were: their replicas are still to be stopped) and
+        standbys."""
         async with self._placing:
             if epoch == 1:
                 current = await self._db(
@@ -796,8 +902,11 @@ class Broker:
                 created_at=now,
                 updated_at=now,
             )
-            evicted = []
+            evicted: list[DeploymentRecord | Standby] = []
+            evicted.extend(self._take_standbys(decision.preempt))
             for victim_id in decision.preempt:
+                if victim_id.endswith(STANDBY_SUFFIX):
+                    continue
                 victim = await self._db(self._store.get_deployment, victim_id)
                 if victim is not None and victim.state in ACTIVE:
                     await self._write_pending(victim_id, f"preempted by {deployment_id}")
@@ -828,7 +937,15 @@ class Broker:
 
     async def _write_pending(self, deployment_id: str, reason: str) -> None:
         """Take a deployment off its node in the store (its GPUs free for the next
-        decision); call under `_placing`."""
+        decision), and retire its standby (made for an epoch it will not have); call under
+        `_placing`."""
+        standby = self._standbys.pop(deployment_id, None)
+        if standby is not None:
+            self._retiring.add(standby)
+            self.background(
+                self._stop_standby(standby, f"the deployment left its node: {reason}", "lapsed"),
+                f"retire-{standby.replica}",
+            )
         await self._db(
             self._store.update_deployment,
             deployment_id,
@@ -840,10 +957,14 @@ class Broker:
             reason=reason,
         )
 
-    async def _stop_evicted(self, evicted: Sequence[DeploymentRecord]) -> None:
-        """Stop the replicas of deployments a decision preempted, tell their clients, and
-        place them again (they stay pending until something fits)."""
+    async def _stop_evicted(self, evicted: Sequence[DeploymentRecord | Standby]) -> None:
+        """Stop the standbys and the replicas of deployments a decision preempted, tell the
+        deployments' clients, and place them again (they stay pending until something
+        fits)."""
         for victim in evicted:
+            if isinstance(victim, Standby):
+                await self._stop_standby(victim, "preempted by a deployment", "preempted")
+                continue
             await self.stop_replica(victim.node_id, replica_id(victim.deployment_id, victim.epoch))
             self._publish(victim.deployment_id)
             self._spawn_replace(victim.deployment_id)
@@ -990,6 +1111,165 @@ class Broker:
         ):
             self._spawn_replace(record.deployment_id)
 
+    # --- standbys: pre-warmed replicas (`broker.prewarm` decides, these hold and run them) --
+
+    def standbys(self) -> list[Standby]:
+        """Every standby held now: those that may still be used, then those being stopped."""
+        return [*self._standbys.values(), *self._retiring]
+
+    def is_busy(self, deployment_id: str) -> bool:
+        """Whether a move or a delete holds the deployment now."""
+        return deployment_id in self._busy
+
+    def standby_of(self, deployment_id: str) -> Standby | None:
+        """The deployment's standby that may still be used; None when it has none."""
+        return self._standbys.get(deployment_id)
+
+    async def reserve_standby(
+        self,
+        deployment_id: str,
+        site: str,
+        probability: float,
+        choose: StandbyChoice,
+        budget: int,
+    ) -> Standby | None:
+        """One decision, under the placement lock: the deployment runs, no move or delete
+        holds it, it has no standby, fewer than `budget` standbys are held, and `choose`
+        picks a node for a standby of it for a client at `site` (a decision of standby
+        priority) on the cluster as it is now. Then the standby is recorded in the store,
+        held, and its start begun at background CPU priority (`Standby.task`). None when
+        any of that declines (`choose` says why in the log)."""
+        async with self._placing:
+            record = await self._db(self._store.get_deployment, deployment_id)
+            if (
+                record is None
+                or record.state is not DeploymentState.RUNNING
+                or record.node_id is None
+                or deployment_id in self._busy
+                or deployment_id in self._standbys
+            ):
+                return None
+            if len(self._standbys) + len(self._retiring) >= budget:
+                logger.info(
+                    "deployment=%s: no standby for site %s: the budget of %d is held",
+                    deployment_id,
+                    site,
+                    budget,
+                )
+                self.metrics.count_standby("refused")
+                return None
+            decision = choose(record, await self._current_snapshot())
+            if decision is None or decision.node_id is None or decision.preempt:
+                return None
+            spec = DeploySpec.from_json(record.request_json)
+            standby = Standby(
+                StandbyRecord(
+                    deployment_id=deployment_id,
+                    epoch=record.epoch + 1,
+                    node_id=decision.node_id,
+                    site=site,
+                    gpus=decision.gpus,
+                    created_at=time.time(),
+                ),
+                probability,
+                spec.gpu_memory_mib,
+                time.monotonic(),
+            )
+            await self._db(self._store.put_standby, standby.record)
+            self._standbys[deployment_id] = standby
+            task = self._own(
+                self._start_standby(standby, record, spec), f"standby-{standby.replica}"
+            )
+            task.add_done_callback(_retrieve)
+            standby.task = task
+        self.metrics.count_standby("started")
+        logger.info(
+            "deployment=%s: standby %s starting on node=%s for site %s (%.0f%% likely)",
+            deployment_id,
+            standby.replica,
+            standby.node_id,
+            site,
+            probability * 100,
+        )
+        return standby
+
+    async def _start_standby(
+        self, standby: Standby, record: DeploymentRecord, spec: DeploySpec
+    ) -> str:
+        """Start the standby's replica; its endpoint once ready. When the node cannot, the
+        standby is retired (unless a move took it already: the move rolls back) and the
+        error raised."""
+        entry = self._nodes.get(standby.node_id)
+        try:
+            if entry is None:
+                raise NodeUnavailable(f"node {standby.node_id} is gone")
+            endpoint = await entry.client.start_replica(
+                deployment_id=record.deployment_id,
+                epoch=standby.record.epoch,
+                model_sha256=record.model_sha256,
+                model_name=record.model_name,
+                gpu_uuids=tuple(entry.inventory.gpus[i].uuid for i in standby.record.gpus),
+                gpu_memory_mib=spec.gpu_memory_mib,
+                cpus=spec.cpus,
+                memory_mib=spec.memory_mib,
+                token=record.token,
+                background_start=True,
+            )
+        except (NodeUnavailable, ResourceExhausted) as err:
+            logger.warning(
+                "standby %s on node=%s failed: %s", standby.replica, standby.node_id, err
+            )
+            self.background(
+                self.retire_standby(standby, f"its start failed: {err}", "failed"),
+                f"retire-{standby.replica}",
+            )
+            raise
+        logger.info(
+            "standby %s ready on node=%s at %s", standby.replica, standby.node_id, endpoint
+        )
+        return endpoint
+
+    async def retire_standby(self, standby: Standby, reason: str, outcome: str) -> bool:
+        """Stop `standby` and release it if it is still the deployment's standby (not taken
+        by a move, not retired already): whether it was. `outcome` counts it in the metrics
+        (lapsed, expired, failed, lost ...)."""
+        async with self._placing:
+            if self._standbys.get(standby.deployment_id) is not standby:
+                return False
+            del self._standbys[standby.deployment_id]
+            self._retiring.add(standby)
+        await self._stop_standby(standby, reason, outcome)
+        return True
+
+    def _take_standbys(self, allocation_ids: Sequence[str]) -> list[Standby]:
+        """The standbys among a decision's `preempt`, turned retiring (call under
+        `_placing`; the caller stops them with `_stop_standby`)."""
+        taken = []
+        for standby in list(self._standbys.values()):
+            if standby.allocation_id in allocation_ids:
+                del self._standbys[standby.deployment_id]
+                self._retiring.add(standby)
+                taken.append(standby)
+        return taken
+
+    async def _stop_standby(self, standby: Standby, reason: str, outcome: str) -> None:
+        """Stop a retiring standby: end its start if it runs, stop its replica, forget its
+        record; its hold goes last, once the replica is gone (or its node is)."""
+        try:
+            task = standby.task
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait([task])
+            await self.stop_replica(standby.node_id, standby.replica, grace_ms=0)
+            record = standby.record
+            await self._db(
+                self._store.delete_standby, record.deployment_id, record.epoch, record.node_id
+            )
+        finally:
+            self._retiring.discard(standby)
+        self.metrics.count_standby(outcome)
+        logger.info("standby %s on node=%s retired: %s", standby.replica, standby.node_id, reason)
+
     # --- moves: the intent-level operations a migration runs on ---------------------------
 
     def _claim(self, deployment_id: str) -> None:
@@ -1028,9 +1308,19 @@ class Broker:
             if if_idle and deployment_id in self._busy:
                 return None
             self._claim(deployment_id)
+            standby = self._standbys.get(deployment_id)
             chosen: tuple[Decision, str] | None = None
             try:
-                chosen = choose(record, await self._current_snapshot())
+                snapshot = await self._current_snapshot()
+                if standby is not None:
+                    # Its GPUs are the deployment's own to move to.
+                    snapshot = snapshot.release(standby.node_id, standby.allocation_id)
+                chosen = choose(record, snapshot)
+                if chosen is not None:
+                    _refuse_preemption(chosen[0])
+            except BaseException:
+                chosen = None
+                raise
             finally:
                 if chosen is None:  # declined, or raised: the deployment is not taken
                     self._busy.discard(deployment_id)
@@ -1039,25 +1329,62 @@ class Broker:
             decision, why = chosen
             assert decision.node_id is not None
             spec = DeploySpec.from_json(record.request_json)
+            retired = self._take_standbys(decision.preempt)
+            target_gpus = decision.gpus
+            if standby is not None:
+                del self._standbys[deployment_id]
+                if decision.node_id == standby.node_id:
+                    target_gpus = standby.record.gpus  # its replica runs on those
+                    rec = standby.record
+                    await self._db(
+                        self._store.delete_standby, rec.deployment_id, rec.epoch, rec.node_id
+                    )
+                else:
+                    self._retiring.add(standby)
+                    retired.append(standby)
+                    standby = None
             move = Move(
                 deployment_id=deployment_id,
                 source_node=record.node_id,
                 source_gpus=record.gpus,
                 source_epoch=record.epoch,
                 target_node=decision.node_id,
-                target_gpus=decision.gpus,
+                target_gpus=target_gpus,
                 explanation_json=explanation_json(decision, why),
+                standby=standby,
             )
             self._holds[(deployment_id, move.epoch)] = Hold(
                 move.target_node, move.target_gpus, spec.gpu_memory_mib, spec.priority
             )
-            return move
+        if move.standby is not None:
+            self.metrics.count_standby("hit")
+        for other in retired:
+            lapsed = other.deployment_id == deployment_id
+            self.background(
+                self._stop_standby(
+                    other,
+                    "the move went elsewhere"
+                    if lapsed
+                    else f"preempted by a move of {deployment_id}",
+                    "lapsed" if lapsed else "preempted",
+                ),
+                f"retire-{other.replica}",
+            )
+        return move
 
     async def start_move_target(self, move: Move, *, background: bool = False) -> str:
-        """Start the replica of `move.epoch` on the target; its endpoint once ready. With
-        `background`, the node starts it at background CPU priority and raises it once it
-        is ready (a replica serves meanwhile). NodeUnavailable or ResourceExhausted when
-        the node cannot."""
+        """Start the replica of `move.epoch` on the target; its endpoint once ready (at
+        once for a pre-warmed move whose standby is ready; once it is, for one still
+        starting). With `background`, the node starts it at background CPU priority and
+        raises it once it is ready (a replica serves meanwhile). NodeUnavailable or
+        ResourceExhausted when the node cannot."""
+        if move.standby is not None and move.standby.task is not None:
+            try:
+                return await asyncio.shield(move.standby.task)
+            except asyncio.CancelledError:
+                if move.standby.task.cancelled():
+                    raise NodeUnavailable("the standby's start was cancelled") from None
+                raise
         record = await self._db(self._store.get_deployment, move.deployment_id)
         entry = self._nodes.get(move.target_node)
         if record is None or entry is None:
@@ -1242,7 +1569,12 @@ class Broker:
         async with self._placing:
             record = await self.get(client_id, deployment_id)
             self._claim(deployment_id)
+            standby = self._standbys.pop(deployment_id, None)
+            if standby is not None:
+                self._retiring.add(standby)
         try:
+            if standby is not None:
+                await self._stop_standby(standby, "the deployment is deleted", "lapsed")
             if record.state in ACTIVE:
                 await self.stop_replica(record.node_id, replica_id(deployment_id, record.epoch))
             async with self._placing:
@@ -1318,6 +1650,17 @@ def placement_update(
         migration_id,
         prepared_ms,
     )
+
+
+def _refuse_preemption(decision: Decision) -> None:
+    """A move may take a standby's GPUs, never a deployment's: ResourceExhausted when the
+    target has room only by evicting one (a placement of its own, at the next epoch, may)."""
+    real = [d for d in decision.preempt if not d.endswith(STANDBY_SUFFIX)]
+    if real:
+        raise ResourceExhausted(
+            f"the best target, node {decision.node_id}, has room only by preempting "
+            f"{', '.join(real)}; a migration preempts no deployment"
+        )
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

@@ -156,7 +156,7 @@ def _describe(m: pb.Migration) -> str:
     span = "-" if m.span_gap_ms < 0 else f"{m.span_gap_ms:.1f} ms"
     return (
         f"{m.migration_id} {m.deployment_id} {m.trigger} {m.source_node} -> {m.target_node} "
-        f"{m.strategy}: {m.state}{f' ({m.reason})' if m.reason else ''}; client gap {gap} "
+        f"{m.strategy}{' (pre-warmed)' if m.prewarmed else ''}: {m.state}{f' ({m.reason})' if m.reason else ''}; client gap {gap} "
         f"at the switch, {span} over the migration"
     )
 
@@ -225,7 +225,9 @@ async def _migrations(args: argparse.Namespace) -> int:
         gap, span = m["downtime_ms"], m.get("span_gap_ms")  # absent from an older broker
         table.add_row(
             m["migration_id"], m["deployment_id"], m["trigger"], m["source"] or "-",
-            m["target"] or "-", m["strategy"], m["outcome"] or "under way",
+            m["target"] or "-",
+            m["strategy"] + (" (pre-warmed)" if m.get("prewarmed") else ""),
+            m["outcome"] or "under way",
             "-" if gap is None else f"{gap:.1f} ms",
             "-" if span is None else f"{span:.1f} ms",
             "-" if m["failed_requests"] is None else str(m["failed_requests"]),

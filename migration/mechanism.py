@@ -67,6 +67,9 @@ class MigrationPlan:
     straggler_grace_s: float = 0.2
     """After the client's ack, how long the old replica keeps taking new calls: a request the
     client addressed to the old endpoint just before it switched can arrive after the ack."""
+    prewarmed: bool = False
+    """The target is a pre-warmed standby (`broker.prewarm`): its start is at most a wait for
+    it to be ready."""
 
 
 @dataclass(slots=True)

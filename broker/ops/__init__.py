@@ -17,6 +17,8 @@ from broker.ops.view import (
     OffloadDecisionInfo,
     OffloadInfo,
     OpsView,
+    PrewarmInfo,
+    StandbyInfo,
     TimelineEvent,
 )
 
@@ -31,6 +33,8 @@ __all__ = [
     "OffloadInfo",
     "OpsAuth",
     "OpsView",
+    "PrewarmInfo",
+    "StandbyInfo",
     "TimelineEvent",
     "create_ops_app",
     "start_ops_server",

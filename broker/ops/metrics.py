@@ -72,6 +72,9 @@ DOWNTIME_BUCKETS_S = (
 """Migration downtime buckets in seconds; 5 s is the bound the design must beat."""
 
 
+STANDBY_EVENTS = ("started", "hit", "lapsed", "expired", "preempted", "failed", "lost", "refused")
+
+
 def _check_seconds(what: str, seconds: float) -> None:
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{what} must be a finite number of seconds >= 0, got {seconds!r}")
@@ -152,6 +155,26 @@ class BrokerMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self._standbys = Gauge(
+            "offload_standbys",
+            "Pre-warmed standby replicas held now (those being stopped included).",
+            registry=self.registry,
+        )
+        self._standby_budget = Gauge(
+            "offload_standby_budget",
+            "Standby replicas the operator allows at once (--prewarm-budget; 0: pre-warm off).",
+            registry=self.registry,
+        )
+        self._standby_events = Counter(
+            "offload_standby_events",
+            "Standby replicas by what became of them: started; hit (a move switched to it); "
+            "lapsed (the client went elsewhere, or the deployment left); expired (not reached "
+            "in time); preempted; failed; lost (its replica or node gone); refused (budget).",
+            ["event"],
+            registry=self.registry,
+        )
+        for event in STANDBY_EVENTS:
+            self._standby_events.labels(event=event)
         self._offload = _OffloadCollector()
         self.registry.register(self._offload)
         # Every state a gauge has shown: a state that empties reads 0 instead of vanishing,
@@ -181,6 +204,20 @@ class BrokerMetrics:
         set before: a deployment missing now has no series."""
         self._offload.requests = dict(requests)
         self._offload.reachable = dict(reachable)
+
+    def set_standbys(self, held: int) -> None:
+        """Set `offload_standbys`."""
+        self._standbys.set(held)
+
+    def set_standby_budget(self, budget: int) -> None:
+        """Set `offload_standby_budget`."""
+        self._standby_budget.set(budget)
+
+    def count_standby(self, event: str) -> None:
+        """Count one standby event (`STANDBY_EVENTS`). ValueError for another."""
+        if event not in STANDBY_EVENTS:
+            raise ValueError(f"unknown standby event {event!r}")
+        self._standby_events.labels(event=event).inc()
 
     def observe_placement(self, seconds: float) -> None:
         """Record one placement decision that took `seconds`. Raises ValueError below 0."""

@@ -160,6 +160,35 @@ class MigrationInfo(TypedDict):
     """Requests the client saw fail during the migration; None until reported."""
     timeline: list[TimelineEvent]
     """Steps in the order they happened."""
+    prewarmed: bool
+    """The target was a pre-warmed standby: the move started nothing."""
+
+
+class StandbyInfo(TypedDict):
+    """A standby replica: a deployment's next replica, started at the node chosen for the
+    site its client is predicted to reach next."""
+
+    deployment_id: str
+    replica_id: str
+    node_id: str
+    site: str
+    """The predicted site it waits for."""
+    gpus: list[int]
+    probability: float | None
+    """How likely the prediction was; None for one a previous broker left (being stopped)."""
+    state: str
+    """"starting", "ready", or "retiring" (being stopped)."""
+    age_s: float
+    """Seconds since it was reserved."""
+
+
+class PrewarmInfo(TypedDict):
+    """Predictive pre-warm now."""
+
+    budget: int
+    """Standbys allowed at once (0: pre-warm is off)."""
+    standbys: list[StandbyInfo]
+    """Those held now, the oldest first."""
 
 
 class OpsView(Protocol):
@@ -179,4 +208,8 @@ class OpsView(Protocol):
 
     async def migrations(self) -> list[MigrationInfo]:
         """Recent migrations, newest first; how many is the broker's choice."""
+        ...
+
+    async def prewarm(self) -> PrewarmInfo:
+        """The pre-warm budget and the standbys held now."""
         ...

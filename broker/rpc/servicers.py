@@ -176,6 +176,7 @@ def migration_message(m: MigrationRecord) -> pb.Migration:
         downtime_ms=-1.0 if m.downtime_ms is None else m.downtime_ms,
         failed_requests=-1 if m.failed_requests is None else m.failed_requests,
         span_gap_ms=-1.0 if m.span_gap_ms is None else m.span_gap_ms,
+        prewarmed=m.prewarmed,
     )
 
 

@@ -161,6 +161,23 @@ class MigrationRecord:
     """The longest gap clients saw over the whole migration, from the decision to the old
     replica stopped (at least `downtime_ms`); None until measured, or from a client that
     does not measure it. Schema version 3."""
+    prewarmed: bool = False
+    """The target was a pre-warmed standby replica: the move started nothing. Schema
+    version 5."""
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyRecord:
+    """A standby replica of a deployment at its client's predicted next site, for the epoch
+    it would serve at (`broker.prewarm`); recorded before it is started."""
+
+    deployment_id: str
+    epoch: int
+    node_id: str
+    site: str
+    """The predicted site it was placed for."""
+    gpus: tuple[int, ...]
+    created_at: float
 
 
 @dataclass(frozen=True, slots=True)

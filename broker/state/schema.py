@@ -154,5 +154,26 @@ CREATE TABLE offload_reports (
 """
 """Version 4: adaptive offload summaries, the latest per (deployment, client, session)."""
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4)
+_V5 = """
+-- 1: the target was a pre-warmed standby replica (no start).
+ALTER TABLE migrations ADD COLUMN prewarmed INTEGER NOT NULL DEFAULT 0
+    CHECK (prewarmed IN (0, 1));
+
+-- Standby replicas the broker started (or is starting) at a client's predicted next site,
+-- written before the node is asked to start one: a broker that restarts finds every replica
+-- it may have left and stops it (its own, by this record).
+CREATE TABLE standbys (
+    deployment_id TEXT NOT NULL REFERENCES deployments (deployment_id),
+    epoch         INTEGER NOT NULL CHECK (epoch >= 1),
+    node_id       TEXT NOT NULL REFERENCES nodes (node_id),
+    site          TEXT NOT NULL,
+    gpus_json     TEXT NOT NULL
+                  CHECK (json_valid(gpus_json) AND json_type(gpus_json) = 'array'),
+    created_at    REAL NOT NULL,
+    PRIMARY KEY (deployment_id, epoch)
+) STRICT;
+"""
+"""Version 5: predictive pre-warm: standby replicas, and which migrations switched to one."""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5)
 """The scripts in order; `len(MIGRATIONS)` is the schema version this broker writes."""

@@ -59,6 +59,7 @@ from broker.state.records import (
     OffloadCount,
     OffloadReportRecord,
     OffloadSummary,
+    StandbyRecord,
 )
 from broker.state.schema import MIGRATIONS
 
@@ -82,7 +83,7 @@ _DEPLOYMENT_COLUMNS = (
 _MIGRATION_COLUMNS = (
     "migration_id, deployment_id, trigger, source_node, target_node, strategy, state, "
     "timeline_json, outcome, reason, downtime_ms, failed_requests, created_at, updated_at, "
-    "span_gap_ms"
+    "span_gap_ms, prewarmed"
 )
 _OFFLOAD_COLUMNS = (
     "deployment_id, client_id, session, policy, local_model, decisions_json, remote_requests, "
@@ -646,6 +647,60 @@ class StateStore:
         )
         return [_migration(row) for row in rows]
 
+    # -- standbys -------------------------------------------------------------------------
+
+    def put_standby(self, record: StandbyRecord) -> None:
+        """Record a standby replica about to be started. ConstraintError when one of that
+        deployment and epoch is recorded already, or its deployment or node is unknown."""
+        with self.transaction():
+            self._require("deployments", "deployment_id", record.deployment_id, "deployment")
+            self._require("nodes", "node_id", record.node_id, "node")
+            try:
+                self._conn.execute(
+                    "INSERT INTO standbys (deployment_id, epoch, node_id, site, gpus_json, "
+                    "created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        record.deployment_id,
+                        record.epoch,
+                        record.node_id,
+                        record.site,
+                        json.dumps(list(record.gpus)),
+                        record.created_at,
+                    ),
+                )
+            except sqlite3.IntegrityError as err:
+                raise ConstraintError(
+                    f"standby {record.deployment_id}@{record.epoch} is recorded already"
+                ) from err
+
+    def delete_standby(self, deployment_id: str, epoch: int, node_id: str) -> bool:
+        """Forget the standby of `deployment_id` at `epoch` if it is the one on `node_id`
+        (a caller releases only the standby it owns); whether one was."""
+        with self.transaction():
+            cursor = self._conn.execute(
+                "DELETE FROM standbys WHERE deployment_id = ? AND epoch = ? AND node_id = ?",
+                (deployment_id, epoch, node_id),
+            )
+            return cursor.rowcount > 0
+
+    def list_standbys(self) -> list[StandbyRecord]:
+        """Every recorded standby, oldest first."""
+        rows = self._query(
+            "SELECT deployment_id, epoch, node_id, site, gpus_json, created_at FROM standbys "
+            "ORDER BY created_at, deployment_id, epoch"
+        )
+        return [
+            StandbyRecord(
+                deployment_id=row["deployment_id"],
+                epoch=row["epoch"],
+                node_id=row["node_id"],
+                site=row["site"],
+                gpus=tuple(int(g) for g in json.loads(row["gpus_json"])),
+                created_at=row["created_at"],
+            )
+            for row in rows
+        ]
+
     # -- offload reports ------------------------------------------------------------------
 
     def put_offload_report(self, record: OffloadReportRecord, keep: int) -> bool:
@@ -779,6 +834,7 @@ def _migration_params(record: MigrationRecord) -> dict[str, object]:
     params["trigger"] = _enum(MigrationTrigger, record.trigger, "migration trigger").value
     params["strategy"] = _enum(MigrationStrategy, record.strategy, "migration strategy").value
     params["state"] = _enum(MigrationState, record.state, "migration state").value
+    params["prewarmed"] = int(record.prewarmed)
     return params
 
 
@@ -800,6 +856,7 @@ def _migration(row: sqlite3.Row) -> MigrationRecord:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         span_gap_ms=_finite_or_none(row["span_gap_ms"], "span_gap_ms", subject),
+        prewarmed=bool(row["prewarmed"]),
     )
 
 

@@ -35,6 +35,7 @@ from broker.state import (
     OffloadReportRecord,
     OffloadSummary,
     SchemaError,
+    StandbyRecord,
     StateStore,
     new_api_key,
     parse_api_key,
@@ -881,8 +882,17 @@ def test_a_version_3_file_gains_offload_reports(
         old.upsert_node(node("n1"))
         old.upsert_node(node("n2", site="site-b"))
         old.create_deployment(deployment())
-        old.create_migration(migration(span_gap_ms=140.0))
     path = tmp_path / DB_FILENAME
+    # Written as a version-3 broker did: with the span gap, without `prewarmed`.
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute(
+            "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
+            "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
+            "failed_requests, created_at, updated_at, span_gap_ms) SELECT 'm1', 'd1', "
+            f"'mobility', 'n1', 'n2', 'make_before_break', '{MigrationState.PREPARING}', '[]', "
+            "'', ?, NULL, NULL, 40.0, 40.0, 140.0",
+            (migration().reason,),
+        )
     assert inspect(path, "PRAGMA user_version") == [(3,)]
     assert inspect(path, "SELECT name FROM sqlite_master WHERE name = 'offload_reports'") == []
     monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
@@ -891,4 +901,73 @@ def test_a_version_3_file_gains_offload_reports(
         assert upgraded.list_migrations() == [migration(span_gap_ms=140.0)]
         assert upgraded.put_offload_report(report(50.0), keep=8)
         assert upgraded.list_offload_reports() == [report(50.0)]
-    assert inspect(path, "PRAGMA user_version") == [(4,)] == [(len(MIGRATIONS),)]
+    assert inspect(path, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+
+
+# -- standbys -----------------------------------------------------------------------------
+
+
+def standby(epoch: int = 2, node_id: str = "n2", **changes: Any) -> StandbyRecord:
+    record = StandbyRecord(
+        deployment_id="d1",
+        epoch=epoch,
+        node_id=node_id,
+        site="site-b",
+        gpus=(0, 1),
+        created_at=50.0,
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def test_a_standby_is_recorded_once_and_deleted_only_by_its_owner(populated: StateStore) -> None:
+    populated.create_deployment(deployment())
+    populated.put_standby(standby())
+    assert populated.list_standbys() == [standby()]
+    with pytest.raises(ConstraintError, match="d1@2 is recorded already"):
+        populated.put_standby(standby(node_id="n1"))
+    # Another epoch's or another node's standby of the deployment is not this one.
+    assert not populated.delete_standby("d1", 3, "n2")
+    assert not populated.delete_standby("d1", 2, "n1")
+    assert populated.list_standbys() == [standby()]
+    assert populated.delete_standby("d1", 2, "n2")
+    assert populated.list_standbys() == []
+
+
+def test_a_standby_of_an_unknown_deployment_or_node_is_refused(populated: StateStore) -> None:
+    with pytest.raises(ConstraintError, match="deployment 'd1' is unknown"):
+        populated.put_standby(standby())
+    populated.create_deployment(deployment())
+    with pytest.raises(ConstraintError, match="node 'n9' is unknown"):
+        populated.put_standby(standby(node_id="n9"))
+    assert populated.list_standbys() == []
+
+
+def test_a_version_4_file_gains_standbys_and_its_migrations_read_not_prewarmed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS[:4])
+    with StateStore(tmp_path) as old:
+        old.put_client("alice", KEY)
+        old.put_model(model())
+        old.upsert_node(node("n1"))
+        old.upsert_node(node("n2", site="site-b"))
+        old.create_deployment(deployment())
+    path = tmp_path / DB_FILENAME
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute(
+            "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
+            "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
+            "failed_requests, created_at, updated_at, span_gap_ms) VALUES ('m1', 'd1', "
+            "'mobility', 'n1', 'n2', 'make_before_break', 'completed', '[]', 'succeeded', '', "
+            "80.0, 0, 40.0, 40.0, 90.0)"
+        )
+    assert inspect(path, "SELECT name FROM sqlite_master WHERE name = 'standbys'") == []
+    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
+    with StateStore(tmp_path) as upgraded:
+        (before,) = upgraded.list_migrations()
+        assert before.prewarmed is False
+        upgraded.create_migration(migration("m2", prewarmed=True))
+        assert [m.prewarmed for m in upgraded.list_migrations()] == [False, True]
+        upgraded.put_standby(standby())
+        assert upgraded.list_standbys() == [standby()]
+    assert inspect(path, "PRAGMA user_version") == [(5,)] == [(len(MIGRATIONS),)]

@@ -250,7 +250,7 @@ class MigrationEvent(_message.Message):
     def __init__(self, event: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
 
 class Migration(_message.Message):
-    __slots__ = ("migration_id", "deployment_id", "trigger", "source_node", "target_node", "strategy", "state", "timeline", "outcome", "reason", "downtime_ms", "failed_requests", "span_gap_ms")
+    __slots__ = ("migration_id", "deployment_id", "trigger", "source_node", "target_node", "strategy", "state", "timeline", "outcome", "reason", "downtime_ms", "failed_requests", "span_gap_ms", "prewarmed")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class Migration(_message.Message):
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SPAN_GAP_MS_FIELD_NUMBER: _ClassVar[int]
+    PREWARMED_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     deployment_id: str
     trigger: str
@@ -277,7 +278,8 @@ class Migration(_message.Message):
     downtime_ms: float
     failed_requests: int
     span_gap_ms: float
-    def __init__(self, migration_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., trigger: _Optional[str] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., strategy: _Optional[str] = ..., state: _Optional[str] = ..., timeline: _Optional[_Iterable[_Union[MigrationEvent, _Mapping]]] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., downtime_ms: _Optional[float] = ..., failed_requests: _Optional[int] = ..., span_gap_ms: _Optional[float] = ...) -> None: ...
+    prewarmed: bool
+    def __init__(self, migration_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., trigger: _Optional[str] = ..., source_node: _Optional[str] = ..., target_node: _Optional[str] = ..., strategy: _Optional[str] = ..., state: _Optional[str] = ..., timeline: _Optional[_Iterable[_Union[MigrationEvent, _Mapping]]] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., downtime_ms: _Optional[float] = ..., failed_requests: _Optional[int] = ..., span_gap_ms: _Optional[float] = ..., prewarmed: bool = ...) -> None: ...
 
 class DrainNodeRequest(_message.Message):
     __slots__ = ("node_id",)
