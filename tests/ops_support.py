@@ -1,7 +1,8 @@
 """An in-memory `OpsView` (the data-source seam the broker implements) for the ops tests.
 
 A DGX-like node (8 GPUs, NV12 between every pair), a 4-GPU PCIe workstation, one deployment
-on four NVLink GPUs and one finished migration.
+on four NVLink GPUs, two finished migrations (the newer one switched to a pre-warmed standby)
+and two standbys of the deployment (one ready, one a previous broker left).
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.ops import DeploymentInfo, GpuInfo, LinkInfo, MigrationInfo, NodeInfo, OffloadInfo
+from broker.ops import (
+    DeploymentInfo,
+    GpuInfo,
+    LinkInfo,
+    MigrationInfo,
+    NodeInfo,
+    OffloadInfo,
+    PrewarmInfo,
+)
 
 DEPLOYMENT_ID = "dep-7f3a"
 OPS_TOKEN = "ops-token-for-tests-0123456789"
@@ -141,14 +150,35 @@ def sample_deployments() -> list[DeploymentInfo]:
 
 
 def sample_migrations() -> list[MigrationInfo]:
+    """Newest first: a pre-warmed move back to the DGX node, and the move that left it."""
     start = time.time() - 30.0
     return [
         {
-            "migration_id": "mig-0001",
+            "migration_id": "mig-0002",
             "deployment_id": DEPLOYMENT_ID,
             "trigger": "mobility",
             "source": "node-ws-b",
             "target": "node-dgx-a",
+            "strategy": "make-before-break",
+            "outcome": "succeeded",
+            "downtime_ms": 3.5,
+            "span_gap_ms": 3.5,
+            "failed_requests": 0,
+            "reason": "",
+            "timeline": [
+                {"event": "triggered", "at": start + 20.0},
+                {"event": "target_ready", "at": start + 20.01},
+                {"event": "switched", "at": start + 20.05},
+                {"event": "drained", "at": start + 20.6},
+            ],
+            "prewarmed": True,
+        },
+        {
+            "migration_id": "mig-0001",
+            "deployment_id": DEPLOYMENT_ID,
+            "trigger": "mobility",
+            "source": "node-dgx-a",
+            "target": "node-ws-b",
             "strategy": "make-before-break",
             "outcome": "succeeded",
             "downtime_ms": 42.5,
@@ -161,8 +191,39 @@ def sample_migrations() -> list[MigrationInfo]:
                 {"event": "switched", "at": start + 1.85},
                 {"event": "drained", "at": start + 2.4},
             ],
-        }
+            "prewarmed": False,
+        },
     ]
+
+
+def sample_prewarm() -> PrewarmInfo:
+    """A budget of 4; the oldest first: a standby a previous broker left (being stopped, no
+    prediction behind it) and one ready at the site the client is predicted to reach."""
+    return {
+        "budget": 4,
+        "standbys": [
+            {
+                "deployment_id": DEPLOYMENT_ID,
+                "replica_id": "rep-sb-0001",
+                "node_id": "node-dgx-a",
+                "site": "metro-east",
+                "gpus": [4],
+                "probability": None,
+                "state": "retiring",
+                "age_s": 75.0,
+            },
+            {
+                "deployment_id": DEPLOYMENT_ID,
+                "replica_id": "rep-sb-0002",
+                "node_id": "node-ws-b",
+                "site": "campus-west",
+                "gpus": [0, 1],
+                "probability": 0.62,
+                "state": "ready",
+                "age_s": 12.5,
+            },
+        ],
+    }
 
 
 @dataclass
@@ -172,6 +233,7 @@ class StaticOpsView:
     node_list: list[NodeInfo] = field(default_factory=sample_nodes)
     deployment_list: list[DeploymentInfo] = field(default_factory=sample_deployments)
     migration_list: list[MigrationInfo] = field(default_factory=sample_migrations)
+    prewarm_info: PrewarmInfo = field(default_factory=sample_prewarm)
     failure: Exception | None = None
 
     async def nodes(self) -> list[NodeInfo]:
@@ -185,6 +247,10 @@ class StaticOpsView:
     async def migrations(self) -> list[MigrationInfo]:
         self._maybe_fail()
         return copy.deepcopy(self.migration_list)
+
+    async def prewarm(self) -> PrewarmInfo:
+        self._maybe_fail()
+        return copy.deepcopy(self.prewarm_info)
 
     def _maybe_fail(self) -> None:
         if self.failure is not None:

@@ -3,11 +3,11 @@
 Routes, GET (HEAD too, as HTTP wants) unless said otherwise; any other method is 405:
 
 - `/healthz`: `ok`, text/plain. Always open.
-- `/metrics`: Prometheus text format. The state gauges and the clients' offload series are set
-  from the view at each scrape.
+- `/metrics`: Prometheus text format. The state gauges, the standby gauges and the clients'
+  offload series are set from the view at each scrape.
   Open unless `OpsAuth.metrics_open` is off.
-- `/api/nodes`, `/api/deployments`, `/api/migrations`: what `OpsView` returns, as JSON, with
-  `Cache-Control: no-store`. The ops token needed (`broker.ops.auth`).
+- `/api/nodes`, `/api/deployments`, `/api/migrations`, `/api/prewarm`: what `OpsView`
+  returns, as JSON, with `Cache-Control: no-store`. The ops token needed (`broker.ops.auth`).
 - `/`: the dashboard page; it polls the `/api/...` routes every second (`static/`). The ops
   token needed: without it the browser is sent to `/login`.
 - `/login`: the login form (GET) and its target (POST, form field `token`): the right token
@@ -33,7 +33,7 @@ from aiohttp import web
 
 from broker.ops.auth import OpsAuth
 from broker.ops.metrics import BrokerMetrics
-from broker.ops.view import DeploymentInfo, NodeInfo, OpsView
+from broker.ops.view import DeploymentInfo, NodeInfo, OpsView, PrewarmInfo
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ def create_ops_app(view: OpsView, metrics: BrokerMetrics, auth: OpsAuth) -> web.
     app.router.add_get("/api/nodes", _api_nodes)
     app.router.add_get("/api/deployments", _api_deployments)
     app.router.add_get("/api/migrations", _api_migrations)
+    app.router.add_get("/api/prewarm", _api_prewarm)
     app.router.add_get("/", _static_file)
     app.router.add_get("/login", _login_page)
     app.router.add_post("/login", _login)
@@ -203,11 +204,14 @@ async def _metrics(request: web.Request) -> web.Response:
     metrics = request.app[_METRICS_KEY]
     nodes: list[NodeInfo] = await _call(view.nodes)
     deployments: list[DeploymentInfo] = await _call(view.deployments)
+    prewarm: PrewarmInfo = await _call(view.prewarm)
     gpus = [gpu for node in nodes for gpu in node["gpus"]]
     free = sum(1 for gpu in gpus if gpu["free"])
     metrics.set_nodes(collections.Counter(node["state"] for node in nodes))
     metrics.set_gpus(free=free, used=len(gpus) - free)
     metrics.set_deployments(collections.Counter(d["state"] for d in deployments))
+    metrics.set_standbys(len(prewarm["standbys"]))
+    metrics.set_standby_budget(prewarm["budget"])
     requests: collections.Counter[tuple[str, str, str]] = collections.Counter()
     reachable: dict[str, bool] = {}
     for d in deployments:
@@ -234,6 +238,10 @@ async def _api_deployments(request: web.Request) -> web.Response:
 
 async def _api_migrations(request: web.Request) -> web.Response:
     return _json(await _call(request.app[_VIEW_KEY].migrations))
+
+
+async def _api_prewarm(request: web.Request) -> web.Response:
+    return _json(await _call(request.app[_VIEW_KEY].prewarm))
 
 
 async def _call(method: Callable[[], Awaitable[T]]) -> T:

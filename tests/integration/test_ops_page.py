@@ -45,15 +45,22 @@ async def serve(view: StaticOpsView) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def page_url() -> AsyncIterator[str]:
-    """The dashboard over two nodes (8 NVLink GPUs, 4 PCIe GPUs), a deployment, a migration."""
+    """The dashboard over two nodes (8 NVLink GPUs, 4 PCIe GPUs), a deployment, two migrations
+    (the newer one pre-warmed) and two standbys of a pre-warm budget of 4."""
     async for url in serve(StaticOpsView()):
         yield url
 
 
 @pytest.fixture
 async def empty_page_url() -> AsyncIterator[str]:
-    """The dashboard of a broker that knows nothing yet."""
-    async for url in serve(StaticOpsView(node_list=[], deployment_list=[], migration_list=[])):
+    """The dashboard of a broker that knows nothing yet, pre-warm off."""
+    view = StaticOpsView(
+        node_list=[],
+        deployment_list=[],
+        migration_list=[],
+        prewarm_info={"budget": 0, "standbys": []},
+    )
+    async for url in serve(view):
         yield url
 
 
@@ -140,9 +147,10 @@ async def test_page_renders_nodes_topology_and_deployment(page_url: str, tmp_pat
 
     rows = [e.attrs["data-deployment-id"] for e in dom.having("data-deployment-id")]
     assert rows == [DEPLOYMENT_ID]
-    assert [e.attrs["data-migration-id"] for e in dom.having("data-migration-id")] == ["mig-0001"]
+    migrations = [e.attrs["data-migration-id"] for e in dom.having("data-migration-id")]
+    assert migrations == ["mig-0002", "mig-0001"]
     events = [e.attrs["data-event"] for e in dom.having("data-event")]
-    assert events == ["triggered", "target_ready", "switched", "drained"]
+    assert events == ["triggered", "target_ready", "switched", "drained"] * 2
     text = " ".join(dom.text)
     for expected in ["node-dgx-a", DEPLOYMENT_ID, "resnet50", "127.0.0.1:9001", "42.5 ms"]:
         assert expected in text
@@ -175,6 +183,39 @@ async def test_page_renders_the_offload_panel(page_url: str, tmp_path: Path) -> 
     assert element_text(html, "offload-summary") == "1 deployment(s) with a device model"
     # 20% of the 5rem bar: the width is set through the CSSOM, which the page's CSP allows.
     assert share.endswith("px") and 14 <= float(share[:-2]) <= 18, share
+
+
+async def test_page_renders_the_prewarm_panel(page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, page_url, OPS_TOKEN)
+        html = await page.dom()
+        standbys = await page.evaluate(
+            "[...document.querySelectorAll('[data-standby-replica]')].map((row) =>"
+            " [row.dataset.standbyReplica, ...[...row.cells].map((c) => c.textContent)])"
+        )
+        # Each migration's header, and the size of its pre-warmed marker (0 x 0: not shown).
+        headers = await page.evaluate(
+            "[...document.querySelectorAll('[data-migration-id]')].map((m) => {"
+            " const marker = m.querySelector('.prewarmed-badge')?.getBoundingClientRect();"
+            " return [m.dataset.migrationId, m.querySelector('header').textContent,"
+            " marker ? marker.width * marker.height : 0]; })"
+        )
+    assert element_text(html, "prewarm-summary") == "2 of 4 standbys"
+    # The oldest first: one a previous broker left (no prediction), one ready.
+    assert standbys == [
+        ["rep-sb-0001", DEPLOYMENT_ID, "node-dgx-a", "4", "metro-east", "\u2014", "retiring",
+         "1 min ago"],
+        ["rep-sb-0002", DEPLOYMENT_ID, "node-ws-b", "0, 1", "campus-west", "62%", "ready",
+         "12.5 s ago"],
+    ]  # fmt: skip
+    (prewarmed_id, prewarmed, marker), (cold_id, cold, no_marker) = headers
+    assert (prewarmed_id, cold_id) == ("mig-0002", "mig-0001")
+    assert "pre-warmed" in prewarmed and marker > 0
+    assert "pre-warmed" not in cold and no_marker == 0
+    # The pre-warmed move's downtime and timeline are shown as any other's.
+    assert "downtime 3.5 ms" in prewarmed
+    assert 'aria-label="timeline of mig-0002"' in html
 
 
 async def test_without_the_token_the_page_shows_no_data(page_url: str, tmp_path: Path) -> None:
@@ -219,6 +260,8 @@ async def test_empty_broker_page_says_so(empty_page_url: str, tmp_path: Path) ->
     assert element_text(html, "nodes") == "no nodes registered yet"
     assert element_text(html, "deployments") == "no deployments yet"
     assert element_text(html, "offload") == "no offload reports yet"
+    assert element_text(html, "prewarm-summary") == "off"
+    assert element_text(html, "prewarm") == "pre-warm is off (--prewarm-budget 0)"
     assert element_text(html, "migrations") == "no migrations yet"
 
 

@@ -2,7 +2,7 @@
 
 `StaticOpsView` is an in-memory `OpsView` (the data-source seam the broker implements), with a
 DGX-like node (8 GPUs, NV12 between every pair), a 4-GPU PCIe workstation, one deployment on
-four NVLink GPUs and one finished migration.
+four NVLink GPUs, two finished migrations (one pre-warmed) and two standby replicas.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from broker.ops import (
     start_ops_server,
 )
 from broker.ops.auth import SESSION_COOKIE
+from broker.ops.metrics import STANDBY_EVENTS
 from tests.ops_support import (
     DEPLOYMENT_ID,
     OPS_TOKEN,
     StaticOpsView,
     sample_deployments,
     sample_nodes,
+    sample_prewarm,
 )
 
 
@@ -73,9 +75,15 @@ async def test_healthz_is_plain_ok(ops: OpsServer) -> None:
 
 @pytest.mark.parametrize(
     ("path", "expected"),
-    [("/api/nodes", sample_nodes()), ("/api/deployments", sample_deployments())],
+    [
+        ("/api/nodes", sample_nodes()),
+        ("/api/deployments", sample_deployments()),
+        ("/api/prewarm", sample_prewarm()),
+    ],
 )
-async def test_api_returns_the_view_as_json(ops: OpsServer, path: str, expected: list) -> None:
+async def test_api_returns_the_view_as_json(
+    ops: OpsServer, path: str, expected: list | dict
+) -> None:
     async with ops.http.get(ops.base_url + path) as response:
         assert response.status == 200
         assert response.content_type == "application/json"
@@ -102,8 +110,9 @@ async def test_api_migrations_keeps_the_timeline(ops: OpsServer) -> None:
     async with ops.http.get(f"{ops.base_url}/api/migrations") as response:
         assert response.status == 200
         assert response.headers["Cache-Control"] == "no-store"
-        (migration,) = await response.json()
-    assert migration["migration_id"] == "mig-0001"
+        newer, migration = await response.json()
+    assert (newer["migration_id"], newer["prewarmed"]) == ("mig-0002", True)
+    assert (migration["migration_id"], migration["prewarmed"]) == ("mig-0001", False)
     assert (migration["downtime_ms"], migration["span_gap_ms"]) == (42.5, 97.5)
     assert [e["event"] for e in migration["timeline"]] == [
         "triggered",
@@ -111,7 +120,25 @@ async def test_api_migrations_keeps_the_timeline(ops: OpsServer) -> None:
         "switched",
         "drained",
     ]
-    assert migration["timeline"] == ops.view.migration_list[0]["timeline"]
+    assert migration["timeline"] == ops.view.migration_list[1]["timeline"]
+
+
+async def test_api_prewarm_lists_the_budget_and_standbys(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/api/prewarm") as response:
+        assert response.status == 200
+        assert response.headers["Cache-Control"] == "no-store"
+        prewarm = await response.json()
+    assert prewarm["budget"] == 4
+    left, ready = prewarm["standbys"]
+    assert set(ready) == {
+        "deployment_id", "replica_id", "node_id", "site", "gpus", "probability", "state",
+        "age_s",
+    }  # fmt: skip
+    assert (ready["site"], ready["probability"], ready["state"]) == ("campus-west", 0.62, "ready")
+    assert (left["probability"], left["state"]) == (None, "retiring")
+    ops.view.prewarm_info = {"budget": 0, "standbys": []}
+    async with ops.http.get(f"{ops.base_url}/api/prewarm") as response:
+        assert await response.json() == {"budget": 0, "standbys": []}
 
 
 async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
@@ -200,7 +227,7 @@ async def test_unknown_path_is_json_404(ops: OpsServer, path: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
-@pytest.mark.parametrize("path", ["/api/nodes", "/metrics", "/healthz", "/"])
+@pytest.mark.parametrize("path", ["/api/nodes", "/api/prewarm", "/metrics", "/healthz", "/"])
 async def test_other_methods_are_json_405(ops: OpsServer, method: str, path: str) -> None:
     async with ops.http.request(method, ops.base_url + path) as response:
         assert response.status == 405
@@ -209,7 +236,9 @@ async def test_other_methods_are_json_405(ops: OpsServer, method: str, path: str
         assert (await response.json())["status"] == 405
 
 
-@pytest.mark.parametrize("path", ["/api/nodes", "/api/deployments", "/api/migrations", "/metrics"])
+@pytest.mark.parametrize(
+    "path", ["/api/nodes", "/api/deployments", "/api/migrations", "/api/prewarm", "/metrics"]
+)
 async def test_view_failure_is_logged_json_500(
     ops: OpsServer, path: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -232,7 +261,8 @@ async def test_view_data_json_cannot_carry_is_500(ops: OpsServer) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/api/nodes", "/api/deployments", "/api/migrations", "/api/nope", "/nope"]
+    "path",
+    ["/api/nodes", "/api/deployments", "/api/migrations", "/api/prewarm", "/api/nope", "/nope"],
 )
 @pytest.mark.parametrize(
     "authorization", [None, "Bearer wrong-token", f"Bearer {OPS_TOKEN}x", OPS_TOKEN, "Bearer "]
@@ -367,3 +397,33 @@ async def test_metrics_sum_the_offload_reports_and_forget_a_deployment_gone(
         text = await response.text()
     assert DEPLOYMENT_ID not in text
     assert "# TYPE offload_client_requests_total counter" in text
+
+
+async def test_metrics_expose_the_standbys_and_their_events(ops: OpsServer) -> None:
+    # Nothing set the gauges: the scrape reads them from the view.
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        text = await response.text()
+    assert "offload_standbys 2.0" in text
+    assert "offload_standby_budget 4.0" in text
+    assert "# TYPE offload_standby_events_total counter" in text
+    # Every event reads 0 before it happens, so that rates over it work from the start.
+    for event in STANDBY_EVENTS:
+        assert f'offload_standby_events_total{{event="{event}"}} 0.0' in text
+    ops.metrics.count_standby("started")
+    ops.metrics.count_standby("started")
+    ops.metrics.count_standby("hit")
+    ops.view.prewarm_info = {"budget": 0, "standbys": []}
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        text = await response.text()
+    assert 'offload_standby_events_total{event="started"} 2.0' in text
+    assert 'offload_standby_events_total{event="hit"} 1.0' in text
+    assert 'offload_standby_events_total{event="lapsed"} 0.0' in text
+    assert "offload_standbys 0.0" in text
+    assert "offload_standby_budget 0.0" in text
+
+
+def test_metrics_refuse_an_unknown_standby_event() -> None:
+    metrics = BrokerMetrics()
+    with pytest.raises(ValueError, match="unknown standby event"):
+        metrics.count_standby("teleported")
+    assert b'event="teleported"' not in metrics.render()[0]

@@ -1,5 +1,6 @@
-// The broker's live dashboard: polls /api/nodes, /api/deployments and /api/migrations every
-// second and redraws (the offload panel comes from each deployment's `offload` reports). Plain DOM, no libraries (the broker host may have no Internet). Data is
+// The broker's live dashboard: polls /api/nodes, /api/deployments, /api/migrations and
+// /api/prewarm every second and redraws (the offload panel comes from each deployment's
+// `offload` reports). Plain DOM, no libraries (the broker host may have no Internet). Data is
 // only ever set as text (textContent, attributes), never parsed as HTML.
 "use strict";
 
@@ -304,6 +305,59 @@ function renderOffload(deployments) {
   );
 }
 
+// ---- predictive pre-warm: standby replicas at the sites clients are predicted to reach ----
+
+function percent(probability) {
+  // null for a standby a previous broker left: no prediction behind it.
+  return probability === null || probability === undefined
+    ? "\u2014"
+    : `${Math.round(probability * 100)}%`;
+}
+
+const STANDBY_COLUMNS = [
+  ["deployment", (sb) => h("code", {}, sb.deployment_id)],
+  ["node", (sb) => sb.node_id],
+  ["GPUs", (sb) => (sb.gpus.length ? sb.gpus.join(", ") : "\u2014")],
+  ["predicted site", (sb) => sb.site],
+  ["probability", (sb) => percent(sb.probability)],
+  ["state", (sb) => badge(sb.state)],
+  ["reserved", (sb) => age(sb.age_s)],
+];
+
+function renderPrewarm(prewarm) {
+  const box = document.getElementById("prewarm");
+  const standbys = prewarm.standbys;
+  // Budget 0: pre-warm is off, though standbys being stopped may still be listed.
+  document.getElementById("prewarm-summary").textContent = prewarm.budget
+    ? `${standbys.length} of ${prewarm.budget} standbys`
+    : `off${standbys.length ? ` (${standbys.length} still held)` : ""}`;
+  if (!standbys.length) {
+    box.replaceChildren(
+      h(
+        "p",
+        { class: "empty" },
+        prewarm.budget ? "no standbys held" : "pre-warm is off (--prewarm-budget 0)",
+      ),
+    );
+    return;
+  }
+  const head = h("tr", {}, ...STANDBY_COLUMNS.map(([title]) => h("th", { scope: "col" }, title)));
+  const rows = standbys.map((sb) =>
+    h(
+      "tr",
+      {
+        "data-standby-deployment": sb.deployment_id,
+        "data-standby-replica": sb.replica_id,
+        class: `state-${cssToken(sb.state)}`,
+      },
+      ...STANDBY_COLUMNS.map(([, cell]) => h("td", {}, cell(sb))),
+    ),
+  );
+  box.replaceChildren(
+    h("table", { class: "deployments standbys" }, h("thead", {}, head), h("tbody", {}, ...rows)),
+  );
+}
+
 // ---- migrations ----
 
 function timelineSvg(migration) {
@@ -381,13 +435,24 @@ function migrationCard(migration) {
   const failed = migration.failed_requests ?? "not reported";
   return h(
     "article",
-    { class: "migration", "data-migration-id": migration.migration_id },
+    {
+      class: migration.prewarmed ? "migration prewarmed" : "migration",
+      "data-migration-id": migration.migration_id,
+      "data-prewarmed": migration.prewarmed ? "true" : null,
+    },
     h(
       "header",
       {},
       h("code", {}, migration.migration_id),
       " ",
       badge(outcome),
+      migration.prewarmed
+        ? h(
+            "span",
+            { class: "badge prewarmed-badge", title: "switched to a pre-warmed standby" },
+            "pre-warmed",
+          )
+        : null,
       h(
         "span",
         { class: "migration-facts" },
@@ -445,14 +510,16 @@ function setStatus(ok, text) {
 
 async function refresh() {
   try {
-    const [nodes, deployments, migrations] = await Promise.all([
+    const [nodes, deployments, migrations, prewarm] = await Promise.all([
       fetchJson("/api/nodes"),
       fetchJson("/api/deployments"),
       fetchJson("/api/migrations"),
+      fetchJson("/api/prewarm"),
     ]);
     renderNodes(nodes);
     renderDeployments(deployments);
     renderOffload(deployments);
+    renderPrewarm(prewarm);
     renderMigrations(migrations);
     lastUpdated = new Date();
     setStatus(true, `last updated ${lastUpdated.toLocaleTimeString()}`);
