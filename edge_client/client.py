@@ -178,9 +178,13 @@ def _deployment(message: pb.Deployment) -> Deployment:
 class _Replica:
     """One epoch's endpoint: its channel, and the calls in flight on it."""
 
-    def __init__(self, endpoint: str, token: str, epoch: int) -> None:
+    def __init__(self, endpoint: str, token: str, epoch: int, migration_id: str = "") -> None:
         self.endpoint = endpoint
         self.epoch = epoch
+        self.migration_id = migration_id
+        """The migration that switched to it ("" for the first placement)."""
+        self.answered = False
+        """Whether it has answered a request yet."""
         self.channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
         # Connect now rather than on the first call, so that the first call after a switch
         # finds the connection (usually) up.
@@ -493,6 +497,7 @@ class OffloadClient:
         """Tell the broker where this client is now; the id of the migration it started, or
         None when it started none. InvalidInput for an unknown site."""
         stub = self._broker()
+        reported_at = time.monotonic()
         reply = await self._retrying(
             f"report location {site}",
             lambda: stub.ReportLocation(
@@ -502,6 +507,8 @@ class OffloadClient:
             ),
         )
         migration_id = str(reply.migration_id) or None
+        if migration_id is not None:
+            self._observer.reported(migration_id, reported_at)
         logger.info("location site=%s reported; migration=%s", site, migration_id)
         return migration_id
 
@@ -694,7 +701,7 @@ class OffloadClient:
         current = self._deployment
         assert current is not None
         old = self._replica
-        self._replica = _Replica(update.endpoint, update.token, update.epoch)
+        self._replica = _Replica(update.endpoint, update.token, update.epoch, update.migration_id)
         self._deployment = replace(
             current,
             endpoint=update.endpoint,
@@ -920,6 +927,10 @@ class OffloadClient:
         finished = time.monotonic()
         self._chooser.remote_succeeded(decision, finished - started)
         self._observer.record(started, finished, ok=True, retried=retried)
+        if not replica.answered:
+            replica.answered = True
+            if replica.migration_id:
+                self._observer.served(replica.migration_id, finished)
         self._succeeded.set()
         self._succeeded = asyncio.Event()
         return arrays

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 
 DEFAULT_WINDOW_S = 2.0
 DEFAULT_LATENCY_SAMPLES = 10_000
+REPORTS_KEPT = 64
+"""Location reports remembered until their migration's window closes."""
 HISTORY_S = 600.0
 """How far back a span may begin: longer than any preparation (a replica's start is given
 120 s); a longer `prepared_ms` is clamped to it."""
@@ -69,6 +71,11 @@ class MigrationObservation:
     span_gap_ms: float | None = None
     """Over the whole migration, decision to the window's end; None when the update
     carried no preparation time (an older broker)."""
+    moved_to_served_ms: float | None = None
+    """From this client's location report that started the migration (the call's start)
+    to its first answer from the new replica: the time from the mobility event to serving
+    at the new site. None for a migration this client's report did not start, or with no
+    answer from the new replica inside the window."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +109,8 @@ class _Window:
     first_success: float | None = None
     span_before: float | None = None
     """The longest gap that ended between the decision and the update; None: no span."""
+    served_at: float | None = None
+    """When the first answer from the migration's new replica completed."""
 
 
 class _GapHistory:
@@ -158,6 +167,8 @@ class GapObserver:
         self._open: dict[str, _Window] = {}
         self._closed: list[MigrationObservation] = []
         self._history = _GapHistory(HISTORY_S)
+        self._reported: dict[str, float] = {}
+        """migration id -> when this client's location report that started it began."""
 
     def record(self, started: float, finished: float, ok: bool, retried: bool = False) -> None:
         """One inference request that completed at `finished` (succeeded, or raised)."""
@@ -212,6 +223,21 @@ class GapObserver:
         )
         return True
 
+    def reported(self, migration_id: str, at: float) -> None:
+        """This client's location report that began at `at` started `migration_id` (before
+        or after its window opened: the reply and the update race). The last
+        `REPORTS_KEPT` are kept until their window closes."""
+        self._reported[migration_id] = at
+        while len(self._reported) > REPORTS_KEPT:
+            del self._reported[next(iter(self._reported))]
+
+    def served(self, migration_id: str, at: float) -> None:
+        """The migration's new replica answered for the first time at `at` (nothing when
+        its window is closed, or has that already)."""
+        window = self._open.get(migration_id)
+        if window is not None and window.served_at is None:
+            window.served_at = at
+
     def close(self, migration_id: str, now: float) -> MigrationObservation | None:
         """The observation of a migration if its window has closed by `now` (it is kept for
         `stats`); None while it is still open. KeyError for a migration with no open window."""
@@ -219,6 +245,7 @@ class GapObserver:
         if window.first_success is None or now < window.update_at + self.window_s:
             return None
         del self._open[migration_id]
+        reported = self._reported.pop(migration_id, None)
         observation = MigrationObservation(
             deployment_id=window.deployment_id,
             migration_id=migration_id,
@@ -230,6 +257,11 @@ class GapObserver:
                 None
                 if window.span_before is None
                 else max(window.span_before, window.longest_gap) * 1000
+            ),
+            moved_to_served_ms=(
+                None
+                if reported is None or window.served_at is None
+                else (window.served_at - reported) * 1000
             ),
         )
         self._closed.append(observation)

@@ -222,6 +222,11 @@ async def test_moving_the_client_migrates_with_no_failed_request_and_reports_the
     assert observation.span_gap_ms is not None
     assert observation.span_gap_ms >= observation.longest_gap_ms
     assert record.span_gap_ms == pytest.approx(observation.span_gap_ms)
+    # The client timed its report to its first answer from the new replica (issue 14): that
+    # holds the target's whole start, as the broker timed it.
+    at = {e.event: e.at for e in record.timeline}
+    assert observation.moved_to_served_ms is not None
+    assert observation.moved_to_served_ms >= (at["target_ready"] - at["target_started"]) * 1000
 
 
 def _script(broker: str, api_key: str, model: Path) -> tuple[dict[str, np.ndarray], int]:

@@ -149,3 +149,33 @@ def test_a_span_older_than_the_history_is_clamped_and_old_gaps_are_forgotten() -
     observation = observer.close("m1", now=701.0)
     assert observation is not None
     assert observation.span_gap_ms == pytest.approx(50.0)
+
+
+def test_the_move_to_serving_time_runs_from_the_report_to_the_new_replica_first_answer() -> None:
+    observer = GapObserver(window_s=2.0)
+    _steady(observer, 0.0, 10.0, 0.1)
+    # The update may arrive before the report's reply: the report is attached at close.
+    assert observer.migration("d1", "m1", at=10.04)
+    observer.record(10.0, 10.05, ok=True)  # a call to the old replica, in flight at the switch
+    observer.served("m1", 10.07)  # the new replica's first answer
+    observer.served("m1", 10.2)  # not the first: ignored
+    observer.reported("m1", 10.01)
+    _steady(observer, 10.1, 12.2, 0.1)
+    observation = observer.close("m1", now=12.2)
+    assert observation is not None
+    assert observation.moved_to_served_ms == pytest.approx(60.0)
+
+
+def test_no_move_to_serving_time_without_this_clients_report_or_a_new_answer() -> None:
+    observer = GapObserver(window_s=1.0)
+    _steady(observer, 0.0, 5.0, 0.1)
+    assert observer.migration("d1", "operator", at=5.0)  # not started by this client
+    assert observer.migration("d1", "unanswered", at=5.0)
+    observer.served("operator", 5.05)
+    observer.reported("unanswered", 4.99)
+    _steady(observer, 5.1, 6.5, 0.1)
+    for migration_id in ("operator", "unanswered"):
+        observation = observer.close(migration_id, now=6.5)
+        assert observation is not None and observation.moved_to_served_ms is None
+    observer.served("operator", 7.0)  # its window is closed: nothing to change
+    assert [o.moved_to_served_ms for o in observer.stats().migrations] == [None, None]
