@@ -32,6 +32,7 @@ from bench import (
     offload,
     peers,
     placement,
+    prewarm,
     replica_start,
     runtime_latency,
 )
@@ -43,6 +44,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "placement": placement.main,
     "migration": migration.main,
     "mobility": mobility.main,
+    "prewarm": prewarm.main,
     "offload": offload.main,
     "peers": peers.main,
 }

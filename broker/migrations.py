@@ -258,6 +258,14 @@ class Migrations:
             started.append(await self._launch(move, MigrationTrigger.NODE_LOST, Strategy.FAILOVER))
         return started
 
+    def on_deployed(self, record: DeploymentRecord) -> None:
+        """A deployment was placed: plan its standby now if it runs (the sweep would, but
+        a client may move before the sweep comes round)."""
+        if record.state is DeploymentState.RUNNING:
+            self.broker.background(
+                self.prewarm.plan(record.deployment_id), f"prewarm-{record.deployment_id}"
+            )
+
     def on_ack(self, deployment_id: str, epoch: int) -> None:
         event = self._acks.get((deployment_id, epoch))
         if event is not None:

@@ -254,6 +254,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         client_id = await self._client(context)
         _same_client(request.client_id, client_id)
         record = await self._broker.deploy(client_id, deploy_spec(request))
+        self._migrations.on_deployed(record)
         return deployment_message(record)
 
     @mapped_errors
