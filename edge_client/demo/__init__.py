@@ -62,6 +62,27 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="with a generated trace: the vehicle to follow (default: the one with the most "
         "handovers)",
     )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help=f"multiply every stay of the trace by F (at least {QUICK_MIN_DWELL_S:g} s): 0.2 "
+        "makes a generated trace's handovers several a minute (default 1)",
+    )
+    parser.add_argument(
+        "--prewarm",
+        type=int,
+        nargs="?",
+        const=2,
+        default=0,
+        metavar="N",
+        help="predictive pre-warm: the broker keeps up to N standby replicas (default 2) at "
+        "the sites clients are predicted to reach next; with a generated trace the demo first "
+        "reports the other vehicles' handovers, so the broker has learned the roads. The "
+        "report shows which moves were pre-warmed and the time from each move to the first "
+        "answer at the new site",
+    )
     parser.add_argument("--model", default="resnet18", choices=modelzoo.ALL)
     parser.add_argument(
         "--runtime",
@@ -88,10 +109,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
     if not 0 < args.rate <= 1000:
         raise ValueError(f"--rate must be in (0, 1000] inferences per second, got {args.rate:g}")
+    if not 0 < args.time_scale <= 100:
+        raise ValueError(f"--time-scale must be in (0, 100], got {args.time_scale:g}")
+    if not 0 <= args.prewarm <= 64:
+        raise ValueError(f"--prewarm must be 0 to 64 standby replicas, got {args.prewarm}")
     sites = load_cluster_network(CLUSTER_FILE).sites
     trace = load_trace(args.trace, sites, args.vehicle)
-    if args.quick:
-        trace = trace.scaled(QUICK_DWELL_FACTOR, QUICK_MIN_DWELL_S)
+    factor = args.time_scale * (QUICK_DWELL_FACTOR if args.quick else 1.0)
+    if factor != 1.0:
+        trace = trace.scaled(factor, QUICK_MIN_DWELL_S)
     return DemoOptions(
         trace=trace,
         trace_file=args.trace,
@@ -100,6 +126,7 @@ def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
         rate=args.rate,
         keep=args.keep,
         live=console.is_terminal and not args.plain,
+        prewarm=args.prewarm,
     )
 
 

@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.live import Live
 
 import modelzoo
+from broker.state import new_api_key
 from edge_client.client import OffloadClient
 from edge_client.demo.cluster import ClusterError, LocalCluster
 from edge_client.demo.trace import Trace
@@ -58,6 +59,8 @@ BROKER_FLAGS = (
     "--cooldown", "1",
 )  # fmt: skip
 MIGRATION_TIMEOUT_S = 120.0
+TRAFFIC_CLIENT = "city-traffic"
+"""The client that reports the trace's other vehicles' handovers under --prewarm."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,8 @@ class DemoOptions:
     keep: bool
     live: bool
     """Draw the live view (a terminal); otherwise print a status line now and then."""
+    prewarm: int = 0
+    """The broker's standby budget (`--prewarm-budget`); 0: no pre-warm."""
 
 
 class DemoFailed(Exception):
@@ -123,7 +128,13 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     runtime, image = await asyncio.to_thread(pick_runtime, options.runtime, say)
     root = Path(tempfile.mkdtemp(prefix="offload-demo-"))
     say(f"runtime: {runtime}; cluster folder {root} (removed at the end)")
-    cluster = LocalCluster(root, runtime=runtime, image=image, broker_flags=BROKER_FLAGS)
+    cluster = LocalCluster(
+        root,
+        runtime=runtime,
+        image=image,
+        broker_flags=(*BROKER_FLAGS, "--prewarm-budget", str(options.prewarm)),
+        more_api_keys=(new_api_key(TRAFFIC_CLIENT),) if options.prewarm else (),
+    )
     deployments: list[str] = []
     failed = True
     try:
@@ -200,6 +211,8 @@ async def _offload(
         sha = await client.upload_model(model)
         first = trace.waypoints[0].site
         snapshot.client_site, snapshot.step = first, f"waypoint 1/{len(trace.waypoints)}"
+        if options.prewarm:
+            await _teach(channel, cluster, trace, options.prewarm, say)
         say(f"client: deploying {options.model} (1 GPU) for a device at {first}")
         deployment = await client.deploy(sha, options.model, gpus=1, site=first)
         deployments.append(deployment.deployment_id)
@@ -258,7 +271,43 @@ async def _offload(
             explanations=explanations,
             dashboard=cluster.ops_url,
             kept=options.keep,
+            moved_to_served_ms={
+                o.migration_id: o.moved_to_served_ms
+                for o in stats.migrations
+                if o.moved_to_served_ms is not None
+            },
+            prewarm=options.prewarm,
         )
+
+
+async def _teach(
+    channel: grpc.aio.Channel,
+    cluster: LocalCluster,
+    trace: Trace,
+    budget: int,
+    say: Callable[[str], None],
+) -> None:
+    """Report the trace's other vehicles' handovers (the city's traffic), so the broker has
+    learned where vehicles go next before the client moves."""
+    if not trace.others:
+        say(
+            f"pre-warm: budget {budget} standbys; the trace has no other vehicles to learn "
+            "from, so the broker learns from the client's own moves only"
+        )
+        return
+    key = next(k for k in cluster.more_api_keys if k.startswith(f"{TRAFFIC_CLIENT}."))
+    stub = pb_grpc.EdgeBrokerStub(channel)
+    metadata = (("authorization", f"Bearer {key}"),)
+    for sites in trace.others:
+        for site in sites:
+            await stub.ReportLocation(
+                pb.ReportLocationRequest(site=site), metadata=metadata, timeout=10
+            )
+    say(
+        f"pre-warm: budget {budget} standbys; reported the handovers of the trace's "
+        f"{len(trace.others)} other vehicle(s) ({sum(len(s) for s in trace.others)} reports), "
+        "so the broker has learned where vehicles go next"
+    )
 
 
 async def _stay(seconds: float, tasks: list[asyncio.Task[None]]) -> None:
@@ -397,6 +446,7 @@ class _BrokerCalls:
                 "downtime_ms": None if m.downtime_ms < 0 else m.downtime_ms,
                 "span_gap_ms": None if m.span_gap_ms < 0 else m.span_gap_ms,
                 "timeline": [{"event": e.event, "at": e.at} for e in m.timeline],
+                "prewarmed": m.prewarmed,
             }
             for m in reply.migrations
         ]
@@ -407,7 +457,8 @@ class _BrokerCalls:
             for m in await self.migrations(deployment_id):
                 if m["migration_id"] == migration_id and m["outcome"]:
                     reason = f" ({m['reason']})" if m["reason"] else ""
-                    return f"{m['outcome']}{reason}, {m['source']} → {m['target']}"
+                    warm = ", pre-warmed: switched to its standby" if m["prewarmed"] else ""
+                    return f"{m['outcome']}{reason}, {m['source']} → {m['target']}{warm}"
             await asyncio.sleep(0.2)
         raise DemoFailed(f"migration {migration_id} did not finish in {MIGRATION_TIMEOUT_S:.0f}s")
 

@@ -44,13 +44,17 @@ class Waypoint:
 class Trace:
     name: str
     waypoints: tuple[Waypoint, ...]
+    others: tuple[tuple[str, ...], ...] = ()
+    """The site sequences of a generated trace's other vehicles (those that stay in the
+    cluster's sites): the traffic `--prewarm` teaches the broker with first."""
 
     def scaled(self, factor: float, minimum_s: float) -> Trace:
         """The same trace with every stay multiplied by `factor`, none shorter than
-        `minimum_s` (the demo's --quick)."""
+        `minimum_s` (the demo's --quick and --time-scale)."""
         return Trace(
             self.name,
             tuple(Waypoint(w.site, max(minimum_s, w.dwell_s * factor)) for w in self.waypoints),
+            self.others,
         )
 
 
@@ -141,7 +145,12 @@ def _vehicle_trace(path: Path, sites: Collection[str], vehicle_id: str | None) -
                 f"{MAX_DWELL_S:.0f} s"
             )
         waypoints.append(Waypoint(site, end - t))
-    return Trace(f"{generated.name}/{vehicle.id}", tuple(waypoints))
+    others = tuple(
+        tuple(site for _, site in other.sites)
+        for other in generated.vehicles
+        if other is not vehicle and {site for _, site in other.sites} <= set(sites)
+    )
+    return Trace(f"{generated.name}/{vehicle.id}", tuple(waypoints), others)
 
 
 _Where = Callable[[yaml.Node], str]

@@ -155,6 +155,29 @@ def migration_cells(
     )
 
 
+def move_summary(report: Report) -> str:
+    """The report's line on moves: the median time from each move's report to the first
+    answer at the new site, pre-warmed and cold apart when pre-warm is on."""
+    timed = [
+        (bool(m.get("prewarmed")), report.moved_to_served_ms[m["migration_id"]])
+        for m in report.migrations
+        if m["migration_id"] in report.moved_to_served_ms
+    ]
+
+    def median(warm: bool) -> str:
+        values = sorted(ms for w, ms in timed if w is warm)
+        return f"median {percentile(values, 0.5):.1f} ms (n={len(values)})" if values else "-"
+
+    if not report.prewarm:
+        return f"report to first answer at the new site: {median(False)}; pre-warm off"
+    warm = sum(bool(m.get("prewarmed")) for m in report.migrations)
+    return (
+        f"pre-warm on (budget {report.prewarm}): {warm} of {len(report.migrations)} moves "
+        f"pre-warmed; report to first answer at the new site: {median(True)} pre-warmed, "
+        f"{median(False)} cold"
+    )
+
+
 def longest_gaps_ms(
     answered_at: list[float], windows: list[tuple[float, float]]
 ) -> tuple[float, float]:
@@ -188,6 +211,11 @@ class Report:
     kept: bool
     span_gaps_ms: dict[str, float] = field(default_factory=dict)
     """Migration id -> the longest gap the client saw over the whole migration."""
+    moved_to_served_ms: dict[str, float] = field(default_factory=dict)
+    """Migration id -> from the client's report of its new site to its first answer from
+    the new replica."""
+    prewarm: int = 0
+    """The broker's standby budget; 0: pre-warm off."""
 
     @property
     def succeeded(self) -> bool:
@@ -232,6 +260,7 @@ def print_report(console: Console, report: Report) -> None:
     )
     succeeded = sum(m["outcome"] == "succeeded" for m in report.migrations)
     summary.add_row("migrations", f"{len(report.migrations)}, {succeeded} succeeded")
+    summary.add_row("move to serving", move_summary(report))
     summary.add_row("outputs", "every answer equal to in-process ONNX Runtime (np.allclose)")
     console.print(summary)
 
@@ -250,11 +279,14 @@ def print_report(console: Console, report: Report) -> None:
         for m in report.migrations:
             cells = migration_cells(m, report.gaps_ms, report.span_gaps_ms)
             failed = report.failed_in_window.get(m["migration_id"])
+            moved = report.moved_to_served_ms.get(m["migration_id"])
             console.print(
-                f"  {cells[0]} {m['trigger']} {cells[2]} {m['strategy']}: {cells[3]}, took "
+                f"  {cells[0]} {m['trigger']} {cells[2]} {m['strategy']}"
+                f"{' (pre-warmed)' if m.get('prewarmed') else ''}: {cells[3]}, took "
                 f"{cells[4]}; client-observed downtime {cells[5]}, "
                 f"{'-' if failed is None else failed} failed request(s), worst gap over the "
-                f"whole migration {cells[6]}",
+                f"whole migration {cells[6]}, report to first answer at the new site "
+                f"{'-' if moved is None else f'{moved:.1f} ms'}",
                 markup=False,
                 highlight=False,
             )

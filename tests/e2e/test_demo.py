@@ -188,6 +188,8 @@ def test_a_killed_demo_takes_its_cluster_with_it() -> None:
     [
         (["--rate", "0"], "--rate must be in (0, 1000]"),
         (["--trace", "/nonexistent/trace.yaml"], "cannot read the trace /nonexistent/trace.yaml"),
+        (["--time-scale", "0"], "--time-scale must be in (0, 100], got 0"),
+        (["--prewarm", "-1"], "--prewarm must be 0 to 64 standby replicas, got -1"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(args: list[str], message: str) -> None:
@@ -204,3 +206,29 @@ def test_a_bad_trace_names_its_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert f"{trace}:3: waypoint 2: unknown site 'mars'" in done.stderr
     assert "site-a, site-b, site-c" in done.stderr
+
+
+def test_the_prewarm_mode_drives_a_generated_trace_and_reports_its_hits() -> None:
+    trace = Path(__file__).resolve().parents[2] / "edge_client/demo/traces/streets.json"
+    done = run_demo(
+        "--runtime", "process", "--trace", str(trace), "--prewarm", "--time-scale", "0.1",
+        "--model", "mlp", "--plain",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert_nothing_left(out, None)
+    # The city's traffic first: the trace's three other vehicles, so the broker knows the road.
+    assert "reported the handovers of the trace's 3 other vehicle(s) (11 reports)" in out, out
+    pre_warmed = re.findall(r"^\s+m-[0-9a-f]+ mobility .*\(pre-warmed\): succeeded", out, re.M)
+    assert pre_warmed, out
+    assert out.count("pre-warmed: switched to its standby") == len(pre_warmed), out
+    summary = re.search(
+        r"^move to serving\s+pre-warm on \(budget 2\): (\d+) of (\d+) moves pre-warmed; report "
+        r"to first answer at the new site: median [\d.]+ ms \(n=(\d+)\) pre-warmed",
+        out,
+        re.M,
+    )
+    assert summary, out
+    assert int(summary.group(1)) == len(pre_warmed) == int(summary.group(3))
+    assert int(summary.group(2)) >= 3, out
+    assert "result     ok: no failed request" in out
