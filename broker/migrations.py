@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 
 from broker.errors import Impossible, InvalidRequest, NodeUnavailable, NotFound, ResourceExhausted
 from broker.placement import ClusterSnapshot, Decision, PlacementRequest, place
@@ -108,13 +109,15 @@ class Migrations:
             standby = broker.standby_of(deployment_id)
             if standby is not None and site != record.site:
                 # The client moved and no move was made: what the standby was for is over.
-                await broker.retire_standby(
-                    standby,
-                    f"the client reported {site}"
-                    + (" and stays on its node" if site == standby.site else ""),
-                    "lapsed",
+                why = f"the client reported {site}" + (
+                    " and stays on its node" if site == standby.site else ""
                 )
-            broker.background(self.prewarm.plan(deployment_id), f"prewarm-{deployment_id}")
+                broker.background(
+                    self._replan(deployment_id, broker.retire_standby(standby, why, "lapsed")),
+                    f"prewarm-{deployment_id}",
+                )
+            else:
+                broker.background(self.prewarm.plan(deployment_id), f"prewarm-{deployment_id}")
         return started
 
     def _mobility_choice(
@@ -257,6 +260,11 @@ class Migrations:
                 continue
             started.append(await self._launch(move, MigrationTrigger.NODE_LOST, Strategy.FAILOVER))
         return started
+
+    async def _replan(self, deployment_id: str, retired: Awaitable[bool]) -> None:
+        """Retire the lapsed standby (off the report's path), then plan the next one."""
+        await retired
+        await self.prewarm.plan(deployment_id)
 
     def on_deployed(self, record: DeploymentRecord) -> None:
         """A deployment was placed: plan its standby now if it runs (the sweep would, but
