@@ -260,7 +260,7 @@ def print_report(console: Console, report: Report) -> None:
     )
     succeeded = sum(m["outcome"] == "succeeded" for m in report.migrations)
     summary.add_row("migrations", f"{len(report.migrations)}, {succeeded} succeeded")
-    summary.add_row("move to serving", move_summary(report))
+    summary.add_row("moves", move_summary(report))
     summary.add_row("outputs", "every answer equal to in-process ONNX Runtime (np.allclose)")
     console.print(summary)
 

@@ -223,7 +223,7 @@ def test_the_prewarm_mode_drives_a_generated_trace_and_reports_its_hits() -> Non
     assert pre_warmed, out
     assert out.count("pre-warmed: switched to its standby") == len(pre_warmed), out
     summary = re.search(
-        r"^move to serving\s+pre-warm on \(budget 2\): (\d+) of (\d+) moves pre-warmed; report "
+        r"^moves\s+pre-warm on \(budget 2\): (\d+) of (\d+) moves pre-warmed; report "
         r"to first answer at the new site: median [\d.]+ ms \(n=(\d+)\) pre-warmed",
         out,
         re.M,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -134,8 +135,30 @@ def test_the_report_has_percentiles_timelines_explanations_and_the_dashboard() -
         "migration 140.5 ms"
     ) in text
     assert "decided +0  completed +750 (ms)" in text
+    assert "moves        report to first answer at the new site: -; pre-warm off" in text
     assert "dashboard  http://127.0.0.1:8080/  (stopped with the demo" in text
     assert "result     ok: no failed request" in text
+
+
+def test_the_report_tells_pre_warmed_moves_and_their_time_to_serving_apart() -> None:
+    warm = {**MIGRATION, "migration_id": "m-2", "outcome": "succeeded", "prewarmed": True}
+    moved = dataclasses.replace(
+        report(0, "succeeded"),
+        migrations=[{**MIGRATION, "outcome": "succeeded"}, warm],
+        moved_to_served_ms={"m-1": 1210.0, "m-2": 48.5},
+        prewarm=2,
+    )
+    console = Console(record=True, width=250, color_system=None)
+    print_report(console, moved)
+    text = console.export_text()
+    assert (
+        "moves        pre-warm on (budget 2): 1 of 2 moves pre-warmed; report to first answer "
+        "at the new site: median 48.5 ms (n=1) pre-warmed, median 1210.0 ms (n=1) cold"
+    ) in text
+    assert "m-2 mobility node-a → node-b make-before-break (pre-warmed): succeeded" in text
+    assert "m-1 mobility node-a → node-b make-before-break: succeeded" in text
+    assert "report to first answer at the new site 48.5 ms" in text
+    assert "report to first answer at the new site 1210.0 ms" in text
 
 
 def test_gaps_are_split_by_the_migration_windows() -> None:
