@@ -154,10 +154,12 @@ async def _move(args: argparse.Namespace) -> int:
 def _describe(m: pb.Migration) -> str:
     gap = "-" if m.downtime_ms < 0 else f"{m.downtime_ms:.1f} ms"
     span = "-" if m.span_gap_ms < 0 else f"{m.span_gap_ms:.1f} ms"
+    warm = " (pre-warmed)" if m.prewarmed else ""
+    reason = f" ({m.reason})" if m.reason else ""
     return (
         f"{m.migration_id} {m.deployment_id} {m.trigger} {m.source_node} -> {m.target_node} "
-        f"{m.strategy}{' (pre-warmed)' if m.prewarmed else ''}: {m.state}{f' ({m.reason})' if m.reason else ''}; client gap {gap} "
-        f"at the switch, {span} over the migration"
+        f"{m.strategy}{warm}: {m.state}{reason}; client gap {gap} at the switch, {span} over "
+        "the migration"
     )
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from edge_client.mobility import cluster as sim_cluster
 from edge_client.mobility import generate, simulator, traces
-from migration.policy import Hysteresis
+from migration.policy import Hysteresis, PrewarmSettings
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -72,6 +72,32 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--switch-s", type=float, default=c.switch_s)
     parser.add_argument("--drain-s", type=float, default=c.drain_s)
+    w = PrewarmSettings()
+    parser.add_argument(
+        "--prewarm-budget",
+        type=int,
+        default=w.budget,
+        metavar="N",
+        help="standby replicas held at once, cluster-wide, in a third run: today's policy with "
+        "pre-warm (0: no such run; default: 0 for `offload simulate`, a quarter of the "
+        "clients for bench.mobility)",
+    )
+    parser.add_argument(
+        "--prewarm-min-probability",
+        type=float,
+        default=w.min_probability,
+        metavar="P",
+        help=f"a predicted next site less likely than this warms nothing (default "
+        f"{w.min_probability:g})",
+    )
+    parser.add_argument(
+        "--prewarm-ttl",
+        type=float,
+        default=w.ttl_s,
+        metavar="SECONDS",
+        help=f"a standby the client has not reached after this long is released (default "
+        f"{w.ttl_s:g})",
+    )
     parser.add_argument(
         "--check-every",
         type=int,
@@ -92,12 +118,17 @@ def options_from(args: argparse.Namespace) -> simulator.SimOptions:
     )
 
 
+def prewarm_from(args: argparse.Namespace) -> PrewarmSettings:
+    return PrewarmSettings(args.prewarm_budget, args.prewarm_min_probability, args.prewarm_ttl)
+
+
 def run(
     trace: traces.MobilityTrace, args: argparse.Namespace, captures: Path, specs: dict
 ) -> list[simulator.Figures]:
     """Build the cluster, simulate, print the table (and write --json)."""
     started = time.perf_counter()
     options = options_from(args)
+    prewarm = prewarm_from(args)
     topologies = sim_cluster.load_topologies(captures, specs)
     built = sim_cluster.build_cluster(trace, topologies, args.nodes, args.seed)
     handovers = sum(v.handovers for v in trace.vehicles)
@@ -105,10 +136,16 @@ def run(
         f"trace {trace.name}: {len(trace.vehicles):,} vehicles, {handovers:,} handovers, "
         f"{len(trace.sites)} sites, {trace.duration_s:g} s; cluster: {len(built.nodes):,} "
         f"nodes, {built.gpus:,} GPUs, fill {options.fill:.0%}; start {options.costs.start_s:g} s, "
-        f"switch {options.costs.switch_s:g} s, drain {options.costs.drain_s:g} s",
+        f"switch {options.costs.switch_s:g} s, drain {options.costs.drain_s:g} s; pre-warm: "
+        + (
+            f"{prewarm.budget:,} standbys, p >= {prewarm.min_probability:g}, "
+            f"TTL {prewarm.ttl_s:g} s"
+            if prewarm.enabled
+            else "off"
+        ),
         flush=True,
     )
-    results = simulator.simulate(trace, built.network, built.nodes, options)
+    results = simulator.simulate(trace, built.network, built.nodes, options, prewarm)
     print(simulator.render(results))
     print(f"total wall time {time.perf_counter() - started:.1f} s")
     if args.json is not None:
@@ -123,6 +160,7 @@ def run(
                         "share_fraction": options.share_fraction,
                         "hysteresis": asdict(options.hysteresis),
                         "costs": asdict(options.costs),
+                        "prewarm": asdict(prewarm),
                     },
                     "results": [
                         {**asdict(r), "migrations_per_client_hour": r.migrations_per_client_hour}

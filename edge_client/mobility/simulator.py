@@ -2,7 +2,8 @@
 
 No containers and no broker process: a discrete-event simulation whose decisions are made by
 the broker's own code. Each vehicle of the trace is a client with one deployment (1 GPU whole,
-or a memory share of one for `share_fraction` of them; best-effort, so nothing is preempted).
+or a memory share of one for `share_fraction` of them; best-effort, so it preempts nothing but
+pre-warmed standbys, and nothing preempts it).
 
 - It arrives at its first site: `broker.placement.place` on the cluster snapshot, committed
   (`ClusterSnapshot.commit`); nothing fits: a capacity refusal, and it stays unserved (its
@@ -34,10 +35,13 @@ the first of the top that is not it (`place` returns the same top as the brute f
 `check_every` N, every Nth decision is also taken by `place` itself on the snapshot without the
 current node, as the broker does, and must agree (AssertionError otherwise).
 
-Pre-warm (issue 14, item 3) plugs in as a `Prewarmer`: it sees every handover, may hold standby
-replicas through the `PrewarmHost` (real placement, holding GPUs), and is asked at each move
-whether a standby of the client is warm at the target (a hit: the target is ready at once).
-`NoPrewarm` is the default; its figures print as "-".
+With pre-warm (issue 14, item 3), a third run is today's policy with standby replicas at
+each client's predicted next site (`edge_client.mobility.prewarm`, with the settings'
+budget, probability threshold and TTL): real placement of class STANDBY, which every
+deployment, arrival or move, preempts when nothing fits as it is (`place` answers with the
+standbys to evict; they are released first). A client that reports the site of its standby
+moves to the standby's node when the hysteresis allows it (cooldown not asked): a hit,
+serving after `switch_s` alone instead of `start_s + switch_s`.
 """
 
 from __future__ import annotations
@@ -48,8 +52,7 @@ import math
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -65,8 +68,9 @@ from broker.placement import (
     place,
 )
 from broker.placement.search import TOP_CANDIDATES
+from edge_client.mobility.prewarm import MarkovPrewarmer
 from edge_client.mobility.traces import MobilityTrace
-from migration.policy import Hysteresis, mobility_verdict
+from migration.policy import Hysteresis, PrewarmSettings, mobility_verdict
 
 SHARE_MIB = 8192
 """The memory share of a shared-GPU client, MiB."""
@@ -96,6 +100,9 @@ class Policy(enum.StrEnum):
     TODAY = "today's policy"
 
 
+ORACLE = "nearest node (oracle)"
+
+
 @dataclass(frozen=True, slots=True)
 class SimOptions:
     hysteresis: Hysteresis = field(default_factory=Hysteresis)
@@ -107,65 +114,6 @@ class SimOptions:
     seed: int = 1
     check_every: int = 0
     """Also take every Nth decision with `place` itself and compare (0: never)."""
-
-
-# --- pre-warm hook ---------------------------------------------------------------------------
-
-
-class PrewarmHost(Protocol):
-    """What the simulator offers a `Prewarmer`: standby replicas that hold real capacity."""
-
-    def reserve_standby(self, client: str, site: str, t: float) -> str | None:
-        """Place a standby replica of `client`'s deployment for a client at `site` (real
-        placement, its GPUs held from now); the node, or None when nothing fits."""
-        ...
-
-    def release_standby(self, client: str, node_id: str, t: float) -> None:
-        """Release `client`'s standby on `node_id` (its GPU-seconds are counted until now);
-        nothing when it holds none there."""
-        ...
-
-
-class Prewarmer(Protocol):
-    """Predictive pre-warm, plugged into `today`'s policy (see the module docstring)."""
-
-    enabled: bool
-    """False for the no-op: its figures are reported as "-"."""
-
-    def attach(self, host: PrewarmHost) -> None: ...
-
-    def observe(self, client: str, t: float, site: str, node_id: str | None) -> None:
-        """The client is at `site` from `t`, served by `node_id` (None: not served). Called at
-        its arrival and at every handover, before the migration decision."""
-        ...
-
-    def claim(self, client: str, t: float, target: str) -> bool:
-        """A move of `client` to node `target` was decided: True when a warm standby of it is
-        there (it becomes the target, ready at once; the pre-warmer releases the standby's
-        own hold through the host), False for a cold start."""
-        ...
-
-    def depart(self, client: str, t: float) -> None:
-        """The client left: release whatever is held for it."""
-        ...
-
-
-class NoPrewarm:
-    """Today: no standby replicas, every target starts cold."""
-
-    enabled = False
-
-    def attach(self, host: PrewarmHost) -> None:
-        pass
-
-    def observe(self, client: str, t: float, site: str, node_id: str | None) -> None:
-        pass
-
-    def claim(self, client: str, t: float, target: str) -> bool:
-        return False
-
-    def depart(self, client: str, t: float) -> None:
-        pass
 
 
 # --- figures ---------------------------------------------------------------------------------
@@ -189,8 +137,27 @@ class Figures:
     latency_mean_ms: float
     latency_p50_ms: float
     latency_p99_ms: float
+    move_to_serving_s: float | None = None
+    """Mean time from a move's decision (the client's handover) to its switch, when the client
+    is served at the new node; None without moves."""
     prewarm_hit_rate: float | None = None
+    """Of `migrations`, the share made to a standby (ready at once). None: no pre-warm."""
+    prewarm_hits: int | None = None
+    move_to_serving_hit_s: float | None = None
+    move_to_serving_miss_s: float | None = None
     standby_gpu_s: float | None = None
+    standbys_started: int | None = None
+    standbys_preempted: int | None = None
+    """Released for a deployment (arrival, pending retry or move) that had no room else."""
+    standbys_lapsed: int | None = None
+    """Released because the client reported another site, or left."""
+    standbys_expired: int | None = None
+    """Released at their TTL, the client not there yet."""
+    standbys_declined: int | None = None
+    """Reached, but the move to them failed the hysteresis."""
+    standby_refused_budget: int | None = None
+    standby_refused_capacity: int | None = None
+    standbys_max_held: int | None = None
     decisions: int = 0
     """Placement answers asked for (arrivals and migration choices)."""
     place_calls: int = 0
@@ -224,9 +191,12 @@ Shape = int
 @dataclass(slots=True)
 class _Entry:
     top: tuple[Candidate, ...]
+    """`place`'s top: the nodes that fit as they are or, when none does, those that would
+    after evicting standbys (their `preempt`)."""
     ids: frozenset[str]
     worst: float
-    """The worst top penalty; inf when the top is not full (any change may add to it)."""
+    """The worst top penalty; inf when the top is not full (any change may add to it) or
+    is of evictions (ranked by what they evict first, which any change may alter)."""
     watched: tuple[str, ...]
 
 
@@ -244,15 +214,22 @@ class _Rankings:
         self._site_of = {node.node_id: node.site for node in snapshot}
         self.decisions = 0
         self.place_calls = 0
+        self._standbys: set[str] = set()
+        """Allocations of class STANDBY held now."""
 
     @staticmethod
-    def request(deployment_id: str, site: str, shape: Shape) -> PlacementRequest:
+    def request(
+        deployment_id: str,
+        site: str,
+        shape: Shape,
+        priority: PriorityClass = PriorityClass.BEST_EFFORT,
+    ) -> PlacementRequest:
         return PlacementRequest(
             deployment_id=deployment_id,
             site=site,
             gpus=1,
             gpu_memory_mib=shape,
-            priority=PriorityClass.BEST_EFFORT,
+            priority=priority,
             strategy=Strategy.PACK,
         )
 
@@ -276,7 +253,14 @@ class _Rankings:
     def best_other(self, site: str, shape: Shape, current: str) -> Candidate | None:
         """`place`'s choice on the snapshot without `current` (what a migration would take)."""
         self.decisions += 1
-        chosen = next((c for c in self.top(site, shape) if c.node_id != current), None)
+        top = self.top(site, shape)
+        chosen = next((c for c in top if c.node_id != current), None)
+        if chosen is None and top and not top[0].preempt and self._standbys:
+            # Only `current` fits as it is: without it, `place` looks for standbys to evict.
+            self.place_calls += 1
+            request = self.request("rank", site, shape)
+            decision = place(self.snapshot.without_node(current), request, self.network)
+            chosen = decision.explanation.chosen
         if self.check_every and self.decisions % self.check_every == 0:
             decision = place(
                 self.snapshot.without_node(current),
@@ -286,16 +270,35 @@ class _Rankings:
             self._agree(decision.explanation.chosen, chosen, site, current)
         return chosen
 
+    def best_standby(self, site: str, shape: Shape) -> Candidate | None:
+        """`place`'s choice for a standby at `site`: class STANDBY evicts nothing."""
+        self.decisions += 1
+        top = self.top(site, shape)
+        chosen = top[0] if top and not top[0].preempt else None
+        if self.check_every and self.decisions % self.check_every == 0:
+            request = self.request("check", site, shape, PriorityClass.STANDBY)
+            decision = place(self.snapshot, request, self.network)
+            self._agree(decision.explanation.chosen, chosen, site, None)
+        return chosen
+
     def commit(
-        self, node_id: str, deployment_id: str, gpus: tuple[int, ...], shape: Shape
+        self,
+        node_id: str,
+        deployment_id: str,
+        gpus: tuple[int, ...],
+        shape: Shape,
+        priority: PriorityClass = PriorityClass.BEST_EFFORT,
     ) -> None:
         node = self.snapshot.node(node_id)
-        allocation = Allocation(deployment_id, PriorityClass.BEST_EFFORT, gpus, shape)
+        allocation = Allocation(deployment_id, priority, gpus, shape)
         self.snapshot = self.snapshot.with_node(node.with_allocation(allocation))
+        if priority is PriorityClass.STANDBY:
+            self._standbys.add(deployment_id)
         self._changed(node_id)
 
     def release(self, node_id: str, deployment_id: str) -> None:
         self.snapshot = self.snapshot.release(node_id, deployment_id)
+        self._standbys.discard(deployment_id)
         self._changed(node_id)
 
     def _compute(self, key: tuple[str, Shape]) -> _Entry:
@@ -303,7 +306,7 @@ class _Rankings:
         self.place_calls += 1
         decision = place(self.snapshot, self.request("rank", site, shape), self.network)
         top = decision.explanation.top
-        full = len(top) == TOP_CANDIDATES
+        full = len(top) == TOP_CANDIDATES and not top[0].preempt
         worst = top[-1].score.total if full else math.inf
         watched = tuple(
             other for d, other in self.network.nearest(site) if d + self._floor <= worst
@@ -338,7 +341,7 @@ class _Rankings:
         reference: Candidate | None, ours: Candidate | None, site: str, current: str | None
     ) -> None:
         def view(c: Candidate | None) -> object:
-            return None if c is None else (c.node_id, c.gpus, c.latency_ms)
+            return None if c is None else (c.node_id, c.gpus, c.latency_ms, c.preempt)
 
         if view(reference) != view(ours):
             raise AssertionError(
@@ -360,6 +363,7 @@ class _Client:
         "id",
         "index",
         "last_end",
+        "moved_at",
         "node",
         "old",
         "seg_t",
@@ -367,7 +371,7 @@ class _Client:
         "site",
         "target",
         "target_alloc",
-        "target_gpus",
+        "warm",
     )
 
     def __init__(self, index: int, client_id: str, shape: Shape) -> None:
@@ -380,7 +384,9 @@ class _Client:
         self.epoch = 0
         self.target: str | None = None
         self.target_alloc = ""
-        self.target_gpus: tuple[int, ...] = ()
+        self.moved_at = 0.0
+        self.warm = False
+        """The move in flight goes to a standby."""
         self.old: tuple[str, str] | None = None
         self.last_end: float | None = None
         self.seg_t = 0.0
@@ -390,11 +396,11 @@ class _Client:
 
 
 _ARRIVE, _HANDOVER, _DEPART = 0, 1, 2
-_READY, _DRAINED = 0, 1
+_READY, _DRAINED, _EXPIRE = 0, 1, 2
 
 
 class _Run:
-    """One policy over the whole trace."""
+    """One policy over the whole trace; the `PrewarmHost` of its pre-warmer, if any."""
 
     def __init__(
         self,
@@ -404,14 +410,13 @@ class _Run:
         shapes: Sequence[Shape],
         policy: Policy,
         options: SimOptions,
-        prewarmer: Prewarmer,
+        prewarm: PrewarmSettings | None = None,
     ) -> None:
         self.trace = trace
         self.network = network
         self.rankings = _Rankings(snapshot, network, options.check_every)
         self.policy = policy
         self.options = options
-        self.prewarmer = prewarmer
         self.access = {site.name: site.access_ms for site in trace.sites}
         self.node_site = {node.node_id: node.site for node in snapshot}
         self.clients = [
@@ -425,10 +430,12 @@ class _Run:
         self.dur: list[float] = []
         self.unserved_s = 0.0
         self.migrations = self.wasted = self.refused_deploy = self.refused_move = 0
-        self.hits = self.misses = 0
-        self.standby: dict[tuple[str, str], tuple[float, int]] = {}
-        self.standby_gpu_s = 0.0
-        prewarmer.attach(self)
+        self.move_s = [0.0, 0.0]
+        """Decision to switch, summed over switched moves: [cold, warm]."""
+        self.moves = [0, 0]
+        self.prewarmer = (
+            None if prewarm is None else MarkovPrewarmer(prewarm, options.hysteresis, self)
+        )
 
     # --- latency ------------------------------------------------------------------------
 
@@ -488,11 +495,18 @@ class _Run:
             self.on_internal(it, ikind, self.clients[ic], token)
         return self.figures(time.perf_counter() - started)
 
+    def evict(self, chosen: Candidate, t: float) -> None:
+        """Release the standbys `chosen` preempts (only standbys are below best-effort)."""
+        if chosen.preempt:
+            assert self.prewarmer is not None, "no standbys without pre-warm"
+            self.prewarmer.preempt(chosen.preempt, t)
+
     def deploy(self, c: _Client, t: float) -> None:
         chosen = self.rankings.best(c.site, c.shape)
         if chosen is None:
             self.refused_deploy += 1
             return
+        self.evict(chosen, t)
         c.epoch += 1
         c.alloc = f"{c.id}@{c.epoch}"
         self.rankings.commit(chosen.node_id, c.alloc, chosen.gpus, c.shape)
@@ -500,44 +514,70 @@ class _Run:
 
     def arrive(self, c: _Client, t: float, site: str) -> None:
         c.site, c.seg_t = site, t
+        if self.prewarmer is not None:
+            self.prewarmer.report(c.id, t, site)
         self.deploy(c, t)
-        self.prewarmer.observe(c.id, t, site, c.node)
+        self.settled(c, t)
 
     def handover(self, c: _Client, i: int, t: float, site: str) -> None:
         self.account(c, t)
         c.site = site
+        if self.prewarmer is not None:
+            self.prewarmer.report(c.id, t, site)
         if c.node is None:
             self.deploy(c, t)  # the broker's pending retry
-            return
-        if self.policy is Policy.NEVER:
-            return
-        self.prewarmer.observe(c.id, t, site, c.node)
-        if c.target is not None:
+        elif self.policy is Policy.NEVER or c.target is not None:
             return  # being moved: the broker skips the report (if_idle)
-        current = c.node
+        else:
+            self.mobility(c, i, t, site, c.node)
+        self.settled(c, t)
+
+    def mobility(self, c: _Client, i: int, t: float, site: str, current: str) -> None:
+        """Today's decision for a served, idle client at `site`; its standby there first."""
+        current_ms = self.latency_ms(site, current)
+        hysteresis = self.options.hysteresis
+        prewarmer = self.prewarmer
+        if prewarmer is not None and (standby := prewarmer.standby_for(c.id, site)) is not None:
+            standby_ms = self.latency_ms(site, standby.node_id)
+            if mobility_verdict(current_ms, standby_ms, None, hysteresis).move:
+                prewarmer.claim(c.id, t)
+                self.move(c, i, t, standby.node_id, standby.gpus, warm=True)
+                return
+            prewarmer.decline(c.id, t)
         chosen = self.rankings.best_other(site, c.shape, current)
         if chosen is None:
             self.refused_move += 1
             return
-        current_ms = self.network.latency_ms(site, self.node_site[current], current)
         since = None if c.last_end is None else t - c.last_end
-        verdict = mobility_verdict(current_ms, chosen.latency_ms, since, self.options.hysteresis)
-        if not verdict.move:
+        if not mobility_verdict(current_ms, chosen.latency_ms, since, hysteresis).move:
             return
+        self.evict(chosen, t)
+        self.move(c, i, t, chosen.node_id, chosen.gpus, warm=False)
+
+    def move(
+        self, c: _Client, i: int, t: float, target: str, gpus: tuple[int, ...], warm: bool
+    ) -> None:
+        """Start a make-before-break move to `target` (to a standby: no start)."""
         self.migrations += 1
-        warm = self.prewarmer.claim(c.id, t, chosen.node_id)
-        if self.prewarmer.enabled:
-            self.hits += warm
-            self.misses += not warm
-        c.target = chosen.node_id
+        c.target = target
         c.target_alloc = f"{c.id}@{c.epoch + 1}"
-        c.target_gpus = chosen.gpus
-        self.rankings.commit(chosen.node_id, c.target_alloc, chosen.gpus, c.shape)
+        c.moved_at, c.warm = t, warm
+        self.rankings.commit(target, c.target_alloc, gpus, c.shape)
         costs = self.options.costs
         ready = t + (0.0 if warm else costs.start_s) + costs.switch_s
         self.schedule(ready, _READY, i, c.epoch + 1)
 
+    def settled(self, c: _Client, t: float) -> None:
+        """After an arrival, a handover or a switch: a served client with no move in flight
+        may have a standby warmed for its next site."""
+        if self.prewarmer is not None and c.node is not None and c.target is None:
+            self.prewarmer.settled(c.id, t, c.site, c.node)
+
     def on_internal(self, t: float, kind: int, c: _Client, token: int) -> None:
+        if kind == _EXPIRE:
+            assert self.prewarmer is not None
+            self.prewarmer.expire(c.id, t, token)
+            return
         if kind == _DRAINED:
             if c.old is not None and not c.gone:
                 self.rankings.release(*c.old)
@@ -553,7 +593,10 @@ class _Run:
         c.old = (c.node, c.alloc)
         c.node, c.alloc, c.epoch = c.target, c.target_alloc, c.epoch + 1
         c.target = None
+        self.move_s[c.warm] += t - c.moved_at
+        self.moves[c.warm] += 1
         self.schedule(t + self.options.costs.drain_s, _DRAINED, c.index, 0)
+        self.settled(c, t)
 
     def depart(self, c: _Client, t: float) -> None:
         self.account(c, t)
@@ -569,25 +612,28 @@ class _Run:
         if c.node is not None:
             self.rankings.release(c.node, c.alloc)
             c.node = None
-        self.prewarmer.depart(c.id, t)
+        if self.prewarmer is not None:
+            self.prewarmer.depart(c.id, t)
 
     # --- PrewarmHost --------------------------------------------------------------------
 
-    def reserve_standby(self, client: str, site: str, t: float) -> str | None:
-        c = self.by_id[client]
-        chosen = self.rankings.best(site, c.shape)
-        if chosen is None or (client, chosen.node_id) in self.standby:
-            return None
-        self.rankings.commit(chosen.node_id, f"{client}~standby", chosen.gpus, c.shape)
-        self.standby[(client, chosen.node_id)] = (t, len(chosen.gpus))
-        return chosen.node_id
+    def latency_ms(self, site: str, node_id: str) -> float:
+        return self.network.latency_ms(site, self.node_site[node_id], node_id)
 
-    def release_standby(self, client: str, node_id: str, t: float) -> None:
-        held = self.standby.pop((client, node_id), None)
-        if held is None:
-            return
-        self.standby_gpu_s += (t - held[0]) * held[1]
-        self.rankings.release(node_id, f"{client}~standby")
+    def best_standby(self, client: str, site: str) -> Candidate | None:
+        return self.rankings.best_standby(site, self.by_id[client].shape)
+
+    def hold(self, client: str, candidate: Candidate, allocation: str) -> None:
+        shape = self.by_id[client].shape
+        self.rankings.commit(
+            candidate.node_id, allocation, candidate.gpus, shape, PriorityClass.STANDBY
+        )
+
+    def release(self, node_id: str, allocation: str) -> None:
+        self.rankings.release(node_id, allocation)
+
+    def alarm(self, client: str, t: float, token: int) -> None:
+        self.schedule(t, _EXPIRE, self.by_id[client].index, token)
 
     # --- results ------------------------------------------------------------------------
 
@@ -596,9 +642,12 @@ class _Run:
         dur = np.array(self.dur)
         served_s = float(dur.sum())
         client_s = served_s + self.unserved_s
-        claims = self.hits + self.misses
-        return Figures(
-            policy=str(self.policy) + ("" if not self.prewarmer.enabled else " + pre-warm"),
+
+        def mean(total: float, n: int) -> float | None:
+            return total / n if n else None
+
+        figures = Figures(
+            policy=str(self.policy),
             clients=len(self.clients),
             client_hours=client_s / 3600,
             migrations=self.migrations,
@@ -609,13 +658,30 @@ class _Run:
             latency_mean_ms=float((lat * dur).sum() / served_s) if served_s else math.nan,
             latency_p50_ms=weighted_percentile(lat, dur, 50),
             latency_p99_ms=weighted_percentile(lat, dur, 99),
-            prewarm_hit_rate=(self.hits / claims if claims else 0.0)
-            if self.prewarmer.enabled
-            else None,
-            standby_gpu_s=self.standby_gpu_s if self.prewarmer.enabled else None,
+            move_to_serving_s=mean(sum(self.move_s), sum(self.moves)),
             decisions=self.rankings.decisions,
             place_calls=self.rankings.place_calls,
             wall_s=wall_s,
+        )
+        p = self.prewarmer
+        if p is None:
+            return figures
+        return replace(
+            figures,
+            policy=f"{figures.policy} + pre-warm",
+            prewarm_hit_rate=p.hits / self.migrations if self.migrations else 0.0,
+            prewarm_hits=p.hits,
+            move_to_serving_hit_s=mean(self.move_s[True], self.moves[True]),
+            move_to_serving_miss_s=mean(self.move_s[False], self.moves[False]),
+            standby_gpu_s=p.gpu_s,
+            standbys_started=p.started,
+            standbys_preempted=p.preempted,
+            standbys_lapsed=p.lapsed,
+            standbys_expired=p.expired,
+            standbys_declined=p.declined,
+            standby_refused_budget=p.refused_budget,
+            standby_refused_capacity=p.refused_capacity,
+            standbys_max_held=p.max_held,
         )
 
 
@@ -641,7 +707,7 @@ def oracle(trace: MobilityTrace, network: EdgeNetwork, nodes: Iterable[NodeSnaps
     lat_a, dur_a = np.array(lat), np.array(dur)
     served = float(dur_a.sum())
     return Figures(
-        policy="nearest node (oracle)",
+        policy=ORACLE,
         clients=len(trace.vehicles),
         client_hours=served / 3600,
         migrations=0,
@@ -696,21 +762,22 @@ def simulate(
     network: EdgeNetwork,
     nodes: Sequence[NodeSnapshot],
     options: SimOptions,
-    prewarmer: Prewarmer | None = None,
+    prewarm: PrewarmSettings | None = None,
 ) -> list[Figures]:
-    """Never-migrate, today's policy (with `prewarmer` when given) and the oracle, each over
-    the whole trace from the same cluster. Deterministic for the options' seed."""
+    """Never-migrate, today's policy, today's policy with pre-warm (when `prewarm` is given
+    with a budget) and the oracle, each over the whole trace from the same cluster.
+    Deterministic for the options' seed."""
     if not 0 <= options.share_fraction <= 1:
         raise ValueError("share_fraction must be in [0, 1]")
     snapshot = fill_cluster(ClusterSnapshot.of(nodes), network, options.fill, options.seed)
     shapes = shapes_for(trace, options.share_fraction, options.seed)
     results = [
-        _Run(trace, network, snapshot, shapes, Policy.NEVER, options, NoPrewarm()).run(),
-        _Run(trace, network, snapshot, shapes, Policy.TODAY, options, NoPrewarm()).run(),
+        _Run(trace, network, snapshot, shapes, Policy.NEVER, options).run(),
+        _Run(trace, network, snapshot, shapes, Policy.TODAY, options).run(),
     ]
-    if prewarmer is not None:
+    if prewarm is not None and prewarm.enabled:
         results.append(
-            _Run(trace, network, snapshot, shapes, Policy.TODAY, options, prewarmer).run()
+            _Run(trace, network, snapshot, shapes, Policy.TODAY, options, prewarm).run()
         )
     results.append(oracle(trace, network, nodes))
     return results
@@ -738,10 +805,28 @@ def render(results: Sequence[Figures]) -> str:
     row("latency mean, ms", (fmt(r.latency_mean_ms, ".2f") for r in results))
     row("latency p50, ms", (fmt(r.latency_p50_ms, ".2f") for r in results))
     row("latency p99, ms", (fmt(r.latency_p99_ms, ".2f") for r in results))
+    named = {r.policy: r for r in results}
+    never, oracle_ = named.get(Policy.NEVER), named.get(ORACLE)
+    if never is not None:
+        saved = (never.latency_mean_ms - r.latency_mean_ms for r in results)
+        row("latency saved vs never-migrate, ms", (fmt(v, ".2f") for v in saved))
+    if oracle_ is not None:
+        over = (r.latency_mean_ms - oracle_.latency_mean_ms for r in results)
+        row("latency over the oracle, ms", (fmt(v, ".2f") for v in over))
+    row("move: handover to serving, mean s", (fmt(r.move_to_serving_s, ".3f") for r in results))
     row("capacity refusals: deploy", (f"{r.refused_deploy:,}" for r in results))
     row("capacity refusals: move", (f"{r.refused_move:,}" for r in results))
     row("unserved client-hours", (f"{r.unserved_client_hours:,.2f}" for r in results))
     row("pre-warm hit rate", (fmt(r.prewarm_hit_rate, ".1%") for r in results))
+    row("pre-warm hits", (fmt(r.prewarm_hits, ",") for r in results))
+    row("standbys started", (fmt(r.standbys_started, ",") for r in results))
+    row("standbys preempted", (fmt(r.standbys_preempted, ",") for r in results))
+    row("standbys lapsed (client elsewhere)", (fmt(r.standbys_lapsed, ",") for r in results))
+    row("standbys expired (TTL)", (fmt(r.standbys_expired, ",") for r in results))
+    row("standbys declined (hysteresis)", (fmt(r.standbys_declined, ",") for r in results))
+    row("standby refusals: budget", (fmt(r.standby_refused_budget, ",") for r in results))
+    row("standby refusals: capacity", (fmt(r.standby_refused_capacity, ",") for r in results))
+    row("standbys held at most", (fmt(r.standbys_max_held, ",") for r in results))
     row("standby GPU-seconds", (fmt(r.standby_gpu_s, ",.0f") for r in results))
     row("placement answers (place run)", (f"{r.decisions:,} ({r.place_calls:,})" for r in results))
     row("wall time, s", (f"{r.wall_s:.1f}" for r in results))
