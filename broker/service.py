@@ -216,6 +216,9 @@ class Move:
     standby: Standby | None = None
     """The pre-warmed standby the move switches to (its target replica, started already);
     None for a cold start."""
+    evicting: tuple[asyncio.Task[None], ...] = ()
+    """The stops of other deployments' standbys on the target's GPUs (placement does not
+    see them): the target starts once they are done."""
 
     @property
     def prewarmed(self) -> bool:
@@ -470,9 +473,11 @@ class Broker:
             "state loaded: %d node(s), %d deployment(s)", len(self._nodes), len(deployments)
         )
 
-    def background(self, coro: Any, name: str) -> None:
+    def background(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         """Run `coro` as the broker's own task (cancelled by `close`); a failure is logged."""
-        self._own(coro, name).add_done_callback(_log_failure)
+        task = self._own(coro, name)
+        task.add_done_callback(_log_failure)
+        return task
 
     def _own(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         task = asyncio.create_task(coro, name=name)
@@ -754,11 +759,14 @@ class Broker:
 
     # --- deployments ---------------------------------------------------------------------
 
-    def _snapshot(self, deployments: Sequence[DeploymentRecord]) -> ClusterSnapshot:
-        """The cluster as placement sees it: the records' allocations, the holds and the
-        standbys. What no decision may take away (a replica starting, a deployment being
-        moved or deleted, a hold) is entered at the top priority, so nothing preempts it; a
-        standby at the lowest, so anything does."""
+    def _snapshot(
+        self, deployments: Sequence[DeploymentRecord], standbys: bool = False
+    ) -> ClusterSnapshot:
+        """The cluster as placement sees it: the records' allocations and the holds; with
+        `standbys`, the standbys too (at the lowest priority: a standby's own placement
+        sees them, a real one does not, and takes their GPUs at will: `_standbys_under`).
+        What no decision may take away (a replica starting, a deployment being moved or
+        deleted, a hold) is entered at the top priority, so nothing preempts it."""
         by_node: dict[str, list[DeploymentRecord]] = {}
         for d in deployments:
             if d.node_id and d.state in ACTIVE:
@@ -791,7 +799,7 @@ class Broker:
                             hold.memory_mib,
                         )
                     )
-            for standby in self.standbys():
+            for standby in self.standbys() if standbys else ():
                 if standby.node_id == node_id:
                     node = node.with_allocation(
                         Allocation(
@@ -804,9 +812,12 @@ class Broker:
             nodes.append(node)
         return ClusterSnapshot.of(nodes)
 
-    async def _current_snapshot(self) -> ClusterSnapshot:
-        """The cluster as placement sees it now (call under `_placing`)."""
-        return self._snapshot(await self._db(self._store.list_deployments, states=ACTIVE))
+    async def _current_snapshot(self, standbys: bool = False) -> ClusterSnapshot:
+        """The cluster as placement sees it now (call under `_placing`); `standbys` as for
+        `_snapshot`."""
+        return self._snapshot(
+            await self._db(self._store.list_deployments, states=ACTIVE), standbys
+        )
 
     async def set_node_state(self, node_id: str, state: NodeState) -> None:
         """An operator's change of a node's state (draining): a decision of its own."""
@@ -851,10 +862,10 @@ class Broker:
     async def _reserve(
         self, deployment_id: str, client_id: str, spec: DeploySpec, epoch: int
     ) -> tuple[DeploymentRecord, list[DeploymentRecord | Standby]]:
-        """One decision: place the deployment, write it `starting` there and write the
-        deployments it preempts `pending` (the standbys it preempts retiring), all under the
-        lock. The evicted records (as they were: their replicas are still to be stopped) and
-        standbys."""
+        """One decision: place the deployment (standbys unseen), write it `starting` there,
+        write the deployments it preempts `pending` and the standbys on its GPUs retiring,
+        all under the lock. The evicted records (as they were: their replicas are still to be
+        stopped) and standbys."""
         async with self._placing:
             if epoch == 1:
                 current = await self._db(
@@ -903,10 +914,8 @@ class Broker:
                 updated_at=now,
             )
             evicted: list[DeploymentRecord | Standby] = []
-            evicted.extend(self._take_standbys(decision.preempt))
+            evicted.extend(self._standbys_under(decision.node_id, decision.gpus))
             for victim_id in decision.preempt:
-                if victim_id.endswith(STANDBY_SUFFIX):
-                    continue
                 victim = await self._db(self._store.get_deployment, victim_id)
                 if victim is not None and victim.state in ACTIVE:
                     await self._write_pending(victim_id, f"preempted by {deployment_id}")
@@ -1158,7 +1167,7 @@ class Broker:
                 )
                 self.metrics.count_standby("refused")
                 return None
-            decision = choose(record, await self._current_snapshot())
+            decision = choose(record, await self._current_snapshot(standbys=True))
             if decision is None or decision.node_id is None or decision.preempt:
                 return None
             spec = DeploySpec.from_json(record.request_json)
@@ -1241,12 +1250,13 @@ class Broker:
         await self._stop_standby(standby, reason, outcome)
         return True
 
-    def _take_standbys(self, allocation_ids: Sequence[str]) -> list[Standby]:
-        """The standbys among a decision's `preempt`, turned retiring (call under
-        `_placing`; the caller stops them with `_stop_standby`)."""
+    def _standbys_under(self, node_id: str, gpus: Sequence[int]) -> list[Standby]:
+        """The standbys of other deployments that hold any of `gpus` on `node_id`, which a
+        real placement took (it does not see them), turned retiring (call under `_placing`;
+        the caller stops them, with `_stop_standby`, before it starts its replica)."""
         taken = []
         for standby in list(self._standbys.values()):
-            if standby.allocation_id in allocation_ids:
+            if standby.node_id == node_id and set(standby.record.gpus) & set(gpus):
                 del self._standbys[standby.deployment_id]
                 self._retiring.add(standby)
                 taken.append(standby)
@@ -1311,13 +1321,13 @@ class Broker:
             standby = self._standbys.get(deployment_id)
             chosen: tuple[Decision, str] | None = None
             try:
-                snapshot = await self._current_snapshot()
-                if standby is not None:
-                    # Its GPUs are the deployment's own to move to.
-                    snapshot = snapshot.release(standby.node_id, standby.allocation_id)
-                chosen = choose(record, snapshot)
-                if chosen is not None:
-                    _refuse_preemption(chosen[0])
+                chosen = choose(record, await self._current_snapshot())
+                if chosen is not None and chosen[0].preempt:
+                    raise ResourceExhausted(
+                        f"the best target, node {chosen[0].node_id}, has room only by "
+                        f"preempting {', '.join(chosen[0].preempt)}; a migration preempts no "
+                        "deployment"
+                    )
             except BaseException:
                 chosen = None
                 raise
@@ -1329,20 +1339,19 @@ class Broker:
             decision, why = chosen
             assert decision.node_id is not None
             spec = DeploySpec.from_json(record.request_json)
-            retired = self._take_standbys(decision.preempt)
             target_gpus = decision.gpus
+            lapsed = None
             if standby is not None:
                 del self._standbys[deployment_id]
-                if decision.node_id == standby.node_id:
-                    target_gpus = standby.record.gpus  # its replica runs on those
-                    rec = standby.record
-                    await self._db(
-                        self._store.delete_standby, rec.deployment_id, rec.epoch, rec.node_id
-                    )
-                else:
-                    self._retiring.add(standby)
-                    retired.append(standby)
-                    standby = None
+            if standby is not None and decision.node_id == standby.node_id:
+                target_gpus = standby.record.gpus  # its replica runs on those
+                rec = standby.record
+                await self._db(
+                    self._store.delete_standby, rec.deployment_id, rec.epoch, rec.node_id
+                )
+            elif standby is not None:
+                self._retiring.add(standby)
+                lapsed, standby = standby, None
             move = Move(
                 deployment_id=deployment_id,
                 source_node=record.node_id,
@@ -1352,23 +1361,25 @@ class Broker:
                 target_gpus=target_gpus,
                 explanation_json=explanation_json(decision, why),
                 standby=standby,
+                evicting=tuple(
+                    self.background(
+                        self._stop_standby(
+                            other, f"its GPUs went to a move of {deployment_id}", "preempted"
+                        ),
+                        f"retire-{other.replica}",
+                    )
+                    for other in self._standbys_under(decision.node_id, target_gpus)
+                ),
             )
             self._holds[(deployment_id, move.epoch)] = Hold(
                 move.target_node, move.target_gpus, spec.gpu_memory_mib, spec.priority
             )
         if move.standby is not None:
             self.metrics.count_standby("hit")
-        for other in retired:
-            lapsed = other.deployment_id == deployment_id
+        if lapsed is not None:
             self.background(
-                self._stop_standby(
-                    other,
-                    "the move went elsewhere"
-                    if lapsed
-                    else f"preempted by a move of {deployment_id}",
-                    "lapsed" if lapsed else "preempted",
-                ),
-                f"retire-{other.replica}",
+                self._stop_standby(lapsed, "the move went elsewhere", "lapsed"),
+                f"retire-{lapsed.replica}",
             )
         return move
 
@@ -1378,6 +1389,8 @@ class Broker:
         starting). With `background`, the node starts it at background CPU priority and
         raises it once it is ready (a replica serves meanwhile). NodeUnavailable or
         ResourceExhausted when the node cannot."""
+        if move.evicting:
+            await asyncio.shield(asyncio.gather(*move.evicting, return_exceptions=True))
         if move.standby is not None and move.standby.task is not None:
             try:
                 return await asyncio.shield(move.standby.task)
@@ -1650,17 +1663,6 @@ def placement_update(
         migration_id,
         prepared_ms,
     )
-
-
-def _refuse_preemption(decision: Decision) -> None:
-    """A move may take a standby's GPUs, never a deployment's: ResourceExhausted when the
-    target has room only by evicting one (a placement of its own, at the next epoch, may)."""
-    real = [d for d in decision.preempt if not d.endswith(STANDBY_SUFFIX)]
-    if real:
-        raise ResourceExhausted(
-            f"the best target, node {decision.node_id}, has room only by preempting "
-            f"{', '.join(real)}; a migration preempts no deployment"
-        )
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
