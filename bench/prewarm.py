@@ -184,7 +184,14 @@ async def run_arm(
                     if other is not vehicle:
                         await _drive(stub, cluster.more_api_keys[0], [s for _, s in other.sites])
                 async with OffloadClient(cluster.broker_address, cluster.api_key) as client:
-                    await _vehicle(client, broker, model, inputs, vehicle, arm, args)
+                    deployment_id = await _vehicle(
+                        client, broker, model, inputs, vehicle, arm, args
+                    )
+                # Deleted once its client is closed (a client watching it would say so).
+                await broker.stub.DeleteDeployment(
+                    pb.DeleteDeploymentRequest(deployment_id=deployment_id),
+                    metadata=broker.metadata,
+                )
         arm.events = await _events(cluster)
     finally:
         stop_watch.set()
@@ -203,8 +210,9 @@ async def _vehicle(
     vehicle: traces.Vehicle,
     arm: Arm,
     args: argparse.Namespace,
-) -> None:
-    """Deploy for the vehicle, drive its sites under load, record its moves, delete."""
+) -> str:
+    """Deploy for the vehicle, drive its sites under load, record its moves; the
+    deployment's id."""
     sha = await client.upload_model(model)
     deployment = await client.deploy(sha, args.model, gpus=1, site=vehicle.sites[0][1])
     stop = asyncio.Event()
@@ -244,10 +252,7 @@ async def _vehicle(
                 failed_requests=0 if observation is None else observation.failed_requests,
             )
         )
-    await broker.stub.DeleteDeployment(
-        pb.DeleteDeploymentRequest(deployment_id=deployment.deployment_id),
-        metadata=broker.metadata,
-    )
+    return deployment.deployment_id
 
 
 def _figures(values: list[float]) -> str:

@@ -238,7 +238,8 @@ class Move:
 class Standby:
     """A replica of a deployment started ahead of a move, at the node placement chose for
     its client's predicted next site, for the epoch it would serve at (`broker.prewarm`).
-    Held in the snapshot at standby priority: any deployment preempts it."""
+    Only other standbys' placement sees it (at standby priority); a real placement takes its
+    GPUs as if they were free, and the standby is stopped first."""
 
     record: StandbyRecord
     probability: float
@@ -276,12 +277,9 @@ class Standby:
         return task is not None and task.done() and not task.cancelled() and not task.exception()
 
 
-STANDBY_SUFFIX = "~standby"
-
-
 def standby_allocation(deployment_id: str, epoch: int) -> str:
-    """The id a standby's hold has in the snapshot (and in a decision's `preempt`)."""
-    return f"{deployment_id}@{epoch}{STANDBY_SUFFIX}"
+    """The id a standby's hold has in a standby placement's snapshot."""
+    return f"{deployment_id}@{epoch}~standby"
 
 
 MoveChoice = Callable[[DeploymentRecord, ClusterSnapshot], "tuple[Decision, str] | None"]
@@ -1328,6 +1326,13 @@ class Broker:
                         f"preempting {', '.join(chosen[0].preempt)}; a migration preempts no "
                         "deployment"
                     )
+                if chosen is not None and standby and chosen[0].node_id == standby.node_id:
+                    # Its record goes before the switch can happen: a restarted broker
+                    # stops the replicas its standby records name.
+                    rec = standby.record
+                    await self._db(
+                        self._store.delete_standby, rec.deployment_id, rec.epoch, rec.node_id
+                    )
             except BaseException:
                 chosen = None
                 raise
@@ -1345,10 +1350,6 @@ class Broker:
                 del self._standbys[deployment_id]
             if standby is not None and decision.node_id == standby.node_id:
                 target_gpus = standby.record.gpus  # its replica runs on those
-                rec = standby.record
-                await self._db(
-                    self._store.delete_standby, rec.deployment_id, rec.epoch, rec.node_id
-                )
             elif standby is not None:
                 self._retiring.add(standby)
                 lapsed, standby = standby, None
