@@ -201,7 +201,18 @@ async def test_page_renders_the_prewarm_panel(page_url: str, tmp_path: Path) -> 
             " return [m.dataset.migrationId, m.querySelector('header').textContent,"
             " marker ? marker.width * marker.height : 0]; })"
         )
+        # The boxes of the pre-warmed move's timeline labels: its first events are ms apart.
+        boxes = await page.evaluate(
+            '[...document.querySelectorAll(\'[data-migration-id="mig-0002"] .timeline-event'
+            " text')].map((t) => { const b = t.getBoundingClientRect();"
+            " return [b.left, b.top, b.right, b.bottom]; })"
+        )
     assert element_text(html, "prewarm-summary") == "2 of 4 standbys"
+    assert len(boxes) == 4
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            overlap = a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+            assert not overlap, (a, b)
     # The oldest first: one a previous broker left (no prediction), one ready.
     assert standbys == [
         ["rep-sb-0001", DEPLOYMENT_ID, "node-dgx-a", "4", "metro-east", "\u2014", "retiring",

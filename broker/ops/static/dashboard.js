@@ -376,11 +376,21 @@ function timelineSvg(migration) {
     "aria-label": `timeline of ${migration.migration_id}`,
   });
   svg.append(s("rect", { class: "timeline-bar", x: 10, y: 38, width: width - 20, height: 10 }));
+  // Labels go above or below the bar, each where it fits beside the ones before it: events
+  // a few ms apart (a pre-warmed move's start) would otherwise print over each other.
+  const rowY = [30, 66];
+  const rowFree = [10, 10];
   events.forEach((event, i) => {
     const offset = (event.at - t0) * 1000;
     const ex = x(offset);
-    const labelY = i % 2 === 0 ? 30 : 66; // alternate above and below so labels do not collide
-    const anchor = i === 0 ? "start" : i === events.length - 1 ? "end" : "middle";
+    const label = `${event.event} +${ms(offset)}`;
+    const labelWidth = label.length * 7.5;
+    const wanted = i === 0 ? ex : i === events.length - 1 ? ex - labelWidth : ex - labelWidth / 2;
+    let left = Math.max(10, Math.min(wanted, width - 10 - labelWidth));
+    const fits = [0, 1].filter((row) => rowFree[row] <= left);
+    const row = fits.length ? fits[0] : rowFree[0] <= rowFree[1] ? 0 : 1;
+    left = Math.max(left, rowFree[row]);
+    rowFree[row] = left + labelWidth + 8;
     const at = new Date(event.at * 1000).toLocaleTimeString();
     svg.append(
       s(
@@ -388,7 +398,7 @@ function timelineSvg(migration) {
         { class: "timeline-event", "data-event": event.event },
         s("title", {}, `${event.event} at ${at} (+${ms(offset)})`),
         s("line", { x1: ex, y1: 34, x2: ex, y2: 52 }),
-        s("text", { x: ex, y: labelY, "text-anchor": anchor }, `${event.event} +${ms(offset)}`),
+        s("text", { x: left, y: rowY[row], "text-anchor": "start" }, label),
       ),
     );
   });
