@@ -97,6 +97,21 @@ async def deploy_mlp(client: EdgeClient, site: str, gpus: int = 1) -> pb.Deploym
     return await client.deploy(model_sha256=sha, model_name="mlp", gpus=gpus, site=site)
 
 
+async def alice_with_a_standby(
+    cluster: Cluster, bob: EdgeClient, alice: EdgeClient
+) -> tuple[pb.Deployment, dict[str, Any]]:
+    """Bob (no deployment) drives site-a -> site-b -> site-c, and everyone's model learns
+    the road; Alice deploys at site-a and reports it: her standby for site-b is then ready
+    on node-b. Her deployment and the standby."""
+    assert await drive(bob, "site-a", "site-b", "site-c") == ["", "", ""]
+    ours = await deploy_mlp(alice, "site-a")
+    assert ours.node_id == "node-a"
+    assert await drive(alice, "site-a") == [""]
+    (standby,) = await wait_standbys(cluster, lambda s: bool(s) and s[0]["state"] == "ready")
+    assert (standby["deployment_id"], standby["node_id"]) == (ours.deployment_id, "node-b")
+    return ours, standby
+
+
 def starts(cluster: Cluster, node_id: str, replica: str) -> int:
     """How often the node log says it started `replica`."""
     log = cluster.node_log(node_id).read_text()
@@ -107,18 +122,12 @@ async def test_a_predicted_move_switches_to_the_standby_started_before_it(
     cluster: Cluster,
 ) -> None:
     # Bob, with no deployment, drives a -> b -> c: everyone's model learns the road.
-    async with cluster.edge("bob") as bob:
-        assert await drive(bob, "site-a", "site-b", "site-c") == ["", "", ""]
-    async with cluster.edge("alice") as alice:
-        deployment = await deploy_mlp(alice, "site-a")
-        assert deployment.node_id == "node-a"
-        d = deployment.deployment_id
+    async with cluster.edge("bob") as bob, cluster.edge("alice") as alice:
         # Alice's report of where she is plans her standby: from site-a, site-b is next.
-        assert await drive(alice, "site-a") == [""]
-        (standby,) = await wait_standbys(cluster, lambda s: bool(s) and s[0]["state"] == "ready")
-        assert (standby["deployment_id"], standby["replica_id"]) == (d, f"{d}-2")
-        assert (standby["node_id"], standby["site"], standby["probability"]) == (
-            "node-b",
+        deployment, standby = await alice_with_a_standby(cluster, bob, alice)
+        d = deployment.deployment_id
+        assert (standby["replica_id"], standby["site"], standby["probability"]) == (
+            f"{d}-2",
             "site-b",
             1.0,
         )
@@ -201,11 +210,7 @@ async def test_a_deployment_takes_the_gpus_of_a_standby_as_if_it_were_not_there(
     cluster: Cluster,
 ) -> None:
     async with cluster.edge("bob") as bob, cluster.edge("alice") as alice:
-        assert await drive(bob, "site-a", "site-b", "site-c") == ["", "", ""]
-        ours = await deploy_mlp(alice, "site-a")
-        assert await drive(alice, "site-a") == [""]
-        (standby,) = await wait_standbys(cluster, lambda s: bool(s) and s[0]["state"] == "ready")
-        assert standby["node_id"] == "node-b"
+        ours, _ = await alice_with_a_standby(cluster, bob, alice)
         # Eight GPUs for a client at site-b: node-b's, whose one the standby holds, and not
         # node-c's eight free ones 10 ms further: a standby costs a deployment nothing.
         big = await deploy_mlp(bob, "site-b", gpus=8)
@@ -221,12 +226,8 @@ async def test_a_deployment_takes_the_gpus_of_a_standby_as_if_it_were_not_there(
 async def test_a_restarted_broker_stops_the_standby_its_predecessor_left(
     cluster: Cluster,
 ) -> None:
-    async with cluster.edge("bob") as bob:
-        assert await drive(bob, "site-a", "site-b", "site-c") == ["", "", ""]
-    async with cluster.edge("alice") as alice:
-        deployment = await deploy_mlp(alice, "site-a")
-        assert await drive(alice, "site-a") == [""]
-        await wait_standbys(cluster, lambda s: bool(s) and s[0]["state"] == "ready")
+    async with cluster.edge("bob") as bob, cluster.edge("alice") as alice:
+        deployment, _ = await alice_with_a_standby(cluster, bob, alice)
     standby_replica = f"{deployment.deployment_id}-2"
     assert standby_replica in (await node_replicas(cluster))["node-b"]
     cluster.kill_broker()
@@ -249,11 +250,7 @@ async def test_a_migration_takes_the_gpus_of_a_standby_and_stops_it_first(
     cluster: Cluster,
 ) -> None:
     async with cluster.edge("bob") as bob, cluster.edge("alice") as alice:
-        assert await drive(bob, "site-a", "site-b", "site-c") == ["", "", ""]
-        ours = await deploy_mlp(alice, "site-a")
-        assert await drive(alice, "site-a") == [""]
-        (standby,) = await wait_standbys(cluster, lambda s: bool(s) and s[0]["state"] == "ready")
-        assert standby["node_id"] == "node-b"
+        ours, _ = await alice_with_a_standby(cluster, bob, alice)
         big = await deploy_mlp(bob, "site-c", gpus=8)
         assert big.node_id == "node-c"
         # Bob moves to site-b: node-b's eight GPUs are his, one of them under the standby,
