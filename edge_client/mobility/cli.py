@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -104,6 +105,15 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="also take every Nth decision with `place` itself and compare (default: never)",
     )
+    jobs = min(2, os.cpu_count() or 1)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=jobs,
+        metavar="N",
+        help=f"run the policies in N worker processes (same figures; 1: one after the other; "
+        f"default min(2, CPUs) = {jobs})",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
 
 
@@ -142,10 +152,11 @@ def run(
             f"TTL {prewarm.ttl_s:g} s"
             if prewarm.enabled
             else "off"
-        ),
+        )
+        + f"; {args.jobs} job(s)",
         flush=True,
     )
-    results = simulator.simulate(trace, built.network, built.nodes, options, prewarm)
+    results = simulator.simulate(trace, built.network, built.nodes, options, prewarm, args.jobs)
     print(simulator.render(results))
     print(f"total wall time {time.perf_counter() - started:.1f} s")
     if args.json is not None:

@@ -5,11 +5,14 @@ does, on the simulator's clock and cluster.
   standby held for the client at another site is released then: the prediction lapsed.
 - Once the client's deployment is settled (served, no move in flight: after its arrival, a
   handover that moved nothing, a migration's switch), its most likely next site is asked for.
+  Likely enough and with fewer than the budget's standbys held cluster-wide (asked before
+  placing, as the broker does: a budget refusal costs no placement),
   `migration.policy.prewarm_verdict` weighs it (probability, the latency from its node to
-  that site against the best node's there); when it says yes and fewer than the budget's
-  standbys are held cluster-wide, a standby replica takes the best node for that site (real
-  placement, class STANDBY: it preempts nothing and any deployment preempts it) until the
-  client gets there, or `ttl_s` passes, or a deployment preempts it.
+  that site against the best node's there); when it says yes, a standby replica takes the
+  best node for that site (real placement, class STANDBY, seeing deployments and other
+  standbys: it preempts nothing) until the client gets there, or `ttl_s` passes, or a
+  deployment takes any of its GPUs (placement of deployments does not see standbys: the
+  simulator evicts those under what it chose).
 - When the client reports that site, the simulator moves it to the standby's node if the
   move passes the hysteresis (no cooldown: it costs no start), without placing anew: a hit,
   ready after the switch alone. Otherwise the standby is released (declined) and today's
@@ -118,8 +121,11 @@ class MarkovPrewarmer:
         at its likely next site if that pays and the budget has room."""
         assert client not in self.held, "every report releases or claims the standby"
         prediction = self.model.predict(client)
-        # The verdict's first test, asked before paying for a placement.
+        # The verdict's first test and the budget, asked before paying for a placement.
         if prediction is None or prediction.probability < self.settings.min_probability:
+            return
+        if len(self.held) >= self.settings.budget:
+            self.refused_budget += 1
             return
         candidate = self.host.best_standby(client, prediction.site)
         if candidate is None:
@@ -134,9 +140,6 @@ class MarkovPrewarmer:
             self.settings,
         )
         if not verdict.move:
-            return
-        if len(self.held) >= self.settings.budget:
-            self.refused_budget += 1
             return
         self.host.hold(client, candidate, client + STANDBY_SUFFIX)
         standby = Standby(prediction.site, candidate.node_id, candidate.gpus, t, self.started)
@@ -153,7 +156,7 @@ class MarkovPrewarmer:
             self.expired += 1
 
     def preempt(self, allocations: Iterable[str], t: float) -> None:
-        """A deployment evicts these standbys (a `Decision`'s `preempt`)."""
+        """A deployment took GPUs these standbys held: they are evicted."""
         for allocation in allocations:
             client = allocation.removesuffix(STANDBY_SUFFIX)
             assert client != allocation and client in self.held, f"{allocation} is no standby"

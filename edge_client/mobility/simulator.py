@@ -2,8 +2,8 @@
 
 No containers and no broker process: a discrete-event simulation whose decisions are made by
 the broker's own code. Each vehicle of the trace is a client with one deployment (1 GPU whole,
-or a memory share of one for `share_fraction` of them; best-effort, so it preempts nothing but
-pre-warmed standbys, and nothing preempts it).
+or a memory share of one for `share_fraction` of them; best-effort, so it preempts nothing and
+nothing preempts it).
 
 - It arrives at its first site: `broker.placement.place` on the cluster snapshot, committed
   (`ClusterSnapshot.commit`); nothing fits: a capacity refusal, and it stays unserved (its
@@ -37,11 +37,22 @@ current node, as the broker does, and must agree (AssertionError otherwise).
 
 With pre-warm (issue 14, item 3), a third run is today's policy with standby replicas at
 each client's predicted next site (`edge_client.mobility.prewarm`, with the settings'
-budget, probability threshold and TTL): real placement of class STANDBY, which every
-deployment, arrival or move, preempts when nothing fits as it is (`place` answers with the
-standbys to evict; they are released first). A client that reports the site of its standby
-moves to the standby's node when the hysteresis allows it (cooldown not asked): a hit,
-serving after `switch_s` alone instead of `start_s + switch_s`.
+budget, probability threshold and TTL), placed as the broker places them: class STANDBY, on
+the whole cluster (deployments and other standbys), evicting nothing. A real placement
+(arrival, pending retry, migration target) is decided as if no standby existed, and the
+standbys on the chosen node holding any of the chosen GPUs are then evicted (the broker's
+`_standbys_under`), so a standby never sends a deployment to a worse node. Hence two caches:
+one over the snapshot without standbys for real requests, one over the whole snapshot for
+standbys; a real allocation's commit and release go to both (to the second after the
+evictions), a standby's to the whole one only. With `check_every`, both caches are checked against
+`place`, and each real commit checks that the first's node is the second's without its
+standbys. A client that reports the site of its standby moves to the standby's node when
+the hysteresis allows it (cooldown not asked): a hit, serving after `switch_s` alone instead
+of `start_s + switch_s`.
+
+The independent runs (never-migrate, today's policy, with pre-warm) can go to worker
+processes (`jobs`): each is deterministic from the same cluster and demand, so the figures
+are those of a serial run.
 """
 
 from __future__ import annotations
@@ -49,9 +60,11 @@ from __future__ import annotations
 import enum
 import heapq
 import math
+import multiprocessing
 import random
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -148,7 +161,7 @@ class Figures:
     standby_gpu_s: float | None = None
     standbys_started: int | None = None
     standbys_preempted: int | None = None
-    """Released for a deployment (arrival, pending retry or move) that had no room else."""
+    """Released because a deployment (arrival, pending retry or move) took GPUs it held."""
     standbys_lapsed: int | None = None
     """Released because the client reported another site, or left."""
     standbys_expired: int | None = None
@@ -191,45 +204,44 @@ Shape = int
 @dataclass(slots=True)
 class _Entry:
     top: tuple[Candidate, ...]
-    """`place`'s top: the nodes that fit as they are or, when none does, those that would
-    after evicting standbys (their `preempt`)."""
+    """`place`'s top: the nodes that fit as they are (nothing below best-effort is in the
+    snapshot of a best-effort cache, and a standby evicts nothing)."""
     ids: frozenset[str]
     worst: float
-    """The worst top penalty; inf when the top is not full (any change may add to it) or
-    is of evictions (ranked by what they evict first, which any change may alter)."""
+    """The worst top penalty; inf when the top is not full (any change may add to it)."""
     watched: tuple[str, ...]
 
 
 class _Rankings:
-    """The cluster snapshot with each (site, shape)'s top candidates kept while they are exact
-    (see the module docstring). Every change of the snapshot goes through `commit`/`release`."""
+    """The cluster snapshot with each (site, shape)'s top candidates for requests of class
+    `priority` kept while they are exact (see the module docstring). Every change of the
+    snapshot goes through `commit`/`release`."""
 
-    def __init__(self, snapshot: ClusterSnapshot, network: EdgeNetwork, check_every: int):
+    def __init__(
+        self,
+        snapshot: ClusterSnapshot,
+        network: EdgeNetwork,
+        check_every: int,
+        priority: PriorityClass = PriorityClass.BEST_EFFORT,
+    ):
         self.snapshot = snapshot
         self.network = network
         self.check_every = check_every
+        self.priority = priority
         self._entries: dict[tuple[str, Shape], _Entry] = {}
         self._watch: dict[str, set[tuple[str, Shape]]] = {}
         self._floor = network.min_access_ms
         self._site_of = {node.node_id: node.site for node in snapshot}
         self.decisions = 0
         self.place_calls = 0
-        self._standbys: set[str] = set()
-        """Allocations of class STANDBY held now."""
 
-    @staticmethod
-    def request(
-        deployment_id: str,
-        site: str,
-        shape: Shape,
-        priority: PriorityClass = PriorityClass.BEST_EFFORT,
-    ) -> PlacementRequest:
+    def request(self, deployment_id: str, site: str, shape: Shape) -> PlacementRequest:
         return PlacementRequest(
             deployment_id=deployment_id,
             site=site,
             gpus=1,
             gpu_memory_mib=shape,
-            priority=priority,
+            priority=self.priority,
             strategy=Strategy.PACK,
         )
 
@@ -241,7 +253,7 @@ class _Rankings:
         return entry.top
 
     def best(self, site: str, shape: Shape) -> Candidate | None:
-        """`place`'s choice for a new deployment at `site`."""
+        """`place`'s choice for a new deployment (or a standby) at `site`."""
         self.decisions += 1
         top = self.top(site, shape)
         chosen = top[0] if top else None
@@ -251,16 +263,12 @@ class _Rankings:
         return chosen
 
     def best_other(self, site: str, shape: Shape, current: str) -> Candidate | None:
-        """`place`'s choice on the snapshot without `current` (what a migration would take)."""
+        """`place`'s choice on the snapshot without `current` (what a migration would take):
+        the top holds every node that fits when it is not full, so none other fits when it
+        holds only `current`."""
         self.decisions += 1
         top = self.top(site, shape)
         chosen = next((c for c in top if c.node_id != current), None)
-        if chosen is None and top and not top[0].preempt and self._standbys:
-            # Only `current` fits as it is: without it, `place` looks for standbys to evict.
-            self.place_calls += 1
-            request = self.request("rank", site, shape)
-            decision = place(self.snapshot.without_node(current), request, self.network)
-            chosen = decision.explanation.chosen
         if self.check_every and self.decisions % self.check_every == 0:
             decision = place(
                 self.snapshot.without_node(current),
@@ -268,17 +276,6 @@ class _Rankings:
                 self.network,
             )
             self._agree(decision.explanation.chosen, chosen, site, current)
-        return chosen
-
-    def best_standby(self, site: str, shape: Shape) -> Candidate | None:
-        """`place`'s choice for a standby at `site`: class STANDBY evicts nothing."""
-        self.decisions += 1
-        top = self.top(site, shape)
-        chosen = top[0] if top and not top[0].preempt else None
-        if self.check_every and self.decisions % self.check_every == 0:
-            request = self.request("check", site, shape, PriorityClass.STANDBY)
-            decision = place(self.snapshot, request, self.network)
-            self._agree(decision.explanation.chosen, chosen, site, None)
         return chosen
 
     def commit(
@@ -292,13 +289,10 @@ class _Rankings:
         node = self.snapshot.node(node_id)
         allocation = Allocation(deployment_id, priority, gpus, shape)
         self.snapshot = self.snapshot.with_node(node.with_allocation(allocation))
-        if priority is PriorityClass.STANDBY:
-            self._standbys.add(deployment_id)
         self._changed(node_id)
 
     def release(self, node_id: str, deployment_id: str) -> None:
         self.snapshot = self.snapshot.release(node_id, deployment_id)
-        self._standbys.discard(deployment_id)
         self._changed(node_id)
 
     def _compute(self, key: tuple[str, Shape]) -> _Entry:
@@ -306,8 +300,8 @@ class _Rankings:
         self.place_calls += 1
         decision = place(self.snapshot, self.request("rank", site, shape), self.network)
         top = decision.explanation.top
-        full = len(top) == TOP_CANDIDATES and not top[0].preempt
-        worst = top[-1].score.total if full else math.inf
+        assert not decision.preempt, "nothing in a cache's snapshot is below its requests"
+        worst = top[-1].score.total if len(top) == TOP_CANDIDATES else math.inf
         watched = tuple(
             other for d, other in self.network.nearest(site) if d + self._floor <= worst
         )
@@ -415,6 +409,7 @@ class _Run:
         self.trace = trace
         self.network = network
         self.rankings = _Rankings(snapshot, network, options.check_every)
+        """Real requests' cache: the snapshot without standbys."""
         self.policy = policy
         self.options = options
         self.access = {site.name: site.access_ms for site in trace.sites}
@@ -433,9 +428,14 @@ class _Run:
         self.move_s = [0.0, 0.0]
         """Decision to switch, summed over switched moves: [cold, warm]."""
         self.moves = [0, 0]
-        self.prewarmer = (
-            None if prewarm is None else MarkovPrewarmer(prewarm, options.hysteresis, self)
-        )
+        self.prewarmer: MarkovPrewarmer | None = None
+        self.standbys: _Rankings | None = None
+        """Standbys' cache (with pre-warm): the whole snapshot, standbys included."""
+        if prewarm is not None:
+            self.prewarmer = MarkovPrewarmer(prewarm, options.hysteresis, self)
+            self.standbys = _Rankings(
+                snapshot, network, options.check_every, PriorityClass.STANDBY
+            )
 
     # --- latency ------------------------------------------------------------------------
 
@@ -495,21 +495,58 @@ class _Run:
             self.on_internal(it, ikind, self.clients[ic], token)
         return self.figures(time.perf_counter() - started)
 
-    def evict(self, chosen: Candidate, t: float) -> None:
-        """Release the standbys `chosen` preempts (only standbys are below best-effort)."""
-        if chosen.preempt:
-            assert self.prewarmer is not None, "no standbys without pre-warm"
-            self.prewarmer.preempt(chosen.preempt, t)
+    def take(
+        self, node_id: str, allocation: str, gpus: tuple[int, ...], shape: Shape, t: float
+    ) -> None:
+        """Commit a real allocation. Its placement did not see the standbys: those on its
+        GPUs are evicted first (a deployment never goes to a worse node for a standby)."""
+        self.rankings.commit(node_id, allocation, gpus, shape)
+        if self.standbys is None:
+            return
+        assert self.prewarmer is not None
+        taken = set(gpus)
+        self.prewarmer.preempt(
+            [
+                a.deployment_id
+                for a in self.standbys.snapshot.node(node_id).allocations
+                if a.priority is PriorityClass.STANDBY and not taken.isdisjoint(a.gpus)
+            ],
+            t,
+        )
+        self.standbys.commit(node_id, allocation, gpus, shape)
+        if self.options.check_every:
+            self._check_without_standbys(node_id)
+
+    def free(self, node_id: str, allocation: str) -> None:
+        """Release a real allocation."""
+        self.rankings.release(node_id, allocation)
+        if self.standbys is not None:
+            self.standbys.release(node_id, allocation)
+
+    def _check_without_standbys(self, node_id: str) -> None:
+        """The real requests' snapshot holds the node as the whole one does without its
+        standbys (AssertionError otherwise)."""
+        assert self.standbys is not None
+        whole = self.standbys.snapshot.node(node_id)
+        expected = whole.without(
+            a.deployment_id for a in whole.allocations if a.priority is PriorityClass.STANDBY
+        )
+        real = self.rankings.snapshot.node(node_id)
+        if (real.free, real.shared_mib, set(real.allocations)) != (
+            expected.free,
+            expected.shared_mib,
+            set(expected.allocations),
+        ):
+            raise AssertionError(f"node {node_id}: the real requests' snapshot drifted")
 
     def deploy(self, c: _Client, t: float) -> None:
         chosen = self.rankings.best(c.site, c.shape)
         if chosen is None:
             self.refused_deploy += 1
             return
-        self.evict(chosen, t)
         c.epoch += 1
         c.alloc = f"{c.id}@{c.epoch}"
-        self.rankings.commit(chosen.node_id, c.alloc, chosen.gpus, c.shape)
+        self.take(chosen.node_id, c.alloc, chosen.gpus, c.shape, t)
         c.node = chosen.node_id
 
     def arrive(self, c: _Client, t: float, site: str) -> None:
@@ -551,7 +588,6 @@ class _Run:
         since = None if c.last_end is None else t - c.last_end
         if not mobility_verdict(current_ms, chosen.latency_ms, since, hysteresis).move:
             return
-        self.evict(chosen, t)
         self.move(c, i, t, chosen.node_id, chosen.gpus, warm=False)
 
     def move(
@@ -562,7 +598,7 @@ class _Run:
         c.target = target
         c.target_alloc = f"{c.id}@{c.epoch + 1}"
         c.moved_at, c.warm = t, warm
-        self.rankings.commit(target, c.target_alloc, gpus, c.shape)
+        self.take(target, c.target_alloc, gpus, c.shape, t)
         costs = self.options.costs
         ready = t + (0.0 if warm else costs.start_s) + costs.switch_s
         self.schedule(ready, _READY, i, c.epoch + 1)
@@ -580,7 +616,7 @@ class _Run:
             return
         if kind == _DRAINED:
             if c.old is not None and not c.gone:
-                self.rankings.release(*c.old)
+                self.free(*c.old)
                 c.old = None
                 c.last_end = t
             return
@@ -604,13 +640,13 @@ class _Run:
         c.gone = True
         if c.target is not None:
             self.wasted += 1  # it left before the move switched
-            self.rankings.release(c.target, c.target_alloc)
+            self.free(c.target, c.target_alloc)
             c.target = None
         if c.old is not None:
-            self.rankings.release(*c.old)
+            self.free(*c.old)
             c.old = None
         if c.node is not None:
-            self.rankings.release(c.node, c.alloc)
+            self.free(c.node, c.alloc)
             c.node = None
         if self.prewarmer is not None:
             self.prewarmer.depart(c.id, t)
@@ -621,21 +657,28 @@ class _Run:
         return self.network.latency_ms(site, self.node_site[node_id], node_id)
 
     def best_standby(self, client: str, site: str) -> Candidate | None:
-        return self.rankings.best_standby(site, self.by_id[client].shape)
+        assert self.standbys is not None
+        return self.standbys.best(site, self.by_id[client].shape)
 
     def hold(self, client: str, candidate: Candidate, allocation: str) -> None:
+        assert self.standbys is not None
         shape = self.by_id[client].shape
-        self.rankings.commit(
+        self.standbys.commit(
             candidate.node_id, allocation, candidate.gpus, shape, PriorityClass.STANDBY
         )
 
     def release(self, node_id: str, allocation: str) -> None:
-        self.rankings.release(node_id, allocation)
+        assert self.standbys is not None
+        self.standbys.release(node_id, allocation)
 
     def alarm(self, client: str, t: float, token: int) -> None:
         self.schedule(t, _EXPIRE, self.by_id[client].index, token)
 
     # --- results ------------------------------------------------------------------------
+
+    @property
+    def caches(self) -> tuple[_Rankings, ...]:
+        return (self.rankings,) if self.standbys is None else (self.rankings, self.standbys)
 
     def figures(self, wall_s: float) -> Figures:
         lat = np.array(self.lat)
@@ -659,8 +702,8 @@ class _Run:
             latency_p50_ms=weighted_percentile(lat, dur, 50),
             latency_p99_ms=weighted_percentile(lat, dur, 99),
             move_to_serving_s=mean(sum(self.move_s), sum(self.moves)),
-            decisions=self.rankings.decisions,
-            place_calls=self.rankings.place_calls,
+            decisions=sum(r.decisions for r in self.caches),
+            place_calls=sum(r.place_calls for r in self.caches),
             wall_s=wall_s,
         )
         p = self.prewarmer
@@ -757,28 +800,75 @@ def shapes_for(trace: MobilityTrace, share_fraction: float, seed: int) -> list[S
     return [SHARE_MIB if rng.random() < share_fraction else 0 for _ in trace.vehicles]
 
 
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """What every policy run starts from: the same filled cluster and the same demand. Worker
+    processes are forked with it (its snapshot and network hold mappings that do not pickle,
+    and a fork copies nothing up front)."""
+
+    trace: MobilityTrace
+    network: EdgeNetwork
+    snapshot: ClusterSnapshot
+    shapes: tuple[Shape, ...]
+    options: SimOptions
+
+    def run(self, policy: Policy, prewarm: PrewarmSettings | None) -> Figures:
+        return _Run(
+            self.trace, self.network, self.snapshot, self.shapes, policy, self.options, prewarm
+        ).run()
+
+
+_worker_start: _Start | None = None
+"""A worker process's `_Start`, set once by `_init_worker` rather than sent with each run."""
+
+
+def _init_worker(start: _Start) -> None:
+    global _worker_start
+    _worker_start = start
+
+
+def _run_in_worker(policy: Policy, prewarm: PrewarmSettings | None) -> Figures:
+    assert _worker_start is not None, "_init_worker runs first"
+    return _worker_start.run(policy, prewarm)
+
+
 def simulate(
     trace: MobilityTrace,
     network: EdgeNetwork,
     nodes: Sequence[NodeSnapshot],
     options: SimOptions,
     prewarm: PrewarmSettings | None = None,
+    jobs: int = 1,
 ) -> list[Figures]:
     """Never-migrate, today's policy, today's policy with pre-warm (when `prewarm` is given
     with a budget) and the oracle, each over the whole trace from the same cluster.
-    Deterministic for the options' seed."""
+    Deterministic for the options' seed; with `jobs` > 1, the policy runs go to that many
+    worker processes (at most one per run) and give the same figures."""
     if not 0 <= options.share_fraction <= 1:
         raise ValueError("share_fraction must be in [0, 1]")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, not {jobs}")
     snapshot = fill_cluster(ClusterSnapshot.of(nodes), network, options.fill, options.seed)
-    shapes = shapes_for(trace, options.share_fraction, options.seed)
-    results = [
-        _Run(trace, network, snapshot, shapes, Policy.NEVER, options).run(),
-        _Run(trace, network, snapshot, shapes, Policy.TODAY, options).run(),
+    shapes = tuple(shapes_for(trace, options.share_fraction, options.seed))
+    start = _Start(trace, network, snapshot, shapes, options)
+    runs: list[tuple[Policy, PrewarmSettings | None]] = [
+        (Policy.NEVER, None),
+        (Policy.TODAY, None),
     ]
     if prewarm is not None and prewarm.enabled:
-        results.append(
-            _Run(trace, network, snapshot, shapes, Policy.TODAY, options, prewarm).run()
-        )
+        runs.append((Policy.TODAY, prewarm))
+    if jobs == 1:
+        results = [start.run(*r) for r in runs]
+    else:
+        with ProcessPoolExecutor(
+            min(jobs, len(runs)),
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_init_worker,
+            initargs=(start,),
+        ) as pool:
+            # The longest runs first (pre-warm, today's), so the short one fills in after.
+            futures = [pool.submit(_run_in_worker, *r) for r in reversed(runs)]
+            results = [f.result() for f in reversed(futures)]
     results.append(oracle(trace, network, nodes))
     return results
 

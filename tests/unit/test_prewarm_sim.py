@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -127,31 +128,53 @@ def test_the_budget_caps_standbys_held_at_once(four_gpus) -> None:
     assert (roomy.standbys_max_held, roomy.prewarm_hits, roomy.standby_refused_budget) == (2, 6, 0)
 
 
-def test_an_arriving_deployment_preempts_a_standby(four_gpus) -> None:
-    # One 4-GPU node per site, one standby allowed. v1 teaches A -> B; v2 arrives at A at 200
-    # and is warmed at B; three vehicles parked at A fill node-a (their standbys are refused
-    # by the budget). At 250 four arrive at B: three fit, the fourth only by evicting v2's
-    # standby. v2 then reaches B with no node to move to.
+def warmed_at_b(arrivals_at_b: int) -> MobilityTrace:
+    """v1 teaches A -> B; v2 arrives at A at 200 and is warmed at B (node-b idle, so its
+    standby holds node-b's best GPU); `arrivals_at_b` vehicles arrive at B at 250, before v2
+    gets there at 300."""
     vehicles = [
         Vehicle("v1", ((0.0, "A"), (100.0, "B")), 150.0),
         Vehicle("v2", ((200.0, "A"), (300.0, "B")), 400.0),
     ]
-    vehicles += [Vehicle(f"parked{i}", ((200.0, "A"),), 400.0) for i in range(3)]
-    vehicles += [Vehicle(f"new{i}", ((250.0, "B"),), 400.0) for i in range(4)]
-    trace = line(vehicles, ("A", "B"))
+    vehicles += [Vehicle(f"new{i}", ((250.0, "B"),), 400.0) for i in range(arrivals_at_b)]
+    return line(vehicles, ("A", "B"))
+
+
+def test_an_arriving_deployment_takes_the_gpus_a_standby_holds(four_gpus) -> None:
+    # One vehicle arrives at B while node-b has 3 GPUs free besides v2's standby: placement
+    # does not see the standby, chooses the GPU it holds (the best one) and evicts it. v2 then
+    # reaches B with no standby: a cold move.
+    trace = warmed_at_b(1)
     network, nodes = one_node_per_site(trace, four_gpus)
-    run = prewarmed(simulate(trace, network, nodes, OPTIONS, PrewarmSettings(budget=1)))
-    assert (run.standbys_started, run.standbys_preempted, run.standby_refused_budget) == (1, 1, 3)
+    options = replace(OPTIONS, check_every=1)
+    run = prewarmed(simulate(trace, network, nodes, options, PrewarmSettings(budget=1)))
+    assert (run.standbys_started, run.standbys_preempted, run.standbys_lapsed) == (1, 1, 0)
     assert run.standby_gpu_s == pytest.approx(50)
-    assert (run.refused_deploy, run.refused_move) == (0, 1)
-    assert run.prewarm_hits == 0 and run.migrations == 1  # v1's only
+    assert (run.prewarm_hits, run.migrations, run.refused_deploy) == (0, 2, 0)  # v1's, v2's
+
+
+def test_a_standby_never_sends_a_deployment_to_a_worse_node(four_gpus) -> None:
+    # Four vehicles arrive at B, whose node has 4 GPUs, one of them held by v2's standby;
+    # node-a, 10 ms farther, has room. With pre-warm as without, all four are served at
+    # node-b (the standby is evicted), and v2 finds no room to move to at B.
+    trace = warmed_at_b(4)
+    network, nodes = one_node_per_site(trace, four_gpus)
+    options = replace(OPTIONS, check_every=1)
+    results = simulate(trace, network, nodes, options, PrewarmSettings(budget=1))
+    today, run = next(r for r in results if r.policy == "today's policy"), prewarmed(results)
+    assert run.latency_mean_ms == pytest.approx(today.latency_mean_ms)
+    assert run.latency_p99_ms == pytest.approx(today.latency_p99_ms)
+    assert (run.standbys_started, run.standbys_preempted) == (1, 1)
+    assert (run.migrations, run.refused_move, run.refused_deploy) == (1, 1, 0)
+    assert (today.migrations, today.refused_move, today.refused_deploy) == (1, 1, 0)
 
 
 def test_the_cache_stays_exact_with_standbys_coming_and_going() -> None:
-    # Vehicles circle the 8 border sites of a 3 x 3 grid, either way round, on a cluster with
-    # little room: standbys are warmed, hit, lapse, expire and are preempted; every decision
-    # is also taken by `place` itself (check_every=1), which raises on any disagreement.
-    rng = random.Random(5)
+    # Vehicles circle the 8 border sites of a 3 x 3 grid, either way round and turning back
+    # now and then, on a cluster with little room: standbys are warmed, hit, lapse, expire and
+    # are preempted; every decision of both caches is also taken by `place` itself
+    # (check_every=1), which raises on any disagreement, as does a drift between them.
+    rng = random.Random(7)
     names = [f"s{r}{c}" for r in range(3) for c in range(3)]
     ring = ["s00", "s01", "s02", "s12", "s22", "s21", "s20", "s10"]
     sites = tuple(Site(n, 0, 0, 1, 1.0) for n in names)
@@ -168,6 +191,8 @@ def test_the_cache_stays_exact_with_standbys_coming_and_going() -> None:
         at, t, steps = rng.randrange(8), rng.uniform(0, 60), []
         while t < 500:
             steps.append((round(t, 1), ring[at]))
+            if rng.random() < 0.1:
+                way = -way
             at = (at + way) % 8
             t += rng.uniform(20, 60)
         vehicles.append(Vehicle(f"v{i}", tuple(steps), 600.0))
@@ -197,3 +222,23 @@ def test_offload_simulate_with_prewarm(tmp_path, capsys) -> None:
     policies = [r["policy"] for r in figures["results"]]
     assert policies[2] == "today's policy + pre-warm" and len(policies) == 4
     assert figures["results"][2]["prewarm_hit_rate"] is not None
+
+
+def test_worker_processes_give_the_serial_figures(tmp_path, capsys) -> None:
+    # The three policy runs in 2 worker processes and one after the other: the same figures
+    # (all but the wall times), in the same order.
+    from edge_client.cli import main
+
+    shipped = Path(__file__).resolve().parents[2] / "edge_client/demo/traces/streets.json"
+    argv = ["simulate", "--trace", str(shipped), "--nodes", "12", "--prewarm-budget", "4"]
+    figures = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs-{jobs}.json"
+        assert main([*argv, "--jobs", jobs, "--json", str(out)]) == 0
+        results = json.loads(out.read_text())["results"]
+        figures.append([{k: v for k, v in r.items() if k != "wall_s"} for r in results])
+    assert "; 2 job(s)" in capsys.readouterr().out
+    serial, parallel = figures
+    assert [r["policy"] for r in serial][2] == "today's policy + pre-warm"
+    assert serial[2]["standbys_started"] and serial[1]["migrations"]
+    assert parallel == serial
