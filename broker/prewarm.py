@@ -30,6 +30,7 @@ import logging
 
 from broker.network import UnknownSite
 from broker.placement import ClusterSnapshot, Decision, PriorityClass, place
+from broker.placement import Strategy as PlacementStrategy
 from broker.service import Broker, DeploySpec, Standby
 from broker.state import DeploymentRecord, DeploymentState
 from migration.policy import Hysteresis, PrewarmSettings, prewarm_verdict
@@ -93,9 +94,12 @@ class Prewarm:
             return None
         network = self.broker.network
         spec = DeploySpec.from_json(record.request_json)
+        # Spread: a standby goes where deployments, which pack, would go last (they take
+        # the GPUs of a standby in their way, and it is lost).
         request = dataclasses.replace(
             spec.placement_request(f"{record.deployment_id}@{record.epoch + 1}", prediction.site),
             priority=PriorityClass.STANDBY,
+            strategy=PlacementStrategy.SPREAD,
         )
         try:
             current_ms = network.latency_ms(prediction.site, current.site, record.node_id)

@@ -242,7 +242,8 @@ class _Rankings:
             gpus=1,
             gpu_memory_mib=shape,
             priority=self.priority,
-            strategy=Strategy.PACK,
+            # Standbys spread, where packing deployments go last (as the broker's).
+            strategy=Strategy.SPREAD if self.priority is PriorityClass.STANDBY else Strategy.PACK,
         )
 
     def top(self, site: str, shape: Shape) -> tuple[Candidate, ...]:
