@@ -8,6 +8,11 @@ target's GPUs. The mechanism (`migration.mechanism.run_migration`) then drives i
 this host, which calls only the broker's intent-level operations (start the target, commit
 the switch, give up, release) and its migration records: this module keeps no deployment
 state of its own beyond the client acks it waits for and the mobility cooldown.
+
+Predictive pre-warm (`broker.prewarm`) hangs off the same triggers: every location report
+teaches its model; a deployment left settled (no move started, a migration ended, just
+deployed) is planned a standby; the mobility choice takes the deployment's standby when the
+client reports the site it was started for.
 """
 
 from __future__ import annotations
