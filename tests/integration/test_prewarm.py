@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -269,3 +270,46 @@ async def test_a_migration_takes_the_gpus_of_a_standby_and_stops_it_first(
         assert (await alice.get(ours.deployment_id)).node_id == "node-a"
         metrics = await ops(cluster, "/metrics")
         assert 'offload_standby_events_total{event="preempted"} 1.0' in metrics
+
+
+async def test_a_standby_goes_with_its_deployment_and_with_its_node(cluster: Cluster) -> None:
+    async with cluster.edge("bob") as bob, cluster.edge("alice") as alice:
+        ours, standby = await alice_with_a_standby(cluster, bob, alice)
+        # Deleted: its standby is stopped with it.
+        await alice.stub.DeleteDeployment(
+            pb.DeleteDeploymentRequest(deployment_id=ours.deployment_id), metadata=alice.metadata
+        )
+        assert await standbys(cluster) == []
+        assert standby["replica_id"] not in (await node_replicas(cluster))["node-b"]
+        # A new one, whose standby's node dies: it is retired as lost, its deployment
+        # untouched (the broker is told by the missing heartbeats, 3 s here).
+        ours, standby = await alice_with_a_standby(cluster, bob, alice)
+        cluster.nodes["node-b"].send_signal(signal.SIGKILL)
+        cluster.nodes["node-b"].wait()
+        await wait_standbys(cluster, lambda s: s == [])
+        metrics = await ops(cluster, "/metrics")
+        assert 'offload_standby_events_total{event="lost"} 1.0' in metrics
+        after = await alice.get(ours.deployment_id)
+        assert (after.state, after.node_id, after.epoch) == ("running", "node-a", 1)
+
+
+async def test_a_standby_the_client_does_not_reach_expires(tmp_path: Path) -> None:
+    cluster = await started("--prewarm-budget", "1", "--prewarm-ttl", "2", root=tmp_path)
+    try:
+        async with cluster.edge("bob") as bob, cluster.edge("alice") as alice:
+            ours, _ = await alice_with_a_standby(cluster, bob, alice)
+            # Alice stays at site-a past the TTL: the standby is retired as expired (the
+            # sweep plans her the same one again a few seconds later).
+            metrics = ""
+            for _ in range(600):
+                metrics = await ops(cluster, "/metrics")
+                if 'offload_standby_events_total{event="expired"} 0.0' not in metrics:
+                    break
+                await asyncio.sleep(0.1)
+            assert 'offload_standby_events_total{event="expired"} 1.0' in metrics
+            assert (
+                "retired: the client did not reach site-b in 2s" in cluster.broker_log.read_text()
+            )
+            assert (await alice.get(ours.deployment_id)).node_id == "node-a"
+    finally:
+        await cluster.stop()
