@@ -18,8 +18,9 @@ whose current site nobody ever left has no prediction. A report of the site the 
 already is no transition.
 
 Memory: the global tables grow with the distinct transitions of the network (sites x
-neighbours); a client's with its own. `forget` drops a client (the broker calls it when the
-client's last deployment goes); past `max_clients` the least recently seen client goes.
+neighbours); a client's with its own. Past `max_clients` the least recently seen client
+goes (the broker keeps a client's history while it has none: it may deploy again);
+`forget` drops one (the simulator's vehicles that left).
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ class MarkovPrewarmer:
             self.preempted += 1
 
     def depart(self, client: str, t: float) -> None:
-        """The client left: its standby goes, and the model forgets it (as the broker does
-        when a client's last deployment goes)."""
+        """The client left: its standby goes, and the model forgets it (a vehicle that left
+        never comes back; the broker keeps a client's history up to `max_clients`)."""
         if client in self.held:
             self._release(client, t)
             self.lapsed += 1
