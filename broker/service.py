@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mappin
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 from broker.errors import (
     Busy,
@@ -1148,13 +1148,7 @@ class Broker:
         any of that declines (`choose` says why in the log)."""
         async with self._placing:
             record = await self._db(self._store.get_deployment, deployment_id)
-            if (
-                record is None
-                or record.state is not DeploymentState.RUNNING
-                or record.node_id is None
-                or deployment_id in self._busy
-                or deployment_id in self._standbys
-            ):
+            if not _runs(record) or deployment_id in self._busy or deployment_id in self._standbys:
                 return None
             if len(self._standbys) + len(self._retiring) >= budget:
                 logger.info(
@@ -1306,12 +1300,7 @@ class Broker:
         instead with `if_idle`)."""
         async with self._placing:
             record = await self._db(self._store.get_deployment, deployment_id)
-            if (
-                record is None
-                or record.state is not DeploymentState.RUNNING
-                or record.node_id is None
-                or (client_id is not None and record.client_id != client_id)
-            ):
+            if not _runs(record) or (client_id is not None and record.client_id != client_id):
                 raise NotFound(f"no running deployment {deployment_id}")
             if if_idle and deployment_id in self._busy:
                 return None
@@ -1342,7 +1331,7 @@ class Broker:
             if chosen is None:
                 return None
             decision, why = chosen
-            assert decision.node_id is not None
+            assert decision.node_id is not None and record.node_id is not None
             spec = DeploySpec.from_json(record.request_json)
             target_gpus = decision.gpus
             lapsed = None
@@ -1663,6 +1652,15 @@ def placement_update(
         record.state,
         migration_id,
         prepared_ms,
+    )
+
+
+def _runs(record: DeploymentRecord | None) -> TypeGuard[DeploymentRecord]:
+    """Whether `record` is a deployment running on a node (what a move or a standby needs)."""
+    return (
+        record is not None
+        and record.state is DeploymentState.RUNNING
+        and record.node_id is not None
     )
 
 
