@@ -17,6 +17,7 @@ from edge_client.mobility.cluster import DEMO_CAPTURES, DEMO_SPECS, build_cluste
 from edge_client.mobility.simulator import CostModel, Figures, SimOptions, simulate
 from edge_client.mobility.traces import HandoverSettings, Link, MobilityTrace, Site, Vehicle
 from migration.policy import Hysteresis, PrewarmSettings
+from tests.unit.test_simulator import grid_of_sites
 
 COSTS = CostModel(start_s=0.95, switch_s=0.005, drain_s=0.6)
 OPTIONS = SimOptions(hysteresis=Hysteresis(), costs=COSTS, share_fraction=0.0)
@@ -175,16 +176,8 @@ def test_the_cache_stays_exact_with_standbys_coming_and_going() -> None:
     # are preempted; every decision of both caches is also taken by `place` itself
     # (check_every=1), which raises on any disagreement, as does a drift between them.
     rng = random.Random(7)
-    names = [f"s{r}{c}" for r in range(3) for c in range(3)]
+    _, sites, links = grid_of_sites()
     ring = ["s00", "s01", "s02", "s12", "s22", "s21", "s20", "s10"]
-    sites = tuple(Site(n, 0, 0, 1, 1.0) for n in names)
-    links = tuple(
-        Link(f"s{r}{c}", f"s{r + dr}{c + dc}", 4.0)
-        for r in range(3)
-        for c in range(3)
-        for dr, dc in ((0, 1), (1, 0))
-        if r + dr < 3 and c + dc < 3
-    )
     vehicles = []
     for i in range(80):
         way = rng.choice((1, -1))

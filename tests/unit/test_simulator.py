@@ -100,10 +100,8 @@ def test_capacity_refusals(four_gpus) -> None:
     assert today.client_hours == pytest.approx(500 / 3600)
 
 
-def test_the_cache_agrees_with_place_and_runs_are_deterministic() -> None:
-    # A random trace over a 3 x 3 grid of sites on 200 nodes: every decision is also taken
-    # by `place` itself (check_every=1), which raises on any disagreement.
-    rng = random.Random(7)
+def grid_of_sites() -> tuple[list[str], tuple[Site, ...], tuple[Link, ...]]:
+    """A 3 x 3 grid of sites "s<row><column>", neighbours 4 ms apart: names, sites, links."""
     names = [f"s{r}{c}" for r in range(3) for c in range(3)]
     sites = tuple(Site(n, 0, 0, 1, 1.0) for n in names)
     links = tuple(
@@ -113,6 +111,14 @@ def test_the_cache_agrees_with_place_and_runs_are_deterministic() -> None:
         for dr, dc in ((0, 1), (1, 0))
         if r + dr < 3 and c + dc < 3
     )
+    return names, sites, links
+
+
+def test_the_cache_agrees_with_place_and_runs_are_deterministic() -> None:
+    # A random trace over a 3 x 3 grid of sites on 200 nodes: every decision is also taken
+    # by `place` itself (check_every=1), which raises on any disagreement.
+    rng = random.Random(7)
+    names, sites, links = grid_of_sites()
     vehicles = []
     for i in range(60):
         t, site, steps = rng.uniform(0, 20), rng.choice(names), []
