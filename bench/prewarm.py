@@ -45,6 +45,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 import modelzoo
 from edge_client.client import OffloadClient
@@ -149,12 +150,13 @@ async def _events(cluster: LocalCluster) -> dict[str, float]:
         http.get(f"{cluster.ops_url}metrics") as response,
     ):
         text = await response.text()
-    events = {}
-    for line in text.splitlines():
-        if line.startswith("offload_standby_events_total{"):
-            label, value = line.split("} ")
-            events[label.split('"')[1]] = float(value)
-    return events
+    return {
+        sample.labels["event"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "offload_standby_events"
+        for sample in family.samples
+        if sample.name == "offload_standby_events_total"
+    }
 
 
 async def run_arm(
