@@ -74,7 +74,7 @@ class UploadModelResponse(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., deduplicated: bool = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("model_sha256", "model_name", "gpus", "gpu_memory_mib", "p2p_required", "cpus", "memory_mib", "priority", "latency_slo_ms", "client_id", "site")
+    __slots__ = ("model_sha256", "model_name", "gpus", "gpu_memory_mib", "p2p_required", "cpus", "memory_mib", "priority", "latency_slo_ms", "client_id", "site", "cpus_min", "cpus_max")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class DeployRequest(_message.Message):
     LATENCY_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
+    CPUS_MIN_FIELD_NUMBER: _ClassVar[int]
+    CPUS_MAX_FIELD_NUMBER: _ClassVar[int]
     model_sha256: str
     model_name: str
     gpus: int
@@ -97,7 +99,9 @@ class DeployRequest(_message.Message):
     latency_slo_ms: float
     client_id: str
     site: str
-    def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., p2p_required: bool = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., latency_slo_ms: _Optional[float] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ...) -> None: ...
+    cpus_min: float
+    cpus_max: float
+    def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., p2p_required: bool = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., latency_slo_ms: _Optional[float] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ..., cpus_min: _Optional[float] = ..., cpus_max: _Optional[float] = ...) -> None: ...
 
 class Deployment(_message.Message):
     __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state", "reason", "explanation_json", "client_id", "site", "priority", "model_sha256")

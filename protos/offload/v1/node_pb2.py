@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/offload/v1/node.proto\x12\noffload.v1\"\xbf\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x18\n\x10memory_total_mib\x18\x04 \x01(\x03\x12\x17\n\x0fmemory_used_mib\x18\x05 \x01(\x03\x12\x17\n\x0futilization_pct\x18\x06 \x01(\x05\x12\x12\n\npci_bus_id\x18\x07 \x01(\t\x12\x11\n\tnuma_node\x18\x08 \x01(\x05\x12\x1a\n\x12\x63ompute_capability\x18\t \x01(\t\"F\n\x07GpuLink\x12\r\n\x05gpu_a\x18\x01 \x01(\t\x12\r\n\x05gpu_b\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07nvlinks\x18\x04 \x01(\x05\"\x8a\x01\n\tInventory\x12\x1d\n\x04gpus\x18\x01 \x03(\x0b\x32\x0f.offload.v1.Gpu\x12\"\n\x05links\x18\x02 \x03(\x0b\x32\x13.offload.v1.GpuLink\x12\x16\n\x0e\x64river_version\x18\x03 \x01(\t\x12\x14\n\x0c\x63uda_version\x18\x04 \x01(\t\x12\x0c\n\x04nics\x18\x05 \x03(\t\"\x9a\x02\n\x0bReplicaSpec\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x14\n\x0cmodel_sha256\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x11\n\tgpu_uuids\x18\x05 \x03(\t\x12\x16\n\x0egpu_memory_mib\x18\x06 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x07 \x01(\x01\x12\x12\n\nmemory_mib\x18\x08 \x01(\x03\x12\r\n\x05token\x18\t \x01(\t\x12\x11\n\tgpu_count\x18\n \x01(\x05\x12\x14\n\x0cp2p_required\x18\x0b \x01(\x08\x12\x1c\n\x14warmup_inputs_sha256\x18\x0c \x01(\t\x12\x18\n\x10\x62\x61\x63kground_start\x18\r \x01(\x08\"\xc2\x01\n\x07Replica\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.offload.v1.ReplicaSpec\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.offload.v1.ReplicaState\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x10\n\x08log_tail\x18\x06 \x01(\t\x12\x0f\n\x07runtime\x18\x07 \x01(\t\x12\x0b\n\x03ref\x18\x08 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\x7f\n\x10\x44\x65scribeResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12(\n\tinventory\x18\x03 \x01(\x0b\x32\x15.offload.v1.Inventory\x12\x10\n\x08runtimes\x18\x04 \x03(\t\x12\x10\n\x08topology\x18\x05 \x01(\t\"<\n\x13StartReplicaRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.offload.v1.ReplicaSpec\"<\n\x14StartReplicaResponse\x12$\n\x07replica\x18\x01 \x01(\x0b\x32\x13.offload.v1.Replica\":\n\x12StopReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08grace_ms\x18\x02 \x01(\x05\"\x15\n\x13StopReplicaResponse\"\x15\n\x13ListReplicasRequest\"=\n\x14ListReplicasResponse\x12%\n\x08replicas\x18\x01 \x03(\x0b\x32\x13.offload.v1.Replica\"N\n\x16UpdateResourcesRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63pus\x18\x02 \x01(\x01\x12\x12\n\nmemory_mib\x18\x03 \x01(\x03\"\x19\n\x17UpdateResourcesResponse\"\x0e\n\x0cUsageRequest\"L\n\x0cReplicaUsage\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63pu_pct\x18\x02 \x01(\x01\x12\x17\n\x0fmemory_used_mib\x18\x03 \x01(\x03\"Z\n\rUsageResponse\x12\x1d\n\x04gpus\x18\x01 \x03(\x0b\x32\x0f.offload.v1.Gpu\x12*\n\x08replicas\x18\x02 \x03(\x0b\x32\x18.offload.v1.ReplicaUsage\"8\n\nModelChunk\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\x10PutModelResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\x08*\x98\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16REPLICA_STATE_STARTING\x10\x01\x12\x17\n\x13REPLICA_STATE_READY\x10\x02\x12\x1a\n\x16REPLICA_STATE_STOPPING\x10\x03\x12\x18\n\x14REPLICA_STATE_EXITED\x10\x04\x32\xb4\x04\n\tNodeAgent\x12G\n\x08\x44\x65scribe\x12\x1b.offload.v1.DescribeRequest\x1a\x1c.offload.v1.DescribeResponse\"\x00\x12S\n\x0cStartReplica\x12\x1f.offload.v1.StartReplicaRequest\x1a .offload.v1.StartReplicaResponse\"\x00\x12P\n\x0bStopReplica\x12\x1e.offload.v1.StopReplicaRequest\x1a\x1f.offload.v1.StopReplicaResponse\"\x00\x12S\n\x0cListReplicas\x12\x1f.offload.v1.ListReplicasRequest\x1a .offload.v1.ListReplicasResponse\"\x00\x12\\\n\x0fUpdateResources\x12\".offload.v1.UpdateResourcesRequest\x1a#.offload.v1.UpdateResourcesResponse\"\x00\x12>\n\x05Usage\x12\x18.offload.v1.UsageRequest\x1a\x19.offload.v1.UsageResponse\"\x00\x12\x44\n\x08PutModel\x12\x16.offload.v1.ModelChunk\x1a\x1c.offload.v1.PutModelResponse\"\x00(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/offload/v1/node.proto\x12\noffload.v1\"\xbf\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x18\n\x10memory_total_mib\x18\x04 \x01(\x03\x12\x17\n\x0fmemory_used_mib\x18\x05 \x01(\x03\x12\x17\n\x0futilization_pct\x18\x06 \x01(\x05\x12\x12\n\npci_bus_id\x18\x07 \x01(\t\x12\x11\n\tnuma_node\x18\x08 \x01(\x05\x12\x1a\n\x12\x63ompute_capability\x18\t \x01(\t\"F\n\x07GpuLink\x12\r\n\x05gpu_a\x18\x01 \x01(\t\x12\r\n\x05gpu_b\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07nvlinks\x18\x04 \x01(\x05\"\x8a\x01\n\tInventory\x12\x1d\n\x04gpus\x18\x01 \x03(\x0b\x32\x0f.offload.v1.Gpu\x12\"\n\x05links\x18\x02 \x03(\x0b\x32\x13.offload.v1.GpuLink\x12\x16\n\x0e\x64river_version\x18\x03 \x01(\t\x12\x14\n\x0c\x63uda_version\x18\x04 \x01(\t\x12\x0c\n\x04nics\x18\x05 \x03(\t\"\xd0\x02\n\x0bReplicaSpec\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x14\n\x0cmodel_sha256\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x11\n\tgpu_uuids\x18\x05 \x03(\t\x12\x16\n\x0egpu_memory_mib\x18\x06 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x07 \x01(\x01\x12\x12\n\nmemory_mib\x18\x08 \x01(\x03\x12\r\n\x05token\x18\t \x01(\t\x12\x11\n\tgpu_count\x18\n \x01(\x05\x12\x14\n\x0cp2p_required\x18\x0b \x01(\x08\x12\x1c\n\x14warmup_inputs_sha256\x18\x0c \x01(\t\x12\x18\n\x10\x62\x61\x63kground_start\x18\r \x01(\x08\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x10\n\x08\x63pus_min\x18\x0f \x01(\x01\x12\x10\n\x08\x63pus_max\x18\x10 \x01(\x01\"\xc2\x01\n\x07Replica\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.offload.v1.ReplicaSpec\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.offload.v1.ReplicaState\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x10\n\x08log_tail\x18\x06 \x01(\t\x12\x0f\n\x07runtime\x18\x07 \x01(\t\x12\x0b\n\x03ref\x18\x08 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\x7f\n\x10\x44\x65scribeResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12(\n\tinventory\x18\x03 \x01(\x0b\x32\x15.offload.v1.Inventory\x12\x10\n\x08runtimes\x18\x04 \x03(\t\x12\x10\n\x08topology\x18\x05 \x01(\t\"<\n\x13StartReplicaRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.offload.v1.ReplicaSpec\"<\n\x14StartReplicaResponse\x12$\n\x07replica\x18\x01 \x01(\x0b\x32\x13.offload.v1.Replica\":\n\x12StopReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08grace_ms\x18\x02 \x01(\x05\"\x15\n\x13StopReplicaResponse\"\x15\n\x13ListReplicasRequest\"=\n\x14ListReplicasResponse\x12%\n\x08replicas\x18\x01 \x03(\x0b\x32\x13.offload.v1.Replica\"N\n\x16UpdateResourcesRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63pus\x18\x02 \x01(\x01\x12\x12\n\nmemory_mib\x18\x03 \x01(\x03\"\x19\n\x17UpdateResourcesResponse\"\x0e\n\x0cUsageRequest\"\xdc\x01\n\x0fReplicaRequests\x12\x12\n\nrate_per_s\x18\x01 \x01(\x01\x12\x1a\n\x12\x66\x61ilure_rate_per_s\x18\x02 \x01(\x01\x12\x16\n\x0elatency_p50_ms\x18\x03 \x01(\x01\x12\x16\n\x0elatency_p99_ms\x18\x04 \x01(\x01\x12\x16\n\x0e\x63ompute_p50_ms\x18\x05 \x01(\x01\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x16\n\x0erequests_total\x18\x08 \x01(\x03\x12\x16\n\x0e\x66\x61ilures_total\x18\t \x01(\x03\"\xa5\x01\n\x0cReplicaUsage\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63pu_pct\x18\x02 \x01(\x01\x12\x17\n\x0fmemory_used_mib\x18\x03 \x01(\x03\x12\x11\n\tcpu_limit\x18\x04 \x01(\x01\x12\x15\n\rthrottled_pct\x18\x05 \x01(\x01\x12-\n\x08requests\x18\x06 \x01(\x0b\x32\x1b.offload.v1.ReplicaRequests\"h\n\x08NodeLoad\x12\x11\n\tcpu_cores\x18\x01 \x01(\x01\x12\x16\n\x0e\x63pu_used_cores\x18\x02 \x01(\x01\x12\x18\n\x10memory_total_mib\x18\x03 \x01(\x03\x12\x17\n\x0fmemory_used_mib\x18\x04 \x01(\x03\"\x9f\x01\n\x0bResizeEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x13\n\x0b\x63pus_before\x18\x04 \x01(\x01\x12\x12\n\ncpus_after\x18\x05 \x01(\x01\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\n\n\x02\x61t\x18\x08 \x01(\x01\"\xbf\x01\n\rUsageResponse\x12\x1d\n\x04gpus\x18\x01 \x03(\x0b\x32\x0f.offload.v1.Gpu\x12*\n\x08replicas\x18\x02 \x03(\x0b\x32\x18.offload.v1.ReplicaUsage\x12\"\n\x04node\x18\x03 \x01(\x0b\x32\x14.offload.v1.NodeLoad\x12(\n\x07resizes\x18\x04 \x03(\x0b\x32\x17.offload.v1.ResizeEvent\x12\x15\n\rresize_policy\x18\x05 \x01(\t\"8\n\nModelChunk\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\x10PutModelResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\x08*\x98\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16REPLICA_STATE_STARTING\x10\x01\x12\x17\n\x13REPLICA_STATE_READY\x10\x02\x12\x1a\n\x16REPLICA_STATE_STOPPING\x10\x03\x12\x18\n\x14REPLICA_STATE_EXITED\x10\x04\x32\xb4\x04\n\tNodeAgent\x12G\n\x08\x44\x65scribe\x12\x1b.offload.v1.DescribeRequest\x1a\x1c.offload.v1.DescribeResponse\"\x00\x12S\n\x0cStartReplica\x12\x1f.offload.v1.StartReplicaRequest\x1a .offload.v1.StartReplicaResponse\"\x00\x12P\n\x0bStopReplica\x12\x1e.offload.v1.StopReplicaRequest\x1a\x1f.offload.v1.StopReplicaResponse\"\x00\x12S\n\x0cListReplicas\x12\x1f.offload.v1.ListReplicasRequest\x1a .offload.v1.ListReplicasResponse\"\x00\x12\\\n\x0fUpdateResources\x12\".offload.v1.UpdateResourcesRequest\x1a#.offload.v1.UpdateResourcesResponse\"\x00\x12>\n\x05Usage\x12\x18.offload.v1.UsageRequest\x1a\x19.offload.v1.UsageResponse\"\x00\x12\x44\n\x08PutModel\x12\x16.offload.v1.ModelChunk\x1a\x1c.offload.v1.PutModelResponse\"\x00(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.offload.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICASTATE']._serialized_start=1804
-  _globals['_REPLICASTATE']._serialized_end=1956
+  _globals['_REPLICASTATE']._serialized_start=2541
+  _globals['_REPLICASTATE']._serialized_end=2693
   _globals['_GPU']._serialized_start=45
   _globals['_GPU']._serialized_end=236
   _globals['_GPULINK']._serialized_start=238
@@ -40,39 +40,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INVENTORY']._serialized_start=311
   _globals['_INVENTORY']._serialized_end=449
   _globals['_REPLICASPEC']._serialized_start=452
-  _globals['_REPLICASPEC']._serialized_end=734
-  _globals['_REPLICA']._serialized_start=737
-  _globals['_REPLICA']._serialized_end=931
-  _globals['_DESCRIBEREQUEST']._serialized_start=933
-  _globals['_DESCRIBEREQUEST']._serialized_end=950
-  _globals['_DESCRIBERESPONSE']._serialized_start=952
-  _globals['_DESCRIBERESPONSE']._serialized_end=1079
-  _globals['_STARTREPLICAREQUEST']._serialized_start=1081
-  _globals['_STARTREPLICAREQUEST']._serialized_end=1141
-  _globals['_STARTREPLICARESPONSE']._serialized_start=1143
-  _globals['_STARTREPLICARESPONSE']._serialized_end=1203
-  _globals['_STOPREPLICAREQUEST']._serialized_start=1205
-  _globals['_STOPREPLICAREQUEST']._serialized_end=1263
-  _globals['_STOPREPLICARESPONSE']._serialized_start=1265
-  _globals['_STOPREPLICARESPONSE']._serialized_end=1286
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1288
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1309
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1311
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1372
-  _globals['_UPDATERESOURCESREQUEST']._serialized_start=1374
-  _globals['_UPDATERESOURCESREQUEST']._serialized_end=1452
-  _globals['_UPDATERESOURCESRESPONSE']._serialized_start=1454
-  _globals['_UPDATERESOURCESRESPONSE']._serialized_end=1479
-  _globals['_USAGEREQUEST']._serialized_start=1481
-  _globals['_USAGEREQUEST']._serialized_end=1495
-  _globals['_REPLICAUSAGE']._serialized_start=1497
-  _globals['_REPLICAUSAGE']._serialized_end=1573
-  _globals['_USAGERESPONSE']._serialized_start=1575
-  _globals['_USAGERESPONSE']._serialized_end=1665
-  _globals['_MODELCHUNK']._serialized_start=1667
-  _globals['_MODELCHUNK']._serialized_end=1723
-  _globals['_PUTMODELRESPONSE']._serialized_start=1725
-  _globals['_PUTMODELRESPONSE']._serialized_end=1801
-  _globals['_NODEAGENT']._serialized_start=1959
-  _globals['_NODEAGENT']._serialized_end=2523
+  _globals['_REPLICASPEC']._serialized_end=788
+  _globals['_REPLICA']._serialized_start=791
+  _globals['_REPLICA']._serialized_end=985
+  _globals['_DESCRIBEREQUEST']._serialized_start=987
+  _globals['_DESCRIBEREQUEST']._serialized_end=1004
+  _globals['_DESCRIBERESPONSE']._serialized_start=1006
+  _globals['_DESCRIBERESPONSE']._serialized_end=1133
+  _globals['_STARTREPLICAREQUEST']._serialized_start=1135
+  _globals['_STARTREPLICAREQUEST']._serialized_end=1195
+  _globals['_STARTREPLICARESPONSE']._serialized_start=1197
+  _globals['_STARTREPLICARESPONSE']._serialized_end=1257
+  _globals['_STOPREPLICAREQUEST']._serialized_start=1259
+  _globals['_STOPREPLICAREQUEST']._serialized_end=1317
+  _globals['_STOPREPLICARESPONSE']._serialized_start=1319
+  _globals['_STOPREPLICARESPONSE']._serialized_end=1340
+  _globals['_LISTREPLICASREQUEST']._serialized_start=1342
+  _globals['_LISTREPLICASREQUEST']._serialized_end=1363
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=1365
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=1426
+  _globals['_UPDATERESOURCESREQUEST']._serialized_start=1428
+  _globals['_UPDATERESOURCESREQUEST']._serialized_end=1506
+  _globals['_UPDATERESOURCESRESPONSE']._serialized_start=1508
+  _globals['_UPDATERESOURCESRESPONSE']._serialized_end=1533
+  _globals['_USAGEREQUEST']._serialized_start=1535
+  _globals['_USAGEREQUEST']._serialized_end=1549
+  _globals['_REPLICAREQUESTS']._serialized_start=1552
+  _globals['_REPLICAREQUESTS']._serialized_end=1772
+  _globals['_REPLICAUSAGE']._serialized_start=1775
+  _globals['_REPLICAUSAGE']._serialized_end=1940
+  _globals['_NODELOAD']._serialized_start=1942
+  _globals['_NODELOAD']._serialized_end=2046
+  _globals['_RESIZEEVENT']._serialized_start=2049
+  _globals['_RESIZEEVENT']._serialized_end=2208
+  _globals['_USAGERESPONSE']._serialized_start=2211
+  _globals['_USAGERESPONSE']._serialized_end=2402
+  _globals['_MODELCHUNK']._serialized_start=2404
+  _globals['_MODELCHUNK']._serialized_end=2460
+  _globals['_PUTMODELRESPONSE']._serialized_start=2462
+  _globals['_PUTMODELRESPONSE']._serialized_end=2538
+  _globals['_NODEAGENT']._serialized_start=2696
+  _globals['_NODEAGENT']._serialized_end=3260
 # @@protoc_insertion_point(module_scope)

@@ -69,7 +69,7 @@ class Inventory(_message.Message):
     def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[GpuLink, _Mapping]]] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., nics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaSpec(_message.Message):
-    __slots__ = ("deployment_id", "epoch", "model_sha256", "model_name", "gpu_uuids", "gpu_memory_mib", "cpus", "memory_mib", "token", "gpu_count", "p2p_required", "warmup_inputs_sha256", "background_start")
+    __slots__ = ("deployment_id", "epoch", "model_sha256", "model_name", "gpu_uuids", "gpu_memory_mib", "cpus", "memory_mib", "token", "gpu_count", "p2p_required", "warmup_inputs_sha256", "background_start", "priority", "cpus_min", "cpus_max")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,9 @@ class ReplicaSpec(_message.Message):
     P2P_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     WARMUP_INPUTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     BACKGROUND_START_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CPUS_MIN_FIELD_NUMBER: _ClassVar[int]
+    CPUS_MAX_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     epoch: int
     model_sha256: str
@@ -96,7 +99,10 @@ class ReplicaSpec(_message.Message):
     p2p_required: bool
     warmup_inputs_sha256: str
     background_start: bool
-    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ..., gpu_count: _Optional[int] = ..., p2p_required: bool = ..., warmup_inputs_sha256: _Optional[str] = ..., background_start: bool = ...) -> None: ...
+    priority: int
+    cpus_min: float
+    cpus_max: float
+    def __init__(self, deployment_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., token: _Optional[str] = ..., gpu_count: _Optional[int] = ..., p2p_required: bool = ..., warmup_inputs_sha256: _Optional[str] = ..., background_start: bool = ..., priority: _Optional[int] = ..., cpus_min: _Optional[float] = ..., cpus_max: _Optional[float] = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("replica_id", "spec", "endpoint", "state", "exit_code", "log_tail", "runtime", "ref")
@@ -188,23 +194,89 @@ class UsageRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReplicaRequests(_message.Message):
+    __slots__ = ("rate_per_s", "failure_rate_per_s", "latency_p50_ms", "latency_p99_ms", "compute_p50_ms", "in_flight", "queued", "requests_total", "failures_total")
+    RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    rate_per_s: float
+    failure_rate_per_s: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    compute_p50_ms: float
+    in_flight: int
+    queued: int
+    requests_total: int
+    failures_total: int
+    def __init__(self, rate_per_s: _Optional[float] = ..., failure_rate_per_s: _Optional[float] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., compute_p50_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., requests_total: _Optional[int] = ..., failures_total: _Optional[int] = ...) -> None: ...
+
 class ReplicaUsage(_message.Message):
-    __slots__ = ("replica_id", "cpu_pct", "memory_used_mib")
+    __slots__ = ("replica_id", "cpu_pct", "memory_used_mib", "cpu_limit", "throttled_pct", "requests")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CPU_PCT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    CPU_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    THROTTLED_PCT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     cpu_pct: float
     memory_used_mib: int
-    def __init__(self, replica_id: _Optional[str] = ..., cpu_pct: _Optional[float] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
+    cpu_limit: float
+    throttled_pct: float
+    requests: ReplicaRequests
+    def __init__(self, replica_id: _Optional[str] = ..., cpu_pct: _Optional[float] = ..., memory_used_mib: _Optional[int] = ..., cpu_limit: _Optional[float] = ..., throttled_pct: _Optional[float] = ..., requests: _Optional[_Union[ReplicaRequests, _Mapping]] = ...) -> None: ...
+
+class NodeLoad(_message.Message):
+    __slots__ = ("cpu_cores", "cpu_used_cores", "memory_total_mib", "memory_used_mib")
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    CPU_USED_CORES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    cpu_cores: float
+    cpu_used_cores: float
+    memory_total_mib: int
+    memory_used_mib: int
+    def __init__(self, cpu_cores: _Optional[float] = ..., cpu_used_cores: _Optional[float] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
+
+class ResizeEvent(_message.Message):
+    __slots__ = ("event_id", "replica_id", "deployment_id", "cpus_before", "cpus_after", "policy", "reason", "at")
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CPUS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    CPUS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    event_id: str
+    replica_id: str
+    deployment_id: str
+    cpus_before: float
+    cpus_after: float
+    policy: str
+    reason: str
+    at: float
+    def __init__(self, event_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., cpus_before: _Optional[float] = ..., cpus_after: _Optional[float] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
 
 class UsageResponse(_message.Message):
-    __slots__ = ("gpus", "replicas")
+    __slots__ = ("gpus", "replicas", "node", "resizes", "resize_policy")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RESIZES_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_POLICY_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaUsage]
-    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaUsage, _Mapping]]] = ...) -> None: ...
+    node: NodeLoad
+    resizes: _containers.RepeatedCompositeFieldContainer[ResizeEvent]
+    resize_policy: str
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaUsage, _Mapping]]] = ..., node: _Optional[_Union[NodeLoad, _Mapping]] = ..., resizes: _Optional[_Iterable[_Union[ResizeEvent, _Mapping]]] = ..., resize_policy: _Optional[str] = ...) -> None: ...
 
 class ModelChunk(_message.Message):
     __slots__ = ("sha256", "name", "data")
