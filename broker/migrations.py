@@ -378,7 +378,7 @@ class Migrations:
     async def _run(self, plan: MigrationPlan) -> None:
         try:
             outcome = await run_migration(self, plan)
-            self.broker.metrics.record_migration(str(outcome), None)
+            self.broker.metrics.record_migration(str(outcome), plan.trigger, None)
             source = self.broker.nodes.get(plan.source_node or "")
             source_lost = source is None or source.record.state is NodeState.LOST
             if outcome is Outcome.FAILED or (outcome is Outcome.ROLLED_BACK and source_lost):

@@ -4,6 +4,7 @@ deadline; gRPC errors become the broker's own (they never leave this module)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -22,6 +23,20 @@ _REPLICA_FAULTS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_
 """What a node answers when the replica itself cannot run (StartFailed: its model does not
 load or it exits; a spec the node refuses)."""
 CALL_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaResources:
+    """What a replica is given (node.proto `ReplicaSpec`): GPU memory share, CPU and memory
+    limits, and what the node's resource manager needs to re-divide CPU (priority class,
+    CPU floor and ceiling; 0: the node's defaults)."""
+
+    gpu_memory_mib: int = 0
+    cpus: float = 0.0
+    memory_mib: int = 0
+    priority: int = 0
+    cpus_min: float = 0.0
+    cpus_max: float = 0.0
 
 
 class NodeClient:
@@ -56,9 +71,7 @@ class NodeClient:
         model_sha256: str,
         model_name: str,
         gpu_uuids: Sequence[str],
-        gpu_memory_mib: int,
-        cpus: float,
-        memory_mib: int,
+        resources: ReplicaResources,
         token: str,
         background_start: bool = False,
     ) -> str:
@@ -73,9 +86,12 @@ class NodeClient:
             model_sha256=model_sha256,
             model_name=model_name,
             gpu_uuids=gpu_uuids,
-            gpu_memory_mib=gpu_memory_mib,
-            cpus=cpus,
-            memory_mib=memory_mib,
+            gpu_memory_mib=resources.gpu_memory_mib,
+            cpus=resources.cpus,
+            memory_mib=resources.memory_mib,
+            priority=resources.priority,
+            cpus_min=resources.cpus_min,
+            cpus_max=resources.cpus_max,
             token=token,
             background_start=background_start,
         )

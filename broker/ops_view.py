@@ -7,15 +7,19 @@ import time
 
 from broker.ops import (
     DeploymentInfo,
+    DeploymentLoadInfo,
+    LoadInfo,
     MigrationInfo,
     NodeInfo,
+    NodeLoadInfo,
     OffloadInfo,
     PrewarmInfo,
     StandbyInfo,
 )
 from broker.placement import PriorityClass
-from broker.service import Broker, NodeEntry
+from broker.service import Broker, DeploySpec, NodeEntry
 from broker.state import DeploymentRecord, OffloadReportRecord
+from broker.telemetry import DeploymentPoint
 
 
 def topology_matrix(entry: NodeEntry) -> str:
@@ -65,6 +69,20 @@ def offload_info(report: OffloadReportRecord, now: float) -> OffloadInfo:
         "reported_at": report.reported_at,
         "reported_age_s": round(max(now - report.reported_at, 0.0), 3),
     }
+
+
+def _point(p: DeploymentPoint) -> list[float | None]:
+    replica = p.replica
+    requests = replica.requests
+    return [
+        round(p.at, 3),
+        round(requests.rate_per_s, 3) if requests else None,
+        requests.latency_p50_ms if requests else None,
+        requests.latency_p99_ms if requests else None,
+        round(replica.cpu_used_cores, 3),
+        replica.cpu_limit_cores,
+        round(requests.failure_rate_per_s, 3) if requests else None,
+    ]
 
 
 class BrokerOpsView:
@@ -180,3 +198,61 @@ class BrokerOpsView:
                 }
             )
         return {"budget": self._prewarm_budget, "standbys": standbys}
+
+    async def load(self) -> LoadInfo:
+        history = self._broker.load_history
+        nodes: list[NodeLoadInfo] = []
+        for node_id in history.node_ids():
+            entry = self._broker.nodes.get(node_id)
+            latest = history.latest(node_id)
+            nodes.append(
+                {
+                    "node_id": node_id,
+                    "site": entry.record.site if entry else "",
+                    "resize_policy": latest.resize_policy if latest else "",
+                    "points": [
+                        [
+                            round(p.at, 3),
+                            round(p.load, 4),
+                            round(p.cpu_used_cores, 3),
+                            p.cpu_cores,
+                            p.memory_used_mib,
+                        ]
+                        for p in history.node_points(node_id)
+                    ],
+                }
+            )
+        deployments: list[DeploymentLoadInfo] = []
+        for record in sorted(await self._active(), key=lambda r: r.created_at):
+            points = history.deployment_points(record.deployment_id)
+            if not points:
+                continue
+            spec = DeploySpec.from_json(record.request_json)
+            deployments.append(
+                {
+                    "deployment_id": record.deployment_id,
+                    "node_id": points[-1].node_id,
+                    "priority": PriorityClass(record.priority).name.lower().replace("_", "-"),
+                    "latency_slo_ms": spec.latency_slo_ms,
+                    "points": [_point(p) for p in points],
+                }
+            )
+        return {
+            "window_s": history.window_s,
+            "nodes": nodes,
+            "deployments": deployments,
+            "resizes": [
+                {
+                    "event_id": r.event_id,
+                    "at": r.at,
+                    "node_id": r.node_id,
+                    "deployment_id": r.deployment_id,
+                    "replica_id": r.replica_id,
+                    "cpus_before": r.cpus_before,
+                    "cpus_after": r.cpus_after,
+                    "policy": r.policy,
+                    "reason": r.reason,
+                }
+                for r in await self._broker.resizes()
+            ],
+        }

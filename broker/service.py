@@ -41,7 +41,7 @@ from broker.model_store import InvalidModel, ModelStore, Upload
 from broker.model_store import ModelNotFound as StoredModelNotFound
 from broker.model_store import ModelTooLarge as StoredModelTooLarge
 from broker.network import EdgeNetwork, UnknownSite
-from broker.node_client import NodeClient
+from broker.node_client import NodeClient, ReplicaResources
 from broker.ops import BrokerMetrics
 from broker.placement import (
     Allocation,
@@ -62,9 +62,11 @@ from broker.state import (
     NodeState,
     OffloadReportRecord,
     OffloadSummary,
+    ResizeRecord,
     StandbyRecord,
     StateStore,
 )
+from broker.telemetry import LoadHistory, NodeSample, Resize
 from common.inventory import Gpu, Inventory, Link, LinkKind
 from common.topology import Topology
 
@@ -100,6 +102,14 @@ NODE_ID = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")
 """What a node id may be (it names the node in logs, metrics and replica endpoints)."""
 _ADDRESS = re.compile(r"[^\s:]{1,253}:(\d{1,5})")
 MAX_GPUS = 64
+RESIZES_KEPT = 100
+"""Resizes the store keeps per deployment (the most recent)."""
+RESIZES_LISTED = 500
+"""Resizes `Broker.resizes` returns at most."""
+RESIZES_REMEMBERED = 4096
+"""(node, event) pairs the broker remembers as recorded, to skip the store for the ones a
+node repeats; one it forgot is recorded again harmlessly (the store ignores duplicates)."""
+
 OFFLOAD_SESSIONS_KEPT = 8
 """Offload summaries kept per deployment: those of the client's most recently reported
 sessions (a client that restarts begins a new session)."""
@@ -134,6 +144,10 @@ class DeploySpec:
     priority: PriorityClass = PriorityClass.STANDARD
     latency_slo_ms: float = 0.0
     """0: none."""
+    cpus_min: float = 0.0
+    cpus_max: float = 0.0
+    """The CPU floor and ceiling a node's resource manager keeps the replica within (0: half
+    of `cpus`, and the node's cores; node.proto `ReplicaSpec`)."""
 
     def validate(self) -> None:
         if not _MODEL_NAME.fullmatch(self.model_name):
@@ -149,6 +163,29 @@ class DeploySpec:
             raise InvalidRequest("a GPU memory share (gpu_memory_mib) needs gpus >= 1")
         if self.latency_slo_ms < 0:
             raise InvalidRequest("latency_slo_ms must not be negative")
+        if self.cpus_min < 0 or self.cpus_max < 0:
+            raise InvalidRequest("cpus_min and cpus_max must not be negative")
+        if (self.cpus_min or self.cpus_max) and not self.cpus:
+            raise InvalidRequest("a CPU floor or ceiling (cpus_min, cpus_max) needs cpus > 0")
+        if self.cpus_max and not self.cpus_min <= self.cpus <= self.cpus_max:
+            raise InvalidRequest(
+                f"need cpus_min <= cpus <= cpus_max, not {self.cpus_min:g} <= {self.cpus:g} "
+                f"<= {self.cpus_max:g}"
+            )
+        if self.cpus_min > self.cpus:
+            raise InvalidRequest(f"cpus_min {self.cpus_min:g} must not exceed cpus {self.cpus:g}")
+
+    def resources(self, priority: PriorityClass | None = None) -> ReplicaResources:
+        """What a replica of this deployment is started with; `priority` overrides the
+        deployment's (a standby runs at `STANDBY`)."""
+        return ReplicaResources(
+            gpu_memory_mib=self.gpu_memory_mib,
+            cpus=self.cpus,
+            memory_mib=self.memory_mib,
+            priority=int(self.priority if priority is None else priority),
+            cpus_min=self.cpus_min,
+            cpus_max=self.cpus_max,
+        )
 
     def placement_request(self, placement_id: str, site: str) -> PlacementRequest:
         """What placement is asked for a replica of this deployment for a client at `site`
@@ -170,6 +207,7 @@ class DeploySpec:
 
     @classmethod
     def from_json(cls, text: str) -> DeploySpec:
+        """Also reads a spec stored before a field was added (it takes the default)."""
         data = json.loads(text)
         data["priority"] = PriorityClass(data["priority"])
         return cls(**data)
@@ -408,6 +446,11 @@ class Broker:
         until their replica is gone."""
         self._tasks: set[asyncio.Task[Any]] = set()
         """Background work started by a change (placing again, publishing updates)."""
+        self.load_history = LoadHistory()
+        """What nodes reported in their heartbeats, the last few minutes of it."""
+        self._resizes_seen: dict[tuple[str, str], None] = {}
+        """(node id, event id) of resizes recorded already, oldest first (bounded): a node
+        repeats its recent ones in every heartbeat, and they need no store round trip."""
 
     @property
     def nodes(self) -> Mapping[str, NodeEntry]:
@@ -575,17 +618,21 @@ class Broker:
         self._schedule_reconcile(node_id, replicas)
 
     def heartbeat(
-        self, node_id: str, load: float, replicas: Sequence[tuple[str, ReplicaState]]
+        self, node_id: str, sample: NodeSample, replicas: Sequence[tuple[str, ReplicaState]]
     ) -> None:
-        """Record that the node is alive, at once and before anything that can wait: the
-        liveness path never queues behind the store, placement or client calls. Reconciling
-        the replicas it reports runs after, in the background. NotFound when the node is
-        unknown (it registers again)."""
+        """Record that the node is alive and its load, at once and before anything that can
+        wait: the liveness path never queues behind the store, placement or client calls.
+        Reconciling the replicas it reports, and recording its resizes, run after, in the
+        background. NotFound when the node is unknown (it registers again)."""
         entry = self._nodes.get(node_id)
         if entry is None:
             raise NotFound(f"node {node_id} is not registered; register again")
         entry.last_heartbeat = time.monotonic()
-        entry.load = min(1.0, max(0.0, load))
+        entry.load = sample.load
+        self.load_history.record(node_id, sample, time.time())
+        fresh = [r for r in sample.resizes if (node_id, r.event_id) not in self._resizes_seen]
+        if fresh:
+            self.background(self._record_resizes(node_id, fresh), f"resizes-{node_id}")
         if entry.record.state is NodeState.LOST:
             entry.record = replace(entry.record, state=NodeState.READY)
             self.background(
@@ -593,6 +640,45 @@ class Broker:
             )
             logger.info("node=%s is back", node_id)
         self._schedule_reconcile(node_id, replicas)
+
+    async def _record_resizes(self, node_id: str, resizes: Sequence[Resize]) -> None:
+        """Keep the resizes a node reported that the store has not seen, once each."""
+        records = [
+            ResizeRecord(
+                node_id=node_id,
+                event_id=r.event_id,
+                deployment_id=r.deployment_id,
+                replica_id=r.replica_id,
+                cpus_before=r.cpus_before,
+                cpus_after=r.cpus_after,
+                policy=r.policy,
+                reason=r.reason,
+                at=r.at,
+            )
+            for r in resizes
+        ]
+        added = await self._db(self._store.put_resizes, records, keep=RESIZES_KEPT)
+        for r in resizes:
+            self._resizes_seen[(node_id, r.event_id)] = None
+        while len(self._resizes_seen) > RESIZES_REMEMBERED:
+            self._resizes_seen.pop(next(iter(self._resizes_seen)))
+        for record in added:
+            self.metrics.count_resize(record.policy, record.cpus_after > record.cpus_before)
+            logger.info(
+                "deployment=%s replica=%s on node=%s resized %.2f -> %.2f cores (%s): %s",
+                record.deployment_id,
+                record.replica_id,
+                node_id,
+                record.cpus_before,
+                record.cpus_after,
+                record.policy,
+                record.reason,
+            )
+
+    async def resizes(self, deployment_id: str | None = None) -> list[ResizeRecord]:
+        """The recorded resizes of one deployment or all, oldest first (at most
+        `RESIZES_KEPT` per deployment)."""
+        return await self._db(self._store.list_resizes, deployment_id, limit=RESIZES_LISTED)
 
     def _schedule_reconcile(
         self, node_id: str, replicas: Sequence[tuple[str, ReplicaState]]
@@ -636,6 +722,7 @@ class Broker:
             for d in records
             if d.state is DeploymentState.RUNNING and d.node_id == node_id
         }
+        self.load_history.attribute(node_id, {r: d.deployment_id for r, d in expected.items()})
         for replica, deployment in expected.items():
             if (
                 replica not in running
@@ -996,9 +1083,7 @@ class Broker:
                 model_sha256=record.model_sha256,
                 model_name=record.model_name,
                 gpu_uuids=record.gpu_uuids,
-                gpu_memory_mib=spec.gpu_memory_mib,
-                cpus=spec.cpus,
-                memory_mib=spec.memory_mib,
+                resources=spec.resources(),
                 token=record.token,
             )
         except (NodeUnavailable, ResourceExhausted) as err:
@@ -1210,9 +1295,7 @@ class Broker:
                 model_sha256=record.model_sha256,
                 model_name=record.model_name,
                 gpu_uuids=tuple(entry.inventory.gpus[i].uuid for i in standby.record.gpus),
-                gpu_memory_mib=spec.gpu_memory_mib,
-                cpus=spec.cpus,
-                memory_mib=spec.memory_mib,
+                resources=spec.resources(PriorityClass.STANDBY),
                 token=record.token,
                 background_start=True,
             )
@@ -1399,9 +1482,7 @@ class Broker:
             model_sha256=record.model_sha256,
             model_name=record.model_name,
             gpu_uuids=tuple(entry.inventory.gpus[i].uuid for i in move.target_gpus),
-            gpu_memory_mib=spec.gpu_memory_mib,
-            cpus=spec.cpus,
-            memory_mib=spec.memory_mib,
+            resources=spec.resources(),
             token=record.token,
             background_start=background,
         )
@@ -1584,6 +1665,7 @@ class Broker:
                 await self._db(self._store.delete_deployment, deployment_id)
         finally:
             self._busy.discard(deployment_id)
+        self.load_history.forget_deployment(deployment_id)
         self.watchers.push(deployment_id, None)
         logger.info("deployment=%s deleted", deployment_id)
 

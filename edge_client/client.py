@@ -429,6 +429,8 @@ class OffloadClient:
         memory_mib: int = 0,
         priority: str = "standard",
         latency_slo_ms: float = 0,
+        cpus_min: float = 0,
+        cpus_max: float = 0,
         site: str,
     ) -> Deployment:
         """Deploy an uploaded model for a client at `site`; returns once the replica is
@@ -437,7 +439,9 @@ class OffloadClient:
         place a second deployment): it waits for an unreachable broker within
         `deploy_timeout_s`. NotFound when the model was not uploaded; ResourceExhausted when
         nothing fits now; FailedPrecondition when nothing ever could; InvalidInput for an
-        unknown site or priority."""
+        unknown site or priority. `cpus_min`/`cpus_max`: the CPU floor and ceiling a node's
+        resource manager keeps the replica within while it re-divides the node's CPU (0: half
+        of `cpus`, and the node's cores)."""
         stub = self._broker()
         if priority not in _PRIORITIES:
             raise InvalidInput(
@@ -453,6 +457,8 @@ class OffloadClient:
             memory_mib=memory_mib,
             priority=_PRIORITIES[priority],
             latency_slo_ms=latency_slo_ms,
+            cpus_min=cpus_min,
+            cpus_max=cpus_max,
             site=site,
         )
         try:
@@ -1065,6 +1071,8 @@ class SyncOffloadClient:
         memory_mib: int = 0,
         priority: str = "standard",
         latency_slo_ms: float = 0,
+        cpus_min: float = 0,
+        cpus_max: float = 0,
         site: str,
     ) -> Deployment:
         return self._run(
@@ -1078,6 +1086,8 @@ class SyncOffloadClient:
                 memory_mib=memory_mib,
                 priority=priority,
                 latency_slo_ms=latency_slo_ms,
+                cpus_min=cpus_min,
+                cpus_max=cpus_max,
                 site=site,
             )
         )

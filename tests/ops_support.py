@@ -17,6 +17,7 @@ from broker.ops import (
     DeploymentInfo,
     GpuInfo,
     LinkInfo,
+    LoadInfo,
     MigrationInfo,
     NodeInfo,
     OffloadInfo,
@@ -226,6 +227,53 @@ def sample_prewarm() -> PrewarmInfo:
     }
 
 
+def sample_load() -> LoadInfo:
+    """Two heartbeats of two nodes: node-dgx-a busy (its replica throttled, then resized),
+    node-ws-b idle; the deployment's figures at both; one resize."""
+    return {
+        "window_s": 300.0,
+        "nodes": [
+            {
+                "node_id": "node-dgx-a",
+                "site": "metro-east",
+                "resize_policy": "usage",
+                "points": [[1000.0, 0.91, 14.6, 16.0, 2048], [1001.0, 0.95, 15.2, 16.0, 2050]],
+            },
+            {
+                "node_id": "node-ws-b",
+                "site": "campus-west",
+                "resize_policy": "static",
+                "points": [[1000.0, 0.02, 0.1, 4.0, 300], [1001.0, 0.0, 0.0, 4.0, 300]],
+            },
+        ],
+        "deployments": [
+            {
+                "deployment_id": DEPLOYMENT_ID,
+                "node_id": "node-dgx-a",
+                "priority": "critical",
+                "latency_slo_ms": 50.0,
+                "points": [
+                    [1000.0, 40.0, 12.5, 61.0, 0.5, 0.5, 0.0],
+                    [1001.0, 42.5, 11.0, 30.0, 0.9, 1.25, 0.5],
+                ],
+            }
+        ],
+        "resizes": [
+            {
+                "event_id": "r-0001",
+                "at": 1000.5,
+                "node_id": "node-dgx-a",
+                "deployment_id": DEPLOYMENT_ID,
+                "replica_id": f"{DEPLOYMENT_ID}-3",
+                "cpus_before": 0.5,
+                "cpus_after": 1.25,
+                "policy": "usage",
+                "reason": "throttled 62% of the last 1.0 s at 0.50 cores; critical",
+            }
+        ],
+    }
+
+
 @dataclass
 class StaticOpsView:
     """An `OpsView` over fixed lists; `failure`, when set, is raised by every call."""
@@ -234,6 +282,7 @@ class StaticOpsView:
     deployment_list: list[DeploymentInfo] = field(default_factory=sample_deployments)
     migration_list: list[MigrationInfo] = field(default_factory=sample_migrations)
     prewarm_info: PrewarmInfo = field(default_factory=sample_prewarm)
+    load_info: LoadInfo = field(default_factory=sample_load)
     failure: Exception | None = None
 
     async def nodes(self) -> list[NodeInfo]:
@@ -251,6 +300,10 @@ class StaticOpsView:
     async def prewarm(self) -> PrewarmInfo:
         self._maybe_fail()
         return copy.deepcopy(self.prewarm_info)
+
+    async def load(self) -> LoadInfo:
+        self._maybe_fail()
+        return copy.deepcopy(self.load_info)
 
     def _maybe_fail(self) -> None:
         if self.failure is not None:

@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from broker.ops.auth import OpsAuth
-from broker.ops.metrics import BrokerMetrics
-from broker.ops.view import DeploymentInfo, NodeInfo, OpsView, PrewarmInfo
+from broker.ops.metrics import BrokerMetrics, DeploymentFigures, NodeFigures
+from broker.ops.view import DeploymentInfo, LoadInfo, NodeInfo, OpsView, PrewarmInfo
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ def create_ops_app(view: OpsView, metrics: BrokerMetrics, auth: OpsAuth) -> web.
     app.router.add_get("/api/deployments", _api_deployments)
     app.router.add_get("/api/migrations", _api_migrations)
     app.router.add_get("/api/prewarm", _api_prewarm)
+    app.router.add_get("/api/load", _api_load)
     app.router.add_get("/", _static_file)
     app.router.add_get("/login", _login_page)
     app.router.add_post("/login", _login)
@@ -222,10 +223,41 @@ async def _metrics(request: web.Request) -> web.Response:
         if sessions:  # the most recent first
             reachable[d["deployment_id"]] = sessions[0]["remote_reachable"]
     metrics.set_offload(requests, reachable)
+    metrics.set_load(*_load_figures(await _call(view.load)))
     body, content_type = metrics.render()
     return web.Response(
         body=body, headers={"Content-Type": content_type, "Cache-Control": "no-store"}
     )
+
+
+def _load_figures(
+    load: LoadInfo,
+) -> tuple[dict[str, NodeFigures], dict[str, DeploymentFigures]]:
+    """The latest point of each node and deployment, as the live-load gauges show it."""
+    nodes = {
+        n["node_id"]: NodeFigures(
+            site=n["site"],
+            load=n["points"][-1][1],
+            cpu_used_cores=n["points"][-1][2],
+            cpu_cores=n["points"][-1][3],
+            memory_used_bytes=n["points"][-1][4] * 1024 * 1024,
+        )
+        for n in load["nodes"]
+        if n["points"]
+    }
+    deployments = {}
+    for d in load["deployments"]:
+        _, rate, p50_ms, p99_ms, cpu_used, cpu_limit, failure_rate = d["points"][-1]
+        deployments[d["deployment_id"]] = DeploymentFigures(
+            latency_slo_seconds=d["latency_slo_ms"] / 1000,
+            cpu_used_cores=cpu_used or 0.0,
+            cpu_limit_cores=cpu_limit or 0.0,
+            request_rate=rate,
+            failure_rate=failure_rate,
+            latency_p50_seconds=None if p50_ms is None else p50_ms / 1000,
+            latency_p99_seconds=None if p99_ms is None else p99_ms / 1000,
+        )
+    return nodes, deployments
 
 
 async def _api_nodes(request: web.Request) -> web.Response:
@@ -238,6 +270,10 @@ async def _api_deployments(request: web.Request) -> web.Response:
 
 async def _api_migrations(request: web.Request) -> web.Response:
     return _json(await _call(request.app[_VIEW_KEY].migrations))
+
+
+async def _api_load(request: web.Request) -> web.Response:
+    return _json(await _call(request.app[_VIEW_KEY].load))
 
 
 async def _api_prewarm(request: web.Request) -> web.Response:

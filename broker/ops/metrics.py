@@ -11,7 +11,21 @@ that several brokers (tests) can live in one process. Metric names:
 - `offload_migration_span_gap_seconds`: histogram of the longest gap clients observed over a
   whole migration, from the broker's decision to the old replica stopped (the target's start
   included; same buckets). Only from clients that measure it.
-- `offload_migrations_total{outcome}`: counter of finished migrations by outcome.
+- `offload_migrations_total{outcome,trigger}`: counter of finished migrations by outcome and
+  what started them ("mobility", "node_lost", "drain", "rebalance", "operator").
+- `offload_node_load{node,site}` (0..1, what placement weighs: the larger of the replicas'
+  CPU share of the cores the node offers and its GPUs' mean utilization),
+  `offload_node_cpu_used_cores{node}`, `offload_node_cpu_cores{node}`,
+  `offload_node_memory_used_bytes{node}`: gauges from each node's latest heartbeat, set from
+  the `OpsView` at every scrape (a node stays until the broker restarts).
+- `offload_deployment_request_rate{deployment}` (requests/s), `..._failure_rate`,
+  `..._latency_p50_seconds`, `..._latency_p99_seconds`, `..._latency_slo_seconds` (0: none),
+  `..._cpu_used_cores`, `..._cpu_limit_cores` (0: unlimited): gauges of each running
+  deployment's serving replica over its node's last sampling interval (its runtime's
+  metrics); a figure the node could not read is absent, and a deleted deployment's series
+  vanish.
+- `offload_resizes_total{policy,direction}`: counter of CPU changes nodes' resource managers
+  made (`direction` "up" or "down").
 - `offload_client_requests_total{deployment,target,reason}`: requests edge clients ran on
   their replica (`target="remote"`) or their own model (`"local"`), by reason, summed over the
   latest report of each client session the broker keeps. Set from the `OpsView` at every
@@ -25,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -108,6 +123,79 @@ class _OffloadCollector(Collector):
         yield reachable
 
 
+@dataclass(frozen=True, slots=True)
+class NodeFigures:
+    site: str
+    load: float
+    cpu_used_cores: float
+    cpu_cores: float
+    memory_used_bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentFigures:
+    latency_slo_seconds: float
+    cpu_used_cores: float
+    cpu_limit_cores: float
+    request_rate: float | None = None
+    failure_rate: float | None = None
+    latency_p50_seconds: float | None = None
+    latency_p99_seconds: float | None = None
+
+
+class _LoadCollector(Collector):
+    """Live load as last set: gauges built at collect time, so that a deployment that is
+    gone, or a figure a node could not read, leaves no series behind."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeFigures] = {}
+        self.deployments: dict[str, DeploymentFigures] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        def family(name: str, documentation: str, labels: list[str]) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, documentation, labels=labels)
+
+        load = family(
+            "offload_node_load",
+            "The node's load as placement weighs it, 0..1: the larger of its replicas' CPU "
+            "share of the cores it offers and its GPUs' mean utilization.",
+            ["node", "site"],
+        )
+        node_gauges = {
+            "cpu_used_cores": family(
+                "offload_node_cpu_used_cores", "Cores the node's replicas used.", ["node"]
+            ),
+            "cpu_cores": family(
+                "offload_node_cpu_cores", "Cores the node offers to replicas.", ["node"]
+            ),
+            "memory_used_bytes": family(
+                "offload_node_memory_used_bytes", "Memory the node's replicas use.", ["node"]
+            ),
+        }
+        for node, n in sorted(self.nodes.items()):
+            load.add_metric([node, n.site], n.load)
+            for attribute, gauge in node_gauges.items():
+                gauge.add_metric([node], getattr(n, attribute))
+        yield load
+        yield from node_gauges.values()
+        deployment_gauges = {
+            "request_rate": "Requests per second its replica answered.",
+            "failure_rate": "Requests per second its replica failed.",
+            "latency_p50_seconds": "Median request latency at its replica.",
+            "latency_p99_seconds": "99th percentile request latency at its replica.",
+            "latency_slo_seconds": "Its latency SLO (0: none).",
+            "cpu_used_cores": "Cores its replica used.",
+            "cpu_limit_cores": "Its replica's CPU quota in cores (0: unlimited).",
+        }
+        for attribute, documentation in deployment_gauges.items():
+            gauge = family(f"offload_deployment_{attribute}", documentation, ["deployment"])
+            for deployment, d in sorted(self.deployments.items()):
+                value = getattr(d, attribute)
+                if value is not None:
+                    gauge.add_metric([deployment], value)
+            yield gauge
+
+
 class BrokerMetrics:
     """The broker's metrics. Not thread-safe beyond what prometheus_client guarantees; the
     broker calls it from its event loop."""
@@ -151,8 +239,14 @@ class BrokerMetrics:
         )
         self._migrations = Counter(
             "offload_migrations",
-            "Finished migrations, by outcome.",
-            ["outcome"],
+            "Finished migrations, by outcome and trigger.",
+            ["outcome", "trigger"],
+            registry=self.registry,
+        )
+        self._resizes = Counter(
+            "offload_resizes",
+            "CPU changes nodes' resource managers made to replicas, by policy and direction.",
+            ["policy", "direction"],
             registry=self.registry,
         )
         self._standbys = Gauge(
@@ -177,6 +271,8 @@ class BrokerMetrics:
             self._standby_events.labels(event=event)
         self._offload = _OffloadCollector()
         self.registry.register(self._offload)
+        self._load = _LoadCollector()
+        self.registry.register(self._load)
         # Every state a gauge has shown: a state that empties reads 0 instead of vanishing,
         # so that alerts on e.g. offload_nodes{state="lost"} see the drop.
         self._seen: dict[str, set[str]] = {"nodes": set(), "deployments": set()}
@@ -205,6 +301,18 @@ class BrokerMetrics:
         self._offload.requests = dict(requests)
         self._offload.reachable = dict(reachable)
 
+    def set_load(
+        self, nodes: Mapping[str, NodeFigures], deployments: Mapping[str, DeploymentFigures]
+    ) -> None:
+        """Set the live-load series; replaces what was set before (a node or deployment
+        missing now has no series)."""
+        self._load.nodes = dict(nodes)
+        self._load.deployments = dict(deployments)
+
+    def count_resize(self, policy: str, up: bool) -> None:
+        """Count one CPU change a node's resource manager made."""
+        self._resizes.labels(policy=policy, direction="up" if up else "down").inc()
+
     def set_standbys(self, held: int) -> None:
         """Set `offload_standbys`."""
         self._standbys.set(held)
@@ -224,13 +332,14 @@ class BrokerMetrics:
         _check_seconds("placement time", seconds)
         self._placement.observe(seconds)
 
-    def record_migration(self, outcome: str, downtime_s: float | None) -> None:
-        """Count one finished migration by `outcome` and, when the client reported one, the
-        longest gap it observed in seconds. Raises ValueError for a gap below 0."""
+    def record_migration(self, outcome: str, trigger: str, downtime_s: float | None) -> None:
+        """Count one finished migration by `outcome` and `trigger` and, when the client
+        reported one, the longest gap it observed in seconds. Raises ValueError for a gap
+        below 0."""
         if downtime_s is not None:
             _check_seconds("migration downtime", downtime_s)
             self._downtime.observe(downtime_s)
-        self._migrations.labels(outcome=outcome).inc()
+        self._migrations.labels(outcome=outcome, trigger=trigger).inc()
 
     def observe_downtime(self, seconds: float) -> None:
         """The longest gap a client observed across one migration (it reports it after the

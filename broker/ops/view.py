@@ -191,6 +191,59 @@ class PrewarmInfo(TypedDict):
     """Those held now, the oldest first."""
 
 
+class NodeLoadInfo(TypedDict):
+    """A node's load over the history window."""
+
+    node_id: str
+    site: str
+    resize_policy: str
+    """The node's resource manager policy ("static", "usage", "gain"); empty when its
+    daemon does not say."""
+    points: list[list[float]]
+    """[Unix seconds, load 0..1, CPU used (cores), CPU offered (cores), memory used (MiB)],
+    oldest first."""
+
+
+class DeploymentLoadInfo(TypedDict):
+    """A deployment's requests and CPU over the history window (its serving replica's)."""
+
+    deployment_id: str
+    node_id: str
+    """Where it served at the latest point."""
+    priority: str
+    latency_slo_ms: float
+    """0: none."""
+    points: list[list[float | None]]
+    """[Unix seconds, requests/s, latency p50 ms, latency p99 ms, CPU used (cores), CPU limit
+    (cores, 0: unlimited), failed requests/s], oldest first; a figure the node could not
+    read is null."""
+
+
+class ResizeInfo(TypedDict):
+    """A CPU change a node's resource manager made, and why."""
+
+    event_id: str
+    at: float
+    node_id: str
+    deployment_id: str
+    replica_id: str
+    cpus_before: float
+    cpus_after: float
+    policy: str
+    reason: str
+
+
+class LoadInfo(TypedDict):
+    """Live load: what nodes reported in their heartbeats over the last `window_s`."""
+
+    window_s: float
+    nodes: list[NodeLoadInfo]
+    deployments: list[DeploymentLoadInfo]
+    """Deployments not deleted that reported in the window."""
+    resizes: list[ResizeInfo]
+    """The most recent resizes, oldest first."""
+
+
 class OpsView(Protocol):
     """The broker's read-only view for operators; each call returns a fresh snapshot.
 
@@ -212,4 +265,8 @@ class OpsView(Protocol):
 
     async def prewarm(self) -> PrewarmInfo:
         """The pre-warm budget and the standbys held now."""
+        ...
+
+    async def load(self) -> LoadInfo:
+        """Live load over the history window, and the recent resizes."""
         ...

@@ -8,6 +8,7 @@ from broker.errors import InvalidRequest, quote
 from broker.rpc import validate
 from broker.service import MAX_GPUS
 from broker.state import OffloadCount, OffloadSummary
+from broker.telemetry import NodeSample, ReplicaLoad, RequestFigures, Resize
 from common import offload
 from common.inventory import Gpu, Inventory, Link, LinkKind, Nic
 from protos.offload.v1 import broker_pb2 as pb
@@ -148,4 +149,96 @@ def offload_from_proto(message: pb.OffloadSummary) -> OffloadSummary:
             f"{field}.local_estimate_ms", message.local_estimate_ms
         ),
         remote_reachable=message.remote_reachable,
+    )
+
+
+MAX_RESIZES = 64
+"""Resize events one heartbeat may carry (a node repeats a bounded window of recent ones)."""
+_REASON = re.compile(r"[^\x00-\x1f\x7f]{0,512}")
+_RESIZE_POLICIES = ("usage", "gain")
+
+
+def node_sample_from_proto(usage: npb.UsageResponse) -> NodeSample:
+    """A heartbeat's telemetry; InvalidRequest for a value out of its bounds. A node older
+    than the telemetry fields sends GPU utilization only (the rest reads as zeros)."""
+    validate.count("usage.gpus", usage.gpus, MAX_GPUS)
+    validate.count("usage.replicas", usage.replicas, validate.MAX_REPLICAS)
+    validate.count("usage.resizes", usage.resizes, MAX_RESIZES)
+    node = usage.node
+    return NodeSample(
+        cpu_cores=validate.number("usage.node.cpu_cores", node.cpu_cores, 0, validate.MAX_CPUS),
+        cpu_used_cores=validate.number(
+            "usage.node.cpu_used_cores", node.cpu_used_cores, 0, validate.MAX_CPUS
+        ),
+        memory_total_mib=validate.integer(
+            "usage.node.memory_total_mib", node.memory_total_mib, 0, validate.MAX_MEMORY_MIB
+        ),
+        memory_used_mib=validate.integer(
+            "usage.node.memory_used_mib", node.memory_used_mib, 0, validate.MAX_MEMORY_MIB
+        ),
+        gpu_utilization_pct=tuple(
+            validate.integer(f"usage.gpus[{i}].utilization_pct", g.utilization_pct, 0, 100)
+            for i, g in enumerate(usage.gpus)
+        ),
+        replicas=tuple(
+            _replica_load(r, f"usage.replicas[{i}]") for i, r in enumerate(usage.replicas)
+        ),
+        resizes=tuple(_resize(r, f"usage.resizes[{i}]") for i, r in enumerate(usage.resizes)),
+        resize_policy=(
+            validate.word(
+                "usage.resize_policy", usage.resize_policy, ("static", *_RESIZE_POLICIES)
+            )
+            if usage.resize_policy
+            else ""
+        ),
+    )
+
+
+def _replica_load(r: npb.ReplicaUsage, field: str) -> ReplicaLoad:
+    requests = None
+    if r.HasField("requests"):
+        q = r.requests
+        rates = validate.MAX_REQUESTS
+        latency = validate.MAX_ESTIMATE_MS
+        requests = RequestFigures(
+            rate_per_s=validate.number(f"{field}.requests.rate_per_s", q.rate_per_s, 0, rates),
+            failure_rate_per_s=validate.number(
+                f"{field}.requests.failure_rate_per_s", q.failure_rate_per_s, 0, rates
+            ),
+            latency_p50_ms=validate.number(
+                f"{field}.requests.latency_p50_ms", q.latency_p50_ms, 0, latency
+            )
+            or None,
+            latency_p99_ms=validate.number(
+                f"{field}.requests.latency_p99_ms", q.latency_p99_ms, 0, latency
+            )
+            or None,
+            in_flight=validate.integer(f"{field}.requests.in_flight", q.in_flight, 0, rates),
+            queued=validate.integer(f"{field}.requests.queued", q.queued, 0, rates),
+        )
+    return ReplicaLoad(
+        replica_id=validate.replica_id(f"{field}.replica_id", r.replica_id),
+        cpu_used_cores=validate.number(f"{field}.cpu_pct", r.cpu_pct, 0, 100 * validate.MAX_CPUS)
+        / 100,
+        cpu_limit_cores=validate.number(f"{field}.cpu_limit", r.cpu_limit, 0, validate.MAX_CPUS),
+        throttled_ratio=validate.number(f"{field}.throttled_pct", r.throttled_pct, 0, 100) / 100,
+        memory_used_mib=validate.integer(
+            f"{field}.memory_used_mib", r.memory_used_mib, 0, validate.MAX_MEMORY_MIB
+        ),
+        requests=requests,
+    )
+
+
+def _resize(r: npb.ResizeEvent, field: str) -> Resize:
+    return Resize(
+        event_id=validate.replica_id(f"{field}.event_id", r.event_id),
+        replica_id=validate.replica_id(f"{field}.replica_id", r.replica_id),
+        deployment_id=validate.identifier(f"{field}.deployment_id", r.deployment_id),
+        cpus_before=validate.number(f"{field}.cpus_before", r.cpus_before, 0, validate.MAX_CPUS),
+        cpus_after=validate.number(f"{field}.cpus_after", r.cpus_after, 0, validate.MAX_CPUS),
+        policy=validate.word(f"{field}.policy", r.policy, _RESIZE_POLICIES),
+        reason=validate.matching(
+            f"{field}.reason", r.reason, _REASON, "at most 512 characters, no control characters"
+        ),
+        at=validate.number(f"{field}.at", r.at, 0, 2**40),
     )

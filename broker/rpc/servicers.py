@@ -18,9 +18,9 @@ from broker.migrations import Migrations
 from broker.model_store import Upload
 from broker.quotas import within_idle_timeout
 from broker.rpc import validate
-from broker.rpc.convert import inventory_from_proto, offload_from_proto
+from broker.rpc.convert import inventory_from_proto, node_sample_from_proto, offload_from_proto
 from broker.rpc.status import mapped_errors
-from broker.service import MAX_GPUS, Broker, DeploySpec, ReplicaState
+from broker.service import Broker, DeploySpec, ReplicaState
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
 from migration.mechanism import Strategy
 from protos.offload.v1 import broker_pb2 as pb
@@ -94,14 +94,8 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
     ) -> pb.HeartbeatResponse:
         self._check(context)
         node_id = validate.node_id("node_id", request.node_id)
-        gpus = request.usage.gpus
-        validate.count("usage.gpus", gpus, MAX_GPUS)
-        used = [
-            validate.integer(f"usage.gpus[{i}].utilization_pct", g.utilization_pct, 0, 100)
-            for i, g in enumerate(gpus)
-        ]
-        load = sum(used) / (100 * len(used)) if used else 0.0
-        self._broker.heartbeat(node_id, load, _replicas(list(request.replicas)))
+        sample = node_sample_from_proto(request.usage)
+        self._broker.heartbeat(node_id, sample, _replicas(list(request.replicas)))
         return pb.HeartbeatResponse()
 
     @mapped_errors
@@ -156,6 +150,8 @@ def deploy_spec(request: pb.DeployRequest) -> DeploySpec:
         latency_slo_ms=validate.number(
             "latency_slo_ms", request.latency_slo_ms, 0, validate.MAX_LATENCY_SLO_MS
         ),
+        cpus_min=validate.number("cpus_min", request.cpus_min, 0, validate.MAX_CPUS),
+        cpus_max=validate.number("cpus_max", request.cpus_max, 0, validate.MAX_CPUS),
     )
 
 

@@ -28,6 +28,7 @@ from broker.state.records import (
     OffloadCount,
     OffloadReportRecord,
     OffloadSummary,
+    ResizeRecord,
     StandbyRecord,
 )
 from broker.state.store import DB_FILENAME, StateStore
@@ -50,6 +51,7 @@ __all__ = [
     "OffloadCount",
     "OffloadReportRecord",
     "OffloadSummary",
+    "ResizeRecord",
     "SchemaError",
     "StandbyRecord",
     "StateError",

@@ -237,3 +237,22 @@ class OffloadReportRecord:
     summary: OffloadSummary
     reported_at: float
     """When the broker received it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResizeRecord:
+    """A CPU change a node's resource manager made to a deployment's replica. Schema
+    version 6."""
+
+    node_id: str
+    event_id: str
+    """Unique on its node (across the node daemon's restarts)."""
+    deployment_id: str
+    replica_id: str
+    cpus_before: float
+    cpus_after: float
+    policy: str
+    """"usage" or "gain" (the node's `--resize-policy`)."""
+    reason: str
+    at: float
+    """Unix seconds, the node's clock."""

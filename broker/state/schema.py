@@ -175,5 +175,26 @@ CREATE TABLE standbys (
 """
 """Version 5: predictive pre-warm: standby replicas, and which migrations switched to one."""
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5)
+_V6 = """
+-- CPU changes a node's resource manager made to a deployment's replica, with its reason
+-- (reported in heartbeats; a node repeats its recent ones, so the key makes each one count
+-- once). The broker keeps the most recent ones of each deployment.
+CREATE TABLE resizes (
+    node_id       TEXT NOT NULL REFERENCES nodes (node_id),
+    event_id      TEXT NOT NULL CHECK (event_id <> ''),
+    deployment_id TEXT NOT NULL REFERENCES deployments (deployment_id),
+    replica_id    TEXT NOT NULL,
+    cpus_before   REAL NOT NULL CHECK (cpus_before >= 0),
+    cpus_after    REAL NOT NULL CHECK (cpus_after >= 0),
+    policy        TEXT NOT NULL,
+    reason        TEXT NOT NULL,
+    at            REAL NOT NULL,
+    PRIMARY KEY (node_id, event_id)
+) STRICT;
+
+CREATE INDEX resizes_by_deployment ON resizes (deployment_id, at);
+"""
+"""Version 6: the node resource managers' CPU resizes, with their reasons."""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
 """The scripts in order; `len(MIGRATIONS)` is the schema version this broker writes."""

@@ -34,7 +34,7 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
@@ -59,6 +59,7 @@ from broker.state.records import (
     OffloadCount,
     OffloadReportRecord,
     OffloadSummary,
+    ResizeRecord,
     StandbyRecord,
 )
 from broker.state.schema import MIGRATIONS
@@ -84,6 +85,9 @@ _MIGRATION_COLUMNS = (
     "migration_id, deployment_id, trigger, source_node, target_node, strategy, state, "
     "timeline_json, outcome, reason, downtime_ms, failed_requests, created_at, updated_at, "
     "span_gap_ms, prewarmed"
+)
+_RESIZE_COLUMNS = (
+    "node_id, event_id, deployment_id, replica_id, cpus_before, cpus_after, policy, reason, at"
 )
 _OFFLOAD_COLUMNS = (
     "deployment_id, client_id, session, policy, local_model, decisions_json, remote_requests, "
@@ -584,15 +588,17 @@ class StateStore:
     def delete_deployment(self, deployment_id: str) -> DeploymentRecord:
         """Mark a deployment deleted and return it. The row stays, for the audit trail and the
         history of its migrations (which refer to it); its id is never reused. Its offload
-        reports go (they describe a deployment that no longer serves). Idempotent: deleting a
-        deleted deployment changes nothing. KeyError for an unknown deployment."""
+        reports and resizes go (they describe a deployment that no longer serves).
+        Idempotent: deleting a deleted deployment changes nothing. KeyError for an unknown
+        deployment."""
         with self.transaction():
             current = self.get_deployment(deployment_id)
             if current is None:
                 raise KeyError(f"deployment {deployment_id!r} is unknown")
-            self._conn.execute(
-                "DELETE FROM offload_reports WHERE deployment_id = ?", (deployment_id,)
-            )
+            for table in ("offload_reports", "resizes"):
+                self._conn.execute(
+                    f"DELETE FROM {table} WHERE deployment_id = ?", (deployment_id,)
+                )
             if current.state is DeploymentState.DELETED:
                 return current
             return self.update_deployment(deployment_id, state=DeploymentState.DELETED)
@@ -745,6 +751,64 @@ class StateStore:
             () if deployment_id is None else (deployment_id,),
         )
         return [_offload(row) for row in rows]
+
+    # -- resizes --------------------------------------------------------------------------
+
+    def put_resizes(self, records: Sequence[ResizeRecord], keep: int) -> list[ResizeRecord]:
+        """Record the resizes not recorded yet (a node repeats its recent ones in every
+        heartbeat) and return those, in order; then only the `keep` most recent of each
+        deployment they touched stay. A record of a deployment or node the store does not
+        know is skipped (the deployment was deleted meanwhile). All or none are written."""
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        added = []
+        with self.transaction():
+            for r in records:
+                if not (
+                    self._exists("deployments", "deployment_id", r.deployment_id)
+                    and self._exists("nodes", "node_id", r.node_id)
+                ):
+                    continue
+                cursor = self._conn.execute(
+                    # Not INSERT OR IGNORE: that would skip a row breaking a CHECK too.
+                    f"INSERT INTO resizes ({_RESIZE_COLUMNS}) "
+                    f"VALUES ({_placeholders(_RESIZE_COLUMNS)}) "
+                    "ON CONFLICT (node_id, event_id) DO NOTHING",
+                    (
+                        r.node_id,
+                        r.event_id,
+                        r.deployment_id,
+                        r.replica_id,
+                        r.cpus_before,
+                        r.cpus_after,
+                        r.policy,
+                        r.reason,
+                        r.at,
+                    ),
+                )
+                if cursor.rowcount > 0:
+                    added.append(r)
+            for deployment_id in sorted({r.deployment_id for r in added}):
+                self._conn.execute(
+                    "DELETE FROM resizes WHERE deployment_id = :d AND rowid NOT IN "
+                    "(SELECT rowid FROM resizes WHERE deployment_id = :d "
+                    "ORDER BY at DESC, event_id DESC LIMIT :keep)",
+                    {"d": deployment_id, "keep": keep},
+                )
+        return added
+
+    def list_resizes(
+        self, deployment_id: str | None = None, limit: int = 100
+    ) -> list[ResizeRecord]:
+        """The `limit` most recent resizes, of one deployment or all, oldest first."""
+        condition = "" if deployment_id is None else "WHERE deployment_id = ?"
+        params: tuple[object, ...] = () if deployment_id is None else (deployment_id,)
+        rows = self._query(
+            f"SELECT {_RESIZE_COLUMNS} FROM resizes {condition} "
+            "ORDER BY at DESC, event_id DESC LIMIT ?",
+            (*params, limit),
+        )
+        return [ResizeRecord(*row) for row in reversed(rows)]
 
     # -- events ---------------------------------------------------------------------------
 

@@ -81,11 +81,29 @@ def test_an_integer_must_be_within_its_bounds() -> None:
         ("latency_slo_ms", 60_000.0, 60_000.5, "0..60000"),
         ("latency_slo_ms", 5.0, math.nan, "0..60000"),
         ("latency_slo_ms", 5.0, -math.inf, "0..60000"),
+        ("cpus_min", 0.25, math.nan, "0..1024"),
+        ("cpus_max", 2.0, -0.5, "0..1024"),
     ],
 )
 def test_deploy_numbers_are_bounded(field: str, good: float, bad: float, bound: str) -> None:
     assert getattr(deploy_spec(pb.DeployRequest(**DEPLOY, **{field: good})), field) == good
     refused(lambda: deploy_spec(pb.DeployRequest(**DEPLOY, **{field: bad})), field, bound)
+
+
+def test_a_cpu_floor_and_ceiling_bracket_the_cpus_asked() -> None:
+    spec = deploy_spec(pb.DeployRequest(**DEPLOY, cpus=1.0, cpus_min=0.5, cpus_max=2.0))
+    spec.validate()
+    resources = spec.resources(PriorityClass.STANDBY)
+    assert (resources.cpus_min, resources.cpus, resources.cpus_max) == (0.5, 1.0, 2.0)
+    assert resources.priority == 0
+    assert deploy_spec(pb.DeployRequest(**DEPLOY, cpus=1.0)).resources().priority == 2
+    for fields, error in [
+        ({"cpus": 1.0, "cpus_min": 1.5}, "cpus_min 1.5 must not exceed cpus 1"),
+        ({"cpus": 1.0, "cpus_max": 0.5}, "need cpus_min <= cpus <= cpus_max, not 0 <= 1 <= 0.5"),
+        ({"cpus_max": 2.0}, "needs cpus > 0"),
+    ]:
+        bad = deploy_spec(pb.DeployRequest(**DEPLOY, **fields))
+        refused(bad.validate, *error.split(", not"))
 
 
 def test_a_deploy_priority_is_a_known_class() -> None:

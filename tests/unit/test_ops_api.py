@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from broker.ops import (
     BrokerMetrics,
@@ -28,6 +29,7 @@ from tests.ops_support import (
     OPS_TOKEN,
     StaticOpsView,
     sample_deployments,
+    sample_load,
     sample_nodes,
     sample_prewarm,
 )
@@ -143,8 +145,9 @@ async def test_api_prewarm_lists_the_budget_and_standbys(ops: OpsServer) -> None
 
 async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     ops.metrics.observe_placement(0.0012)
-    ops.metrics.record_migration("succeeded", 0.0425)
-    ops.metrics.record_migration("rolled_back", None)
+    ops.metrics.record_migration("succeeded", "mobility", 0.0425)
+    ops.metrics.record_migration("rolled_back", "rebalance", None)
+    ops.metrics.count_resize("usage", up=True)
     ops.metrics.observe_span_gap(0.0975)
     async with ops.http.get(f"{ops.base_url}/metrics") as response:
         assert response.status == 200
@@ -163,8 +166,48 @@ async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     assert "offload_migration_span_gap_seconds_count 1.0" in text
     assert 'offload_migration_span_gap_seconds_bucket{le="0.05"} 0.0' in text
     assert 'offload_migration_span_gap_seconds_bucket{le="0.1"} 1.0' in text
-    assert 'offload_migrations_total{outcome="succeeded"} 1.0' in text
-    assert 'offload_migrations_total{outcome="rolled_back"} 1.0' in text
+    assert 'offload_migrations_total{outcome="succeeded",trigger="mobility"} 1.0' in text
+    assert 'offload_migrations_total{outcome="rolled_back",trigger="rebalance"} 1.0' in text
+    assert 'offload_resizes_total{direction="up",policy="usage"} 1.0' in text
+
+
+async def test_metrics_show_each_nodes_and_deployments_latest_load(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        families = {f.name: f for f in text_string_to_metric_families(await response.text())}
+
+    def values(name: str) -> dict[tuple[str, ...], float]:
+        return {tuple(s.labels.values()): s.value for s in families[name].samples}
+
+    assert values("offload_node_load") == {
+        ("node-dgx-a", "metro-east"): 0.95,
+        ("node-ws-b", "campus-west"): 0.0,
+    }
+    assert values("offload_node_cpu_used_cores")[("node-dgx-a",)] == 15.2
+    assert values("offload_node_cpu_cores")[("node-ws-b",)] == 4.0
+    assert values("offload_node_memory_used_bytes")[("node-dgx-a",)] == 2050 * 1024 * 1024
+    dep = (DEPLOYMENT_ID,)
+    assert values("offload_deployment_request_rate") == {dep: 42.5}
+    assert values("offload_deployment_failure_rate") == {dep: 0.5}
+    assert values("offload_deployment_latency_p99_seconds") == {dep: 0.03}
+    assert values("offload_deployment_latency_p50_seconds") == {dep: 0.011}
+    assert values("offload_deployment_latency_slo_seconds") == {dep: 0.05}
+    assert values("offload_deployment_cpu_limit_cores") == {dep: 1.25}
+    assert values("offload_deployment_cpu_used_cores") == {dep: 0.9}
+    # A deployment that is gone, or a figure its node could not read, has no series.
+    ops.view.load_info["deployments"][0]["points"][-1][1:4] = [None, None, None]
+    ops.view.load_info["nodes"].pop()
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        text = await response.text()
+    assert "offload_deployment_request_rate{" not in text
+    assert "offload_deployment_latency_p99_seconds{" not in text
+    assert 'offload_deployment_cpu_limit_cores{deployment="dep-7f3a"} 1.25' in text
+    assert 'node="node-ws-b"' not in text
+
+
+async def test_api_load_serves_the_views_load(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/api/load") as response:
+        assert response.status == 200
+        assert await response.json() == sample_load()
 
 
 async def test_metrics_state_that_empties_reads_zero(ops: OpsServer) -> None:
@@ -184,7 +227,7 @@ def test_metrics_refuse_negative_or_nan_seconds() -> None:
     with pytest.raises(ValueError, match="placement time"):
         metrics.observe_placement(-0.001)
     with pytest.raises(ValueError, match="migration downtime"):
-        metrics.record_migration("succeeded", float("nan"))
+        metrics.record_migration("succeeded", "operator", float("nan"))
     with pytest.raises(ValueError, match="migration span gap"):
         metrics.observe_span_gap(float("inf"))
     body, _ = metrics.render()
@@ -393,6 +436,7 @@ async def test_metrics_sum_the_offload_reports_and_forget_a_deployment_gone(
     async with ops.http.get(f"{ops.base_url}/metrics") as response:
         assert f"offload_client_remote_reachable{{{series}}} 1.0" in await response.text()
     ops.view.deployment_list = []
+    ops.view.load_info["deployments"] = []
     async with ops.http.get(f"{ops.base_url}/metrics") as response:
         text = await response.text()
     assert DEPLOYMENT_ID not in text

@@ -34,6 +34,7 @@ from broker.state import (
     OffloadCount,
     OffloadReportRecord,
     OffloadSummary,
+    ResizeRecord,
     SchemaError,
     StandbyRecord,
     StateStore,
@@ -970,4 +971,69 @@ def test_a_version_4_file_gains_standbys_and_its_migrations_read_not_prewarmed(
         assert [m.prewarmed for m in upgraded.list_migrations()] == [False, True]
         upgraded.put_standby(standby())
         assert upgraded.list_standbys() == [standby()]
-    assert inspect(path, "PRAGMA user_version") == [(5,)] == [(len(MIGRATIONS),)]
+    assert inspect(path, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+
+
+# -- resizes ------------------------------------------------------------------------------
+
+
+def resize(event_id: str, at: float, deployment_id: str = "d1", **changes: Any) -> ResizeRecord:
+    record = ResizeRecord(
+        node_id="n1",
+        event_id=event_id,
+        deployment_id=deployment_id,
+        replica_id=f"{deployment_id}-e1",
+        cpus_before=0.5,
+        cpus_after=1.25,
+        policy="usage",
+        reason="throttled 60% at 0.50 cores",
+        at=at,
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def test_a_resize_reported_again_counts_once(populated: StateStore) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    first = [resize("r-1", 10.0), resize("r-2", 11.0)]
+    assert store.put_resizes(first, keep=8) == first
+    # The next heartbeat repeats the window with one new event.
+    assert store.put_resizes([*first, resize("r-3", 12.0)], keep=8) == [resize("r-3", 12.0)]
+    assert [r.event_id for r in store.list_resizes("d1")] == ["r-1", "r-2", "r-3"]
+    # Another node may use the same event id: the key is (node, event).
+    other = resize("r-1", 13.0, node_id="n2")
+    assert store.put_resizes([other], keep=8) == [other]
+
+
+def test_only_the_most_recent_resizes_of_a_deployment_stay(populated: StateStore) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    store.create_deployment(deployment("d2"))
+    store.put_resizes([resize("x", 1.0, "d2")], keep=2)
+    store.put_resizes([resize(f"r-{i}", float(i)) for i in range(5)], keep=2)
+    assert [r.event_id for r in store.list_resizes("d1")] == ["r-3", "r-4"]
+    assert [r.event_id for r in store.list_resizes()] == ["x", "r-3", "r-4"]
+    assert [r.event_id for r in store.list_resizes(limit=1)] == ["r-4"]
+
+
+def test_resizes_of_unknown_deployments_are_skipped_and_deleting_drops_them(
+    populated: StateStore,
+) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    assert store.put_resizes([resize("r-1", 1.0, "d9"), resize("r-2", 2.0)], keep=8) == [
+        resize("r-2", 2.0)
+    ]
+    store.delete_deployment("d1")
+    assert store.list_resizes() == []
+    assert inspect(store.path, "SELECT COUNT(*) FROM resizes") == [(0,)]
+
+
+def test_a_resize_breaking_a_rule_writes_nothing(populated: StateStore) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    with pytest.raises(ConstraintError, match="CHECK constraint failed"):
+        store.put_resizes([resize("r-1", 1.0), resize("r-2", 2.0, cpus_after=-1.0)], keep=8)
+    assert store.list_resizes() == []
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        store.put_resizes([resize("r-1", 1.0)], keep=0)
