@@ -99,11 +99,11 @@ def test_bad_replica_and_resize_figures_are_refused_naming_them() -> None:
         node_sample_from_proto(message)
     message = usage()
     message.resizes.extend([message.resizes[0]] * MAX_RESIZES)
-    with pytest.raises(InvalidRequest, match="usage.resizes"):
+    with pytest.raises(InvalidRequest, match=r"usage\.resizes"):
         node_sample_from_proto(message)
     message = usage()
     message.resize_policy = "chaos"
-    with pytest.raises(InvalidRequest, match="usage.resize_policy 'chaos'"):
+    with pytest.raises(InvalidRequest, match=r"usage\.resize_policy 'chaos'"):
         node_sample_from_proto(message)
 
 
