@@ -361,6 +361,7 @@ class Migrations:
             drain_timeout_s=self.drain_timeout_s,
             stop_grace_ms=self.broker.settings.stop_grace_ms,
             prewarmed=move.prewarmed,
+            cause=move.why,
         )
         self._moves[plan.migration_id] = move
         self._decided[plan.migration_id] = time.monotonic()
@@ -445,6 +446,7 @@ class Migrations:
     ) -> None:
         broker = self.broker
         now = time.time()
+        reason = "; ".join(r for r in (plan.cause, reason) if r)
         existing = await broker.list_migrations(plan.deployment_id)
         if any(m.migration_id == plan.migration_id for m in existing):
             await broker.update_migration(

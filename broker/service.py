@@ -251,6 +251,8 @@ class Move:
     target_gpus: tuple[int, ...]
     explanation_json: str
     """The target's placement explanation, which becomes the deployment's at the switch."""
+    why: str = ""
+    """What moved it (the move policy's reason)."""
     standby: Standby | None = None
     """The pre-warmed standby the move switches to (its target replica, started already);
     None for a cold start."""
@@ -1433,6 +1435,7 @@ class Broker:
                 target_node=decision.node_id,
                 target_gpus=target_gpus,
                 explanation_json=explanation_json(decision, why),
+                why=why,
                 standby=standby,
                 evicting=tuple(
                     self.background(

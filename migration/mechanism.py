@@ -70,6 +70,9 @@ class MigrationPlan:
     prewarmed: bool = False
     """The target is a pre-warmed standby (`broker.prewarm`): its start is at most a wait for
     it to be ready."""
+    cause: str = ""
+    """Why it was started (the policy's reason: the client's move and its gain, the node
+    that is hot); recorded with it, before a failure's reason."""
 
 
 @dataclass(slots=True)

@@ -150,7 +150,7 @@ class MigrationRecord:
     outcome: str
     """A one-line summary once it finished; "" before."""
     reason: str
-    """Why it was started, or why it failed or rolled back."""
+    """Why it was started and, when it failed or rolled back, why ("<cause>; <error>")."""
     downtime_ms: float | None
     """The longest gap clients saw across the switch; None until measured."""
     failed_requests: int | None

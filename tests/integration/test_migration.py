@@ -168,6 +168,8 @@ async def test_mobility_migrates_make_before_break_with_no_failed_request(
 ) -> None:
     stream, record = await migrate_under_load(cluster, "mobility")
     assert (record.state, record.outcome, record.trigger) == ("completed", "succeeded", "mobility")
+    # The record says what started it: the policy's reason.
+    assert record.reason.startswith("client moved to site-c: "), record.reason
     assert (record.source_node, record.target_node, record.strategy) == (
         "node-a",
         "node-c",
