@@ -323,13 +323,13 @@ def standby_allocation(deployment_id: str, epoch: int) -> str:
 
 
 MoveChoice = Callable[[DeploymentRecord, ClusterSnapshot], "tuple[Decision, str] | None"]
+"""Given a running deployment and the cluster as it is now, the target (a placement
+decision that names a node) and why it moves there; None to leave it where it is. Pure: it
+runs under the placement lock."""
 StandbyChoice = Callable[[DeploymentRecord, ClusterSnapshot], "Decision | None"]
 """Given a running deployment and the cluster as it is now, where its standby goes (a
 placement decision of standby priority), or None for no standby. Pure: it runs under the
 placement lock."""
-"""Given a running deployment and the cluster as it is now, the target (a placement
-decision that names a node) and why it moves there; None to leave it where it is. Pure: it
-runs under the placement lock."""
 
 
 def replica_id(deployment_id: str, epoch: int) -> str:
