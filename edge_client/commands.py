@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +171,35 @@ async def _explain(args: argparse.Namespace) -> int:
         args, "GetDeployment", pb.GetDeploymentRequest(deployment_id=args.deployment)
     )
     explanation = json.loads(d.explanation_json or "{}")
+    resizes = [
+        {
+            "at": r.at,
+            "replica_id": r.replica_id,
+            "cpus_before": r.cpus_before,
+            "cpus_after": r.cpus_after,
+            "policy": r.policy,
+            "reason": r.reason,
+        }
+        for r in d.resizes
+    ]
     if args.json:
-        print(json.dumps({**_deployment_dict(d), "explanation": explanation}, indent=2))
+        print(
+            json.dumps(
+                {**_deployment_dict(d), "explanation": explanation, "resizes": resizes}, indent=2
+            )
+        )
         return 0
     print(f"deployment {d.deployment_id} ({d.model_name}) is {d.state}" + (
         f": {d.reason}" if d.reason else ""))  # fmt: skip
     print(explanation.get("text") or "(no placement recorded)")
+    if resizes:
+        print("CPU resizes by the node's resource manager (most recent last):")
+    for r in resizes:
+        when = time.strftime("%H:%M:%S", time.localtime(r["at"]))
+        print(
+            f"  {when} {r['replica_id']}: {r['cpus_before']:.2f} -> {r['cpus_after']:.2f} "
+            f"cores ({r['policy']}): {r['reason']}"
+        )
     return 0
 
 

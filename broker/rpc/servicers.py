@@ -27,6 +27,9 @@ from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 
+RESIZES_SHOWN = 10
+"""Resizes GetDeployment returns (the most recent)."""
+
 _REPLICA_STATES = {
     npb.REPLICA_STATE_STARTING: ReplicaState.STARTING,
     npb.REPLICA_STATE_READY: ReplicaState.READY,
@@ -259,7 +262,22 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     ) -> pb.Deployment:
         client_id = await self._client(context)
         deployment_id = validate.identifier("deployment_id", request.deployment_id)
-        return deployment_message(await self._broker.get(client_id, deployment_id))
+        message = deployment_message(await self._broker.get(client_id, deployment_id))
+        resizes = await self._broker.resizes(deployment_id)
+        message.resizes.extend(
+            npb.ResizeEvent(
+                event_id=r.event_id,
+                replica_id=r.replica_id,
+                deployment_id=r.deployment_id,
+                cpus_before=r.cpus_before,
+                cpus_after=r.cpus_after,
+                policy=r.policy,
+                reason=r.reason,
+                at=r.at,
+            )
+            for r in resizes[-RESIZES_SHOWN:]
+        )
+        return message
 
     @mapped_errors
     async def ListDeployments(

@@ -104,7 +104,7 @@ class DeployRequest(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., p2p_required: bool = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., latency_slo_ms: _Optional[float] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ..., cpus_min: _Optional[float] = ..., cpus_max: _Optional[float] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state", "reason", "explanation_json", "client_id", "site", "priority", "model_sha256")
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state", "reason", "explanation_json", "client_id", "site", "priority", "model_sha256", "resizes")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class Deployment(_message.Message):
     SITE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RESIZES_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     endpoint: str
     token: str
@@ -133,7 +134,8 @@ class Deployment(_message.Message):
     site: str
     priority: PriorityClass
     model_sha256: str
-    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., explanation_json: _Optional[str] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., model_sha256: _Optional[str] = ...) -> None: ...
+    resizes: _containers.RepeatedCompositeFieldContainer[_node_pb2.ResizeEvent]
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., explanation_json: _Optional[str] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., model_sha256: _Optional[str] = ..., resizes: _Optional[_Iterable[_Union[_node_pb2.ResizeEvent, _Mapping]]] = ...) -> None: ...
 
 class GetDeploymentRequest(_message.Message):
     __slots__ = ("deployment_id",)
