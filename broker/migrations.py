@@ -213,6 +213,43 @@ class Migrations:
         assert move is not None
         return await self._launch(move, trigger, strategy)
 
+    async def rebalance(self, deployment_id: str, target_node: str, why: str) -> str | None:
+        """Move a running deployment to `target_node` make-before-break because its node is
+        hot (`broker.rebalance`); `why` is the policy's reason, recorded with the migration.
+        None when it is busy (another move or a delete holds it), stopped running, or no
+        longer fits there."""
+
+        def choose(record: DeploymentRecord, snapshot: ClusterSnapshot) -> Choice:
+            if target_node not in snapshot:
+                return None
+            decision = place(
+                ClusterSnapshot.of([snapshot.node(target_node)]),
+                _request(record, record.site),
+                self.broker.network,
+            )
+            return None if decision.node_id is None else (decision, why)
+
+        try:
+            move = await self.broker.reserve_move(deployment_id, choose, if_idle=True)
+        except (NotFound, ResourceExhausted) as err:
+            logger.info("rebalance of deployment=%s not started: %s", deployment_id, err)
+            return None
+        if move is None:
+            return None
+        return await self._launch(move, MigrationTrigger.REBALANCE, Strategy.MAKE_BEFORE_BREAK)
+
+    def fits(self, record: DeploymentRecord, node_id: str, snapshot: ClusterSnapshot) -> bool:
+        """Whether placement would put the deployment's next replica on `node_id` (a dry run
+        on `snapshot`, for the rebalancing policy)."""
+        if node_id not in snapshot:
+            return False
+        decision = place(
+            ClusterSnapshot.of([snapshot.node(node_id)]),
+            _request(record, record.site),
+            self.broker.network,
+        )
+        return decision.node_id is not None and not decision.preempt
+
     async def drain(self, node_id: str) -> list[str]:
         """Stop placing on the node and move every deployment off it (make-before-break)."""
         broker = self.broker

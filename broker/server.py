@@ -26,12 +26,14 @@ from broker.network import ClusterConfigError, EdgeNetwork
 from broker.ops import BrokerMetrics, OpsAuth, create_ops_app, start_ops_server
 from broker.ops_view import BrokerOpsView
 from broker.quotas import Quotas
+from broker.rebalance import REBALANCE_SWEEP_S, Rebalancer
 from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer, OperatorServicer
 from broker.rpc.status import MalformedRequests
 from broker.service import Broker, BrokerSettings
 from broker.state import KeyChanges, StateError, StateStore, new_api_key, parse_api_keys_file
 from broker.state.permissions import create_private_file
 from migration.policy import Hysteresis, PrewarmSettings
+from migration.rebalance import RebalanceSettings
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -66,12 +68,17 @@ class BrokerConfig:
     hysteresis: Hysteresis = field(default_factory=Hysteresis)
     drain_timeout_s: float = 5.0
     prewarm: PrewarmSettings = field(default_factory=PrewarmSettings)
+    rebalance: RebalanceSettings = field(
+        default_factory=lambda: RebalanceSettings(max_concurrent=0)
+    )
+    """Speculative rebalancing: off unless `max_concurrent` > 0 (`--rebalance N`)."""
 
 
 @dataclass(slots=True)
 class RunningBroker:
     broker: Broker
     migrations: Migrations
+    rebalancer: Rebalancer
     server: grpc.aio.Server
     port: int
     ops_runner: object
@@ -135,7 +142,8 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
         host,
         ops_port,
     )
-    return RunningBroker(broker, migrations, server, port, runner, ops_port, store)
+    rebalancer = Rebalancer(migrations, config.rebalance)
+    return RunningBroker(broker, migrations, rebalancer, server, port, runner, ops_port, store)
 
 
 def _log_key_changes(changes: KeyChanges, when: str) -> None:
@@ -213,6 +221,9 @@ async def serve(config: BrokerConfig) -> int:
                     _every(PREWARM_SWEEP_S, running.migrations.prewarm.sweep),
                     name="prewarm-sweep",
                 ),
+                tasks.create_task(
+                    _every(REBALANCE_SWEEP_S, running.rebalancer.sweep), name="rebalance-sweep"
+                ),
             ]
             await stop.wait()
             for task in loops:
@@ -288,7 +299,21 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
             min_probability=args.prewarm_min_probability,
             ttl_s=args.prewarm_ttl,
         ),
+        rebalance=_rebalance_settings(args),
     )
+
+
+def _rebalance_settings(args: argparse.Namespace) -> RebalanceSettings:
+    try:
+        return RebalanceSettings(
+            max_concurrent=args.rebalance,
+            hot_load=args.rebalance_hot_load,
+            sustain_s=args.rebalance_sustain,
+            target_max_load=args.rebalance_target_max_load,
+            cooldown_s=args.rebalance_cooldown,
+        )
+    except ValueError as err:
+        raise ValueError(f"--rebalance flags: {err}") from None
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -434,6 +459,48 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help=f"retire a standby the client has not reached after this long "
         f"(default {prewarm.ttl_s:g})",
+    )
+    rebalance = RebalanceSettings()
+    p.add_argument(
+        "--rebalance",
+        type=int,
+        default=0,
+        metavar="N",
+        help="speculative rebalancing: when a node's load stays at or above "
+        "--rebalance-hot-load for --rebalance-sustain seconds while another has headroom, "
+        "move the deployment whose move relieves it most at the least cost (lower priority, "
+        "slow-growing request rate, little added latency, its SLO kept) make-before-break; "
+        "at most N such moves at once (default 0: off)",
+    )
+    p.add_argument(
+        "--rebalance-hot-load",
+        type=float,
+        default=rebalance.hot_load,
+        metavar="LOAD",
+        help=f"a node is hot at this load, 0..1 (default {rebalance.hot_load:g})",
+    )
+    p.add_argument(
+        "--rebalance-sustain",
+        type=float,
+        default=rebalance.sustain_s,
+        metavar="SECONDS",
+        help=f"for this long (default {rebalance.sustain_s:g})",
+    )
+    p.add_argument(
+        "--rebalance-target-max-load",
+        type=float,
+        default=rebalance.target_max_load,
+        metavar="LOAD",
+        help="a target's load must have stayed at or under this "
+        f"(default {rebalance.target_max_load:g})",
+    )
+    p.add_argument(
+        "--rebalance-cooldown",
+        type=float,
+        default=rebalance.cooldown_s,
+        metavar="SECONDS",
+        help="a deployment that moved (for any reason) is not rebalanced, nor moved back, "
+        f"sooner than this (default {rebalance.cooldown_s:g})",
     )
     p.set_defaults(func=_main)
     k = subparsers.add_parser("keygen", help="print a new API key for a client")

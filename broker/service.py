@@ -899,6 +899,11 @@ class Broker:
             nodes.append(node)
         return ClusterSnapshot.of(nodes)
 
+    async def snapshot(self) -> ClusterSnapshot:
+        """The cluster as placement sees it now, for a policy's dry run outside the placement
+        lock (the decision it leads to checks again, under the lock)."""
+        return await self._current_snapshot()
+
     async def _current_snapshot(self, standbys: bool = False) -> ClusterSnapshot:
         """The cluster as placement sees it now (call under `_placing`); `standbys` as for
         `_snapshot`."""
@@ -1571,10 +1576,13 @@ class Broker:
         """Any client's deployment, as stored; None when unknown."""
         return await self._db(self._store.get_deployment, deployment_id)
 
+    async def running(self) -> list[DeploymentRecord]:
+        """Every running deployment, as stored."""
+        return await self._db(self._store.list_deployments, states=(DeploymentState.RUNNING,))
+
     async def running_on(self, node_id: str) -> list[DeploymentRecord]:
         """The running deployments the store places on `node_id`."""
-        records = await self._db(self._store.list_deployments, states=(DeploymentState.RUNNING,))
-        return [r for r in records if r.node_id == node_id]
+        return [r for r in await self.running() if r.node_id == node_id]
 
     async def set_site(self, deployment_id: str, site: str) -> None:
         """Record the site the deployment's client reports from."""
