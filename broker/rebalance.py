@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 REBALANCE_SWEEP_S = 2.0
 """How often the policy looks; the heat it acts on must last `sustain_s` anyway."""
+VERDICT_LOG_S = 60.0
+"""How often an unchanged verdict about hot nodes is logged again."""
 
 
 class Rebalancer:
@@ -52,6 +54,8 @@ class Rebalancer:
         self._clock = clock
         self.verdict: RebalanceVerdict | None = None
         """The latest round's verdict (what moved, or why nothing did)."""
+        self._about: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self._logged = -VERDICT_LOG_S
 
     async def sweep(self) -> list[str]:
         """One round of the policy; the migrations it started."""
@@ -94,11 +98,7 @@ class Rebalancer:
                     MoveRecord(m.deployment_id, m.source_node, m.target_node, m.updated_at)
                 )
         verdict = plan_rebalances(nodes, deployments, self.settings, now, recent, in_flight)
-        if self.verdict is None or verdict.reason != self.verdict.reason:
-            (logger.info if verdict.moves or verdict.hot_nodes else logger.debug)(
-                "rebalance: %s", verdict.render()
-            )
-        self.verdict = verdict
+        self._log(verdict, now)
         started = []
         for move in verdict.moves:
             migration_id = await self.migrations.rebalance(
@@ -115,6 +115,16 @@ class Rebalancer:
                 )
                 started.append(migration_id)
         return started
+
+    def _log(self, verdict: RebalanceVerdict, now: float) -> None:
+        """Log a verdict about hot nodes when what it is about changes (which nodes are hot,
+        what moves), and at most every `VERDICT_LOG_S` while it stays the same."""
+        about = (verdict.hot_nodes, tuple(m.deployment_id for m in verdict.moves))
+        if verdict.hot_nodes and (about != self._about or now - self._logged >= VERDICT_LOG_S):
+            logger.info("rebalance: %s", verdict.render())
+            self._logged = now
+        self._about = about
+        self.verdict = verdict
 
     def _view(self, record: DeploymentRecord, snapshot: ClusterSnapshot) -> DeploymentView | None:
         """What the policy knows of a running deployment: its figures on its current node
