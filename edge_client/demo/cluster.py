@@ -46,6 +46,8 @@ class NodePlan:
     site: str
     capture: Path
     gpu_spec: str
+    flags: tuple[str, ...] = ()
+    """More `offload node` flags (e.g. `--cpuset`, `--resize-policy`)."""
 
 
 DEMO_NODES = (
@@ -253,6 +255,7 @@ class LocalCluster:
             "--join-token-file", str(self.join_token_file),
             "--stop-replicas-on-exit",
             *(["--image", self.image] if self.image else []),
+            *plan.flags,
         ]  # fmt: skip
         await self._start(plan.node_id, command, r"registered with broker")
 
