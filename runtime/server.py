@@ -5,6 +5,11 @@ Serves one ONNX model over the Open Inference Protocol (grpc.aio). Start-up orde
 ServerReady/ModelReady true. SIGTERM or SIGINT drains: ServerReady turns false, new
 inferences get UNAVAILABLE, the ones already accepted finish within the grace period, and the
 process exits 0.
+
+Beside the gRPC port, the server's Prometheus metrics (`runtime.metrics`) are served over
+plain HTTP on --metrics-port, without a token: the page holds counts and durations, never a
+tensor, the token or the model's path. It is up from the start (the node daemon reads its
+port from the log line before `runtime listening on`) until gRPC has stopped.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import numpy as np
 
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.errors import ModelLoadError
+from runtime.metrics import MetricsEndpoint, RuntimeMetrics
 from runtime.model import DEVICES, OnnxModel
 from runtime.rpc.auth import BearerToken, require_token
+from runtime.rpc.measurement import measure_calls
 from runtime.rpc.registration import add_servicer
 from runtime.rpc.servicer import InferenceServicer, ServingState
 from runtime.rpc.status import parse_in_handler
@@ -36,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_INLINE_BELOW_MS = 20.0
+DEFAULT_METRICS_PORT = 8002
+"""Triton's metrics port, beside its (and our) gRPC port 8001."""
+METRICS_OFF = -1
 SINGLE_THREAD_BELOW_MS = 1.0
 
 
@@ -63,6 +73,10 @@ class RuntimeSettings:
     """ONNX Runtime threads per inference; 0 lets ONNX Runtime choose."""
     warmup_inputs: Path | None = None
     """An .npz of every input for the warm-up inference; None warms up with zeros."""
+    metrics_port: int | None = None
+    """Port of the Prometheus endpoint on `host` (0 picks a free port, logged); None serves
+    none. The command line's default is `DEFAULT_METRICS_PORT`; this one is None so that
+    servers made in one process (tests, benchmarks) do not contend for a port."""
 
 
 @dataclass(slots=True)
@@ -71,6 +85,9 @@ class RunningServer:
     port: int
     state: ServingState
     executor: ThreadPoolExecutor
+    metrics: RuntimeMetrics
+    metrics_endpoint: MetricsEndpoint | None = None
+    """None when the settings ask for no metrics port."""
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new inferences, let accepted ones finish within `grace_s`, then stop."""
@@ -93,16 +110,26 @@ class RunningServer:
         remaining = max(0.0, grace_s - (time.monotonic() - started))
         await self.server.stop(remaining)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        await self.close_metrics()
         logger.info(
             "drained: %d in flight at the signal, stopped after %.3fs",
             in_flight,
             time.monotonic() - started,
         )
 
+    async def close_metrics(self) -> None:
+        """Stop serving the metrics page (idempotent); last, so scrapes see a drain end."""
+        endpoint, self.metrics_endpoint = self.metrics_endpoint, None
+        if endpoint is not None:
+            await asyncio.to_thread(endpoint.close)
+
 
 async def start_server(settings: RuntimeSettings) -> RunningServer:
-    """Listen and answer ServerLive; the model is not loaded yet (see `load_model`)."""
+    """Listen and answer ServerLive, and serve the metrics when `settings` ask for it; the
+    model is not loaded yet (see `load_model`). OSError when a port cannot be bound."""
     state = ServingState()
+    metrics = RuntimeMetrics()
+    model_metrics = metrics.for_model(settings.name)
     executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="infer")
     limit = settings.max_message_bytes
     server = grpc.aio.server(
@@ -114,18 +141,37 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
     add_servicer(
         server,
         pb_grpc.add_GRPCInferenceServiceServicer_to_server,
-        InferenceServicer(state, settings.name, executor),
-        # The token is checked first: a refused call's request is never parsed.
-        [parse_in_handler, require_token(BearerToken(settings.token))],
+        InferenceServicer(state, settings.name, executor, model_metrics),
+        # The token is checked first: a refused call's request is never parsed (nor
+        # counted); the measurement then includes the parsing.
+        [
+            parse_in_handler,
+            measure_calls(model_metrics),
+            require_token(BearerToken(settings.token)),
+        ],
     )
     try:
         port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     except RuntimeError as err:
         executor.shutdown()
         raise OSError(f"cannot listen on {settings.host}:{settings.port}: {err}") from err
+    endpoint = None
+    if settings.metrics_port is not None:
+        try:
+            endpoint = MetricsEndpoint.start(
+                metrics.registry, settings.host, settings.metrics_port
+            )
+        except OSError as err:
+            await server.stop(None)
+            executor.shutdown()
+            raise OSError(
+                f"cannot serve metrics on {settings.host}:{settings.metrics_port}: {err}"
+            ) from err
+        # Before the line below: whoever waits for that one finds this one too.
+        logger.info("metrics served at %s (no token needed)", endpoint.url)
     await server.start()
     logger.info("runtime listening on %s:%d", settings.host, port)
-    return RunningServer(server, port, state, executor)
+    return RunningServer(server, port, state, executor, metrics, endpoint)
 
 
 async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
@@ -214,6 +260,7 @@ async def serve(settings: RuntimeSettings) -> int:
         logger.error("%s", loading.exception())
         await running.server.stop(0)
         running.executor.shutdown(wait=False)
+        await running.close_metrics()
         return 1
     await stopping
     logger.info("signal received: draining (grace %.1fs)", settings.grace_s)
@@ -236,6 +283,16 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def _metrics_port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not METRICS_OFF <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: use 0..65535, or {METRICS_OFF} for none")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m runtime.server",
@@ -245,6 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="name to serve the model under (default: the file's stem)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=_positive(int), default=8001, help="0 picks a free one")
+    p.add_argument(
+        "--metrics-port",
+        type=_metrics_port,
+        metavar="N",
+        help="serve Prometheus metrics (GET /metrics, plain HTTP) on --host and this port: "
+        "request counts, failures by gRPC status, latency and compute histograms, calls in "
+        "flight and queued. No token needed: the page holds no tensor data, token or model "
+        "path. 0 picks a free port (logged); -1 serves none "
+        f"(default {DEFAULT_METRICS_PORT}, or a free port when --port is 0)",
+    )
     p.add_argument(
         "--token-file",
         type=Path,
@@ -321,6 +388,9 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         parser.error(f"--token-file {args.token_file} is empty; write the deployment token in it")
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    metrics_port = args.metrics_port
+    if metrics_port is None:  # a server on a free port is one of several: no fixed port
+        metrics_port = 0 if args.port == 0 else DEFAULT_METRICS_PORT
     return RuntimeSettings(
         model=args.model,
         name=args.name or args.model.stem,
@@ -335,6 +405,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         inline_below_ms=args.inline_below_ms,
         intra_op_threads=args.intra_op_threads,
         warmup_inputs=args.warmup_inputs,
+        metrics_port=None if metrics_port == METRICS_OFF else metrics_port,
     )
 
 

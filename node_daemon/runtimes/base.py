@@ -20,6 +20,8 @@ T = TypeVar("T")
 LABEL_PREFIX = "offload."
 # The runtime server's log line naming the port it listens on (see runtime.server).
 LISTENING = re.compile(r"runtime listening on [^ ]+:(\d+)")
+# ... and the one naming its metrics port, logged before that one (see runtime.server).
+METRICS_SERVED = re.compile(r"metrics served at http://\S+:(\d+)/metrics")
 
 
 class RuntimeUnavailable(Exception):
@@ -74,6 +76,10 @@ class Replica:
     ref: str
     labels: Mapping[str, str] = field(default_factory=dict)
     """The labels it was started with, without the `offload.` prefix."""
+    metrics_endpoint: str = ""
+    """host:port of its Prometheus metrics (`GET /metrics`, plain HTTP, no token; names in
+    `runtime.metrics`); empty when it serves none (a replica adopted from a daemon older
+    than this field, or one whose port could not be read)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
     LABEL_PREFIX,
     LISTENING,
+    METRICS_SERVED,
     Replica,
     ReplicaFailed,
     ReplicaSpec,
@@ -55,6 +56,8 @@ from node_daemon.runtimes.base import (
 logger = logging.getLogger(__name__)
 
 CONTAINER_PORT = 8001
+METRICS_CONTAINER_PORT = 8002
+"""The runtime's Prometheus port in the container (bridge networking), published like 8001."""
 NETWORKS = ("bridge", "host")
 RUNTIME_UID = 10001  # the image's `offload` user
 CPU_PERIOD_US = 100_000
@@ -67,7 +70,7 @@ _ENGINE_HINT = (
     "`sudo dockerd &`, or point DOCKER_HOST at a running engine"
 )
 # Labels this runtime owns (the caller's labels must not use them).
-_OWN = ("replica", "host", "secrets", "gpu-mode", "background")
+_OWN = ("replica", "host", "secrets", "gpu-mode", "background", "metrics-port")
 
 
 def connect_docker() -> docker.DockerClient:
@@ -178,10 +181,22 @@ class DockerRuntime:
             if isinstance(err, ReplicaFailed | TimeoutError | docker.errors.APIError):
                 raise ReplicaFailed(f"replica {spec.replica_id}: {err}\n{tail}") from err
             raise
+        metrics_endpoint = await self._metrics_endpoint(container, spec.host)
         logger.info(
-            "replica=%s container=%s ready at %s", spec.replica_id, container.short_id, endpoint
+            "replica=%s container=%s ready at %s (metrics %s)",
+            spec.replica_id,
+            container.short_id,
+            endpoint,
+            metrics_endpoint or "-",
         )
-        replica = Replica(spec.replica_id, endpoint, self.name, container.id, dict(spec.labels))
+        replica = Replica(
+            spec.replica_id,
+            endpoint,
+            self.name,
+            container.id,
+            dict(spec.labels),
+            metrics_endpoint,
+        )
         self._started[spec.replica_id].replica = replica
         return replica
 
@@ -265,6 +280,8 @@ class DockerRuntime:
             f"{LABEL_PREFIX}host": spec.host,
             f"{LABEL_PREFIX}secrets": str(secrets),
             f"{LABEL_PREFIX}gpu-mode": gpu_mode,
+            # What --metrics-port the runtime was given: an adopting daemon looks for it.
+            f"{LABEL_PREFIX}metrics-port": self._metrics_port_arg(),
         }
         if spec.background:
             labels[f"{LABEL_PREFIX}background"] = "1"
@@ -296,14 +313,23 @@ class DockerRuntime:
             raise ReplicaFailed(f"cannot start a container of {image}: {err}") from err
 
     def _listen_args(self, host: str) -> list[str]:
+        metrics = ["--metrics-port", self._metrics_port_arg()]
         if self.network == "host":
-            return ["--host", host, "--port", "0"]
-        return ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT)]
+            return ["--host", host, "--port", "0", *metrics]
+        return ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), *metrics]
+
+    def _metrics_port_arg(self) -> str:
+        return "0" if self.network == "host" else str(METRICS_CONTAINER_PORT)
 
     def _network_kwargs(self, host: str) -> dict[str, object]:
         if self.network == "host":
             return {"network_mode": "host"}
-        return {"ports": {f"{CONTAINER_PORT}/tcp": (host, None)}}
+        return {
+            "ports": {
+                f"{CONTAINER_PORT}/tcp": (host, None),
+                f"{METRICS_CONTAINER_PORT}/tcp": (host, None),
+            }
+        }
 
     async def _endpoint(self, container: Container, host: str, timeout_s: float) -> str:
         """host:port of the replica: the published port (bridge), or the port the server
@@ -323,6 +349,20 @@ class DockerRuntime:
             await asyncio.to_thread(self._check_alive, container)
             await asyncio.sleep(0.02)
         raise TimeoutError(f"the replica did not listen within {timeout_s:.0f}s")
+
+    @staticmethod
+    async def _metrics_endpoint(container: Container, host: str) -> str:
+        """host:port of the replica's metrics: the published port (bridge), or the port the
+        server logs (host networking); empty when there is none. Call it once `_endpoint`
+        answered: the attributes it read are fresh, and the server logs its metrics port
+        before its gRPC one."""
+        if container.attrs["HostConfig"]["NetworkMode"] != "host":
+            ports = container.attrs["NetworkSettings"]["Ports"] or {}
+            bindings = ports.get(f"{METRICS_CONTAINER_PORT}/tcp")
+            return f"{host}:{bindings[0]['HostPort']}" if bindings else ""
+        logs = await asyncio.to_thread(container.logs)
+        match = METRICS_SERVED.search(logs.decode(errors="replace"))
+        return f"{host}:{match.group(1)}" if match else ""
 
     @staticmethod
     def _check_alive(container: Container) -> None:
@@ -372,7 +412,7 @@ class DockerRuntime:
                     continue
                 except ReplicaFailed as err:  # adopted as it is: listed, so reconciled
                     logger.error("replica=%s: %s", replica_id, err)
-            endpoint = ""
+            endpoint = metrics_endpoint = ""
             if container.status == "running":
                 if labels.get("background") == "1":
                     try:  # its daemon may have died before it raised it
@@ -383,8 +423,15 @@ class DockerRuntime:
                     endpoint = await self._endpoint(container, labels.get("host", ""), 5.0)
                 except (ReplicaFailed, TimeoutError) as err:
                     logger.warning("replica=%s adopted without an endpoint: %s", replica_id, err)
+                # Containers started before the metrics port have no such label (and none).
+                if endpoint and "metrics-port" in labels:
+                    metrics_endpoint = await self._metrics_endpoint(
+                        container, labels.get("host", "")
+                    )
             caller_labels = {k: v for k, v in labels.items() if k not in _OWN}
-            started.replica = Replica(replica_id, endpoint, self.name, container.id, caller_labels)
+            started.replica = Replica(
+                replica_id, endpoint, self.name, container.id, caller_labels, metrics_endpoint
+            )
             adopted.append(started.replica)
             logger.info(
                 "replica=%s container=%s adopted (%s) at %s",

@@ -44,6 +44,7 @@ from pathlib import Path
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
     LISTENING,
+    METRICS_SERVED,
     Replica,
     ReplicaFailed,
     ReplicaSpec,
@@ -123,11 +124,21 @@ def _find_pid(workdir: Path) -> int | None:
 
 
 def _write_record(
-    workdir: Path, pid: int | None, endpoint: str, labels: Mapping[str, str]
+    workdir: Path,
+    pid: int | None,
+    endpoint: str,
+    labels: Mapping[str, str],
+    metrics_endpoint: str = "",
 ) -> None:
     """Replace `replica.json` atomically: a reader sees the old record or the new one."""
     tmp = workdir / f".{_RECORD}.tmp"
-    tmp.write_text(json.dumps({"pid": pid, "endpoint": endpoint, "labels": dict(labels)}))
+    record = {
+        "pid": pid,
+        "endpoint": endpoint,
+        "labels": dict(labels),
+        "metrics_endpoint": metrics_endpoint,
+    }
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, workdir / _RECORD)
 
 
@@ -167,6 +178,14 @@ def set_background(pid: int, background: bool) -> int:
             continue
         changed += 1
     return changed
+
+
+def _metrics_port(workdir: Path) -> int | None:
+    """The metrics port the replica logged; None when it logged none. The runtime logs it
+    before the line `_port` waits for, so once that one is there, this one is too."""
+    text = (workdir / _LOG).read_text(errors="replace")
+    match = METRICS_SERVED.search(text)
+    return int(match.group(1)) if match else None
 
 
 def _log_tail(workdir: Path, lines: int = 40) -> str:
@@ -225,6 +244,7 @@ class ProcessRuntime:
             if running.background_since is not None:
                 set_background(running.pid, True)  # threads that raced the first pass
             endpoint = f"{spec.host}:{port}"
+            metrics_port = _metrics_port(workdir)
             await wait_ready(
                 endpoint,
                 spec.token,
@@ -239,9 +259,18 @@ class ProcessRuntime:
             if isinstance(err, ReplicaFailed | TimeoutError):
                 raise ReplicaFailed(f"replica {spec.replica_id}: {err}\n{tail}") from err
             raise
-        running.replica = replace(running.replica, endpoint=endpoint)
-        _write_record(workdir, running.pid, endpoint, spec.labels)
-        logger.info("replica=%s pid=%d ready at %s", spec.replica_id, running.pid, endpoint)
+        metrics_endpoint = f"{spec.host}:{metrics_port}" if metrics_port is not None else ""
+        running.replica = replace(
+            running.replica, endpoint=endpoint, metrics_endpoint=metrics_endpoint
+        )
+        _write_record(workdir, running.pid, endpoint, spec.labels, metrics_endpoint)
+        logger.info(
+            "replica=%s pid=%d ready at %s (metrics %s)",
+            spec.replica_id,
+            running.pid,
+            endpoint,
+            metrics_endpoint or "-",
+        )
         return running.replica
 
     async def _spawn(self, spec: ReplicaSpec, workdir: Path) -> None:
@@ -253,8 +282,8 @@ class ProcessRuntime:
         command = [
             sys.executable, "-m", "runtime.server",
             "--model", str(spec.model_path), "--name", spec.model_name,
-            "--host", spec.host, "--port", "0", "--token-file", str(token_file),
-            "--concurrency", str(spec.concurrency),
+            "--host", spec.host, "--port", "0", "--metrics-port", "0",
+            "--token-file", str(token_file), "--concurrency", str(spec.concurrency),
         ]  # fmt: skip
         if spec.warmup_inputs is not None:
             command += ["--warmup-inputs", str(spec.warmup_inputs)]
@@ -363,7 +392,15 @@ class ProcessRuntime:
                 logger.warning("replica=%s is gone: dropping it", replica_id)
                 shutil.rmtree(workdir, ignore_errors=True)
                 continue
-            replica = Replica(replica_id, record["endpoint"], self.name, str(pid), labels)
+            replica = Replica(
+                replica_id,
+                record["endpoint"],
+                self.name,
+                str(pid),
+                labels,
+                # A record written by a daemon older than the metrics port has none.
+                record.get("metrics_endpoint", ""),
+            )
             stat = _stat(pid)
             if stat is None:  # exited since it was found
                 shutil.rmtree(workdir, ignore_errors=True)

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 
 import grpc
+import numpy as np
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.errors import ModelNotFound, NotReady, quote
+from runtime.metrics import ModelMetrics
 from runtime.model import OnnxModel
 from runtime.rpc import convert
 from runtime.rpc.status import mapped_errors
@@ -69,10 +72,16 @@ class ServingState:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, state: ServingState, model_name: str, executor: Executor) -> None:
+    def __init__(
+        self, state: ServingState, model_name: str, executor: Executor, metrics: ModelMetrics
+    ) -> None:
+        """`metrics`: where ModelInfer records its compute time and its waits for a worker
+        thread (the call as a whole is measured around the handler: `measure_calls`)."""
         self._state = state
         self._name = model_name
         self._executor = executor
+        self._compute = metrics.compute
+        self._queued = metrics.queued
 
     def _model(self, name: str, version: str) -> OnnxModel:
         if name != self._name or version not in ("", MODEL_VERSION):
@@ -125,8 +134,44 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             feeds = model.prepare(convert.request_tensors(request))
             names = model.output_names([o.name for o in request.outputs])
             if self._state.inline:
-                arrays = model.run(feeds, names)
+                started = time.perf_counter()
+                try:
+                    arrays = model.run(feeds, names)
+                finally:
+                    self._compute.observe(time.perf_counter() - started)
             else:
-                loop = asyncio.get_running_loop()
-                arrays = await loop.run_in_executor(self._executor, model.run, feeds, names)
+                arrays = await self._run_in_worker(model, feeds, names)
         return convert.infer_response(request, names, arrays)
+
+    async def _run_in_worker(
+        self, model: OnnxModel, feeds: Mapping[str, np.ndarray], names: Sequence[str]
+    ) -> list[np.ndarray]:
+        """`model.run` in a worker thread, counted as queued until a thread takes it.
+
+        The executor's queue is where calls wait for the concurrency limit (its thread
+        count). A call that never reaches a thread (cancelled by its client, or by the
+        executor's shutdown at a drain) is taken off the count here; one that did, by the
+        thread: a concurrent future that was not cancelled has run or will run.
+        """
+        self._queued.inc()
+        try:
+            future = self._executor.submit(self._run_queued, model, feeds, names)
+        except BaseException:
+            self._queued.dec()
+            raise
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            if future.cancelled():
+                self._queued.dec()
+
+    def _run_queued(
+        self, model: OnnxModel, feeds: Mapping[str, np.ndarray], names: Sequence[str]
+    ) -> list[np.ndarray]:
+        """In the worker thread: no longer queued; run, timed."""
+        self._queued.dec()
+        started = time.perf_counter()
+        try:
+            return model.run(feeds, names)
+        finally:
+            self._compute.observe(time.perf_counter() - started)

@@ -1,0 +1,260 @@
+"""The runtime's Prometheus endpoint, scraped over HTTP while real gRPC calls go through."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from edge_client.rpc.tensors import infer_request
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.metrics import DURATION_BUCKETS_S
+from runtime.server import (
+    DEFAULT_METRICS_PORT,
+    RunningServer,
+    RuntimeSettings,
+    load_model,
+    settings_from_args,
+    start_server,
+)
+
+TOKEN = "metrics-test-token-0123456789"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+MODEL = "probe"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def settings_for(model: Path, **overrides: object) -> RuntimeSettings:
+    base = RuntimeSettings(
+        model=model, name=MODEL, token=TOKEN, host="127.0.0.1", port=0, metrics_port=0
+    )
+    return replace(base, **overrides)
+
+
+@pytest.fixture
+async def serve(probe_model: Path) -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
+    started: list[RunningServer] = []
+
+    async def start(**overrides: object) -> RunningServer:
+        settings = settings_for(probe_model, **overrides)
+        running = await start_server(settings)
+        started.append(running)
+        await load_model(running, settings)
+        return running
+
+    try:
+        yield start
+    finally:
+        for running in started:
+            await running.drain(1.0)
+
+
+def scrape_text(running: RunningServer) -> str:
+    assert running.metrics_endpoint is not None
+    with urllib.request.urlopen(running.metrics_endpoint.url, timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        return response.read().decode()
+
+
+def parse(text: str) -> Samples:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def scrape(running: RunningServer) -> Samples:
+    return parse(await asyncio.to_thread(scrape_text, running))
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset({"model": MODEL, **labels}.items()))]
+
+
+def failures(samples: Samples) -> dict[str, float]:
+    """code -> count of every failure series of the model."""
+    return {
+        dict(labels)["code"]: count
+        for (name, labels), count in samples.items()
+        if name == "offload_runtime_request_failures_total" and dict(labels)["model"] == MODEL
+    }
+
+
+def buckets(samples: Samples, histogram: str) -> dict[str, float]:
+    return {
+        dict(labels)["le"]: count
+        for (name, labels), count in samples.items()
+        if name == f"{histogram}_bucket" and dict(labels)["model"] == MODEL
+    }
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_each_answered_call_moves_the_metrics_once(
+    serve, probe_model: Path, probe_inputs
+) -> None:
+    running = await serve()
+    before = await scrape(running)
+    assert value(before, "offload_runtime_requests_total") == 0
+    assert failures(before) == {}
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(3):
+            await stub.ModelInfer(infer_request(MODEL, probe_inputs), metadata=AUTH)
+        wrong_shape = infer_request(MODEL, {**probe_inputs, "x": np.zeros((2, 5), np.float32)})
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ModelInfer(wrong_shape, metadata=AUTH)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.ModelInfer(infer_request("other", probe_inputs), metadata=AUTH)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        garbage = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.aio.AioRpcError) as unparsed:
+            await garbage(b"\xff\xff\xff", metadata=AUTH)
+        assert unparsed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Not counted: refused before the handler (no token), or not an inference.
+        with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+            await stub.ModelInfer(infer_request(MODEL, probe_inputs))
+        assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        await stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL), metadata=AUTH)
+        await stub.ServerReady(pb.ServerReadyRequest(), metadata=AUTH)
+
+    text = await asyncio.to_thread(scrape_text, running)
+    after = parse(text)
+    assert value(after, "offload_runtime_requests_total") == 7
+    assert failures(after) == {"INVALID_ARGUMENT": 3, "NOT_FOUND": 1}
+    request = "offload_runtime_request_duration_seconds"
+    assert value(after, f"{request}_count") == 7
+    assert value(after, f"{request}_sum") > 0
+    compute = "offload_runtime_compute_duration_seconds"
+    assert value(after, f"{compute}_count") == 3  # the failures never reached ONNX Runtime
+    assert 0 < value(after, f"{compute}_sum") <= value(after, f"{request}_sum")
+    for histogram, count in ((request, 7), (compute, 3)):
+        counts = buckets(after, histogram)
+        bounds = [float(le) for le in counts if le != "+Inf"]
+        assert sorted(bounds) == list(DURATION_BUCKETS_S)
+        cumulative = [counts[le] for le in sorted(counts, key=float)]
+        assert cumulative == sorted(cumulative)
+        assert counts["+Inf"] == count
+    assert value(after, "offload_runtime_in_flight") == 0
+    assert value(after, "offload_runtime_queued") == 0  # inline: nothing waits for a thread
+    assert running.state.inline
+
+    assert TOKEN not in text
+    assert str(probe_model.parent) not in text
+    assert probe_model.name not in text
+
+
+async def test_calls_waiting_for_a_worker_are_queued(serve, probe_inputs) -> None:
+    running = await serve(inline_below_ms=0, concurrency=1)
+    assert not running.state.inline
+    release = threading.Event()
+    blocker = running.executor.submit(release.wait)  # holds the only worker thread
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    request = infer_request(MODEL, probe_inputs)
+    try:
+        calls = [asyncio.ensure_future(stub.ModelInfer(request, metadata=AUTH)) for _ in range(3)]
+        # Its deadline passes while it waits: the server cancels it before a thread takes it.
+        expiring = asyncio.ensure_future(stub.ModelInfer(request, metadata=AUTH, timeout=1.0))
+
+        async def waiting(count: int) -> bool:
+            samples = await scrape(running)
+            return (
+                value(samples, "offload_runtime_queued") == count
+                and value(samples, "offload_runtime_in_flight") == count
+            )
+
+        await until(lambda: waiting(4), "4 calls queued")
+        with pytest.raises(grpc.aio.AioRpcError) as expired:
+            await expiring
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await until(lambda: waiting(3), "the expired call to leave the queue")
+        release.set()
+        await asyncio.gather(*calls)
+    finally:
+        release.set()
+        blocker.result()
+        await channel.close()
+
+    samples = await scrape(running)
+    assert value(samples, "offload_runtime_queued") == 0
+    assert value(samples, "offload_runtime_in_flight") == 0
+    assert value(samples, "offload_runtime_requests_total") == 4
+    assert failures(samples) == {"CANCELLED": 1}
+    assert value(samples, "offload_runtime_compute_duration_seconds_count") == 3
+
+
+async def test_the_endpoint_closes_with_the_drain(serve) -> None:
+    running = await serve()
+    assert running.metrics_endpoint is not None
+    url = running.metrics_endpoint.url
+    await running.drain(1.0)
+    assert running.metrics_endpoint is None
+    with pytest.raises(urllib.error.URLError):
+        await asyncio.to_thread(urllib.request.urlopen, url, timeout=5)
+
+
+async def test_no_metrics_port_serves_none(serve) -> None:
+    running = await serve(metrics_port=None)
+    assert running.metrics_endpoint is None
+
+
+async def test_a_taken_metrics_port_fails_the_start(probe_model: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            await start_server(settings_for(probe_model, metrics_port=port))
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], DEFAULT_METRICS_PORT),
+        (["--port", "0"], 0),  # one of several on free ports: a free one too
+        (["--metrics-port", "9100"], 9100),
+        (["--port", "0", "--metrics-port", "9100"], 9100),
+        (["--metrics-port", "0"], 0),
+        (["--metrics-port", "-1"], None),
+    ],
+)
+def test_metrics_port_flag(tmp_path: Path, probe_model: Path, flags, expected) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    common = ["--model", str(probe_model), "--token-file", str(token)]
+    assert settings_from_args([*common, *flags]).metrics_port == expected
+
+
+@pytest.mark.parametrize("bad", ["-2", "65536", "http"])
+def test_metrics_port_flag_refuses_bad_ports(tmp_path: Path, probe_model: Path, bad) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    with pytest.raises(SystemExit) as exited:
+        settings_from_args(
+            ["--model", str(probe_model), "--token-file", str(token), "--metrics-port", bad]
+        )
+    assert exited.value.code == 2
