@@ -20,6 +20,7 @@ import enum
 import logging
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,6 +49,7 @@ from node_daemon.runtimes import (
     Runtime,
     uncancellable,
 )
+from node_daemon.telemetry import NodeSample, ReplicaInfo, Telemetry
 from runtime.errors import quote
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ MAX_MEMORY_MIB = 16 * 1024 * 1024
 """Host memory one replica may ask for: 16 TiB, in MiB."""
 MAX_GPU_MEMORY_MIB = 1024 * 1024
 """A GPU memory share: 1 TiB, in MiB (today's largest GPUs have under 200 GiB)."""
+MAX_PRIORITY = 3
+"""Critical, the highest priority class."""
 MAX_GRACE_MS = 3_600_000
 """The longest drain a stop may ask for."""
 
@@ -100,10 +104,22 @@ class StartRequest:
     warmup_inputs_sha256: str = ""
     background_start: bool = False
     """At background CPU priority until ready (`ReplicaSpec.background`)."""
+    priority: int = 0
+    """The deployment's priority class (0 standby .. 3 critical): the resource manager's
+    weight."""
+    cpus_min: float = 0.0
+    cpus_max: float = 0.0
+    """The CPU floor and ceiling the resource manager keeps (0: defaults, resolved at start:
+    half of `cpus`, and the node's cores)."""
 
     @property
     def replica_id(self) -> str:
         return f"{self.deployment_id}-{self.epoch}"
+
+    def cpu_bounds(self, node_cores: float) -> tuple[float, float]:
+        """The CPU floor and ceiling, defaults resolved: half of `cpus`, and the node's
+        cores (at least `cpus`)."""
+        return self.cpus_min or self.cpus / 2, self.cpus_max or max(self.cpus, node_cores)
 
     def validate(self) -> None:
         """InvalidRequest naming the first field that is wrong and what it must be."""
@@ -131,6 +147,13 @@ class StartRequest:
         check_number("gpu_memory_mib", self.gpu_memory_mib, 0, MAX_GPU_MEMORY_MIB)
         check_number("cpus", self.cpus, 0, MAX_CPUS)
         check_number("memory_mib", self.memory_mib, 0, MAX_MEMORY_MIB)
+        check_number("priority", self.priority, 0, MAX_PRIORITY)
+        check_number("cpus_min", self.cpus_min, 0, MAX_CPUS)
+        check_number("cpus_max", self.cpus_max, 0, MAX_CPUS)
+        if self.cpus_max and self.cpus_min > self.cpus_max:
+            raise InvalidRequest(
+                f"cpus_min {self.cpus_min:g} must not exceed cpus_max {self.cpus_max:g}"
+            )
 
     def labels(self, node_id: str, gpus: tuple[Gpu, ...]) -> dict[str, str]:
         """What the runtime keeps with the replica, enough to adopt it (never the token)."""
@@ -145,6 +168,9 @@ class StartRequest:
             "gpu-memory-mib": str(self.gpu_memory_mib),
             "cpus": str(self.cpus),
             "memory-mib": str(self.memory_mib),
+            "priority": str(self.priority),
+            "cpus-min": str(self.cpus_min),
+            "cpus-max": str(self.cpus_max),
         }
 
 
@@ -162,13 +188,8 @@ class ReplicaView:
     ref: str = ""
     exit_code: int | None = None
     log_tail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaUsage:
-    replica_id: str
-    cpu_pct: float
-    memory_used_mib: int
+    metrics_endpoint: str = ""
+    """host:port of its runtime's Prometheus metrics; empty when it serves none."""
 
 
 class NodeAgent:
@@ -181,6 +202,8 @@ class NodeAgent:
         cache: ModelCache,
         host: str = "127.0.0.1",
         ready_timeout_s: float = 60.0,
+        telemetry: Telemetry | None = None,
+        read_gpus: Callable[[], tuple[Gpu, ...]] | None = None,
     ) -> None:
         self.node_id = node_id
         self.site = site
@@ -198,6 +221,10 @@ class NodeAgent:
         """The runtime's start of each STARTING replica (`stop_replica` cancels it)."""
         self.fetch_model: Callable[[str], Awaitable[None]] | None = None
         """Set when the node has joined a broker: copies a model into the cache."""
+        self.telemetry = telemetry or Telemetry()
+        self.read_gpus = read_gpus
+        """Reads the GPUs' live utilization and memory (NVML nodes); None: the inventory's,
+        as read at startup (a topology-file node has no live GPU figures)."""
 
     async def adopt(self) -> list[ReplicaView]:
         """Take over the replicas with this node's label that survived a daemon restart."""
@@ -229,6 +256,9 @@ class NodeAgent:
             gpu_memory_mib=int(labels.get("gpu-memory-mib", "0")),
             cpus=float(labels.get("cpus", "0")),
             memory_mib=int(labels.get("memory-mib", "0")),
+            priority=int(labels.get("priority", "0")),
+            cpus_min=float(labels.get("cpus-min", "0")),
+            cpus_max=float(labels.get("cpus-max", "0")),
         )
         gpus = tuple(int(i) for i in labels.get("gpus", "").split(",") if i)
         state = ReplicaState.READY if replica.endpoint else ReplicaState.EXITED
@@ -240,6 +270,7 @@ class NodeAgent:
             replica.endpoint,
             replica.runtime,
             replica.ref,
+            metrics_endpoint=replica.metrics_endpoint,
         )
 
     async def start_replica(self, request: StartRequest) -> ReplicaView:
@@ -268,7 +299,14 @@ class NodeAgent:
             p2p_required=request.p2p_required,
         )
         gpus = tuple(self.inventory.gpus[i] for i in allocation.gpus)
-        shown = replace(request, token="", gpu_uuids=tuple(g.uuid for g in gpus))
+        floor, ceiling = request.cpu_bounds(self.telemetry.cpu_cores)
+        shown = replace(
+            request,
+            token="",
+            gpu_uuids=tuple(g.uuid for g in gpus),
+            cpus_min=floor,
+            cpus_max=ceiling,
+        )
         starting = ReplicaView(replica_id, shown, allocation.gpus, ReplicaState.STARTING)
         self._replicas[replica_id] = starting
         spec = ReplicaSpec(
@@ -312,6 +350,7 @@ class NodeAgent:
             endpoint=replica.endpoint,
             runtime=replica.runtime,
             ref=replica.ref,
+            metrics_endpoint=replica.metrics_endpoint,
         )
         self._replicas[replica_id] = view
         return view
@@ -443,18 +482,41 @@ class NodeAgent:
         )
         self._replicas[replica_id] = replace(current, request=request)
 
-    async def usage(self) -> tuple[tuple[Gpu, ...], list[ReplicaUsage]]:
-        usages = []
-        for replica_id, view in list(self._replicas.items()):
-            if view.state is not ReplicaState.READY:
-                continue
-            stats = await self.runtime.stats(replica_id)
-            if stats is not None:
-                usages.append(ReplicaUsage(replica_id, stats.cpu_pct, stats.memory_used_mib))
-        return self.inventory.gpus, usages
+    async def recent_usage(self, max_age_s: float = 5.0) -> NodeSample:
+        """The latest sample (the heartbeat's sampler takes one every interval) if it is at
+        most `max_age_s` old, else a new one: a reader does not shorten the sampler's
+        interval."""
+        latest = self.telemetry.latest
+        if latest is not None and time.time() - latest.at <= max_age_s:
+            return latest
+        return await self.usage()
+
+    async def usage(self) -> NodeSample:
+        """A sample of the node and its ready replicas (`node_daemon.telemetry`): CPU, its
+        quota and throttling, memory, and request figures, over the interval since the last
+        call; GPUs as `read_gpus` reads them now (else as at startup)."""
+        ready = [v for v in list(self._replicas.values()) if v.state is ReplicaState.READY]
+        stats = await asyncio.gather(*(self.runtime.stats(v.replica_id) for v in ready))
+        gpus = await asyncio.to_thread(self.read_gpus) if self.read_gpus else self.inventory.gpus
+        infos = []
+        for v in ready:
+            floor, ceiling = v.request.cpu_bounds(self.telemetry.cpu_cores)
+            infos.append(
+                ReplicaInfo(
+                    replica_id=v.replica_id,
+                    deployment_id=v.request.deployment_id,
+                    priority=v.request.priority,
+                    cpus=v.request.cpus,
+                    cpus_min=floor,
+                    cpus_max=ceiling,
+                    metrics_endpoint=v.metrics_endpoint,
+                )
+            )
+        return await self.telemetry.sample(list(zip(infos, stats, strict=True)), gpus)
 
     async def close(self, stop_replicas: bool) -> None:
         """Stop every replica, or leave them serving for the next daemon to adopt."""
+        await self.telemetry.close()
         if stop_replicas:
             await self.runtime.close()
         else:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import grpc
 
-from node_daemon.agent import NodeAgent, ReplicaUsage
+from node_daemon.agent import NodeAgent
 from node_daemon.errors import ModelNotCached
-from node_daemon.inventory import Gpu
 from node_daemon.rpc import convert
+from node_daemon.telemetry import NodeSample
 from protos.offload.v1 import broker_pb2 as bpb
 from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
 from protos.offload.v1 import node_pb2 as npb
@@ -30,8 +32,25 @@ CALL_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 5.0
 
 
+class Resizer(Protocol):
+    """The node's resource manager (`node_daemon.resources.ResourceManager`)."""
+
+    policy: str
+
+    async def step(self, sample: NodeSample) -> Sequence[convert.Resize]: ...
+
+    def events(self) -> Sequence[convert.Resize]: ...
+
+
 class BrokerLink:
-    def __init__(self, broker: str, join_token: str, agent: NodeAgent, agent_address: str) -> None:
+    def __init__(
+        self,
+        broker: str,
+        join_token: str,
+        agent: NodeAgent,
+        agent_address: str,
+        resizer: Resizer | None = None,
+    ) -> None:
         self.broker = broker
         self._metadata = (("authorization", f"Bearer {join_token}"),)
         self._agent = agent
@@ -42,8 +61,10 @@ class BrokerLink:
         )
         self._stub = bpb_grpc.NodeRegistryStub(self._channel)
         self.registered = asyncio.Event()
-        self._usage: tuple[tuple[Gpu, ...], list[ReplicaUsage]] = (agent.inventory.gpus, [])
-        """The latest (GPUs, replica usage) sample (`_sample_usage`)."""
+        self._usage: NodeSample | None = None
+        """The latest sample (`_sample_usage`)."""
+        self.resizer = resizer
+        """The node's resource manager, given each sample; None: no resizing."""
 
     async def close(self) -> None:
         await self._channel.close()
@@ -98,15 +119,18 @@ class BrokerLink:
             await asyncio.gather(sampler, return_exceptions=True)
 
     async def _sample_usage(self, interval: float) -> None:
-        """Keep `_usage` fresh. Docker's stats take about half a second a replica, longer on
-        a busy engine: heartbeats carry the latest sample instead of waiting for one, so a
-        slow engine never makes a live node look lost."""
+        """Keep `_usage` fresh, and hand each sample to the resource manager. Reading a
+        replica may be slow (Docker's stats call, where its cgroup is not visible, takes
+        about half a second a replica): heartbeats carry the latest sample instead of
+        waiting for one, so a slow engine never makes a live node look lost."""
         while True:
             sampling = time.monotonic()
             try:
                 self._usage = await self._agent.usage()
+                if self.resizer is not None:
+                    await self.resizer.step(self._usage)
             except Exception:  # the next sample may do better; heartbeats go on regardless
-                logger.exception("reading the replicas' usage failed")
+                logger.exception("sampling the replicas' usage, or resizing them, failed")
             if (took := time.monotonic() - sampling) > 2 * interval:
                 logger.warning("reading the replicas' usage took %.1fs", took)
             await asyncio.sleep(interval)
@@ -123,13 +147,9 @@ class BrokerLink:
                     took,
                     interval,
                 )
-            gpus, usages = self._usage
             request = bpb.HeartbeatRequest(
                 node_id=self._agent.node_id,
-                usage=npb.UsageResponse(
-                    gpus=[convert.gpu(g) for g in gpus],
-                    replicas=[convert.replica_usage(u) for u in usages],
-                ),
+                usage=self._usage_message(),
                 replicas=[convert.replica(v) for v in replicas],
             )
             try:
@@ -144,6 +164,13 @@ class BrokerLink:
                     logger.warning("heartbeat to %s failed: %s", self.broker, err.code().name)
                 else:
                     raise
+
+    def _usage_message(self) -> npb.UsageResponse:
+        if self._usage is None:  # no sample yet: the GPUs as at startup
+            return npb.UsageResponse(gpus=[convert.gpu(g) for g in self._agent.inventory.gpus])
+        if self.resizer is None:
+            return convert.usage(self._usage)
+        return convert.usage(self._usage, self.resizer.events(), self.resizer.policy)
 
     async def fetch_model(self, sha256: str) -> None:
         """Copy a model from the broker into the node's cache. ModelNotCached when the

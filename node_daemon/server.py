@@ -27,6 +27,7 @@ from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import (
+    Gpu,
     GpuSpec,
     Inventory,
     InventoryError,
@@ -73,6 +74,9 @@ class NodeSettings:
     stop_replicas_on_exit: bool = False
     monitor_interval_s: float = 2.0
     ready_timeout_s: float = 60.0
+    cpuset: frozenset[int] = frozenset()
+    """The CPUs replicas (and the daemon) run on; empty: all this process may use. The node
+    offers as many cores as it has CPUs here."""
 
     @property
     def replica_host(self) -> str:
@@ -94,6 +98,7 @@ def read_inventory(settings: NodeSettings) -> Inventory:
 
 def connect_runtime(settings: NodeSettings, inventory: Inventory) -> Runtime:
     """Blocking. RuntimeUnavailable when `--runtime docker` cannot be had."""
+    cpuset = ",".join(str(c) for c in sorted(settings.cpuset))
     if settings.runtime in ("docker", "auto"):
         image = settings.image or runtime_image_tag("cpu")
         gpu_image = None
@@ -101,12 +106,12 @@ def connect_runtime(settings: NodeSettings, inventory: Inventory) -> Runtime:
             gpu_image = runtime_image_tag("cuda")
         try:
             try:
-                return DockerRuntime.connect(image, settings.network, gpu_image)
+                return DockerRuntime.connect(image, settings.network, gpu_image, cpuset)
             except RuntimeUnavailable:
                 if gpu_image is None:
                     raise
                 logger.warning("no %s image here: GPU replicas will run %s", gpu_image, image)
-                return DockerRuntime.connect(image, settings.network)
+                return DockerRuntime.connect(image, settings.network, cpuset=cpuset)
         except RuntimeUnavailable as err:
             if settings.runtime == "docker":
                 raise
@@ -120,6 +125,9 @@ def connect_runtime(settings: NodeSettings, inventory: Inventory) -> Runtime:
 
 async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, NodeAgent]:
     """Read the inventory, connect the runtime, adopt surviving replicas, and listen."""
+    if settings.cpuset:
+        # Process replicas inherit the daemon's affinity; Docker's get the same cpuset.
+        os.sched_setaffinity(0, settings.cpuset)
     inventory = await asyncio.to_thread(read_inventory, settings)
     runtime = await asyncio.to_thread(connect_runtime, settings, inventory)
     cache = ModelCache(settings.state_dir / "models", settings.max_model_bytes)
@@ -131,6 +139,7 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
         cache,
         host=settings.replica_host,
         ready_timeout_s=settings.ready_timeout_s,
+        read_gpus=_live_gpus if settings.nvml else None,
     )
     adopted = await agent.adopt()
     logger.info(
@@ -161,6 +170,11 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
     await server.start()
     logger.info("node agent listening on %s:%d", settings.listen.rpartition(":")[0], port)
     return server, port, agent
+
+
+def _live_gpus() -> tuple[Gpu, ...]:
+    """The GPUs with their utilization and memory now (NVML). Blocking."""
+    return NvmlInventory().read().gpus
 
 
 async def _monitor(agent: NodeAgent, interval_s: float) -> None:
@@ -286,6 +300,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--image", default="", help="runtime image (default: the cpu/cuda builds)")
     p.add_argument("--max-model-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument(
+        "--cpuset",
+        default="",
+        metavar="CPUS",
+        help="run replicas (and this daemon) on these CPUs only, e.g. 0-3,8 (Docker's "
+        "--cpuset-cpus syntax); the node offers as many cores as it has CPUs here, which is "
+        "what its load is measured against (default: every CPU this process may use)",
+    )
+    p.add_argument(
         "--stop-replicas-on-exit",
         action="store_true",
         help="stop replicas when the daemon exits (default: they keep serving)",
@@ -346,7 +368,32 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         image=args.image,
         max_model_bytes=args.max_model_bytes,
         stop_replicas_on_exit=args.stop_replicas_on_exit,
+        cpuset=parse_cpuset(args.cpuset),
     )
+
+
+def parse_cpuset(text: str) -> frozenset[int]:
+    """CPUs as Docker's --cpuset-cpus writes them ("0-3,8"); ValueError naming the flag for
+    bad text or a CPU this process may not use."""
+    if not text:
+        return frozenset()
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, dash, high = part.partition("-")
+            first, last = int(low), int(high) if dash else int(low)
+            if first < 0 or last < first:
+                raise ValueError
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise ValueError(f"--cpuset {text!r} is not a CPU list like 0-3,8") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(
+            f"--cpuset {text!r} names CPUs this process may not use: "
+            f"{sorted(cpus - allowed)} (it may use {sorted(allowed)})"
+        )
+    return frozenset(cpus)
 
 
 def _main(args: argparse.Namespace) -> int:

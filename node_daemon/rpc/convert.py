@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from node_daemon.agent import ReplicaState, ReplicaUsage, ReplicaView, StartRequest
+from collections.abc import Sequence
+from typing import Protocol
+
+from node_daemon.agent import ReplicaState, ReplicaView, StartRequest
 from node_daemon.inventory import Gpu, Inventory
+from node_daemon.telemetry import NodeSample, ReplicaSample
 from protos.offload.v1 import node_pb2 as pb
 from runtime.errors import client_text
 
@@ -30,6 +34,9 @@ def start_request(spec: pb.ReplicaSpec) -> StartRequest:
         memory_mib=spec.memory_mib,
         warmup_inputs_sha256=spec.warmup_inputs_sha256,
         background_start=spec.background_start,
+        priority=spec.priority,
+        cpus_min=spec.cpus_min,
+        cpus_max=spec.cpus_max,
     )
 
 
@@ -48,6 +55,9 @@ def replica_spec(request: StartRequest) -> pb.ReplicaSpec:
         p2p_required=request.p2p_required,
         warmup_inputs_sha256=request.warmup_inputs_sha256,
         background_start=request.background_start,
+        priority=request.priority,
+        cpus_min=request.cpus_min,
+        cpus_max=request.cpus_max,
     )
 
 
@@ -92,7 +102,69 @@ def inventory(inv: Inventory) -> pb.Inventory:
     )
 
 
-def replica_usage(usage: ReplicaUsage) -> pb.ReplicaUsage:
-    return pb.ReplicaUsage(
-        replica_id=usage.replica_id, cpu_pct=usage.cpu_pct, memory_used_mib=usage.memory_used_mib
+class Resize(Protocol):
+    """A resize event as the node's resource manager records it (`node_daemon.resources`)."""
+
+    event_id: str
+    replica_id: str
+    deployment_id: str
+    cpus_before: float
+    cpus_after: float
+    policy: str
+    reason: str
+    at: float
+
+
+def usage(
+    sample: NodeSample, resizes: Sequence[Resize] = (), resize_policy: str = ""
+) -> pb.UsageResponse:
+    """A sample, with the resource manager's recent resizes, as the heartbeat carries it."""
+    return pb.UsageResponse(
+        gpus=[gpu(g) for g in sample.gpus],
+        replicas=[_replica_usage(r) for r in sample.replicas],
+        node=pb.NodeLoad(
+            cpu_cores=sample.cpu_cores,
+            cpu_used_cores=sample.cpu_used_cores,
+            memory_total_mib=sample.memory_total_mib,
+            memory_used_mib=sample.memory_used_mib,
+        ),
+        resizes=[
+            pb.ResizeEvent(
+                event_id=r.event_id,
+                replica_id=r.replica_id,
+                deployment_id=r.deployment_id,
+                cpus_before=r.cpus_before,
+                cpus_after=r.cpus_after,
+                policy=r.policy,
+                reason=r.reason,
+                at=r.at,
+            )
+            for r in resizes
+        ],
+        resize_policy=resize_policy,
     )
+
+
+def _replica_usage(r: ReplicaSample) -> pb.ReplicaUsage:
+    message = pb.ReplicaUsage(
+        replica_id=r.replica_id,
+        cpu_pct=100 * r.cpu_used_cores,
+        memory_used_mib=r.memory_used_mib,
+        cpu_limit=r.cpu_limit,
+        throttled_pct=100 * r.throttled_ratio,
+    )
+    if (q := r.requests) is not None:
+        message.requests.CopyFrom(
+            pb.ReplicaRequests(
+                rate_per_s=q.rate_per_s,
+                failure_rate_per_s=q.failure_rate_per_s,
+                latency_p50_ms=q.latency_p50_ms,
+                latency_p99_ms=q.latency_p99_ms,
+                compute_p50_ms=q.compute_p50_ms,
+                in_flight=q.in_flight,
+                queued=q.queued,
+                requests_total=q.requests_total,
+                failures_total=q.failures_total,
+            )
+        )
+    return message

@@ -69,11 +69,7 @@ class NodeAgentServicer(pb_grpc.NodeAgentServicer):
     async def Usage(
         self, request: pb.UsageRequest, context: grpc.aio.ServicerContext
     ) -> pb.UsageResponse:
-        gpus, replicas = await self._agent.usage()
-        return pb.UsageResponse(
-            gpus=[convert.gpu(g) for g in gpus],
-            replicas=[convert.replica_usage(u) for u in replicas],
-        )
+        return convert.usage(await self._agent.recent_usage())
 
     @mapped_errors
     async def PutModel(

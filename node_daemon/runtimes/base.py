@@ -92,9 +92,18 @@ class ReplicaStatus:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaStats:
-    cpu_pct: float
-    """Percent of one core."""
+    """Cumulative counters: the node turns two readings into figures over the interval
+    (`node_daemon.telemetry`)."""
+
+    cpu_seconds: float
+    """CPU time the replica used since it started."""
     memory_used_mib: int
+    periods: int = 0
+    """CFS periods its CPU quota was enforced over (0: no quota, or not readable)."""
+    throttled_periods: int = 0
+    """Of those, the periods in which the quota stopped it."""
+    cpu_limit: float = 0.0
+    """Its CPU quota now, cores; 0 when unlimited (or not readable)."""
 
 
 BACKGROUND_LIMIT_S = 20.0

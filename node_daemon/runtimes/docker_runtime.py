@@ -29,7 +29,6 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import docker
@@ -38,6 +37,7 @@ import docker.types
 import requests.exceptions
 from docker.models.containers import Container
 
+from node_daemon.runtimes import cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
     LABEL_PREFIX,
@@ -103,18 +103,21 @@ class DockerRuntime:
         client: docker.DockerClient,
         network: str = "bridge",
         gpu_image: str | None = None,
+        cpuset: str = "",
     ) -> None:
         """`network`: "bridge" publishes the container's port 8001 on the replica's host
         address (a port Docker picks); "host" shares the node's network namespace and the
         server binds a free port on that address itself: no Docker proxy on the data path
         (see docs/BENCHMARKS.md for what that saves), no network isolation.
         `gpu_image` (the cuda variant) runs replicas that get GPUs, when the engine has the
-        NVIDIA runtime; otherwise they run `image` on the CPU, and a warning says so."""
+        NVIDIA runtime; otherwise they run `image` on the CPU, and a warning says so.
+        `cpuset`: the CPUs every replica runs on ("0-3,8"; empty: any)."""
         if network not in NETWORKS:
             raise ValueError(f"unknown network {network!r}; use one of {', '.join(NETWORKS)}")
         self.image = image
         self.gpu_image = gpu_image
         self.network = network
+        self.cpuset = cpuset
         self._client = client
         self._started: dict[str, _Started] = {}
         self._nvidia: bool | None = None
@@ -122,7 +125,7 @@ class DockerRuntime:
 
     @classmethod
     def connect(
-        cls, image: str, network: str = "bridge", gpu_image: str | None = None
+        cls, image: str, network: str = "bridge", gpu_image: str | None = None, cpuset: str = ""
     ) -> DockerRuntime:
         """Blocking. RuntimeUnavailable when there is no engine or no such image."""
         client = connect_docker()
@@ -134,7 +137,7 @@ class DockerRuntime:
                 raise RuntimeUnavailable(
                     f"image {tag} is not built here; build it with `offload image build`"
                 ) from err
-        return cls(image, client, network, gpu_image)
+        return cls(image, client, network, gpu_image, cpuset)
 
     def _engine_has_nvidia(self) -> bool:
         if self._nvidia is None:
@@ -290,6 +293,8 @@ class DockerRuntime:
             kwargs |= {"cpu_period": CPU_PERIOD_US, "cpu_quota": int(spec.cpus * CPU_PERIOD_US)}
         if spec.memory_mib > 0:
             kwargs |= {"mem_limit": f"{spec.memory_mib}m", "memswap_limit": f"{spec.memory_mib}m"}
+        if self.cpuset:
+            kwargs["cpuset_cpus"] = self.cpuset
         name = f"offload-{spec.replica_id}"
         try:
             return self._client.containers.run(
@@ -461,16 +466,21 @@ class DockerRuntime:
         return ReplicaStatus(False, int(code), tail)
 
     async def stats(self, replica_id: str) -> ReplicaStats | None:
-        """CPU (average since start) and memory from one stats sample; None when not running."""
+        """CPU time, throttling, quota and memory, from the container's cgroup when this
+        daemon sees it (microseconds), else from one Docker stats sample (about half a
+        second); None when not running."""
         started = self._started.get(replica_id)
         if started is None:
             return None
+        pid = started.container.attrs.get("State", {}).get("Pid") or 0
+        if pid > 0 and (read := _cgroup_stats(pid)) is not None:
+            return read
         try:
             sample = await asyncio.to_thread(started.container.stats, stream=False, one_shot=True)
             await asyncio.to_thread(started.container.reload)
         except (docker.errors.APIError, requests.exceptions.RequestException):
             return None  # e.g. removed meanwhile: the engine answers an empty sample
-        return _stats_from(sample, started.container.attrs["State"]["StartedAt"])
+        return _stats_from(sample, started.container.attrs.get("HostConfig", {}))
 
     async def update(self, replica_id: str, cpus: float, memory_mib: int) -> None:
         """Change a running container's CPU (cores) and memory limits; 0 leaves one as is.
@@ -531,11 +541,31 @@ class DockerRuntime:
         await asyncio.to_thread(self._client.close)
 
 
-def _stats_from(sample: Mapping, started_at: str) -> ReplicaStats:
-    cpu_ns = sample.get("cpu_stats", {}).get("cpu_usage", {}).get("total_usage", 0)
-    # Docker's timestamps carry nanoseconds; Python parses microseconds.
-    started = datetime.fromisoformat(started_at[:26].rstrip("Z") + "+00:00")
-    age_s = max(1e-3, (datetime.now(UTC) - started).total_seconds())
+def _cgroup_stats(pid: int) -> ReplicaStats | None:
+    cpu = cgroups.cpu_accounting(pid)
+    memory = cgroups.memory_used_mib(pid)
+    if cpu is None or cpu.cpu_seconds is None or memory is None:
+        return None
+    return ReplicaStats(
+        cpu_seconds=cpu.cpu_seconds,
+        memory_used_mib=memory,
+        periods=cpu.periods,
+        throttled_periods=cpu.throttled_periods,
+        cpu_limit=cpu.limit_cores,
+    )
+
+
+def _stats_from(sample: Mapping, host_config: Mapping) -> ReplicaStats:
+    cpu = sample.get("cpu_stats", {})
+    throttling = cpu.get("throttling_data", {})
     memory = sample.get("memory_stats", {})
     used = memory.get("usage", 0) - memory.get("stats", {}).get("inactive_file", 0)
-    return ReplicaStats(cpu_pct=100.0 * cpu_ns / 1e9 / age_s, memory_used_mib=max(0, used) >> 20)
+    quota, period = host_config.get("CpuQuota") or 0, host_config.get("CpuPeriod") or 0
+    nano = host_config.get("NanoCpus") or 0
+    return ReplicaStats(
+        cpu_seconds=cpu.get("cpu_usage", {}).get("total_usage", 0) / 1e9,
+        memory_used_mib=max(0, used) >> 20,
+        periods=throttling.get("periods", 0),
+        throttled_periods=throttling.get("throttled_periods", 0),
+        cpu_limit=quota / period if quota > 0 and period > 0 else nano / 1e9,
+    )

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from node_daemon.runtimes import cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
     LISTENING,
@@ -196,20 +197,27 @@ def _log_tail(workdir: Path, lines: int = 40) -> str:
 
 
 def _proc_stats(pid: int) -> ReplicaStats | None:
-    # /proc reads never block on disk.
+    """CPU time and resident memory from /proc (never blocks on disk), the CPU quota and its
+    throttling from the process's cgroup when it has one of its own (`update`)."""
     fields = _stat(pid)
     if fields is None:
         return None
     try:
         rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
     except OSError:
         return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    cpu_s = (int(fields[11]) + int(fields[12])) / ticks
-    age_s = max(1e-3, uptime_s - int(fields[19]) / ticks)
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     memory_mib = rss_pages * os.sysconf("SC_PAGE_SIZE") // (1024 * 1024)
-    return ReplicaStats(cpu_pct=100.0 * cpu_s / age_s, memory_used_mib=memory_mib)
+    quota = cgroups.cpu_accounting(pid)
+    if quota is None or quota.limit_cores == 0:
+        return ReplicaStats(cpu_seconds=cpu_s, memory_used_mib=memory_mib)
+    return ReplicaStats(
+        cpu_seconds=cpu_s,
+        memory_used_mib=memory_mib,
+        periods=quota.periods,
+        throttled_periods=quota.throttled_periods,
+        cpu_limit=quota.limit_cores,
+    )
 
 
 class ProcessRuntime:
@@ -431,7 +439,8 @@ class ProcessRuntime:
         return ReplicaStatus(False, running.exit_code(), _log_tail(running.workdir))
 
     async def stats(self, replica_id: str) -> ReplicaStats | None:
-        """CPU (average since start) and resident memory; None when it is not running."""
+        """CPU time and resident memory (and its CPU quota's, when it has one); None when it
+        is not running."""
         running = self._running.get(replica_id)
         if running is None or not running.alive():
             return None

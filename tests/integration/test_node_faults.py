@@ -281,8 +281,8 @@ async def test_usage_while_replicas_start_and_stop(runtime: str, tmp_path: Path)
 
     async def sample() -> None:
         while not done.is_set():
-            _gpus, usages = await agent.usage()
-            samples.append({u.replica_id for u in usages})
+            sample = await agent.usage()
+            samples.append({r.replica_id for r in sample.replicas})
             await asyncio.sleep(0)
 
     try:

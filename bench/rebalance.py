@@ -1,0 +1,266 @@
+"""Speculative rebalancing in the live system: a node kept hot, another idle, with the broker's
+rebalancing off and on, in one run.
+
+Two node daemons at one site, each pinned to its own CPU of this machine (`offload node
+--cpuset`): two machines' worth of CPU that do not share. Per arm a fresh cluster: the broker
+(`--rebalance 0`, off; or `--rebalance 1`, hot at load 0.7 for 3 s, a target at or under 0.3),
+node-hot alone at first. Two deployments of the model are made there (it is the only node),
+one critical and one best-effort; then node-idle joins. Each deployment gets its own client
+(`OffloadClient`, which follows a migration with no failed request) running closed-loop
+inference for --window seconds; node-hot's one CPU serves both. The SLO is --slo-x times the
+model's median latency alone on one CPU, measured at the start of each arm (its critical
+deployment alone for 5 s). With rebalancing on, the policy moves one of them to node-idle
+(make-before-break) once node-hot's load has stayed high; off, both share node-hot to the end.
+
+The figures, per arm and deployment: requests, p50 and p99 latency, SLO attainment (the share
+of requests answered within the SLO, over the whole window: the time before the move counts
+too), failed requests, and the migrations with their reason. Issue 13's target: the hot
+node's deployments attain their SLO more often with rebalancing than without, with zero
+failed requests, and nothing moves back.
+
+    python -m bench.rebalance [--quick] [--model NAME] [--runtime process|docker]
+        [--window S] [--slo-x F] [--rounds N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+import modelzoo
+from edge_client.client import OffloadClient
+from edge_client.demo.cluster import DEMO_NODES, LocalCluster
+from edge_client.demo.run import pick_runtime
+from edge_client.errors import OffloadError
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+
+REBALANCE_FLAGS = (
+    "--rebalance", "1", "--rebalance-hot-load", "0.7", "--rebalance-sustain", "3",
+    "--rebalance-target-max-load", "0.3", "--rebalance-cooldown", "600",
+)  # fmt: skip
+CALIBRATION_S = 5.0
+
+
+@dataclass
+class Series:
+    deployment: str
+    priority: str
+    latencies_ms: list[float] = field(default_factory=list)
+    failed: int = 0
+
+    def figures(self, slo_ms: float) -> dict[str, Any]:
+        lat = np.array(self.latencies_ms) if self.latencies_ms else np.array([np.nan])
+        return {
+            "priority": self.priority,
+            "requests": len(self.latencies_ms),
+            "p50_ms": round(float(np.percentile(lat, 50)), 1),
+            "p99_ms": round(float(np.percentile(lat, 99)), 1),
+            "slo_attainment": round(float(np.mean(lat <= slo_ms)), 3),
+            "failed": self.failed,
+        }
+
+
+@dataclass
+class Arm:
+    name: str
+    slo_ms: float = 0.0
+    series: list[Series] = field(default_factory=list)
+    migrations: list[dict[str, str]] = field(default_factory=list)
+
+
+async def _loop(
+    client: OffloadClient, inputs: dict[str, Any], series: Series, stop: asyncio.Event
+) -> None:
+    while not stop.is_set():
+        started = time.perf_counter()
+        try:
+            await client.infer(inputs)
+        except OffloadError as err:
+            series.failed += 1
+            print(f"  request FAILED ({series.priority}): {err}", flush=True)
+            continue
+        series.latencies_ms.append((time.perf_counter() - started) * 1000)
+
+
+async def run_arm(name: str, rebalance: bool, args: argparse.Namespace, image: str) -> Arm:
+    arm = Arm(name)
+    root = Path(tempfile.mkdtemp(prefix=f"bench-rebalance-{name}-"))
+    hot = replace(DEMO_NODES[0], node_id="node-hot", flags=("--cpuset", args.cpus[0]))
+    idle = replace(DEMO_NODES[0], node_id="node-idle", flags=("--cpuset", args.cpus[1]))
+    flags = REBALANCE_FLAGS if rebalance else ("--rebalance", "0")
+    cluster = LocalCluster(
+        root,
+        runtime=args.runtime,
+        image=image,
+        nodes=(hot,),
+        broker_flags=("--heartbeat-interval", "0.5", *flags),
+    )
+    model = modelzoo.model_path(args.model)
+    inputs = modelzoo.sample_inputs(model)
+    try:
+        await cluster.start(lambda line: None)
+        async with (
+            OffloadClient(cluster.broker_address, cluster.api_key) as critical,
+            OffloadClient(cluster.broker_address, cluster.api_key) as best_effort,
+        ):
+            sha = await critical.upload_model(model)
+            first = await critical.deploy(
+                sha, args.model, gpus=1, priority="critical", site="site-a"
+            )
+            # Its latency alone on one CPU: what the SLO is measured against.
+            alone = Series(first.deployment_id, "critical")
+            stop = asyncio.Event()
+            task = asyncio.create_task(_loop(critical, inputs, alone, stop))
+            await asyncio.sleep(CALIBRATION_S)
+            stop.set()
+            await task
+            arm.slo_ms = args.slo_x * statistics.median(alone.latencies_ms[5:] or [1e9])
+            second = await best_effort.deploy(
+                sha, args.model, gpus=1, priority="best-effort", site="site-a"
+            )
+            assert first.node_id == second.node_id == "node-hot"
+            await cluster.start_node(idle)
+            arm.series = [
+                Series(first.deployment_id, "critical"),
+                Series(second.deployment_id, "best-effort"),
+            ]
+            stop = asyncio.Event()
+            tasks = [
+                asyncio.create_task(_loop(client, inputs, series, stop))
+                for client, series in zip((critical, best_effort), arm.series, strict=True)
+            ]
+            await asyncio.sleep(args.window)
+            stop.set()
+            await asyncio.gather(*tasks)
+            arm.migrations = await _migrations(cluster, [s.deployment for s in arm.series])
+    finally:
+        await cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return arm
+
+
+async def _migrations(cluster: LocalCluster, deployment_ids: list[str]) -> list[dict[str, str]]:
+    metadata = (("authorization", f"Bearer {cluster.api_key}"),)
+    found: list[dict[str, str]] = []
+    async with grpc.aio.insecure_channel(cluster.broker_address) as channel:
+        stub = pb_grpc.EdgeBrokerStub(channel)
+        for deployment_id in deployment_ids:
+            listed = await stub.ListMigrations(
+                pb.ListMigrationsRequest(deployment_id=deployment_id), metadata=metadata
+            )
+            found.extend(
+                {
+                    "deployment": m.deployment_id,
+                    "trigger": m.trigger,
+                    "route": f"{m.source_node} -> {m.target_node}",
+                    "outcome": m.outcome or m.state,
+                    "reason": m.reason,
+                }
+                for m in listed.migrations
+            )
+    return found
+
+
+def summarise(arms: Sequence[Arm]) -> dict[str, Any]:
+    rows = []
+    print(
+        f"\n{'arm':<8} {'deployment':<12} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'SLO ms':>7} {'within SLO':>10} {'failed':>6}"
+    )
+    attainment: dict[str, list[float]] = {"off": [], "on": []}
+    for arm in arms:
+        for series in arm.series:
+            f = series.figures(arm.slo_ms)
+            rows.append({"arm": arm.name, "slo_ms": round(arm.slo_ms, 1), **f})
+            attainment[arm.name.split("-")[0]].append(f["slo_attainment"])
+            print(
+                f"{arm.name:<8} {series.priority:<12} {f['requests']:>8} {f['p50_ms']:>8} "
+                f"{f['p99_ms']:>8} {arm.slo_ms:>7.1f} {f['slo_attainment']:>10.1%} "
+                f"{f['failed']:>6}"
+            )
+        for m in arm.migrations:
+            print(f"         {m['trigger']} {m['route']}: {m['outcome']}: {m['reason']}")
+    off, on = (statistics.mean(attainment[k]) if attainment[k] else 0.0 for k in ("off", "on"))
+    failed = sum(s.failed for arm in arms for s in arm.series)
+    moves = [m for arm in arms for m in arm.migrations]
+    back = [m for arm in arms for m in arm.migrations if m["route"] == "node-idle -> node-hot"]
+    print(
+        f"\nSLO attainment of node-hot's deployments: {off:.1%} without rebalancing, {on:.1%} "
+        f"with ({on - off:+.1%}); {failed} failed request(s); {len(moves)} migration(s), "
+        f"{len(back)} back to node-hot"
+    )
+    return {
+        "rows": rows,
+        "attainment_off": round(off, 3),
+        "attainment_on": round(on, 3),
+        "failed_requests": failed,
+        "migrations": moves,
+        "moved_back": len(back),
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    runtime, image = await asyncio.to_thread(
+        pick_runtime, args.runtime, lambda line: print(line, flush=True)
+    )
+    args.runtime = runtime
+    arms = []
+    for round_ in range(args.rounds):
+        for name, on in (("off", False), ("on", True)):
+            print(
+                f"== round {round_ + 1}/{args.rounds}, rebalancing {name} ({runtime})", flush=True
+            )
+            started = time.monotonic()
+            arms.append(await run_arm(f"{name}-{round_ + 1}", on, args, image))
+            print(f"   {time.monotonic() - started:.0f} s", flush=True)
+    return summarise(arms)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.rebalance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="one round, a 30 s window")
+    parser.add_argument("--model", default="resnet18", help="a model zoo model (resnet18)")
+    parser.add_argument("--runtime", choices=("auto", "process", "docker"), default="process")
+    parser.add_argument("--window", type=float, default=60.0, help="seconds of load (60)")
+    parser.add_argument(
+        "--slo-x", type=float, default=1.5, help="SLO = this x the median alone (1.5)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="off/on pairs (2)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.window = 1, 30.0
+    if args.window <= 0 or args.slo_x <= 1 or args.rounds < 1:
+        parser.error("--window > 0, --slo-x > 1, --rounds at least 1")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        parser.error(f"needs two CPUs to give each node its own; this process has {len(cpus)}")
+    args.cpus = (str(cpus[0]), str(cpus[1]))
+    result = asyncio.run(run(args))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    ok = result["failed_requests"] == 0 and result["moved_back"] == 0
+    return 0 if ok and result["attainment_on"] > result["attainment_off"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

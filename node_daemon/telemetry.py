@@ -1,0 +1,311 @@
+"""What the node measures about itself and its replicas, every sampling interval.
+
+`Telemetry.sample` turns cumulative counters into figures over the interval since the last
+sample: per replica the CPU it used (cores), its CPU quota and how often the quota throttled
+it, its memory, and its runtime's request figures (scraped from the replica's Prometheus
+metrics endpoint: rate, failures, p50/p99 latency from the histogram's bucket deltas,
+in-flight and queued calls); for the node, the cores it offers and what its replicas used.
+A figure that cannot be read is left out, never guessed: a replica whose metrics endpoint
+does not answer has no request figures; the first sample of a replica has no CPU figure yet
+(nothing to take a difference from) and reads 0.
+
+The heartbeat carries the latest sample (`node_daemon.broker_link`); the node's resource
+manager (`node_daemon.resources`) re-divides CPU from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.inventory import Gpu
+from node_daemon.runtimes import ReplicaStats
+
+logger = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 0.5
+"""A replica's metrics endpoint that does not answer within this is skipped for the sample."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFigures:
+    """A replica's requests over the interval, from its runtime's metrics."""
+
+    rate_per_s: float
+    failure_rate_per_s: float
+    latency_p50_ms: float
+    """0 when no request finished in the interval (upper bucket bounds otherwise)."""
+    latency_p99_ms: float
+    compute_p50_ms: float
+    in_flight: int
+    queued: int
+    requests_total: int
+    failures_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSample:
+    replica_id: str
+    deployment_id: str
+    priority: int
+    """The deployment's priority class (0 standby .. 3 critical; `ReplicaSpec.priority`)."""
+    cpus: float
+    """The CPU the replica was started with (cores; 0: unlimited, not managed)."""
+    cpus_min: float
+    """The floor the resource manager keeps (cores; `ReplicaSpec.cpus_min`, defaulted)."""
+    cpus_max: float
+    """The ceiling (cores; `ReplicaSpec.cpus_max`, defaulted to the node's cores)."""
+    cpu_limit: float
+    """Its CPU quota now (cores); 0 when unlimited."""
+    cpu_used_cores: float
+    """CPU it used over the interval (cores)."""
+    throttled_ratio: float
+    """Share of the interval's CPU periods in which the quota throttled it, 0..1."""
+    memory_used_mib: int
+    requests: RequestFigures | None
+    """None when its metrics could not be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSample:
+    at: float
+    """Unix seconds, when it was taken."""
+    interval_s: float
+    """Seconds since the previous sample (0 for the first)."""
+    cpu_cores: float
+    """Cores the node offers to its replicas."""
+    gpus: tuple[Gpu, ...]
+    replicas: tuple[ReplicaSample, ...]
+    memory_total_mib: int = 0
+
+    @property
+    def cpu_used_cores(self) -> float:
+        return sum(r.cpu_used_cores for r in self.replicas)
+
+    @property
+    def memory_used_mib(self) -> int:
+        return sum(r.memory_used_mib for r in self.replicas)
+
+
+def offered_cores() -> float:
+    """The cores this process may run on (its affinity: `--cpuset`, a container's cpuset)."""
+    return float(len(os.sched_getaffinity(0)))
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """The upper bound of the bucket holding quantile `q` of a histogram's observations;
+    `buckets` are (upper bound, cumulative count) ascending, +Inf last. 0 when empty; the
+    highest finite bound when the quantile is in the +Inf bucket."""
+    if not buckets or buckets[-1][1] <= 0:
+        return 0.0
+    rank = q * buckets[-1][1]
+    finite = [b for b, _ in buckets if math.isfinite(b)]
+    for bound, count in buckets:
+        if count >= rank:
+            return bound if math.isfinite(bound) else (finite[-1] if finite else 0.0)
+    return finite[-1] if finite else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeCounters:
+    """One scrape of a replica's runtime metrics, summed over its models."""
+
+    requests: float
+    failures: float
+    latency_buckets: tuple[tuple[float, float], ...]
+    compute_buckets: tuple[tuple[float, float], ...]
+    in_flight: float
+    queued: float
+
+
+def parse_runtime_metrics(text: str) -> RuntimeCounters:
+    """The runtime's metrics page (Prometheus text format) summed over its models; ValueError
+    for a page that does not parse."""
+    requests = failures = in_flight = queued = 0.0
+    latency: dict[float, float] = {}
+    compute: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "offload_runtime_requests_total":
+                requests += s.value
+            elif s.name == "offload_runtime_request_failures_total":
+                failures += s.value
+            elif s.name == "offload_runtime_in_flight":
+                in_flight += s.value
+            elif s.name == "offload_runtime_queued":
+                queued += s.value
+            elif s.name == "offload_runtime_request_duration_seconds_bucket":
+                bound = float(s.labels["le"])
+                latency[bound] = latency.get(bound, 0.0) + s.value
+            elif s.name == "offload_runtime_compute_duration_seconds_bucket":
+                bound = float(s.labels["le"])
+                compute[bound] = compute.get(bound, 0.0) + s.value
+    return RuntimeCounters(
+        requests,
+        failures,
+        tuple(sorted(latency.items())),
+        tuple(sorted(compute.items())),
+        in_flight,
+        queued,
+    )
+
+
+def request_figures(
+    before: RuntimeCounters, now: RuntimeCounters, interval_s: float
+) -> RequestFigures:
+    """Figures over the interval between two scrapes. A counter that went down (the runtime
+    restarted) counts from 0."""
+
+    def delta(a: float, b: float) -> float:
+        return b - a if b >= a else b
+
+    def bucket_delta(
+        a: tuple[tuple[float, float], ...], b: tuple[tuple[float, float], ...]
+    ) -> list[tuple[float, float]]:
+        old = dict(a)
+        return [(bound, delta(old.get(bound, 0.0), count)) for bound, count in b]
+
+    span = max(interval_s, 1e-3)
+    latency = bucket_delta(before.latency_buckets, now.latency_buckets)
+    compute = bucket_delta(before.compute_buckets, now.compute_buckets)
+    return RequestFigures(
+        rate_per_s=delta(before.requests, now.requests) / span,
+        failure_rate_per_s=delta(before.failures, now.failures) / span,
+        latency_p50_ms=1000 * histogram_quantile(0.5, latency),
+        latency_p99_ms=1000 * histogram_quantile(0.99, latency),
+        compute_p50_ms=1000 * histogram_quantile(0.5, compute),
+        in_flight=round(now.in_flight),
+        queued=round(now.queued),
+        requests_total=round(now.requests),
+        failures_total=round(now.failures),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CpuCounters:
+    """A replica's cumulative CPU figures, as its runtime reads them (`ReplicaStats`)."""
+
+    cpu_seconds: float
+    throttled_periods: int
+    periods: int
+
+
+def cpu_figures(
+    before: CpuCounters | None, now: CpuCounters, interval_s: float
+) -> tuple[float, float]:
+    """(cores used, throttled ratio) over the interval; (0, 0) without a previous reading."""
+    if before is None or interval_s <= 0:
+        return 0.0, 0.0
+    used = max(0.0, now.cpu_seconds - before.cpu_seconds) / interval_s
+    periods = now.periods - before.periods
+    throttled = now.throttled_periods - before.throttled_periods
+    ratio = min(1.0, max(0.0, throttled / periods)) if periods > 0 else 0.0
+    return used, ratio
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """What the node knows of a running replica besides its counters."""
+
+    replica_id: str
+    deployment_id: str
+    priority: int
+    cpus: float
+    cpus_min: float
+    cpus_max: float
+    metrics_endpoint: str
+
+
+class Telemetry:
+    """Keeps each replica's previous counters, to turn the next reading into figures over
+    the interval. One per node; `sample` is not re-entrant (the node calls it from one
+    loop)."""
+
+    def __init__(self, cpu_cores: float | None = None) -> None:
+        self.cpu_cores = offered_cores() if cpu_cores is None else cpu_cores
+        self._at: float | None = None
+        self._cpu: dict[str, CpuCounters] = {}
+        self._requests: dict[str, RuntimeCounters] = {}
+        self._http: aiohttp.ClientSession | None = None
+        self.latest: NodeSample | None = None
+        """The last sample taken."""
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    async def sample(
+        self,
+        replicas: Sequence[tuple[ReplicaInfo, ReplicaStats | None]],
+        gpus: tuple[Gpu, ...],
+    ) -> NodeSample:
+        """One sample: `replicas` with their runtime's counters now (None: not readable);
+        their metrics endpoints are scraped here, all at once."""
+        now = time.monotonic()
+        interval = 0.0 if self._at is None else now - self._at
+        self._at = now
+        scraped = await asyncio.gather(*(self._scrape(info) for info, _ in replicas))
+        samples = []
+        for (info, stats), counters in zip(replicas, scraped, strict=True):
+            used, throttled = 0.0, 0.0
+            if stats is not None:
+                reading = CpuCounters(stats.cpu_seconds, stats.throttled_periods, stats.periods)
+                used, throttled = cpu_figures(self._cpu.get(info.replica_id), reading, interval)
+                self._cpu[info.replica_id] = reading
+            requests = None
+            if counters is not None:
+                before = self._requests.get(info.replica_id)
+                if before is not None:  # a first scrape has nothing to take a difference from
+                    requests = request_figures(before, counters, interval)
+                self._requests[info.replica_id] = counters
+            samples.append(
+                ReplicaSample(
+                    replica_id=info.replica_id,
+                    deployment_id=info.deployment_id,
+                    priority=info.priority,
+                    cpus=info.cpus,
+                    cpus_min=info.cpus_min,
+                    cpus_max=info.cpus_max,
+                    cpu_limit=stats.cpu_limit if stats else 0.0,
+                    cpu_used_cores=used,
+                    throttled_ratio=throttled,
+                    memory_used_mib=stats.memory_used_mib if stats else 0,
+                    requests=requests,
+                )
+            )
+        present = {info.replica_id for info, _ in replicas}
+        for kept in (self._cpu, self._requests):
+            for gone in set(kept) - present:
+                del kept[gone]
+        self.latest = NodeSample(
+            at=time.time(),
+            interval_s=interval,
+            cpu_cores=self.cpu_cores,
+            gpus=gpus,
+            replicas=tuple(samples),
+        )
+        return self.latest
+
+    async def _scrape(self, info: ReplicaInfo) -> RuntimeCounters | None:
+        if not info.metrics_endpoint:
+            return None
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+            )
+        try:
+            async with self._http.get(f"http://{info.metrics_endpoint}/metrics") as response:
+                if response.status != 200:
+                    return None
+                return parse_runtime_metrics(await response.text())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            logger.debug("replica=%s: metrics not read: %r", info.replica_id, err)
+            return None

@@ -1,0 +1,212 @@
+"""Live load in a real cluster (issue 13): real replicas under real inference load raise
+their node's load in the broker's view within two heartbeats and it falls when the load
+stops; placement avoids the busy node; a node kept hot is relieved by a rebalance
+(make-before-break, zero failed requests) that is not undone within the cooldown."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+import modelzoo
+from protos.offload.v1 import broker_pb2 as pb
+from tests.cluster_support import THREE_NODES, Cluster, EdgeClient
+from tests.integration.test_migration import Stream
+from tests.ops_support import ops_headers
+
+NODE_A = THREE_NODES[0]
+NODE_A2 = replace(NODE_A, node_id="node-a2")
+"""A second machine like node-a at the same site: equally near every client there."""
+HEARTBEAT_S = 0.2
+BUSY = 0.3
+"""A node whose replicas use more than this share of its cores is busy here (one ResNet-18
+closed loop uses about a core of this machine's two)."""
+
+
+async def ops(cluster: Cluster, path: str) -> Any:
+    headers = ops_headers(cluster.root / "broker-state" / "ops-token")
+    async with (
+        aiohttp.ClientSession(headers=headers) as http,
+        http.get(f"http://127.0.0.1:{cluster.ops_port}{path}") as response,
+    ):
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def node_points(cluster: Cluster, node_id: str) -> list[list[float]]:
+    load = await ops(cluster, "/api/load")
+    return next((n["points"] for n in load["nodes"] if n["node_id"] == node_id), [])
+
+
+async def wait_for(check: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
+    """Poll `check` (a function, or a coroutine function) every heartbeat until it returns a
+    truthy value, and return that."""
+    for _ in range(int(timeout_s / HEARTBEAT_S)):
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        await asyncio.sleep(HEARTBEAT_S)
+    raise AssertionError(f"never: {what}")
+
+
+@asynccontextmanager
+async def loaded(client: EdgeClient, deployment: pb.Deployment) -> AsyncIterator[Stream]:
+    """A closed loop of ResNet-18 inferences on the deployment, following its moves."""
+    stream = Stream(
+        client, deployment, "resnet18", endpoint=deployment.endpoint, epoch=deployment.epoch
+    )
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(stream.follow()), asyncio.create_task(stream.run(stop))]
+    try:
+        yield stream
+    finally:
+        stop.set()
+        await tasks[1]
+        tasks[0].cancel()
+        await asyncio.gather(tasks[0], return_exceptions=True)
+
+
+async def deploy(client: EdgeClient, priority: int = pb.PRIORITY_CLASS_STANDARD) -> pb.Deployment:
+    sha = (await client.upload(modelzoo.model_path("resnet18"))).sha256
+    return await client.deploy(
+        model_sha256=sha, model_name="resnet18", gpus=1, site="site-a", priority=priority
+    )
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    cluster = Cluster(tmp_path)
+    try:
+        await cluster.start_broker()
+        await asyncio.gather(cluster.start_node(NODE_A), cluster.start_node(NODE_A2))
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+async def test_a_busy_nodes_load_rises_within_two_heartbeats_falls_and_placement_avoids_it(
+    cluster: Cluster,
+) -> None:
+    async with cluster.edge("alice") as alice:
+        first = await deploy(alice)
+        second = await deploy(alice)
+        # Idle nodes, equally near: the second packs next to the first (the control).
+        assert first.node_id == second.node_id
+        busy = first.node_id
+        idle = ({"node-a", "node-a2"} - {busy}).pop()
+        async with loaded(alice, first) as stream:
+            await wait_for(lambda: len(stream.ok) >= 3, "answers")
+            before = (await node_points(cluster, busy))[-1][0]
+
+            async def risen() -> list[list[float]] | None:
+                after = [p for p in await node_points(cluster, busy) if p[0] > before]
+                return after if any(p[1] > BUSY for p in after) else None
+
+            after = await wait_for(risen, f"{busy}'s load above {BUSY}")
+            # The first sample past the threshold is at most the second heartbeat after the
+            # load was on (one sample may straddle its start).
+            assert next(i for i, p in enumerate(after) if p[1] > BUSY) <= 2, after
+            assert (await node_points(cluster, idle))[-1][1] < BUSY
+            third = await deploy(alice)
+            explanation = json.loads(third.explanation_json)
+            assert third.node_id == idle, explanation["text"]
+            loads = {c["node_id"]: c["terms"]["load"]["value"] for c in explanation["top"]}
+            assert loads[busy] > BUSY > loads[idle], loads
+            assert not stream.failed
+
+        async def fallen() -> bool:
+            return (await node_points(cluster, busy))[-1][1] < BUSY / 3
+
+        await wait_for(fallen, f"{busy}'s load back down")
+
+        async def rates() -> list[float] | None:
+            load = await ops(cluster, "/api/load")
+            (ours,) = [d for d in load["deployments"] if d["deployment_id"] == first.deployment_id]
+            found = [p[1] for p in ours["points"] if p[1] is not None]
+            return found if found and found[-1] == 0.0 else None
+
+        # Its runtime's request rate came through the node, and fell to 0 with the load.
+        assert max(await wait_for(rates, "its request rate back to 0")) > 1.0
+
+
+@pytest.fixture
+async def hot_cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    """Rebalancing on: hot at 0.6 for 2 s, targets at or under 0.3, a 5 min cooldown."""
+    cluster = Cluster(tmp_path)
+    try:
+        await cluster.start_broker(
+            "--rebalance", "1", "--rebalance-hot-load", "0.6", "--rebalance-sustain", "2",
+            "--rebalance-target-max-load", "0.3", "--rebalance-cooldown", "300",
+        )  # fmt: skip
+        await cluster.start_node(NODE_A)
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+async def migrations(client: EdgeClient, deployment_id: str) -> list[pb.Migration]:
+    listed = await client.stub.ListMigrations(
+        pb.ListMigrationsRequest(deployment_id=deployment_id), metadata=client.metadata
+    )
+    return list(listed.migrations)
+
+
+async def test_a_hot_node_is_relieved_by_one_rebalance_that_is_not_undone(
+    hot_cluster: Cluster,
+) -> None:
+    cluster = hot_cluster
+    async with cluster.edge("alice") as alice:
+        critical = await deploy(alice, pb.PRIORITY_CLASS_CRITICAL)
+        best_effort = await deploy(alice, pb.PRIORITY_CLASS_BEST_EFFORT)
+        assert critical.node_id == best_effort.node_id == "node-a"  # the only node yet
+        await cluster.start_node(NODE_A2)
+        async with loaded(alice, critical) as hot, loaded(alice, best_effort) as cheap:
+
+            async def moved() -> pb.Migration | None:
+                done = [
+                    m
+                    for m in await migrations(alice, best_effort.deployment_id)
+                    if m.state == "completed"
+                ]
+                return done[0] if done else None
+
+            migration = await wait_for(moved, "the rebalance", timeout_s=90)
+            # The policy names the best-effort deployment, not the critical one.
+            assert await migrations(alice, critical.deployment_id) == []
+            assert (migration.trigger, migration.source_node, migration.target_node) == (
+                "rebalance",
+                "node-a",
+                "node-a2",
+            )
+            assert (migration.strategy, migration.outcome) == ("make_before_break", "succeeded")
+            assert "node node-a load" in migration.reason, migration.reason
+            assert "best-effort" in migration.reason, migration.reason
+            settled_at = len(cheap.ok)
+            await wait_for(lambda: len(cheap.ok) > settled_at + 5, "answers")
+            assert hot.failed == cheap.failed == []
+        # Now node-a2 carries the load and node-a idles: moving it back would look right
+        # to the policy but for the cooldown.
+        async with loaded(alice, await alice.get(best_effort.deployment_id)) as cheap:
+
+            async def hot_a2() -> bool:
+                points = await node_points(cluster, "node-a2")
+                return len(points) >= 15 and all(p[1] >= 0.6 for p in points[-15:])
+
+            await wait_for(hot_a2, "node-a2 hot for 3 s")
+            await asyncio.sleep(3)  # more rounds of the policy
+            assert len(await migrations(alice, best_effort.deployment_id)) == 1
+            assert cheap.failed == []
+        # The policy saw the heat and said why it left the deployment there.
+        assert "node node-a2 load" in (log := cluster.broker_log.read_text())
+        assert f"{best_effort.deployment_id} on node-a2: cooling down" in log
