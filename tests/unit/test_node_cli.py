@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,18 @@ def test_defaults(tmp_path: Path) -> None:
     assert s.replica_host == "127.0.0.1"
     assert s.state_dir.parts[-2:] == ("edge-offload", "n1")
     assert (s.runtime, s.network, s.stop_replicas_on_exit) == ("auto", "bridge", False)
+
+
+def test_a_cpuset_is_a_list_of_cpus_this_process_may_use() -> None:
+    base = ("--listen", "127.0.0.1:0", "--site", "a")
+    first = min(os.sched_getaffinity(0))
+    assert settings(*base, "--cpuset", str(first)).cpuset == frozenset({first})
+    assert settings(*base).cpuset == frozenset()
+    for bad in ("x", "3-1", "-1", "0,,1"):
+        with pytest.raises(ValueError, match=f"--cpuset '{re.escape(bad)}' is not a CPU list"):
+            settings(*base, "--cpuset", bad)
+    with pytest.raises(ValueError, match="names CPUs this process may not use: \\[4096\\]"):
+        settings(*base, "--cpuset", "4096")
 
 
 def test_bad_flags_exit_2_with_the_message() -> None:
