@@ -33,6 +33,7 @@ from bench import (
     peers,
     placement,
     prewarm,
+    rebalance,
     replica_start,
     runtime_latency,
 )
@@ -45,6 +46,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "migration": migration.main,
     "mobility": mobility.main,
     "prewarm": prewarm.main,
+    "rebalance": rebalance.main,
     "offload": offload.main,
     "peers": peers.main,
 }

@@ -1,0 +1,40 @@
+"""`python -m bench.rebalance`, the live rebalancing benchmark, on a short window: both arms
+run; only the one with rebalancing moves, once, node-hot -> node-idle, make-before-break,
+with its reason; nothing fails and nothing moves back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_the_bench_rebalances_only_when_on_and_nothing_fails(tmp_path: Path) -> None:
+    out = tmp_path / "rebalance.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.rebalance", "--quick", "--window", "20",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "SLO attainment of node-hot's deployments:" in done.stdout
+    result = json.loads(out.read_text())
+    assert [(r["arm"], r["priority"]) for r in result["rows"]] == [
+        ("off-1", "critical"),
+        ("off-1", "best-effort"),
+        ("on-1", "critical"),
+        ("on-1", "best-effort"),
+    ]
+    assert all(r["requests"] > 0 and r["failed"] == 0 for r in result["rows"])
+    assert 0 <= result["attainment_off"] <= 1 and 0 <= result["attainment_on"] <= 1
+    (move,) = result["migrations"]
+    assert (move["arm"], move["trigger"], move["route"]) == (
+        "on-1",
+        "rebalance",
+        "node-hot -> node-idle",
+    )
+    assert move["outcome"] == "succeeded"
+    assert move["reason"].startswith("node node-hot load "), move["reason"]
+    assert result["moved_back"] == 0
+    assert result["failed_requests"] == 0
