@@ -83,7 +83,7 @@ class Rebalancer:
             if not broker.is_busy(r.deployment_id)
         }
         deployments = [
-            view for r in records.values() if (view := self._view(r, snapshot)) is not None
+            view for r in records.values() if (view := self._view(r, snapshot, now)) is not None
         ]
         cooldown_start = now - self.settings.cooldown_s
         recent, in_flight = [], []
@@ -126,7 +126,9 @@ class Rebalancer:
         self._about = about
         self.verdict = verdict
 
-    def _view(self, record: DeploymentRecord, snapshot: ClusterSnapshot) -> DeploymentView | None:
+    def _view(
+        self, record: DeploymentRecord, snapshot: ClusterSnapshot, now: float
+    ) -> DeploymentView | None:
         """What the policy knows of a running deployment: its figures on its current node
         only (its history there), its client's latency to every node."""
         broker = self.migrations.broker
@@ -146,6 +148,11 @@ class Rebalancer:
                 continue
         latest = points[-1].replica if points else None
         p99 = latest.requests.latency_p99_ms if latest and latest.requests else None
+        # CPU used over the span heat is judged on, not one interval: replicas that share a
+        # CPU take turns, and one sample can split it very unevenly between them.
+        recent = [
+            p.replica.cpu_used_cores for p in points if p.at >= now - self.settings.sustain_s
+        ]
         return DeploymentView(
             deployment_id=record.deployment_id,
             node_id=node_id,
@@ -157,5 +164,5 @@ class Rebalancer:
             fits=lambda target: self.migrations.fits(record, target, snapshot),
             latency_slo_ms=DeploySpec.from_json(record.request_json).latency_slo_ms,
             p99_ms=p99 or 0.0,
-            cpu_used_cores=latest.cpu_used_cores if latest else 0.0,
+            cpu_used_cores=sum(recent) / len(recent) if recent else 0.0,
         )
