@@ -2,23 +2,22 @@
 rebalancing off and on, in one run.
 
 Two node daemons at one site, each pinned to its own CPU of this machine (`offload node
---cpuset`): two machines' worth of CPU that do not share. Per arm a fresh cluster: the broker
-(`--rebalance 0`, off; or `--rebalance 1`, hot at load 0.7 for 3 s, a target at or under 0.3),
-node-hot alone at first. Two deployments of the model are made there (it is the only node),
-one critical and one best-effort; then node-idle joins. The critical deployment's client
-first runs it alone, closed loop, for 5 s: its median latency there is what the SLO
-(--slo-x times it) and the offered load are measured against. Then each deployment gets
-its own client (`OffloadClient`, which follows a migration with no failed request) sending
-requests open loop (at a fixed rate, whether or not earlier ones have been answered, as
-independent devices do) for --window seconds, each at --load / the median latency alone:
-together 2 x --load of node-hot's one CPU (0.8 by default), each --load (0.4) of a CPU once
-apart. Open loop because a closed loop slows down with its server and hides the queueing an
-overloaded node causes. The clients (this process, every thread) run on node-idle's CPU
-while they send: on a 2-core machine they must share one, and this one counts against
-rebalancing (the moved deployment shares its CPU with them). With rebalancing on, the policy
-moves one of them to node-idle
-(make-before-break) once node-hot's load has stayed high; off, both share node-hot to the
-end.
+--cpuset`): two machines' worth of CPU that do not share. Per arm a fresh cluster: the
+broker (`--rebalance 0`, off; or `--rebalance 1`, hot at load 0.7 for 3 s, a target at or
+under 0.3), node-hot alone at first. Two deployments of the model are made there (it is the
+only node), one critical and one best-effort; then node-idle joins. The critical
+deployment's client first runs it alone, closed loop, for 5 s in the first arm: its median
+latency there is what the SLO (--slo-x times it) and the offered load are measured against,
+in every arm. Then each deployment gets its own client (`OffloadClient`, which follows a
+migration with no failed request) sending requests open loop (at a fixed rate, whether or
+not earlier ones have been answered, as independent devices do) for --window seconds, each
+at --load / the median latency alone: together 2 x --load of node-hot's one CPU (0.8 by
+default), each --load (0.4) of a CPU once apart. Open loop because a closed loop slows down
+with its server and hides the queueing an overloaded node causes. The clients (this process,
+every thread) run on node-idle's CPU while they send: on a 2-core machine they must share
+one, and this one counts against rebalancing (the moved deployment shares its CPU with
+them). With rebalancing on, the policy moves one of them to node-idle (make-before-break)
+once node-hot's load has stayed high; off, both share node-hot to the end.
 
 The figures, per arm and deployment: requests, p50 and p99 latency, SLO attainment (the share
 of requests answered within the SLO, over the whole window: the time before the move counts
@@ -133,7 +132,15 @@ async def _open_loop(
     await asyncio.gather(*out)
 
 
-async def run_arm(name: str, rebalance: bool, args: argparse.Namespace, image: str) -> Arm:
+async def run_arm(
+    name: str,
+    rebalance: bool,
+    args: argparse.Namespace,
+    image: str,
+    calibration: tuple[float, float] | None,
+) -> Arm:
+    """One arm; `calibration` is (SLO ms, rate per s) from an earlier arm, None for the
+    first (it measures them)."""
     arm = Arm(name)
     root = Path(tempfile.mkdtemp(prefix=f"bench-rebalance-{name}-"))
     hot = replace(DEMO_NODES[0], node_id="node-hot", flags=("--cpuset", args.cpus[0]))
@@ -158,16 +165,18 @@ async def run_arm(name: str, rebalance: bool, args: argparse.Namespace, image: s
             first = await critical.deploy(
                 sha, args.model, gpus=1, priority="critical", site="site-a"
             )
-            # Its latency alone on one CPU: what the SLO is measured against.
+            # Its latency alone on one CPU, measured in the first arm only: every arm then
+            # offers the same rate against the same SLO.
             alone = Series(first.deployment_id, "critical")
             stop = asyncio.Event()
             task = asyncio.create_task(_closed_loop(critical, inputs, alone, stop))
-            await asyncio.sleep(CALIBRATION_S)
+            await asyncio.sleep(CALIBRATION_S if calibration is None else 1.0)
             stop.set()
             await task
-            median_ms = statistics.median(alone.latencies_ms[5:] or [1e9])
-            arm.slo_ms = args.slo_x * median_ms
-            arm.rate_per_s = args.load * 1000 / median_ms
+            if calibration is None:
+                median_ms = statistics.median(alone.latencies_ms[5:] or [1e9])
+                calibration = (args.slo_x * median_ms, args.load * 1000 / median_ms)
+            arm.slo_ms, arm.rate_per_s = calibration
             second = await best_effort.deploy(
                 sha, args.model, gpus=1, priority="best-effort", site="site-a"
             )
@@ -293,7 +302,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"== round {round_ + 1}/{args.rounds}, rebalancing {name} ({runtime})", flush=True
             )
             started = time.monotonic()
-            arms.append(await run_arm(f"{name}-{round_ + 1}", on, args, image))
+            calibration = (arms[0].slo_ms, arms[0].rate_per_s) if arms else None
+            arms.append(await run_arm(f"{name}-{round_ + 1}", on, args, image, calibration))
             print(f"   {time.monotonic() - started:.0f} s", flush=True)
     return summarise(arms)
 
