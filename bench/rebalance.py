@@ -295,7 +295,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         pick_runtime, args.runtime, lambda line: print(line, flush=True)
     )
     args.runtime = runtime
-    arms = []
+    arms: list[Arm] = []
     for round_ in range(args.rounds):
         for name, on in (("off", False), ("on", True)):
             print(
