@@ -87,6 +87,11 @@ DOWNTIME_BUCKETS_S = (
 """Migration downtime buckets in seconds; 5 s is the bound the design must beat."""
 
 
+MIGRATION_OUTCOMES = ("succeeded", "rolled_back", "failed")
+MIGRATION_TRIGGERS = ("mobility", "node_lost", "drain", "rebalance", "operator")
+"""Every series of `offload_migrations_total` exists from the start at 0, so that
+`increase()` sees the first migration of a kind."""
+
 STANDBY_EVENTS = ("started", "hit", "lapsed", "expired", "preempted", "failed", "lost", "refused")
 
 
@@ -269,6 +274,9 @@ class BrokerMetrics:
         )
         for event in STANDBY_EVENTS:
             self._standby_events.labels(event=event)
+        for outcome in MIGRATION_OUTCOMES:
+            for trigger in MIGRATION_TRIGGERS:
+                self._migrations.labels(outcome=outcome, trigger=trigger)
         self._offload = _OffloadCollector()
         self.registry.register(self._offload)
         self._load = _LoadCollector()

@@ -23,7 +23,9 @@ from broker.ops import (
     start_ops_server,
 )
 from broker.ops.auth import SESSION_COOKIE
-from broker.ops.metrics import STANDBY_EVENTS
+from broker.ops.metrics import MIGRATION_OUTCOMES, MIGRATION_TRIGGERS, STANDBY_EVENTS
+from broker.state import MigrationTrigger
+from migration.mechanism import Outcome
 from tests.ops_support import (
     DEPLOYMENT_ID,
     OPS_TOKEN,
@@ -232,7 +234,17 @@ def test_metrics_refuse_negative_or_nan_seconds() -> None:
         metrics.observe_span_gap(float("inf"))
     body, _ = metrics.render()
     # The refused migration was not counted either.
-    assert b"offload_migrations_total{" not in body
+    assert b'offload_migrations_total{outcome="succeeded",trigger="operator"} 0.0' in body
+
+
+def test_every_migration_series_exists_at_zero_from_the_start() -> None:
+    body = BrokerMetrics().render()[0].decode()
+    assert {str(o) for o in Outcome} == set(MIGRATION_OUTCOMES)
+    assert {str(t) for t in MigrationTrigger} == set(MIGRATION_TRIGGERS)
+    for outcome in Outcome:
+        for trigger in MigrationTrigger:
+            series = f'offload_migrations_total{{outcome="{outcome}",trigger="{trigger}"}} 0.0'
+            assert series in body
 
 
 def test_registries_are_independent() -> None:
