@@ -101,7 +101,7 @@ class Cluster:
                 "--state-dir", str(self.root / f"{plan.node_id}-state"),
                 "--broker", self.broker_address,
                 "--join-token-file", str(self.root / "join-token"),
-                "--stop-replicas-on-exit", *extra,
+                "--stop-replicas-on-exit", *plan.flags, *extra,
             ],
             log,
         )  # fmt: skip

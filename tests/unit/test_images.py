@@ -216,7 +216,7 @@ def test_dockerfile_contract(context: Path) -> None:
     assert instructions[0] == "ARG BASE=edge-offload/base:bookworm"
     assert "FROM ${BASE} AS venv" in instructions
     assert "USER 10001:10001" in instructions
-    assert "EXPOSE 8001" in instructions
+    assert "EXPOSE 8001 8002" in instructions  # inference, and the runtime's metrics
     assert instructions[-1] == 'ENTRYPOINT ["/opt/venv/bin/python", "-m", "runtime.server"]'
     assert any("useradd --uid 10001" in line and line.endswith("offload") for line in instructions)
 
