@@ -38,8 +38,9 @@ from node_daemon.errors import (
     Unsupported,
 )
 from node_daemon.gpu_allocator import GpuAllocator
-from node_daemon.inventory import Gpu, Inventory
+from node_daemon.inventory import Gpu, Inventory, InventoryUnavailable
 from node_daemon.model_cache import ModelCache
+from node_daemon.resources import ResourceManager
 from node_daemon.runtimes import (
     Replica,
     ReplicaFailed,
@@ -221,10 +222,20 @@ class NodeAgent:
         """The runtime's start of each STARTING replica (`stop_replica` cancels it)."""
         self.fetch_model: Callable[[str], Awaitable[None]] | None = None
         """Set when the node has joined a broker: copies a model into the cache."""
+        self.resizer: ResourceManager | None = None
+        """Set by the daemon: the node's resource manager (`node_daemon.resources`), which
+        the broker link steps at every sample and whose resizes the heartbeat and `Usage`
+        report; None: the node never resizes."""
         self.telemetry = telemetry or Telemetry()
         self.read_gpus = read_gpus
-        """Reads the GPUs' live utilization and memory (NVML nodes); None: the inventory's,
-        as read at startup (a topology-file node has no live GPU figures)."""
+        """Reads the GPUs' live utilization and memory (NVML nodes; blocking, run in a
+        thread); None: the inventory's, as read at startup (a topology-file node has no live
+        GPU figures). Should it raise InventoryUnavailable, the sample carries the startup
+        figures and a warning is logged (once, until it reads again)."""
+        self._gpus_unreadable = False
+        self._sampling = asyncio.Lock()
+        """One sample at a time: the heartbeat's sampler and a `Usage` call may both take
+        one, and the telemetry's differences need the readings in order."""
 
     async def adopt(self) -> list[ReplicaView]:
         """Take over the replicas with this node's label that survived a daemon restart."""
@@ -458,6 +469,11 @@ class NodeAgent:
         await self.refresh()
         return sorted(self._replicas.values(), key=lambda v: v.replica_id)
 
+    async def resize(self, replica_id: str, cpus: float) -> None:
+        """Set a replica's CPU quota (the resource manager's change); Unsupported where the
+        runtime cannot."""
+        await self.update_resources(replica_id, cpus, 0)
+
     async def update_resources(self, replica_id: str, cpus: float, memory_mib: int) -> None:
         view = self._replicas.get(replica_id)
         if view is None:
@@ -495,9 +511,13 @@ class NodeAgent:
         """A sample of the node and its ready replicas (`node_daemon.telemetry`): CPU, its
         quota and throttling, memory, and request figures, over the interval since the last
         call; GPUs as `read_gpus` reads them now (else as at startup)."""
+        async with self._sampling:
+            return await self._sample()
+
+    async def _sample(self) -> NodeSample:
         ready = [v for v in list(self._replicas.values()) if v.state is ReplicaState.READY]
         stats = await asyncio.gather(*(self.runtime.stats(v.replica_id) for v in ready))
-        gpus = await asyncio.to_thread(self.read_gpus) if self.read_gpus else self.inventory.gpus
+        gpus = await self._read_gpus()
         infos = []
         for v in ready:
             floor, ceiling = v.request.cpu_bounds(self.telemetry.cpu_cores)
@@ -513,6 +533,26 @@ class NodeAgent:
                 )
             )
         return await self.telemetry.sample(list(zip(infos, stats, strict=True)), gpus)
+
+    async def _read_gpus(self) -> tuple[Gpu, ...]:
+        if self.read_gpus is None:
+            return self.inventory.gpus
+        try:
+            gpus = await asyncio.to_thread(self.read_gpus)
+        except InventoryUnavailable as err:
+            if not self._gpus_unreadable:
+                logger.warning(
+                    "node=%s: the GPUs' live figures cannot be read (%s); reporting those "
+                    "read at startup until they can",
+                    self.node_id,
+                    err,
+                )
+            self._gpus_unreadable = True
+            return self.inventory.gpus
+        if self._gpus_unreadable:
+            logger.info("node=%s: the GPUs' live figures are read again", self.node_id)
+            self._gpus_unreadable = False
+        return gpus
 
     async def close(self, stop_replicas: bool) -> None:
         """Stop every replica, or leave them serving for the next daemon to adopt."""

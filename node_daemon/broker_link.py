@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from typing import Protocol
 
 import grpc
 
@@ -32,16 +30,6 @@ CALL_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 5.0
 
 
-class Resizer(Protocol):
-    """The node's resource manager (`node_daemon.resources.ResourceManager`)."""
-
-    policy: str
-
-    async def step(self, sample: NodeSample) -> Sequence[convert.Resize]: ...
-
-    def events(self) -> Sequence[convert.Resize]: ...
-
-
 class BrokerLink:
     def __init__(
         self,
@@ -49,7 +37,6 @@ class BrokerLink:
         join_token: str,
         agent: NodeAgent,
         agent_address: str,
-        resizer: Resizer | None = None,
     ) -> None:
         self.broker = broker
         self._metadata = (("authorization", f"Bearer {join_token}"),)
@@ -63,8 +50,6 @@ class BrokerLink:
         self.registered = asyncio.Event()
         self._usage: NodeSample | None = None
         """The latest sample (`_sample_usage`)."""
-        self.resizer = resizer
-        """The node's resource manager, given each sample; None: no resizing."""
 
     async def close(self) -> None:
         await self._channel.close()
@@ -119,7 +104,8 @@ class BrokerLink:
             await asyncio.gather(sampler, return_exceptions=True)
 
     async def _sample_usage(self, interval: float) -> None:
-        """Keep `_usage` fresh, and hand each sample to the resource manager. Reading a
+        """Keep `_usage` fresh, and hand each sample to the node's resource manager
+        (`NodeAgent.resizer`): the heartbeat interval is the sampling interval. Reading a
         replica may be slow (Docker's stats call, where its cgroup is not visible, takes
         about half a second a replica): heartbeats carry the latest sample instead of
         waiting for one, so a slow engine never makes a live node look lost."""
@@ -127,8 +113,8 @@ class BrokerLink:
             sampling = time.monotonic()
             try:
                 self._usage = await self._agent.usage()
-                if self.resizer is not None:
-                    await self.resizer.step(self._usage)
+                if self._agent.resizer is not None:
+                    await self._agent.resizer.step(self._usage)
             except Exception:  # the next sample may do better; heartbeats go on regardless
                 logger.exception("sampling the replicas' usage, or resizing them, failed")
             if (took := time.monotonic() - sampling) > 2 * interval:
@@ -168,9 +154,7 @@ class BrokerLink:
     def _usage_message(self) -> npb.UsageResponse:
         if self._usage is None:  # no sample yet: the GPUs as at startup
             return npb.UsageResponse(gpus=[convert.gpu(g) for g in self._agent.inventory.gpus])
-        if self.resizer is None:
-            return convert.usage(self._usage)
-        return convert.usage(self._usage, self.resizer.events(), self.resizer.policy)
+        return convert.usage(self._usage, self._agent.resizer)
 
     async def fetch_model(self, sha256: str) -> None:
         """Copy a model from the broker into the node's cache. ModelNotCached when the

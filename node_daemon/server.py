@@ -27,15 +27,16 @@ from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import (
-    Gpu,
     GpuSpec,
     Inventory,
     InventoryError,
     NvmlInventory,
+    NvmlLiveGpus,
     TopologyFileInventory,
     cpu_only_inventory,
 )
 from node_daemon.model_cache import DEFAULT_MAX_BYTES, ModelCache
+from node_daemon.resources import POLICIES, ResourceManager
 from node_daemon.rpc.servicer import NodeAgentServicer
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, Runtime, RuntimeUnavailable
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
@@ -74,6 +75,8 @@ class NodeSettings:
     stop_replicas_on_exit: bool = False
     monitor_interval_s: float = 2.0
     ready_timeout_s: float = 60.0
+    resize_policy: str = "static"
+    """How the node re-divides its CPU among its replicas (`node_daemon.resources`)."""
     cpuset: frozenset[int] = frozenset()
     """The CPUs replicas (and the daemon) run on; empty: all this process may use. The node
     offers as many cores as it has CPUs here."""
@@ -139,8 +142,9 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
         cache,
         host=settings.replica_host,
         ready_timeout_s=settings.ready_timeout_s,
-        read_gpus=_live_gpus if settings.nvml else None,
+        read_gpus=NvmlLiveGpus(inventory.gpus).read if settings.nvml else None,
     )
+    agent.resizer = ResourceManager(settings.resize_policy, agent.resize)
     adopted = await agent.adopt()
     logger.info(
         "node=%s site=%s runtime=%s gpus=%d adopted=%d replica(s): %s",
@@ -170,11 +174,6 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
     await server.start()
     logger.info("node agent listening on %s:%d", settings.listen.rpartition(":")[0], port)
     return server, port, agent
-
-
-def _live_gpus() -> tuple[Gpu, ...]:
-    """The GPUs with their utilization and memory now (NVML). Blocking."""
-    return NvmlInventory().read().gpus
 
 
 async def _monitor(agent: NodeAgent, interval_s: float) -> None:
@@ -300,6 +299,17 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--image", default="", help="runtime image (default: the cpu/cuda builds)")
     p.add_argument("--max-model-bytes", type=int, default=DEFAULT_MAX_BYTES)
     p.add_argument(
+        "--resize-policy",
+        choices=POLICIES,
+        default="static",
+        help="how the node re-divides its CPU among its replicas while they run, every "
+        "heartbeat interval, each within its floor and ceiling (cpus_min, cpus_max): static "
+        "never changes a replica's CPU; usage gives each its measured demand (more when its "
+        "quota throttles it), by priority when the cores run short (DeepRes); gain hands "
+        "cores to the replica that gains most per core (FlowCon). Needs a broker (the "
+        "sampling runs with the heartbeat) and replicas started with cpus > 0 (default static)",
+    )
+    p.add_argument(
         "--cpuset",
         default="",
         metavar="CPUS",
@@ -346,6 +356,10 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         )
     if args.max_model_bytes <= 0:
         raise ValueError("--max-model-bytes must be positive")
+    if args.resize_policy != "static" and not args.broker:
+        # The node samples its replicas at the broker's heartbeat interval; a standalone
+        # node takes no samples to resize from.
+        raise ValueError(f"--resize-policy {args.resize_policy} needs --broker")
     state_dir = args.state_dir or (
         Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
         / "edge-offload"
@@ -369,6 +383,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         max_model_bytes=args.max_model_bytes,
         stop_replicas_on_exit=args.stop_replicas_on_exit,
         cpuset=parse_cpuset(args.cpuset),
+        resize_policy=args.resize_policy,
     )
 
 

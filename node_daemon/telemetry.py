@@ -85,6 +85,7 @@ class NodeSample:
     gpus: tuple[Gpu, ...]
     replicas: tuple[ReplicaSample, ...]
     memory_total_mib: int = 0
+    """The node's physical memory (MiB); 0 when unknown."""
 
     @property
     def cpu_used_cores(self) -> float:
@@ -98,6 +99,14 @@ class NodeSample:
 def offered_cores() -> float:
     """The cores this process may run on (its affinity: `--cpuset`, a container's cpuset)."""
     return float(len(os.sched_getaffinity(0)))
+
+
+def physical_memory_mib() -> int:
+    """The machine's memory (MiB); 0 where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    except (ValueError, OSError):
+        return 0
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
@@ -231,6 +240,7 @@ class Telemetry:
 
     def __init__(self, cpu_cores: float | None = None) -> None:
         self.cpu_cores = offered_cores() if cpu_cores is None else cpu_cores
+        self.memory_total_mib = physical_memory_mib()
         self._at: float | None = None
         self._cpu: dict[str, CpuCounters] = {}
         self._requests: dict[str, RuntimeCounters] = {}
@@ -291,6 +301,7 @@ class Telemetry:
             cpu_cores=self.cpu_cores,
             gpus=gpus,
             replicas=tuple(samples),
+            memory_total_mib=self.memory_total_mib,
         )
         return self.latest
 

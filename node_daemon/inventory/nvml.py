@@ -7,6 +7,11 @@ Two halves, split at the hardware seam:
 - `inventory_from_nvml` turns a `RawSystem` into a `ParsedTopology` plus one `GpuDetails`
   per GPU and hands them to `build_inventory`, the same code a capture goes through.
 
+The inventory is read once, at startup. The figures that change (each GPU's utilization and
+memory in use) are read again every sampling interval by `NvmlLiveGpus`, through its own
+seam (`NvmlUsageReader`: NVML kept initialized, two calls a GPU), never by re-reading the
+topology.
+
 How NVML's answers become `nvidia-smi topo -m` codes:
 
 - NVLink first: a pair with NVLinks between them is NV<n> whatever the PCIe path (the DGX-1
@@ -29,14 +34,15 @@ How NVML's answers become `nvidia-smi topo -m` codes:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import pynvml
 
-from common.inventory import Inventory, Link, LinkKind
+from common.inventory import Gpu, Inventory, Link, LinkKind
 from node_daemon.inventory.assembly import (
     GpuAffinity,
     GpuDetails,
@@ -226,6 +232,100 @@ class NvmlInventory:
     def read(self) -> Inventory:
         """Blocking; raises InventoryUnavailable when there is no NVML."""
         return inventory_from_nvml(self._reader.read())
+
+
+@dataclass(frozen=True, slots=True)
+class RawGpuUsage:
+    """One GPU's changing figures, as NVML reports them now."""
+
+    uuid: str
+    memory_used_bytes: int
+    utilization_pct: int | None = None
+    """Percent of NVML's last sample period (1/6 s to 1 s by product) the GPU was busy;
+    None when the GPU does not report it."""
+
+
+class GpuUsageReader(Protocol):
+    """The seam of the live figures: `NvmlUsageReader`, or a fake of it in tests."""
+
+    def read_usage(self) -> tuple[RawGpuUsage, ...]:
+        """Every GPU's figures now; raises InventoryUnavailable when NVML fails."""
+        ...
+
+
+class NvmlUsageReader:
+    """Reads every GPU's utilization and memory in use, every sampling interval.
+
+    NVML is initialized on the first read and kept (an init costs tens of milliseconds and
+    more on a large node); after a failure it is shut down and the next read initializes it
+    again. Blocking: call `read_usage` through `asyncio.to_thread`, one call at a time.
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[Any] | None = None
+
+    def read_usage(self) -> tuple[RawGpuUsage, ...]:
+        """Raises InventoryUnavailable when NVML cannot be loaded or fails mid-read."""
+        try:
+            if self._handles is None:
+                pynvml.nvmlInit()
+                self._handles = [
+                    pynvml.nvmlDeviceGetHandleByIndex(i)
+                    for i in range(pynvml.nvmlDeviceGetCount())
+                ]
+            return tuple(self._usage(handle) for handle in self._handles)
+        except pynvml.NVMLError as err:
+            self._shutdown()
+            raise InventoryUnavailable(f"NVML failed reading the GPUs' usage ({err})") from err
+
+    @staticmethod
+    def _usage(handle: Any) -> RawGpuUsage:
+        utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
+        return RawGpuUsage(
+            uuid=pynvml.nvmlDeviceGetUUID(handle),
+            memory_used_bytes=pynvml.nvmlDeviceGetMemoryInfo(handle).used,
+            utilization_pct=None if utilization is None else utilization.gpu,
+        )
+
+    def _shutdown(self) -> None:
+        if self._handles is None:
+            return
+        self._handles = None
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+class NvmlLiveGpus:
+    """The inventory's GPUs with the utilization and memory NVML reports now (an NVML
+    node's `NodeAgent.read_gpus`)."""
+
+    def __init__(self, gpus: Sequence[Gpu], reader: GpuUsageReader | None = None) -> None:
+        self._gpus = tuple(gpus)
+        self._reader = reader if reader is not None else NvmlUsageReader()
+
+    def read(self) -> tuple[Gpu, ...]:
+        """Blocking; InventoryUnavailable when NVML fails."""
+        return gpus_with_usage(self._gpus, self._reader.read_usage())
+
+
+def gpus_with_usage(gpus: Sequence[Gpu], usage: Sequence[RawGpuUsage]) -> tuple[Gpu, ...]:
+    """`gpus` with each one's utilization and memory in use from `usage` (matched by UUID);
+    a figure NVML did not give now stays as it is in `gpus` (as read at startup)."""
+    now = {u.uuid: u for u in usage}
+    live = []
+    for gpu in gpus:
+        if (figures := now.get(gpu.uuid)) is None:
+            live.append(gpu)
+            continue
+        utilization = figures.utilization_pct
+        live.append(
+            replace(
+                gpu,
+                memory_used_mib=figures.memory_used_bytes // _MIB,
+                utilization_pct=gpu.utilization_pct if utilization is None else utilization,
+            )
+        )
+    return tuple(live)
 
 
 def inventory_from_nvml(raw: RawSystem) -> Inventory:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
-
 from node_daemon.agent import ReplicaState, ReplicaView, StartRequest
 from node_daemon.inventory import Gpu, Inventory
+from node_daemon.resources import ResourceManager
 from node_daemon.telemetry import NodeSample, ReplicaSample
 from protos.offload.v1 import node_pb2 as pb
 from runtime.errors import client_text
@@ -102,23 +100,10 @@ def inventory(inv: Inventory) -> pb.Inventory:
     )
 
 
-class Resize(Protocol):
-    """A resize event as the node's resource manager records it (`node_daemon.resources`)."""
-
-    event_id: str
-    replica_id: str
-    deployment_id: str
-    cpus_before: float
-    cpus_after: float
-    policy: str
-    reason: str
-    at: float
-
-
-def usage(
-    sample: NodeSample, resizes: Sequence[Resize] = (), resize_policy: str = ""
-) -> pb.UsageResponse:
-    """A sample, with the resource manager's recent resizes, as the heartbeat carries it."""
+def usage(sample: NodeSample, resizer: ResourceManager | None = None) -> pb.UsageResponse:
+    """A sample, with the resource manager's recent resizes and its policy (none and ""
+    without one), as the heartbeat and `Usage` carry it."""
+    resizes = resizer.events() if resizer is not None else ()
     return pb.UsageResponse(
         gpus=[gpu(g) for g in sample.gpus],
         replicas=[_replica_usage(r) for r in sample.replicas],
@@ -141,7 +126,7 @@ def usage(
             )
             for r in resizes
         ],
-        resize_policy=resize_policy,
+        resize_policy=resizer.policy if resizer is not None else "",
     )
 
 

@@ -69,7 +69,7 @@ class NodeAgentServicer(pb_grpc.NodeAgentServicer):
     async def Usage(
         self, request: pb.UsageRequest, context: grpc.aio.ServicerContext
     ) -> pb.UsageResponse:
-        return convert.usage(await self._agent.recent_usage())
+        return convert.usage(await self._agent.recent_usage(), self._agent.resizer)
 
     @mapped_errors
     async def PutModel(

@@ -473,7 +473,7 @@ class DockerRuntime:
         if started is None:
             return None
         pid = started.container.attrs.get("State", {}).get("Pid") or 0
-        if pid > 0 and (read := _cgroup_stats(pid)) is not None:
+        if pid > 0 and (read := _cgroup_stats(pid, started.container.id)) is not None:
             return read
         try:
             sample = await asyncio.to_thread(started.container.stats, stream=False, one_shot=True)
@@ -541,7 +541,13 @@ class DockerRuntime:
         await asyncio.to_thread(self._client.close)
 
 
-def _cgroup_stats(pid: int) -> ReplicaStats | None:
+def _cgroup_stats(pid: int, container_id: str | None) -> ReplicaStats | None:
+    """From the container's cgroup files; None when they are not visible here. A pid is
+    trusted only while its cgroup names the container: a daemon in another pid namespace
+    would see another process under that number (and its cgroup paths name no container)."""
+    dirs = cgroups.cgroup_dirs(pid)
+    if not container_id or not any(container_id in str(d) for d in dirs.values()):
+        return None
     cpu = cgroups.cpu_accounting(pid)
     memory = cgroups.memory_used_mib(pid)
     if cpu is None or cpu.cpu_seconds is None or memory is None:
@@ -559,7 +565,9 @@ def _stats_from(sample: Mapping, host_config: Mapping) -> ReplicaStats:
     cpu = sample.get("cpu_stats", {})
     throttling = cpu.get("throttling_data", {})
     memory = sample.get("memory_stats", {})
-    used = memory.get("usage", 0) - memory.get("stats", {}).get("inactive_file", 0)
+    stats = memory.get("stats", {})
+    # Page cache the kernel can drop: "inactive_file" (cgroup v2), "total_inactive_file" (v1).
+    used = memory.get("usage", 0) - stats.get("inactive_file", stats.get("total_inactive_file", 0))
     quota, period = host_config.get("CpuQuota") or 0, host_config.get("CpuPeriod") or 0
     nano = host_config.get("NanoCpus") or 0
     return ReplicaStats(

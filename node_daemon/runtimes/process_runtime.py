@@ -2,7 +2,9 @@
 
 For hosts where no Docker engine is reachable (and for fast tests). It runs the same server
 code as the container, on the same interface as `DockerRuntime`; it gives no isolation and
-cannot limit resources.
+cannot limit memory. It limits CPU (a replica's `cpus` from its start, and `update`) with a
+cgroup of the replica's own where the host lets it write one
+(`node_daemon.runtimes.cgroup_limits`), and says it cannot elsewhere.
 
 Each replica has a folder (token, log, `replica.json`). Replicas run in their own session,
 so they outlive the daemon; a daemon started again with the same `workdir` adopts those
@@ -41,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from node_daemon.runtimes import cgroups
+from node_daemon.runtimes import cgroup_limits, cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
     LISTENING,
@@ -227,8 +229,11 @@ class ProcessRuntime:
         """`workdir`: where each replica's folder goes; see the module docstring."""
         self._workdir = workdir
         self._running: dict[str, _Running] = {}
+        self._cgroups: dict[str, Path] = {}
+        """replica_id -> the CPU cgroup `update` made for it."""
         self._background = can_leave_background()
         self._warned_background = False
+        self._warned_cgroup = False
 
     async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica:
         """Start the replica and return once it is ready. ReplicaFailed (with its log tail)
@@ -246,6 +251,8 @@ class ProcessRuntime:
         try:
             await uncancellable(self._spawn(spec, workdir))
             running = self._running[spec.replica_id]
+            if spec.cpus > 0:
+                self._limit(spec.replica_id, running.pid, spec.cpus)
             if spec.background:
                 self._lower(running)
             port = await self._port(running, ready_timeout_s)
@@ -316,6 +323,19 @@ class ProcessRuntime:
             await self.stop(replica_id, grace_s=0)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _limit(self, replica_id: str, pid: int, cpus: float) -> None:
+        """Give a replica just spawned its CPU quota before it loads anything, as Docker gives
+        a container its `--cpus`; where this host gives the daemon no writable cgroup it runs
+        unlimited, said once (a process that already exited is found by the start's wait)."""
+        try:
+            self._cgroups[replica_id] = cgroup_limits.limit_cpu(pid, replica_id, cpus)
+        except ProcessLookupError:
+            return
+        except cgroup_limits.CgroupUnavailable as err:
+            if not self._warned_cgroup:
+                self._warned_cgroup = True
+                logger.warning("process replicas run without their CPU quota: %s", err)
 
     def _lower(self, running: _Running) -> None:
         """Put a replica just spawned at background priority, if it can be raised again."""
@@ -447,17 +467,41 @@ class ProcessRuntime:
         return _proc_stats(running.pid)
 
     async def update(self, replica_id: str, cpus: float, memory_mib: int) -> None:
-        raise ResourceUpdateUnsupported(
-            "the process runtime cannot limit CPU or memory; use the Docker runtime"
-        )
+        """Limit the replica to `cpus` cores (0: leave its CPU as it is) with a cgroup of its
+        own, created on the first call and moved into with every thread
+        (`node_daemon.runtimes.cgroup_limits`); removed at `stop`. ResourceUpdateUnsupported
+        for a memory limit, and where this host has no writable cgroup (the reason in the
+        message); ReplicaFailed when the replica is not running."""
+        running = self._running.get(replica_id)
+        if running is None or not running.alive():
+            raise ReplicaFailed(f"replica {replica_id} is not running")
+        if memory_mib:
+            raise ResourceUpdateUnsupported(
+                "the process runtime limits CPU only, not memory; use the Docker runtime"
+            )
+        if not cpus:
+            return
+        try:
+            group = cgroup_limits.limit_cpu(running.pid, replica_id, cpus)
+        except cgroup_limits.CgroupUnavailable as err:
+            raise ResourceUpdateUnsupported(f"the process runtime: {err}") from err
+        except ProcessLookupError as err:
+            raise ReplicaFailed(f"replica {replica_id} exited") from err
+        self._cgroups[replica_id] = group
+        logger.info("replica=%s pid=%d cpus=%.2f (%s)", replica_id, running.pid, cpus, group)
 
     async def stop(self, replica_id: str, grace_s: float = 10.0) -> int | None:
         """SIGTERM, wait up to `grace_s` (plus a margin for exit), then SIGKILL; then its
-        folder goes. Returns the exit code (None when unknown: adopted, or no such replica
-        here: idempotent). ReplicaFailed when it still runs after SIGKILL: it stays tracked."""
+        folder and its CPU cgroup (`update`) go. Returns the exit code (None when unknown:
+        adopted, or no such replica here: idempotent). ReplicaFailed when it still runs
+        after SIGKILL: it stays tracked."""
         running = self._running.get(replica_id)
         if running is None:
             return None
+        # Found before it exits: an adopted replica's cgroup is known only from its pid.
+        groups = set(cgroup_limits.own_groups(running.pid, replica_id) if running.alive() else ())
+        if replica_id in self._cgroups:
+            groups.add(self._cgroups[replica_id])
         if running.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(running.pid, signal.SIGTERM)
@@ -470,12 +514,26 @@ class ProcessRuntime:
                         f"replica {replica_id} (pid {running.pid}) still runs after SIGKILL"
                     )
         self._running.pop(replica_id, None)
+        self._cgroups.pop(replica_id, None)
+        for group in groups:
+            await self._remove_cgroup(replica_id, group)
         if self._workdir is None:
             shutil.rmtree(running.workdir, ignore_errors=True)
         else:  # keep the log of a stopped replica; the rest goes
             (running.workdir / "token").unlink(missing_ok=True)
             (running.workdir / _RECORD).unlink(missing_ok=True)
         return running.exit_code()
+
+    @staticmethod
+    async def _remove_cgroup(replica_id: str, group: Path) -> None:
+        """Remove a replica's cgroup once it is empty (an exited process can linger in it a
+        moment); one still busy after a few seconds is logged and left."""
+        deadline = time.monotonic() + 5.0
+        while not cgroup_limits.remove_group(group):
+            if time.monotonic() > deadline:
+                logger.warning("replica=%s: its cgroup %s could not be removed", replica_id, group)
+                return
+            await asyncio.sleep(0.05)
 
     @staticmethod
     async def _wait_exit(running: _Running, timeout_s: float) -> bool:

@@ -54,6 +54,19 @@ def test_a_cpuset_is_a_list_of_cpus_this_process_may_use() -> None:
         settings(*base, "--cpuset", "4096")
 
 
+def test_a_resize_policy_needs_a_broker(tmp_path: Path) -> None:
+    base = ("--listen", "127.0.0.1:0", "--site", "a")
+    assert settings(*base).resize_policy == "static"
+    with pytest.raises(ValueError, match="--resize-policy usage needs --broker"):
+        settings(*base, "--resize-policy", "usage")
+    token = tmp_path / "join-token"
+    token.write_text("join-token-0123456789")
+    joined = ("--broker", "127.0.0.1:1", "--join-token-file", str(token))
+    assert settings(*base, *joined, "--resize-policy", "gain").resize_policy == "gain"
+    with pytest.raises(SystemExit):
+        settings(*base, *joined, "--resize-policy", "fastest")
+
+
 def test_bad_flags_exit_2_with_the_message() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "edge_client.cli", "node", "--listen", "0.0.0.0:7000",

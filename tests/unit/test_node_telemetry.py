@@ -1,17 +1,42 @@
-"""The node's telemetry arithmetic: counters into figures over an interval, histogram
-quantiles, the runtime's metrics page read, and a process's cgroup found and read."""
+"""The node's telemetry: counters into figures over an interval, histogram quantiles, the
+runtime's metrics page read and scraped (a dead endpoint leaves the figures out), a
+process's cgroup found and read, the usage message, and an NVML node's live GPU figures."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
-from node_daemon.runtimes import cgroups
+from node_daemon.agent import NodeAgent
+from node_daemon.inventory import (
+    Gpu,
+    Inventory,
+    InventoryUnavailable,
+    Link,
+    LinkKind,
+    NvmlLiveGpus,
+    RawGpuUsage,
+)
+from node_daemon.model_cache import ModelCache
+from node_daemon.resources import ResizeEvent, ResourceManager
+from node_daemon.rpc import convert
+from node_daemon.runtimes import ProcessRuntime, ReplicaStats, cgroups
 from node_daemon.telemetry import (
     CpuCounters,
+    NodeSample,
+    ReplicaInfo,
+    ReplicaSample,
     RuntimeCounters,
+    Telemetry,
     cpu_figures,
     histogram_quantile,
     parse_runtime_metrics,
@@ -104,3 +129,169 @@ def test_a_process_cgroup_is_found_from_proc(tmp_path: Path) -> None:
     unlimited[0].write_text(unlimited[1])
     read = cgroups.cpu_accounting(pid, tmp_path)
     assert read is not None and read.limit_cores == 0.0
+
+
+PAGE_LATER = (
+    PAGE.replace(
+        'offload_runtime_requests_total{model="a"} 90.0',
+        'offload_runtime_requests_total{model="a"} 110.0',
+    )
+    .replace(
+        'offload_runtime_request_duration_seconds_bucket{le="0.01",model="a"} 89.0',
+        'offload_runtime_request_duration_seconds_bucket{le="0.01",model="a"} 109.0',
+    )
+    .replace(
+        'offload_runtime_request_duration_seconds_bucket{le="+Inf",model="a"} 90.0',
+        'offload_runtime_request_duration_seconds_bucket{le="+Inf",model="a"} 110.0',
+    )
+)
+
+
+@contextlib.asynccontextmanager
+async def metrics_server(pages: list[str]) -> AsyncIterator[str]:
+    """A runtime's metrics endpoint answering `pages` in turn (the last one from then on);
+    yields its host:port."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        page = pages.pop(0) if len(pages) > 1 else pages[0]
+        return web.Response(text=page, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def info(replica_id: str, endpoint: str = "") -> ReplicaInfo:
+    return ReplicaInfo(replica_id, f"dep-{replica_id}", 3, 0.5, 0.25, 2.0, endpoint)
+
+
+async def test_a_sample_turns_two_readings_into_figures_and_a_dead_endpoint_into_none() -> None:
+    telemetry = Telemetry(cpu_cores=2.0)
+    try:
+        async with metrics_server([PAGE, PAGE_LATER]) as endpoint:
+            # A port nothing listens on: that replica has no request figures, and the
+            # sample goes on.
+            with socket.socket() as free:
+                free.bind(("127.0.0.1", 0))
+                dead = f"127.0.0.1:{free.getsockname()[1]}"
+            replicas = [info("a", endpoint), info("b", dead), info("c")]
+            first = await telemetry.sample(
+                [(r, ReplicaStats(10.0, 100, 10, 1, 0.5)) for r in replicas], ()
+            )
+            assert first.interval_s == 0
+            assert [r.requests for r in first.replicas] == [None, None, None]
+            assert first.cpu_used_cores == 0  # nothing to take a difference from
+            await asyncio.sleep(0.2)
+            second = await telemetry.sample(
+                [
+                    (replicas[0], ReplicaStats(10.2, 120, 30, 6, 0.5)),
+                    (replicas[1], None),  # not readable now
+                    (replicas[2], ReplicaStats(10.0, 100, 10, 1, 0.5)),
+                ],
+                (),
+            )
+    finally:
+        await telemetry.close()
+    a, b, c = second.replicas
+    assert second.interval_s > 0.15
+    assert a.cpu_used_cores == pytest.approx(0.2 / second.interval_s)
+    assert a.throttled_ratio == pytest.approx(0.25)  # 5 of the interval's 20 periods
+    assert (a.cpu_limit, a.memory_used_mib, a.priority, a.cpus_min) == (0.5, 120, 3, 0.25)
+    assert a.requests is not None
+    assert a.requests.rate_per_s == pytest.approx(20 / second.interval_s)
+    assert (a.requests.latency_p50_ms, a.requests.latency_p99_ms) == (10.0, 10.0)
+    assert (a.requests.in_flight, a.requests.queued) == (2, 1)
+    assert b.requests is None and (b.cpu_used_cores, b.cpu_limit, b.memory_used_mib) == (0, 0, 0)
+    assert c.requests is None and c.cpu_used_cores == 0
+    assert second.cpu_used_cores == pytest.approx(a.cpu_used_cores)
+    assert second.memory_used_mib == 220
+    assert second.cpu_cores == 2.0 and second.memory_total_mib > 0
+    assert telemetry.latest is second
+
+
+def test_the_usage_message_carries_the_sample_and_the_resizes() -> None:
+    telemetry_sample = NodeSample(
+        at=1.0, interval_s=1.0, cpu_cores=2.0, gpus=(), memory_total_mib=4096,
+        replicas=(
+            ReplicaSample("r-1", "dep-1", 3, 0.5, 0.25, 2.0, 0.75, 0.6, 0.4, 300, None),
+        ),
+    )  # fmt: skip
+    message = convert.usage(telemetry_sample)
+    assert (message.node.cpu_cores, message.node.cpu_used_cores) == (2.0, 0.6)
+    assert (message.node.memory_total_mib, message.node.memory_used_mib) == (4096, 300)
+    (replica,) = message.replicas
+    assert (replica.cpu_pct, replica.cpu_limit, replica.throttled_pct) == (60.0, 0.75, 40.0)
+    assert not replica.HasField("requests")
+    assert (list(message.resizes), message.resize_policy) == ([], "")
+
+    async def apply(replica_id: str, cores: float) -> None: ...
+
+    manager = ResourceManager("usage", apply)
+    manager._events.append(ResizeEvent("run-1", "r-1", "dep-1", 0.5, 0.75, "usage", "why", 2.0))
+    message = convert.usage(telemetry_sample, manager)
+    assert message.resize_policy == "usage"
+    assert [(e.event_id, e.cpus_before, e.cpus_after, e.reason) for e in message.resizes] == [
+        ("run-1", 0.5, 0.75, "why")
+    ]
+
+
+GPUS = (
+    Gpu(index=0, uuid="GPU-a", name="H100", memory_total_mib=81559, utilization_pct=3),
+    Gpu(index=1, uuid="GPU-b", name="H100", memory_total_mib=81559, memory_used_mib=7),
+)
+
+
+class FakeUsage:
+    """Stands in for `NvmlUsageReader`: what NVML would report now, or its failure."""
+
+    def __init__(self) -> None:
+        self.now: tuple[RawGpuUsage, ...] = ()
+        self.broken = False
+
+    def read_usage(self) -> tuple[RawGpuUsage, ...]:
+        if self.broken:
+            raise InventoryUnavailable("NVML failed reading the GPUs' usage (GPU is lost)")
+        return self.now
+
+
+def test_an_nvml_node_reads_its_gpus_figures_live() -> None:
+    reader = FakeUsage()
+    live = NvmlLiveGpus(GPUS, reader)
+    reader.now = (RawGpuUsage("GPU-a", 2048 << 20, 87), RawGpuUsage("GPU-b", 512 << 20, None))
+    a, b = live.read()
+    assert (a.utilization_pct, a.memory_used_mib, a.name) == (87, 2048, "H100")
+    # A figure NVML does not give stays as read at startup; so does a GPU it did not list.
+    assert (b.utilization_pct, b.memory_used_mib) == (0, 512)
+    reader.now = (RawGpuUsage("GPU-b", 0, 40),)
+    assert live.read() == (GPUS[0], replace(GPUS[1], memory_used_mib=0, utilization_pct=40))
+
+
+async def test_a_gpu_read_that_fails_leaves_the_startup_figures_and_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="node_daemon.agent")
+    reader = FakeUsage()
+    reader.now = (RawGpuUsage("GPU-a", 1 << 30, 50),)
+    inventory = Inventory(gpus=GPUS, links={(0, 1): Link(LinkKind.SYS)})
+    agent = NodeAgent(
+        "n1", "site-a", inventory, ProcessRuntime(tmp_path), ModelCache(tmp_path / "m", 1 << 20),
+        read_gpus=NvmlLiveGpus(GPUS, reader).read,
+    )  # fmt: skip
+    try:
+        assert (await agent.usage()).gpus[0].utilization_pct == 50
+        reader.broken = True
+        for _ in range(3):
+            assert (await agent.usage()).gpus == GPUS
+        assert sum("cannot be read" in r.message for r in caplog.records) == 1
+        reader.broken = False
+        assert (await agent.usage()).gpus[0].utilization_pct == 50
+        assert sum("read again" in r.message for r in caplog.records) == 1
+    finally:
+        await agent.close(stop_replicas=True)

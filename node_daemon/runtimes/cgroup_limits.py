@@ -1,0 +1,142 @@
+"""Limiting a process's CPU with a cgroup of its own (the process runtime's `update`).
+
+A replica process is moved into a cgroup named after it, created on its first limit:
+
+- cgroup v1 (a `cpu` hierarchy): `<its cpu cgroup>/edge-offload/<name>`, e.g.
+  `/sys/fs/cgroup/cpu/edge-offload/r-1` for a daemon in the root cgroup; the limit is
+  `cpu.cfs_quota_us` over `cpu.cfs_period_us`.
+- cgroup v2 (the unified hierarchy offers `cpu`): a child of the process's own cgroup,
+  `<its cgroup>/edge-offload/<name>`, with `cpu.max`. The kernel allows it only where the
+  `cpu` controller can be enabled below the process's cgroup, which needs that cgroup to
+  hold no processes of its own unless it is the root (the "no internal processes" rule):
+  where it cannot, nothing is changed and `CgroupUnavailable` says why.
+
+Writing the pid to `cgroup.procs` moves the whole process, every thread of it (ONNX
+Runtime's pools included), and the threads it starts later are created inside. The cgroup
+is found again from `/proc/<pid>/cgroup` (a daemon restarted finds the cgroup of a replica
+it adopts) and removed once the process has exited (`remove_group`). Every call is blocking
+file I/O on cgroupfs (microseconds); none waits on anything else.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from node_daemon.runtimes.cgroups import ROOT, cgroup_dirs
+
+PARENT = "edge-offload"
+PERIOD_US = 100_000
+"""The CFS period the quota is a share of (the kernel's default, 100 ms)."""
+MIN_QUOTA_US = 1_000
+"""The kernel's smallest CFS quota (1 ms)."""
+
+
+class CgroupUnavailable(Exception):
+    """This host gives no writable cgroup to limit the process's CPU; the message says why."""
+
+
+def _quota_us(cores: float) -> int:
+    return max(MIN_QUOTA_US, round(cores * PERIOD_US))
+
+
+def _own(directory: Path, name: str) -> bool:
+    """Whether `directory` is the cgroup made for `name` here."""
+    return directory.name == name and directory.parent.name == PARENT
+
+
+def _v2_has_cpu(directory: Path) -> bool:
+    try:
+        return "cpu" in (directory / "cgroup.controllers").read_text().split()
+    except OSError:
+        return False
+
+
+def _enable_cpu(directory: Path) -> None:
+    """Make `cpu` available to the children of `directory` (v2)."""
+    control = directory / "cgroup.subtree_control"
+    if "cpu" not in control.read_text().split():
+        control.write_text("+cpu")
+
+
+def limit_cpu(pid: int, name: str, cores: float, root: Path = ROOT) -> Path:
+    """Limit `pid` (every thread) to `cores` CPUs in its cgroup named `name`, creating it and
+    moving the process in on the first call; returns the cgroup's directory. Idempotent.
+    CgroupUnavailable when neither hierarchy lets it (not root, read-only cgroupfs, a v2
+    cgroup whose subtree cannot get the `cpu` controller); ProcessLookupError when the
+    process is gone."""
+    if not (cores > 0):
+        raise ValueError(f"cores must be positive, got {cores!r:.12}")
+    dirs = cgroup_dirs(pid, root)
+    if not dirs:
+        raise ProcessLookupError(f"no process {pid}")
+    cpu = dirs.get("cpu")
+    try:
+        if cpu is not None and (cpu / "cpu.cfs_quota_us").exists():  # v1
+            group = cpu if _own(cpu, name) else cpu / PARENT / name
+            group.mkdir(parents=True, exist_ok=True)
+            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(_quota_us(cores)))
+            if group != cpu:
+                (group / "cgroup.procs").write_text(str(pid))
+            return group
+        v2 = dirs.get("")
+        if v2 is not None and _v2_has_cpu(v2):
+            if _own(v2, name):
+                group = v2
+            else:
+                parent = v2 / PARENT
+                _enable_cpu(v2)
+                parent.mkdir(exist_ok=True)
+                _enable_cpu(parent)
+                group = parent / name
+                group.mkdir(exist_ok=True)
+            (group / "cpu.max").write_text(f"{_quota_us(cores)} {PERIOD_US}")
+            if group != v2:
+                (group / "cgroup.procs").write_text(str(pid))
+            return group
+    except OSError as err:
+        if err.errno == errno.ESRCH:
+            raise ProcessLookupError(f"no process {pid}") from err
+        raise CgroupUnavailable(
+            f"cannot limit CPU with a cgroup here ({err.strerror or err}: "
+            f"{str(err.filename)[:120]}); run the daemon as root with a writable cgroupfs, "
+            "or use the Docker runtime"
+        ) from err
+    raise CgroupUnavailable(
+        "no cgroup CPU controller this process can use (neither a v1 `cpu` hierarchy nor "
+        "`cpu` in its v2 cgroup); use the Docker runtime"
+    )
+
+
+def can_limit_cpu(pid: int | None = None, root: Path = ROOT) -> bool:
+    """Whether `limit_cpu` can be expected to work for `pid` (default: this process) here: its
+    v1 `cpu` cgroup is writable, or its v2 cgroup offers `cpu` and can be written. Changes
+    nothing; a v2 cgroup that holds processes of its own can still refuse (see the module
+    docstring)."""
+    dirs = cgroup_dirs(os.getpid() if pid is None else pid, root)
+    cpu = dirs.get("cpu")
+    if cpu is not None and (cpu / "cpu.cfs_quota_us").exists():
+        return os.access(cpu, os.W_OK)
+    v2 = dirs.get("")
+    return v2 is not None and _v2_has_cpu(v2) and os.access(v2 / "cgroup.subtree_control", os.W_OK)
+
+
+def own_groups(pid: int, name: str, root: Path = ROOT) -> list[Path]:
+    """The cgroups made for `name` that `pid` is in now (none when it was never limited)."""
+    return [d for d in cgroup_dirs(pid, root).values() if _own(d, name)]
+
+
+def remove_group(group: Path) -> bool:
+    """Remove a cgroup made by `limit_cpu` once nothing runs in it; True when it is gone
+    (or was never there). Its parent `edge-offload` stays, shared by the others."""
+    if group.parent.name != PARENT:
+        return False
+    try:
+        os.rmdir(group)
+    except FileNotFoundError:
+        return True
+    except OSError:  # a process still in it (exiting), or not ours to remove
+        return False
+    return True
