@@ -35,6 +35,7 @@ from bench import (
     prewarm,
     rebalance,
     replica_start,
+    resize,
     runtime_latency,
 )
 
@@ -46,6 +47,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "migration": migration.main,
     "mobility": mobility.main,
     "prewarm": prewarm.main,
+    "resize": resize.main,
     "rebalance": rebalance.main,
     "offload": offload.main,
     "peers": peers.main,
