@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,21 @@ from broker.ops import (
 )
 
 DEPLOYMENT_ID = "dep-7f3a"
+BATCH_DEPLOYMENT_ID = "dep-batch-2b9c"
 OPS_TOKEN = "ops-token-for-tests-0123456789"
+ARTIFACTS_DIR = Path(
+    os.environ.get("TEST_ARTIFACTS_DIR") or Path(__file__).parents[1] / "build" / "test-artifacts"
+)
+"""Where tests leave what a person should look at (the dashboard's screenshots): the
+`TEST_ARTIFACTS_DIR` environment variable, else `build/test-artifacts` (git ignores `build/`)."""
+
+
+def save_artifact(name: str, data: bytes) -> Path:
+    """Write `data` to `ARTIFACTS_DIR / name` (replacing an earlier run's) and return the path."""
+    ARTIFACTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS_DIR / name
+    path.write_bytes(data)
+    return path
 
 
 def ops_headers(token_file: Path) -> dict[str, str]:
@@ -270,6 +286,94 @@ def sample_load() -> LoadInfo:
                 "policy": "usage",
                 "reason": "throttled 62% of the last 1.0 s at 0.50 cores; critical",
             }
+        ],
+    }
+
+
+def live_load(now: float, seconds: int = 60) -> LoadInfo:
+    """A minute of heartbeats (one a second, the last at `now`), deterministic: node-dgx-a
+    bursts in the middle (the critical deployment's requests triple, its p99 crosses its 50 ms
+    SLO until the usage policy raises its CPU limit, and gets the cores back after the burst);
+    node-ws-b idles with a best-effort deployment that has no SLO and, for three heartbeats,
+    no finished request (its latencies unknown: null)."""
+    start = now - (seconds - 1)
+    burst = range(seconds // 3, 2 * seconds // 3)
+    raised, lowered = seconds // 3 + 5, 3 * seconds // 4
+    dgx: list[list[float]] = []
+    ws: list[list[float]] = []
+    critical: list[list[float | None]] = []
+    batch: list[list[float | None]] = []
+    for i in range(seconds):
+        t = round(start + i, 3)
+        in_burst = i in burst
+        limit = 1.5 if raised <= i < lowered else 0.75 if i >= lowered else 0.5
+        rate = 60.0 if in_burst else 20.0
+        used = round(min(limit, rate / 40), 3)
+        p99 = (85.0 if i < raised else 38.0) if in_burst else 24.0 + 2 * math.sin(i / 4)
+        dgx_load = round(min(1.0, 0.3 + (0.6 if in_burst else 0.0) + 0.03 * math.sin(i / 3)), 4)
+        ws_load = round(0.12 + 0.05 * math.sin(i / 5), 4)
+        dgx.append([t, dgx_load, round(16 * dgx_load, 3), 16.0, 2048 + i])
+        ws.append([t, ws_load, round(4 * ws_load, 3), 4.0, 300])
+        critical.append([t, rate, round(p99 / 3, 1), round(p99, 1), used, limit, 0.0])
+        if 10 <= i < 13:  # no request finished: latencies unknown
+            batch.append([t, 0.0, None, None, 0.05, 0.0, 0.0])
+        else:
+            batch.append([t, 8.0, 40.0, round(95 + 10 * math.sin(i / 6), 1), 0.3, 0.0, 0.0])
+    return {
+        "window_s": 300.0,
+        "nodes": [
+            {
+                "node_id": "node-dgx-a",
+                "site": "metro-east",
+                "resize_policy": "usage",
+                "points": dgx,
+            },
+            {
+                "node_id": "node-ws-b",
+                "site": "campus-west",
+                "resize_policy": "static",
+                "points": ws,
+            },
+        ],
+        "deployments": [
+            {
+                "deployment_id": DEPLOYMENT_ID,
+                "node_id": "node-dgx-a",
+                "priority": "critical",
+                "latency_slo_ms": 50.0,
+                "points": critical,
+            },
+            {
+                "deployment_id": BATCH_DEPLOYMENT_ID,
+                "node_id": "node-ws-b",
+                "priority": "best-effort",
+                "latency_slo_ms": 0.0,
+                "points": batch,
+            },
+        ],
+        "resizes": [
+            {
+                "event_id": "r-0001",
+                "at": start + raised - 0.5,
+                "node_id": "node-dgx-a",
+                "deployment_id": DEPLOYMENT_ID,
+                "replica_id": f"{DEPLOYMENT_ID}-3",
+                "cpus_before": 0.5,
+                "cpus_after": 1.5,
+                "policy": "usage",
+                "reason": "throttled 48% of the last 1.0 s at 0.50 cores; critical",
+            },
+            {
+                "event_id": "r-0002",
+                "at": start + lowered - 0.5,
+                "node_id": "node-dgx-a",
+                "deployment_id": DEPLOYMENT_ID,
+                "replica_id": f"{DEPLOYMENT_ID}-3",
+                "cpus_before": 1.5,
+                "cpus_after": 0.75,
+                "policy": "usage",
+                "reason": "used 0.50 of 1.50 cores over 10 s; critical",
+            },
         ],
     }
 

@@ -42,8 +42,11 @@ _STATIC_FILES = {
     "login.html": "text/html",
     "dashboard.js": "text/javascript",
     "dashboard.css": "text/css",
+    "uplot.min.js": "text/javascript",
+    "uplot.min.css": "text/css",
 }
-"""The dashboard's files (package data under `static/`) and their media types."""
+"""The dashboard's files (package data under `static/`) and their media types. uPlot (the load
+charts) is vendored there, as npm ships it: the page loads nothing from elsewhere."""
 
 _PAGE_HEADERS = {
     "Cache-Control": "no-cache",

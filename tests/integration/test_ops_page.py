@@ -3,24 +3,33 @@
 Chromium (Debian's `chromium`, at /usr/bin/chromium) opens `/` as a user does: the page sends
 it to the login form, the test types the ops token and submits, and the dashboard's
 JavaScript fetches `/api/...` with the session cookie the login gave. The test then reads the
-DOM (and checks what it says) or takes a screenshot (decodes the PNG and checks that the GPUs
-were drawn, free and used). Chromium is driven over its DevTools pipe, so the token is typed,
-never put in a command line or a URL. Without Chromium the tests skip, and fail under
-CI=true, where .ci/run installs it.
+DOM (and checks what it says), reads the load charts' canvases (uPlot draws them) or takes a
+screenshot (decodes the PNG and checks that the GPUs and the load lines were drawn; the load
+screenshots are kept in `ARTIFACTS_DIR`). Chromium is driven over its DevTools pipe, so the
+token is typed, never put in a command line or a URL. Without Chromium the tests skip, and
+fail under CI=true, where .ci/run installs it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import json
 import re
 import struct
+import time
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
-from broker.ops import BrokerMetrics, OpsAuth, create_ops_app, start_ops_server
+import modelzoo
+from broker.ops import BrokerMetrics, LoadInfo, OpsAuth, create_ops_app, start_ops_server
 from tests.chromium_support import (
     WINDOW,
     DomDump,
@@ -29,13 +38,24 @@ from tests.chromium_support import (
     open_page,
     require_chromium,
 )
-from tests.ops_support import DEPLOYMENT_ID, OPS_TOKEN, StaticOpsView
+from tests.cluster_support import THREE_NODES, Cluster, infer_once
+from tests.ops_support import (
+    BATCH_DEPLOYMENT_ID,
+    DEPLOYMENT_ID,
+    OPS_TOKEN,
+    StaticOpsView,
+    live_load,
+    ops_headers,
+    save_artifact,
+)
 
 DASHBOARD_CSS = Path(__file__).parents[2] / "broker" / "ops" / "static" / "dashboard.css"
+EMPTY_LOAD: LoadInfo = {"window_s": 300.0, "nodes": [], "deployments": [], "resizes": []}
 
 
-async def serve(view: StaticOpsView) -> AsyncIterator[str]:
+async def serve(view: StaticOpsView, *middlewares: Middleware) -> AsyncIterator[str]:
     app = create_ops_app(view, BrokerMetrics(), OpsAuth(OPS_TOKEN))
+    app.middlewares.extend(middlewares)
     runner, port = await start_ops_server(app, "127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{port}/"
@@ -59,8 +79,22 @@ async def empty_page_url() -> AsyncIterator[str]:
         deployment_list=[],
         migration_list=[],
         prewarm_info={"budget": 0, "standbys": []},
+        load_info=EMPTY_LOAD,
     )
     async for url in serve(view):
+        yield url
+
+
+@pytest.fixture
+def load_view() -> StaticOpsView:
+    """The sample nodes and deployment with a minute of load history (`live_load`): a burst
+    on node-dgx-a, two resizes, a second deployment on node-ws-b."""
+    return StaticOpsView(load_info=live_load(time.time()))
+
+
+@pytest.fixture
+async def load_page_url(load_view: StaticOpsView) -> AsyncIterator[str]:
+    async for url in serve(load_view):
         yield url
 
 
@@ -274,6 +308,9 @@ async def test_empty_broker_page_says_so(empty_page_url: str, tmp_path: Path) ->
     assert element_text(html, "prewarm-summary") == "off"
     assert element_text(html, "prewarm") == "pre-warm is off (--prewarm-budget 0)"
     assert element_text(html, "migrations") == "no migrations yet"
+    assert element_text(html, "load-nodes") == "no load samples yet"
+    assert element_text(html, "load-deployments") == "no deployment has reported load yet"
+    assert element_text(html, "resizes") == "no resizes yet"
 
 
 async def test_screenshot_shows_free_and_used_gpus(page_url: str, tmp_path: Path) -> None:
@@ -294,3 +331,342 @@ async def test_screenshot_shows_free_and_used_gpus(page_url: str, tmp_path: Path
     box = 100 * 40
     assert pixels[css_color("used")] > 3 * box
     assert pixels[css_color("free")] > 6 * box
+
+
+# ---- load over time: uPlot charts ----
+
+CHARTS = """[...document.querySelectorAll('#load [data-chart]')].map((box) => [
+  box.dataset.chart,
+  box.closest('[data-load-deployment]')?.dataset.loadDeployment ?? null,
+  box.querySelectorAll('canvas').length,
+  [...box.querySelectorAll('.u-legend .u-series .u-label')].map((label) => label.textContent),
+])"""
+"""Each load chart: [kind, its deployment (null: the nodes'), canvases, its legend's labels]."""
+
+_STROKE = """(box, label) => {
+  const row = [...box.querySelectorAll('.u-legend .u-series')]
+    .find((r) => r.querySelector('.u-label')?.textContent === label);
+  const [r, g, b] = getComputedStyle(row.querySelector('.u-marker')).borderTopColor
+    .match(/\\d+/g).map(Number);
+  const canvas = box.querySelector('canvas');
+  const { width, height } = canvas;
+  const data = canvas.getContext('2d').getImageData(0, 0, width, height).data;
+  let total = 0;
+  let widest = 0;
+  for (let y = 0; y < height; y++) {
+    let inRow = 0;
+    for (let i = 4 * y * width; i < 4 * (y + 1) * width; i += 4) {
+      const near = Math.abs(data[i] - r) + Math.abs(data[i + 1] - g) + Math.abs(data[i + 2] - b);
+      if (data[i + 3] > 200 && near < 30) inRow++;
+    }
+    total += inRow;
+    widest = Math.max(widest, inRow);
+  }
+  return [total, widest, width];
+}"""
+
+
+def stroke_pixels(selector: str, label: str) -> str:
+    """A JavaScript expression: [the pixels of the chart at `selector` drawn in the colour of
+    its series `label` (its legend marker's), the most of them in one pixel row, the canvas
+    width]. uPlot draws on a canvas: this is how a test sees a line."""
+    return f"({_STROKE})(document.querySelector({json.dumps(selector)}), {json.dumps(label)})"
+
+
+def deployment_chart(deployment_id: str, kind: str) -> str:
+    return f'[data-load-deployment="{deployment_id}"] [data-chart="{kind}"]'
+
+
+async def test_page_charts_load_over_time(page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, page_url, OPS_TOKEN)
+        charts = await page.wait_for(
+            f"document.querySelectorAll('#load canvas').length === 3 && {CHARTS}"
+        )
+        lines = {
+            node: await page.evaluate(stroke_pixels("#load-nodes", node))
+            for node in ("node-dgx-a", "node-ws-b")
+        }
+        slo = await page.evaluate(
+            stroke_pixels(deployment_chart(DEPLOYMENT_ID, "requests"), "p99 SLO")
+        )
+        facts = await page.evaluate(
+            f"document.querySelector('[data-load-deployment=\"{DEPLOYMENT_ID}\"] .load-facts')"
+            ".textContent"
+        )
+        resizes = await page.evaluate(
+            "[...document.querySelectorAll('[data-resize-id]')].map((row) =>"
+            " [row.dataset.resizeId, ...[...row.cells].map((c) => c.textContent)])"
+        )
+        html = await page.dom()
+    assert charts == [
+        ["nodes", None, 1, ["Time", "node-dgx-a", "node-ws-b"]],
+        ["requests", DEPLOYMENT_ID, 1,
+         ["Time", "requests/s", "failed/s", "p50 ms", "p99 ms", "p99 SLO"]],
+        ["cpu", DEPLOYMENT_ID, 1, ["Time", "CPU used", "CPU limit"]],
+    ]  # fmt: skip
+    for node, (drawn, _, _) in lines.items():
+        assert drawn > 300, (node, drawn)
+    # The SLO is a horizontal line (dashed): one pixel row holds a good part of the width.
+    drawn, widest, width = slo
+    assert widest > 0.4 * width, slo
+    assert facts.strip() == (
+        "on node-dgx-a \u00b7 priority critical \u00b7 SLO p99 \u2264 50.0 ms \u00b7 now 42.5 "
+        "req/s, p99 30.0 ms, CPU 0.90 of 1.25 cores"
+    )
+    ((resize_id, _, *cells),) = resizes  # the time is the browser's local time
+    assert [resize_id, *cells] == [
+        "r-0001", DEPLOYMENT_ID, "node-dgx-a", "0.50 \u2192 1.25", "usage",
+        "throttled 62% of the last 1.0 s at 0.50 cores; critical",
+    ]  # fmt: skip
+    assert element_text(html, "load-summary") == (
+        "last 300 s \u00b7 2 node(s), 1 deployment(s), 1 resize(s)"
+    )
+
+
+async def test_load_charts_take_new_data_in_place(
+    load_view: StaticOpsView, load_page_url: str, tmp_path: Path
+) -> None:
+    chromium = require_chromium()
+    node_value = (
+        "[...document.querySelectorAll('#load-nodes .u-series')].find((row) =>"
+        " row.querySelector('.u-label').textContent === 'node-dgx-a')"
+        ".querySelector('.u-value').textContent"
+    )
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, load_page_url, OPS_TOKEN)
+        await page.wait_for("document.querySelectorAll('#load canvas').length === 5")
+        await page.evaluate(
+            "document.querySelectorAll('#load canvas').forEach((c, i) => {"
+            " c.dataset.mark = String(i); })"
+        )
+        # A heartbeat more: the legend shows the new latest load, on the same canvases.
+        points = load_view.load_info["nodes"][0]["points"]
+        points.append([points[-1][0] + 1, 0.77, 12.3, 16.0, 2100])
+        await page.wait_for(f"{node_value} === '0.77'")
+        # The batch deployment is gone: its card and its charts go, the others stay.
+        assert load_view.load_info["deployments"][1]["deployment_id"] == BATCH_DEPLOYMENT_ID
+        del load_view.load_info["deployments"][1]
+        cards = await page.wait_for(
+            "document.querySelectorAll('[data-load-deployment]').length === 1"
+            " && [...document.querySelectorAll('[data-load-deployment]')]"
+            ".map((card) => card.dataset.loadDeployment)"
+        )
+        marks = await page.evaluate(
+            "[...document.querySelectorAll('#load canvas')].map((c) => c.dataset.mark ?? null)"
+        )
+    assert cards == [DEPLOYMENT_ID]
+    assert marks == ["0", "1", "2"]
+
+
+async def test_screenshot_shows_load_over_time(load_page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, load_page_url, OPS_TOKEN)
+        await page.wait_for("document.querySelectorAll('#load canvas').length === 5")
+        node_colors = await page.evaluate(
+            "[...document.querySelectorAll('#load-nodes .u-series')].slice(1).map((row) =>"
+            " [row.querySelector('.u-label').textContent, getComputedStyle("
+            "row.querySelector('.u-marker')).borderTopColor.match(/\\d+/g).map(Number)])"
+        )
+        resizes = await page.evaluate(
+            "[...document.querySelectorAll('[data-resize-id]')].map((r) => r.dataset.resizeId)"
+        )
+        await page.evaluate("document.getElementById('load-title').scrollIntoView()")
+        png = await page.screenshot()
+    path = save_artifact("ops-page-load.png", png)
+    assert resizes == ["r-0002", "r-0001"]  # the newest first
+    _, _, rows = decode_png(png)
+    pixels = collections.Counter(row[x : x + 3] for row in rows for x in range(0, len(row), 3))
+    assert [node for node, _ in node_colors] == ["node-dgx-a", "node-ws-b"]
+    for node, rgb in node_colors:  # a minute of each node's load, as a line
+        assert pixels[bytes(rgb)] > 300, (node, rgb, path)
+    assert pixels[css_color("bad")] > 300, path  # the critical deployment's SLO line
+    assert pixels[css_color("free-edge")] > 300, path  # CPU used
+
+
+MARKUP = '<img src=x onerror="window.pwned = true">'
+
+
+@pytest.fixture
+async def markup_page_url() -> AsyncIterator[str]:
+    """Reasons, and a node id, that are HTML: a resize's, a rebalance's."""
+    load = StaticOpsView().load_info
+    load["resizes"][0]["reason"] = MARKUP
+    load["nodes"][1]["node_id"] = MARKUP
+    rebalance = StaticOpsView().migration_list[0]
+    rebalance["migration_id"] = "mig-0003"
+    rebalance["trigger"] = "rebalance"
+    rebalance["reason"] = f"node-dgx-a hot (load 0.95 for 30 s); {MARKUP}"
+    async for url in serve(StaticOpsView(migration_list=[rebalance], load_info=load)):
+        yield url
+
+
+async def test_reasons_are_shown_as_text(markup_page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, markup_page_url, OPS_TOKEN)
+        await page.wait_for("document.querySelectorAll('#load canvas').length === 3")
+        shown = await page.evaluate(
+            "[document.querySelector('[data-resize-id] td:last-child').textContent,"
+            " document.querySelector('[data-migration-id] .migration-reason').textContent,"
+            " document.querySelector('[data-migration-id] header').textContent,"
+            " [...document.querySelectorAll('#load-nodes .u-label')].map((l) => l.textContent),"
+            " document.querySelectorAll('img').length, window.pwned ?? null]"
+        )
+    resize_reason, migration_reason, header, legend, images, pwned = shown
+    assert resize_reason == MARKUP
+    assert migration_reason == f"reason: node-dgx-a hot (load 0.95 for 30 s); {MARKUP}"
+    assert " \u00b7 rebalance \u00b7 " in header
+    assert legend == ["Time", "node-dgx-a", MARKUP]
+    assert (images, pwned) == (0, None)
+
+
+@web.middleware
+async def _no_load_api(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path == "/api/load":
+        raise web.HTTPNotFound()  # as any path this broker does not know
+    return await handler(request)
+
+
+@pytest.fixture
+async def old_broker_url() -> AsyncIterator[str]:
+    """A broker older than the load history: /api/load is a 404, the rest as usual."""
+    async for url in serve(StaticOpsView(), _no_load_api):
+        yield url
+
+
+class _FailingLoadView(StaticOpsView):
+    async def load(self) -> LoadInfo:
+        raise RuntimeError("history unavailable")
+
+
+@pytest.fixture
+async def failing_load_url() -> AsyncIterator[str]:
+    async for url in serve(_FailingLoadView()):
+        yield url
+
+
+async def test_a_broker_without_the_load_api_shows_the_rest(
+    old_broker_url: str, tmp_path: Path
+) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, old_broker_url, OPS_TOKEN)
+        html = await page.dom()
+        hidden = await page.evaluate(
+            "[document.getElementById('load-missing').hidden,"
+            " document.getElementById('load-panels').hidden,"
+            " document.querySelectorAll('#load canvas').length]"
+        )
+    dom = DomDump(html)
+    assert element_text(html, "status").startswith("last updated")
+    assert [e.attrs["data-node-id"] for e in dom.having("data-node-id")] == [
+        "node-dgx-a",
+        "node-ws-b",
+    ]
+    assert [e.attrs["data-migration-id"] for e in dom.having("data-migration-id")] == [
+        "mig-0002",
+        "mig-0001",
+    ]
+    assert hidden == [False, True, 0]
+    assert element_text(html, "load-missing") == (
+        "this broker serves no load history (/api/load): it predates the load charts"
+    )
+    assert element_text(html, "load-summary") == ""
+
+
+async def test_a_failing_load_view_shows_the_rest(failing_load_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, failing_load_url, OPS_TOKEN)
+        html = await page.dom()
+    assert element_text(html, "status").startswith("last updated")
+    assert [e.attrs["data-deployment-id"] for e in DomDump(html).having("data-deployment-id")] == [
+        DEPLOYMENT_ID
+    ]
+    assert element_text(html, "load-summary") == (
+        "update failed: /api/load: load: RuntimeError: history unavailable"
+    )
+
+
+# ---- the dashboard of a real cluster under inference ----
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    cluster = Cluster(tmp_path)
+    try:
+        await cluster.start_broker()
+        await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES[:2]))
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+async def _api_load(cluster: Cluster) -> Any:
+    headers = ops_headers(cluster.root / "broker-state" / "ops-token")
+    async with (
+        aiohttp.ClientSession(headers=headers) as http,
+        http.get(f"http://127.0.0.1:{cluster.ops_port}/api/load") as response,
+    ):
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def test_dashboard_charts_a_live_clusters_load(cluster: Cluster, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    nodes = [plan.node_id for plan in THREE_NODES[:2]]
+    async with cluster.edge("alice") as alice:
+        sha = (await alice.upload(modelzoo.model_path("mlp"))).sha256
+        deployment = await alice.deploy(model_sha256=sha, model_name="mlp", gpus=1, site="site-a")
+    stop = asyncio.Event()
+
+    async def infer() -> None:  # a closed loop on the replica, while the page is looked at
+        while not stop.is_set():
+            await infer_once(deployment)
+
+    inference = asyncio.create_task(infer(), name="inference")
+    try:
+        # Three seconds of heartbeats (0.2 s apart) of every node, the requests in them.
+        deadline = time.monotonic() + 60
+        while True:
+            load = await _api_load(cluster)
+            heartbeats = {n["node_id"]: len(n["points"]) for n in load["nodes"]}
+            served = [
+                p[1]
+                for d in load["deployments"]
+                if d["deployment_id"] == deployment.deployment_id
+                for p in d["points"]
+            ]
+            if all(heartbeats.get(n, 0) >= 15 for n in nodes) and any(served):
+                break
+            assert time.monotonic() < deadline, (heartbeats, served)
+            await asyncio.sleep(0.2)
+        token = (cluster.root / "broker-state" / "ops-token").read_text().strip()
+        async with open_page(chromium, tmp_path / "profile") as page:
+            await log_in(page, f"http://127.0.0.1:{cluster.ops_port}/", token)
+            charts = await page.wait_for(
+                f"document.querySelectorAll('#load canvas').length === 3 && {CHARTS}"
+            )
+            lines = [await page.evaluate(stroke_pixels("#load-nodes", node)) for node in nodes]
+            html = await page.dom()
+            await page.evaluate("document.getElementById('load-title').scrollIntoView()")
+            save_artifact("ops-page-load-live.png", await page.screenshot())
+    finally:
+        stop.set()
+        await inference
+    assert [chart[:3] for chart in charts] == [
+        ["nodes", None, 1],
+        ["requests", deployment.deployment_id, 1],
+        ["cpu", deployment.deployment_id, 1],
+    ]
+    assert charts[0][3] == ["Time", *nodes]
+    for node, (drawn, _, _) in zip(nodes, lines, strict=True):
+        assert drawn > 100, (node, drawn)
+    # These nodes run the static policy (the default), which never resizes: the list says so.
+    # A real resize needs CPU limits a node can change (Docker, or a writable cgroup) and a
+    # burst; bench.resize makes them, and the resize list is checked on `live_load` above.
+    assert load["resizes"] == []
+    assert element_text(html, "resizes") == "no resizes yet"

@@ -1,11 +1,13 @@
-// The broker's live dashboard: polls /api/nodes, /api/deployments, /api/migrations and
-// /api/prewarm every second and redraws (the offload panel comes from each deployment's
-// `offload` reports). Plain DOM, no libraries (the broker host may have no Internet). Data is
-// only ever set as text (textContent, attributes), never parsed as HTML.
+// The broker's live dashboard: polls /api/nodes, /api/deployments, /api/migrations,
+// /api/prewarm and /api/load every second and redraws (the offload panel comes from each
+// deployment's `offload` reports). Plain DOM; the load charts are uPlot's (vendored beside this
+// file: the broker host may have no Internet), updated in place. Data is only ever set as text
+// (textContent, attributes), never parsed as HTML.
 "use strict";
 
 const POLL_MS = 1000;
 const MAX_MIGRATIONS = 20;
+const MAX_RESIZES = 10;
 const SVG_NS = "http://www.w3.org/2000/svg";
 const GPU_W = 112;
 const GPU_H = 54;
@@ -474,6 +476,8 @@ function migrationCard(migration) {
           `failed requests ${failed}`,
       ),
     ),
+    // What started the move (a rebalance names the hot node), then a failure's reason.
+    migration.reason ? h("p", { class: "migration-reason" }, `reason: ${migration.reason}`) : null,
     events.length ? timelineSvg(migration) : h("p", { class: "empty" }, "no events recorded yet"),
   );
 }
@@ -492,6 +496,307 @@ function renderMigrations(migrations) {
   );
 }
 
+// ---- load over time: uPlot charts, kept between polls and given new data in place ----
+
+const NODE_CHART_HEIGHT = 220;
+const CHART_HEIGHT = 190;
+// Node lines, in the order /api/load lists the nodes (a stable order).
+const NODE_COLORS = ["#1f6fb4", "#d9480f", "#2b8a3e", "#7048e8", "#c2255c", "#0c8599", "#8d6e00", "#495057"];
+const FAILED_COLOR = "#c2255c";
+const P50_COLOR = "#e0a458";
+
+const charts = new Map(); // key -> { plot, signature, box, height }
+const loadCards = new Map(); // deployment id -> its article
+let loadSpan = [0, 1]; // the time axis every chart shares: oldest to newest point, Unix s
+let loadUpdated = null;
+
+function cssVar(name) {
+  return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+}
+
+function fixed(value, digits) {
+  return value === null || value === undefined ? "\u2014" : value.toFixed(digits);
+}
+
+function cores(value) {
+  return value ? `${value.toFixed(2)}` : "unlimited"; // 0: no CPU limit
+}
+
+function legendValue(format) {
+  // Hovering: the value at that instant; otherwise the series' latest known one.
+  return (u, value, seriesIdx, idx) => {
+    if (idx === null || idx === undefined) {
+      const ys = u.data[seriesIdx];
+      let i = ys.length - 1;
+      while (i >= 0 && (ys[i] === null || ys[i] === undefined)) i--;
+      value = i >= 0 ? ys[i] : null;
+    }
+    return value === null || value === undefined ? "\u2014" : format(value);
+  };
+}
+
+function timeSeries() {
+  const at = (t) => (t === null || t === undefined ? "latest" : new Date(t * 1000).toLocaleTimeString());
+  return { value: (u, t) => at(t) };
+}
+
+function upTo(headroom) {
+  // A y range from 0 to a little above the largest value (1 when there is none yet).
+  return (u, min, max) => [0, max > 0 ? max * headroom : 1];
+}
+
+function chartWidth(box) {
+  const style = getComputedStyle(box);
+  const padding = parseFloat(style.paddingLeft) + parseFloat(style.paddingRight);
+  return Math.max(box.clientWidth - padding, 240);
+}
+
+function timeSpan(load) {
+  let lo = Infinity;
+  let hi = -Infinity;
+  for (const item of [...load.nodes, ...load.deployments]) {
+    for (const point of item.points) {
+      lo = Math.min(lo, point[0]);
+      hi = Math.max(hi, point[0]);
+    }
+  }
+  if (!Number.isFinite(lo)) return [0, 1];
+  return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
+}
+
+// Give the chart under `key` new data, or (re)create it when what it plots changed (a node
+// came or went, the SLO changed): a poll redraws the lines, not the page.
+function syncChart(key, box, signature, data, height, options) {
+  const chart = charts.get(key);
+  if (chart && chart.signature === signature && chart.box === box && chart.plot.root.isConnected) {
+    chart.plot.setData(data);
+    return;
+  }
+  dropChart(key);
+  box.replaceChildren();
+  const made = options();
+  const plot = new uPlot(
+    {
+      ...made,
+      width: chartWidth(box),
+      height,
+      // Hovering one chart shows the same instant on all; no drag-zoom: each poll rescales.
+      cursor: { sync: { key: "load" }, drag: { x: false, y: false } },
+      scales: { x: { time: true, range: () => loadSpan }, ...made.scales },
+    },
+    data,
+    box,
+  );
+  charts.set(key, { plot, signature, box, height });
+}
+
+function dropChart(key) {
+  const chart = charts.get(key);
+  if (chart) {
+    chart.plot.destroy();
+    charts.delete(key);
+  }
+}
+
+window.addEventListener("resize", () => {
+  for (const chart of charts.values()) {
+    chart.plot.setSize({ width: chartWidth(chart.box), height: chart.height });
+  }
+});
+
+function renderNodeLoad(nodes) {
+  const box = document.getElementById("load-nodes");
+  const shown = nodes.filter((n) => n.points.length);
+  if (!shown.length) {
+    dropChart("nodes");
+    box.replaceChildren(h("p", { class: "empty" }, "no load samples yet"));
+    return;
+  }
+  // One x for all: each node's heartbeats arrive at their own instants; uPlot.join leaves the
+  // other nodes' values undefined there, and a line spans those.
+  const data = uPlot.join(shown.map((n) => [n.points.map((p) => p[0]), n.points.map((p) => p[1])]));
+  syncChart("nodes", box, shown.map((n) => n.node_id).join("\n"), data, NODE_CHART_HEIGHT, () => ({
+    series: [
+      timeSeries(),
+      ...shown.map((n, i) => ({
+        label: n.node_id,
+        scale: "load",
+        stroke: NODE_COLORS[i % NODE_COLORS.length],
+        width: 2,
+        value: legendValue((v) => v.toFixed(2)),
+      })),
+    ],
+    scales: { load: { range: [0, 1] } },
+    axes: [{}, { scale: "load", label: "load", values: (u, ticks) => ticks.map((t) => t.toFixed(1)) }],
+  }));
+}
+
+function newLoadCard(d) {
+  const card = h(
+    "article",
+    { class: "load-card", "data-load-deployment": d.deployment_id },
+    h("header", {}, h("h4", {}, h("code", {}, d.deployment_id)), h("span", { class: "load-facts" })),
+    h(
+      "div",
+      { class: "chart-row" },
+      h("div", { class: "chart", "data-chart": "requests" }),
+      h("div", { class: "chart", "data-chart": "cpu" }),
+    ),
+  );
+  loadCards.set(d.deployment_id, card);
+  return card;
+}
+
+function updateLoadCard(card, d) {
+  const id = d.deployment_id;
+  const points = d.points;
+  const last = points[points.length - 1];
+  const slo = d.latency_slo_ms;
+  card.querySelector(".load-facts").textContent =
+    ` on ${d.node_id} \u00b7 priority ${d.priority} \u00b7 ` +
+    `SLO ${slo ? `p99 \u2264 ${ms(slo)}` : "none"} \u00b7 now ${fixed(last[1], 1)} req/s, ` +
+    `p99 ${last[3] === null ? "\u2014" : ms(last[3])}, ` +
+    `CPU ${fixed(last[4], 2)} of ${last[5] === null ? "\u2014" : cores(last[5])} cores`;
+
+  const xs = points.map((p) => p[0]);
+  const requests = [
+    xs,
+    points.map((p) => p[1]),
+    points.map((p) => p[6]),
+    points.map((p) => p[2]),
+    points.map((p) => p[3]),
+  ];
+  if (slo) requests.push(xs.map(() => slo)); // the SLO: a horizontal line on the ms axis
+  syncChart(`requests:${id}`, card.querySelector('[data-chart="requests"]'), `slo ${slo}`,
+    requests, CHART_HEIGHT, () => ({
+      title: "requests and latency",
+      series: [
+        timeSeries(),
+        { label: "requests/s", scale: "req", stroke: cssVar("--pcie"), width: 2, value: legendValue((v) => v.toFixed(1)) },
+        { label: "failed/s", scale: "req", stroke: FAILED_COLOR, width: 1.5, value: legendValue((v) => v.toFixed(1)) },
+        { label: "p50 ms", scale: "ms", stroke: P50_COLOR, width: 1.5, dash: [4, 3], value: legendValue((v) => v.toFixed(1)) },
+        { label: "p99 ms", scale: "ms", stroke: cssVar("--used-edge"), width: 2, value: legendValue((v) => v.toFixed(1)) },
+        ...(slo
+          ? [{
+              label: "p99 SLO", scale: "ms", stroke: cssVar("--bad"), width: 2,
+              dash: [8, 4], points: { show: false }, value: () => `${slo} ms`,
+            }]
+          : []),
+      ],
+      // Different headroom: a rate and a latency at their peaks do not draw over each other.
+      scales: { req: { range: upTo(1.1) }, ms: { range: upTo(1.35) } },
+      axes: [
+        {},
+        { scale: "req", label: "requests/s" },
+        { scale: "ms", label: "ms", side: 1, grid: { show: false } },
+      ],
+    }));
+
+  // The limit steps where a resize took effect (0, unlimited, is drawn as a gap).
+  const cpu = [xs, points.map((p) => p[4]), points.map((p) => (p[5] ? p[5] : null))];
+  syncChart(`cpu:${id}`, card.querySelector('[data-chart="cpu"]'), "cpu", cpu, CHART_HEIGHT,
+    () => ({
+      title: "CPU (cores)",
+      series: [
+        timeSeries(),
+        { label: "CPU used", scale: "cores", stroke: cssVar("--free-edge"), width: 2, value: legendValue((v) => v.toFixed(2)) },
+        {
+          label: "CPU limit", scale: "cores", stroke: cssVar("--ink"), width: 2,
+          paths: uPlot.paths.stepped({ align: 1 }), value: legendValue(cores),
+        },
+      ],
+      scales: { cores: { range: upTo(1.2) } },
+      axes: [{}, { scale: "cores", label: "cores" }],
+    }));
+}
+
+function renderDeploymentLoad(deployments) {
+  const box = document.getElementById("load-deployments");
+  const ids = new Set(deployments.map((d) => d.deployment_id));
+  for (const [id, card] of loadCards) {
+    if (ids.has(id)) continue;
+    dropChart(`requests:${id}`);
+    dropChart(`cpu:${id}`);
+    card.remove();
+    loadCards.delete(id);
+  }
+  if (!deployments.length) {
+    box.replaceChildren(h("p", { class: "empty" }, "no deployment has reported load yet"));
+    return;
+  }
+  const cards = deployments.map((d) => loadCards.get(d.deployment_id) ?? newLoadCard(d));
+  if (cards.length !== box.children.length || cards.some((card, i) => box.children[i] !== card)) {
+    box.replaceChildren(...cards); // in the DOM before a chart is made: it takes its width
+  }
+  deployments.forEach((d, i) => updateLoadCard(cards[i], d));
+}
+
+const RESIZE_COLUMNS = [
+  ["time", (r) => new Date(r.at * 1000).toLocaleTimeString()],
+  ["deployment", (r) => h("code", {}, r.deployment_id)],
+  ["node", (r) => r.node_id],
+  ["cores", (r) => `${cores(r.cpus_before)} \u2192 ${cores(r.cpus_after)}`],
+  ["policy", (r) => r.policy],
+  ["reason", (r) => r.reason || "\u2014"],
+];
+
+function renderResizes(resizes) {
+  const box = document.getElementById("resizes");
+  const newest = [...resizes].sort((a, b) => b.at - a.at).slice(0, MAX_RESIZES);
+  document.getElementById("resizes-summary").textContent = resizes.length
+    ? `${resizes.length} recent` +
+      (resizes.length > newest.length ? `, newest ${newest.length} shown` : ", newest first")
+    : "";
+  if (!resizes.length) {
+    box.replaceChildren(h("p", { class: "empty" }, "no resizes yet"));
+    return;
+  }
+  const head = h("tr", {}, ...RESIZE_COLUMNS.map(([title]) => h("th", { scope: "col" }, title)));
+  const rows = newest.map((r) =>
+    h("tr", { "data-resize-id": r.event_id }, ...RESIZE_COLUMNS.map(([, cell]) => h("td", {}, cell(r)))),
+  );
+  box.replaceChildren(
+    h("table", { class: "deployments resizes" }, h("thead", {}, head), h("tbody", {}, ...rows)),
+  );
+}
+
+function showLoadPanels(shown) {
+  document.getElementById("load-missing").hidden = shown;
+  document.getElementById("load-panels").hidden = !shown;
+}
+
+function renderLoad(load) {
+  showLoadPanels(true);
+  loadSpan = timeSpan(load); // before setData: the charts' x range reads it
+  renderNodeLoad(load.nodes);
+  renderDeploymentLoad(load.deployments);
+  renderResizes(load.resizes);
+  loadUpdated = new Date();
+  const summary = document.getElementById("load-summary");
+  summary.className = "summary";
+  summary.textContent =
+    `last ${Math.round(load.window_s)} s \u00b7 ${load.nodes.length} node(s), ` +
+    `${load.deployments.length} deployment(s), ${load.resizes.length} resize(s)`;
+}
+
+function loadFailed(err) {
+  const summary = document.getElementById("load-summary");
+  if (err.status === 404) {
+    // A broker older than the load history: nothing to chart, and nothing wrong.
+    for (const key of [...charts.keys()]) dropChart(key);
+    loadCards.clear();
+    document.getElementById("load-deployments").replaceChildren();
+    showLoadPanels(false);
+    summary.className = "summary";
+    summary.textContent = "";
+    return;
+  }
+  if (err.status === undefined) console.error(err); // not the API's: a bug here, say where
+  const stale = loadUpdated ? `; showing data from ${loadUpdated.toLocaleTimeString()}` : "";
+  summary.className = "summary status-error";
+  summary.textContent = `update failed: ${err.message}${stale}`;
+}
+
 // ---- polling ----
 
 async function fetchJson(path) {
@@ -507,7 +812,9 @@ async function fetchJson(path) {
     } catch {
       // not JSON: keep the status
     }
-    throw new Error(`${path}: ${message}`);
+    const error = new Error(`${path}: ${message}`);
+    error.status = response.status;
+    throw error;
   }
   return response.json();
 }
@@ -519,6 +826,9 @@ function setStatus(ok, text) {
 }
 
 async function refresh() {
+  // Load is polled beside the rest and fails on its own: a broker that predates /api/load
+  // (404), or a failing load view, leaves the other panels as they are.
+  const load = fetchJson("/api/load").then(renderLoad).catch(loadFailed);
   try {
     const [nodes, deployments, migrations, prewarm] = await Promise.all([
       fetchJson("/api/nodes"),
@@ -531,12 +841,14 @@ async function refresh() {
     renderOffload(deployments);
     renderPrewarm(prewarm);
     renderMigrations(migrations);
+    await load; // "last updated" once every panel has drawn this poll's data
     lastUpdated = new Date();
     setStatus(true, `last updated ${lastUpdated.toLocaleTimeString()}`);
   } catch (err) {
     const stale = lastUpdated ? `; showing data from ${lastUpdated.toLocaleTimeString()}` : "";
     setStatus(false, `update failed: ${err.message}${stale}`);
   } finally {
+    await load;
     setTimeout(refresh, POLL_MS);
   }
 }
