@@ -1,8 +1,9 @@
 """The operators' kit under deploy/: Prometheus rules, their unit tests and an example config,
-checked with Prometheus' own promtool; and the Grafana dashboard, checked for the structure
-Grafana's dashboard model needs, for queries promtool parses, and for metrics the broker
-exports. Without promtool (Debian's `prometheus` package) the promtool tests skip, or fail
-under CI=true (where .ci/run installs it)."""
+checked with Prometheus' own promtool; and the Grafana dashboard, checked to be what
+deploy/grafana/build.py generates with Grafana's foundation SDK, for the structure Grafana's
+dashboard model needs, for queries promtool parses, and for metrics the broker exports.
+Without promtool (Debian's `prometheus` package) the promtool tests skip, or fail under
+CI=true (where .ci/run installs it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,9 @@ RULES = PROMETHEUS_DIR / "rules.yml"
 RULES_TESTS = PROMETHEUS_DIR / "rules.test.yml"
 CONFIG = PROMETHEUS_DIR / "prometheus.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "edge-offload.json"
+DASHBOARD_BUILD = REPO / "deploy" / "grafana" / "build.py"
 PROMTOOL_TIMEOUT_S = 120.0
+BUILD_TIMEOUT_S = 120.0
 
 # The live-load and resize metrics, named in issue 13's brief while they were being added to
 # broker/ops/metrics.py. BrokerMetrics renders every one of them now; the set stays as an
@@ -507,6 +511,43 @@ def test_the_dashboard_is_well_formed() -> None:
         "Standbys",
         "Nodes by state",
     } <= titles
+
+
+def build_dashboard(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """deploy/grafana/build.py, run with `args`."""
+    return subprocess.run(
+        [sys.executable, DASHBOARD_BUILD, *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+        check=False,
+    )
+
+
+def test_the_dashboard_is_what_its_build_script_generates() -> None:
+    result = build_dashboard("--check")
+    assert result.returncode == 0, (
+        f"{result.stderr}\nregenerate it: .venv/bin/python deploy/grafana/build.py"
+    )
+
+
+def test_the_build_check_finds_an_edited_dashboard(tmp_path: Path) -> None:
+    copy_of_dashboard = tmp_path / DASHBOARD.name
+    shutil.copyfile(DASHBOARD, copy_of_dashboard)
+    unchanged = build_dashboard("--check", "--output", copy_of_dashboard)
+    assert unchanged.returncode == 0, unchanged.stderr
+    text = copy_of_dashboard.read_text()
+    assert text.count('"title": "Standbys"') == 1
+    copy_of_dashboard.write_text(text.replace('"title": "Standbys"', '"title": "Standby"'))
+    edited = build_dashboard("--check", "--output", copy_of_dashboard)
+    assert edited.returncode == 1, (edited.stdout, edited.stderr)
+    assert f"{copy_of_dashboard} is not what deploy/grafana/build.py generates" in edited.stderr
+    assert '-      "title": "Standby",' in edited.stderr
+    # Without --check it writes the file back as it was.
+    rewritten = build_dashboard("--output", copy_of_dashboard)
+    assert rewritten.returncode == 0, rewritten.stderr
+    assert copy_of_dashboard.read_text() == text
 
 
 def _broken(change: str) -> dict[str, Any]:
