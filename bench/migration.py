@@ -128,9 +128,13 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def cluster(runtime: str, tmp: Path) -> AsyncIterator[tuple[RunningBroker, list[str]]]:
+async def cluster(
+    runtime: str, tmp: Path, cpusets: Sequence[frozenset[int]] = ()
+) -> AsyncIterator[tuple[RunningBroker, list[str]]]:
     """A broker and one node per site joined to it; yields the broker and the node ids.
-    On exit every replica is stopped (the agents close with stop_replicas=True)."""
+    `cpusets`: one per node, the CPUs its replicas run on (`offload node --cpuset`); empty:
+    every node on every CPU. On exit every replica is stopped (the agents close with
+    stop_replicas=True)."""
     (tmp / "cluster.yaml").write_text(CLUSTER_YAML)
     broker = await start_broker(
         BrokerConfig(
@@ -148,10 +152,11 @@ async def cluster(runtime: str, tmp: Path) -> AsyncIterator[tuple[RunningBroker,
         run_id = secrets.token_hex(3)
         node_ids = [
             await join_node(
-                stack, broker, runtime, tmp, f"bench-{site}-{run_id}", site, capture, gpu_spec
+                stack, broker, runtime, tmp, f"bench-{site}-{run_id}", site, capture, gpu_spec,
+                cpusets[i] if cpusets else frozenset(),
             )
-            for site, capture, gpu_spec in NODES
-        ]
+            for i, (site, capture, gpu_spec) in enumerate(NODES)
+        ]  # fmt: skip
         yield broker, node_ids
 
 
@@ -164,9 +169,11 @@ async def join_node(
     site: str,
     capture: str,
     gpu_spec: GpuSpec,
+    cpuset: frozenset[int] = frozenset(),
 ) -> str:
     """Start a node daemon and join it to the broker, as `offload node --broker` does; its
     clean-up (every replica stopped) goes on `stack`. Returns the node id once registered."""
+    ours = os.sched_getaffinity(0)
     server, port, agent = await start_node(
         NodeSettings(
             listen="127.0.0.1:0",
@@ -176,8 +183,12 @@ async def join_node(
             topology_file=TOPOLOGIES / capture,
             gpu_spec=gpu_spec,
             runtime=runtime,
+            cpuset=cpuset,
         )
     )
+    # A daemon pins the thread that starts it to its CPUs; this process (and the load
+    # client it starts) keeps every CPU.
+    os.sched_setaffinity(0, ours)
     stack.push_async_callback(agent.close, stop_replicas=True)
     stack.push_async_callback(server.stop, 1.0)
     link = BrokerLink(f"127.0.0.1:{broker.port}", JOIN_TOKEN, agent, f"127.0.0.1:{port}")
@@ -529,7 +540,10 @@ def verdict(result: dict) -> dict[str, dict[str, object]]:
 async def run(args: argparse.Namespace, runtime: str) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-migration-") as tmp:
-        async with cluster(runtime, Path(tmp)) as (running, node_ids):
+        async with cluster(runtime, Path(tmp), node_cpusets(args.pin_nodes)) as (
+            running,
+            node_ids,
+        ):
             print(f"nodes {' and '.join(node_ids)} joined ({runtime})", file=sys.stderr)
             for name in args.models:
                 print(f"benchmarking {name} ...", file=sys.stderr)
@@ -544,6 +558,18 @@ async def run(args: argparse.Namespace, runtime: str) -> list[dict]:
                 result["verdict"] = verdict(result)
                 results.append(result)
     return results
+
+
+def node_cpusets(pin: bool) -> list[frozenset[int]]:
+    """With `pin`, this process's CPUs split in two halves, one per node (site-a takes the
+    first); else none. Two sites are two machines: their replicas never share a core."""
+    if not pin:
+        return []
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ValueError(f"--pin-nodes needs at least 2 CPUs, this process may use {len(cpus)}")
+    half = len(cpus) // 2
+    return [frozenset(cpus[:half]), frozenset(cpus[half:])]
 
 
 def pick_runtime(requested: str | None) -> tuple[str, str]:
@@ -695,8 +721,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         const="foreground",
         help="the same as --targets foreground",
     )
+    parser.add_argument(
+        "--pin-nodes",
+        action="store_true",
+        help="give each node half of this machine's CPUs (`offload node --cpuset`), as two "
+        "sites are two machines: a migration's target then starts on CPUs the serving "
+        "replica does not use (the load client keeps every CPU)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     args = parser.parse_args(argv)
+    if args.pin_nodes and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--pin-nodes needs at least 2 CPUs")
     if args.migrations is None:
         args.migrations = 2 if args.quick else 10
     if args.models is None:

@@ -123,13 +123,14 @@ def connect_runtime(settings: NodeSettings, inventory: Inventory) -> Runtime:
                 "no isolation, no resource limits.",
                 err,
             )
-    return ProcessRuntime(workdir=settings.state_dir / "replicas")
+    return ProcessRuntime(workdir=settings.state_dir / "replicas", cpuset=settings.cpuset)
 
 
 async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, NodeAgent]:
     """Read the inventory, connect the runtime, adopt surviving replicas, and listen."""
     if settings.cpuset:
-        # Process replicas inherit the daemon's affinity; Docker's get the same cpuset.
+        # The daemon's own work (sampling, probes) stays on the node's CPUs too; replicas
+        # are pinned by their runtime (a process's threads, a container's cpuset).
         os.sched_setaffinity(0, settings.cpuset)
     inventory = await asyncio.to_thread(read_inventory, settings)
     runtime = await asyncio.to_thread(connect_runtime, settings, inventory)

@@ -39,7 +39,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -169,6 +169,18 @@ def set_background(pid: int, background: bool) -> int:
     refuses (see `can_leave_background`)."""
     policy = os.SCHED_IDLE if background else os.SCHED_OTHER
     param = os.sched_param(0)
+    return _each_thread(pid, lambda tid: os.sched_setscheduler(tid, policy, param))
+
+
+def set_affinity(pid: int, cpus: frozenset[int]) -> int:
+    """Run every thread of `pid` on `cpus` only (threads it starts later inherit it);
+    returns how many threads were changed, skipping those that exit meanwhile."""
+    return _each_thread(pid, lambda tid: os.sched_setaffinity(tid, cpus))
+
+
+def _each_thread(pid: int, apply: Callable[[int], object]) -> int:
+    """`apply` to each thread id of `pid`; how many it was applied to (0: the process is
+    gone)."""
     try:
         tids = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
     except OSError:
@@ -176,7 +188,7 @@ def set_background(pid: int, background: bool) -> int:
     changed = 0
     for tid in tids:
         try:
-            os.sched_setscheduler(tid, policy, param)
+            apply(tid)
         except ProcessLookupError:
             continue
         changed += 1
@@ -225,9 +237,12 @@ def _proc_stats(pid: int) -> ReplicaStats | None:
 class ProcessRuntime:
     name = "process"
 
-    def __init__(self, workdir: Path | None = None) -> None:
-        """`workdir`: where each replica's folder goes; see the module docstring."""
+    def __init__(self, workdir: Path | None = None, cpuset: frozenset[int] = frozenset()) -> None:
+        """`workdir`: where each replica's folder goes; see the module docstring. `cpuset`: the
+        CPUs every replica runs on (empty: those this process may use), as Docker's
+        `--cpuset-cpus` pins a container."""
         self._workdir = workdir
+        self._cpuset = cpuset
         self._running: dict[str, _Running] = {}
         self._cgroups: dict[str, Path] = {}
         """replica_id -> the CPU cgroup `update` made for it."""
@@ -251,13 +266,18 @@ class ProcessRuntime:
         try:
             await uncancellable(self._spawn(spec, workdir))
             running = self._running[spec.replica_id]
+            if self._cpuset:
+                set_affinity(running.pid, self._cpuset)
             if spec.cpus > 0:
                 self._limit(spec.replica_id, running.pid, spec.cpus)
             if spec.background:
                 self._lower(running)
             port = await self._port(running, ready_timeout_s)
+            # Threads that raced the first pass (set before any model is loaded).
+            if self._cpuset:
+                set_affinity(running.pid, self._cpuset)
             if running.background_since is not None:
-                set_background(running.pid, True)  # threads that raced the first pass
+                set_background(running.pid, True)
             endpoint = f"{spec.host}:{port}"
             metrics_port = _metrics_port(workdir)
             await wait_ready(

@@ -1,5 +1,6 @@
-"""The process runtime limits a replica's CPU with a cgroup of its own (`update`), every thread
-of it, and removes that cgroup at `stop`; where no cgroup is writable it says so."""
+"""The process runtime limits a replica's CPU with a cgroup of its own (from its start, and at
+`update`), every thread of it, and removes that cgroup at `stop`; where no cgroup is writable
+it says so. A node's cpuset pins every thread of its replicas."""
 
 from __future__ import annotations
 
@@ -126,3 +127,28 @@ async def test_an_update_of_a_replica_not_running_fails(tmp_path: Path) -> None:
     runtime = ProcessRuntime(workdir=tmp_path)
     with pytest.raises(ReplicaFailed, match="not running"):
         await runtime.update("absent", 0.5, 0)
+
+
+@needs_v1
+async def test_a_replica_runs_on_its_cpuset_within_its_quota_from_its_start(
+    tmp_path: Path,
+) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    runtime = ProcessRuntime(workdir=tmp_path, cpuset=frozenset({cpu}))
+    spec = ReplicaSpec("cg-2", modelzoo.model_path(MODEL), MODEL, TOKEN, cpus=0.4)
+    replica = await runtime.start(spec)
+    pid = int(replica.ref)
+    group = V1_CPU / cgroup_limits.PARENT / "cg-2"
+    try:
+        # Ready, with ONNX Runtime's threads started: every one on the node's CPU, in the
+        # replica's cgroup, whose quota was there before the model loaded.
+        threads = threads_of(pid)
+        assert len(threads) > 1
+        assert {frozenset(os.sched_getaffinity(tid)) for tid in threads} == {frozenset({cpu})}
+        assert threads <= {int(t) for t in (group / "tasks").read_text().split()}
+        assert (group / "cpu.cfs_quota_us").read_text().strip() == "40000"
+        stats = await runtime.stats("cg-2")
+        assert stats is not None and stats.cpu_limit == pytest.approx(0.4)
+    finally:
+        await runtime.stop("cg-2")
+    assert not group.exists()
