@@ -203,11 +203,10 @@ async def test_with_the_usage_policy_a_throttled_critical_replica_gets_more_cpu_
     assert len(set(ids)) == len(ids)
 
 
+@pytest.mark.parametrize("agent", ["docker"], indirect=True)
 async def test_dockers_stats_call_reads_what_the_cgroup_files_do(agent: NodeAgent) -> None:
     """The fallback where the daemon cannot see a container's cgroup (another pid or cgroup
     namespace): the same counters from the engine's stats call."""
-    if agent.runtime.name != "docker":
-        pytest.skip("the Docker runtime's fallback")
     view = await start(agent, "stats", cpus=0.5, priority=2)
     client = require_docker()
     try:
