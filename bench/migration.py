@@ -31,8 +31,11 @@ The span figures decide issue 12's target, per make-before-break arm: the worst 
 exceed the quiet p99 by at most 10 ms (p99) for the MLP, by at most 25 % of the quiet p99 for
 the other models.
 
+With `--pin-nodes` each node's replicas run on half of this machine's CPUs (`offload node
+--cpuset`): two sites that do not share cores, as two machines do not.
+
     python -m bench.migration [--quick] [--json FILE] [--runtime docker|process]
-        [--targets alternate|background|foreground]
+        [--targets alternate|background|foreground] [--pin-nodes]
 """
 
 from __future__ import annotations
