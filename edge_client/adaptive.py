@@ -17,10 +17,14 @@ Policies (`Policy`):
   `probe_interval_s` has passed and at least `probe_min_requests` went to the winner since
   the last probe, so that a recovered link or an idle device is noticed. Time alone never
   makes a probe: a device that sends a request now and then would otherwise send each one
-  to the losing side. A probe that beats the winner's estimate, or comes in under half the
-  loser's own, replaces the loser's older figures (they describe the link or the device
-  before it changed) and is followed by another at once, until the estimates agree which
-  side is faster. The winner changes only
+  to the losing side. Nor does it make an expensive one: an early probe goes out only while
+  its expected extra time (the loser's estimate minus the winner's) is at most
+  `probe_cost_budget` of what the requests since the last probe took at the winner's
+  estimate, so a loser many times slower (a 0.25-CPU device's CNN beside a LAN replica) is
+  probed every `probe_every` requests, not after every pause. A probe that beats the
+  winner's estimate, or comes in under half the loser's own, replaces the loser's older
+  figures (they describe the link or the device before it changed) and is followed by
+  another at once, until the estimates agree which side is faster. The winner changes only
   when the other side is better by `margin` (hysteresis); the old winner is then probed
   again after `RECHECK_AFTER` requests, so that a short run of slow figures on one side
   (noise, not a changed link) costs a few requests rather than a probe period.
@@ -99,7 +103,10 @@ class AdaptiveSettings:
     probe_interval_s: float = 3.0
     """fastest: probe sooner than `probe_every` once this long passed since the last probe..."""
     probe_min_requests: int = 5
-    """...and at least this many requests went to the winner since."""
+    """...and at least this many requests went to the winner since..."""
+    probe_cost_budget: float = 0.25
+    """...and the probe's expected extra time is at most this share of those requests' time
+    at the winner's estimate."""
     margin: float = 0.05
     """fastest: the other side must be better by this fraction to become the winner."""
     retry_min_s: float = 0.25
@@ -115,6 +122,8 @@ class AdaptiveSettings:
             raise InvalidInput("probe_every must be >= 1 and probe_min_requests in 1..probe_every")
         if not 0 <= self.margin < 1:
             raise InvalidInput("margin must be in [0, 1)")
+        if not self.probe_cost_budget > 0:
+            raise InvalidInput("probe_cost_budget must be > 0")
         times = (self.probe_interval_s, self.retry_min_s, self.retry_max_s, self.probe_timeout_s)
         if not all(t > 0 for t in times) or self.retry_min_s > self.retry_max_s:
             raise InvalidInput("probe and retry times must be > 0, retry_min_s <= retry_max_s")
@@ -224,6 +233,7 @@ class OffloadChooser:
             or (
                 self._since_probe > self.settings.probe_min_requests
                 and now - self._last_probe_at >= self.settings.probe_interval_s
+                and self._early_probe_affordable(loser)
             )
         ):
             self._confirm = False
@@ -231,6 +241,13 @@ class OffloadChooser:
             self._last_probe_at = now
             return Decision(loser, Reason.PROBE)
         return Decision(self._winner, Reason.FASTER)
+
+    def _early_probe_affordable(self, loser: Target) -> bool:
+        winner = self.estimate(self._winner)
+        losing = self.estimate(loser)
+        assert winner is not None and losing is not None
+        extra = losing - winner
+        return extra <= self.settings.probe_cost_budget * self._since_probe * winner
 
     @property
     def probing_down_remote(self) -> bool:

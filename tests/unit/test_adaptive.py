@@ -42,6 +42,7 @@ def test_settings_out_of_range_are_refused() -> None:
         {"margin": 1.0},
         {"retry_min_s": 5.0, "retry_max_s": 1.0},
         {"probe_timeout_s": 0.0},
+        {"probe_cost_budget": 0.0},
     ):
         with pytest.raises(InvalidInput):
             AdaptiveSettings(**bad)  # type: ignore[arg-type]
@@ -115,17 +116,29 @@ def test_fastest_probes_after_an_interval_even_when_requests_are_few() -> None:
     assert probes == [34]
 
 
-def test_time_alone_never_sends_a_request_to_the_losing_side() -> None:
-    """A device that sends a request every 10 s: the interval has always passed, yet only one
-    request in `probe_min_requests` + 1 probes the losing side."""
+def sparse_probes(local_s: float) -> list[int]:
+    """A device that sends a request every 10 s (the interval has always passed), the replica
+    answering in 30 ms and the local model in `local_s`: which requests probe the local side."""
     run = Run(Policy.FASTEST, probe_every=20, probe_interval_s=3.0, probe_min_requests=5)
-    run.requests(4, 0.030, 0.200)
+    run.requests(4, 0.030, local_s)
     decisions = []
-    for _ in range(36):
+    for _ in range(42):
         run.now += 10.0
-        decisions.append(run.request(0.030, 0.200))
-    probes = [i for i, d in enumerate(decisions) if d.reason == Reason.PROBE]
-    assert probes == [5, 11, 17, 23, 29, 35]
+        decisions.append(run.request(0.030, local_s))
+    assert all(d.target == LOCAL for d in decisions if d.reason == Reason.PROBE)
+    return [i for i, d in enumerate(decisions) if d.reason == Reason.PROBE]
+
+
+def test_time_alone_never_sends_a_request_to_the_losing_side() -> None:
+    """A loser only a little slower (36 ms against 30): cheap to probe, yet only one request
+    in `probe_min_requests` + 1 goes to it."""
+    assert sparse_probes(0.036) == [5, 11, 17, 23, 29, 35, 41]
+
+
+def test_an_expensive_loser_is_probed_by_count_not_after_every_pause() -> None:
+    """A loser 6.7x slower (200 ms against 30): an early probe would cost 170 ms against the
+    150 ms five requests took, over `probe_cost_budget`; it waits for `probe_every`."""
+    assert sparse_probes(0.200) == [20, 41]
 
 
 def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers() -> None:
