@@ -50,10 +50,11 @@ import grpc
 import numpy as np
 
 import modelzoo
+from bench import loadgen
+from bench.loadgen import closed_loop, constant, open_loop
 from edge_client.client import OffloadClient
 from edge_client.demo.cluster import DEMO_NODES, LocalCluster
 from edge_client.demo.run import pick_runtime
-from edge_client.errors import OffloadError
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
@@ -64,17 +65,16 @@ REBALANCE_FLAGS = (
 CALIBRATION_S = 5.0
 
 
-@dataclass
-class Series:
+@dataclass(kw_only=True)
+class Series(loadgen.Series):
+    """One deployment's load; `label` is its priority class."""
+
     deployment: str
-    priority: str
-    latencies_ms: list[float] = field(default_factory=list)
-    failed: int = 0
 
     def figures(self, slo_ms: float) -> dict[str, Any]:
         lat = np.array(self.latencies_ms) if self.latencies_ms else np.array([np.nan])
         return {
-            "priority": self.priority,
+            "priority": self.label,
             "requests": len(self.latencies_ms),
             "p50_ms": round(float(np.percentile(lat, 50)), 1),
             "p99_ms": round(float(np.percentile(lat, 99)), 1),
@@ -91,45 +91,6 @@ class Arm:
     """Each deployment's offered request rate."""
     series: list[Series] = field(default_factory=list)
     migrations: list[dict[str, str]] = field(default_factory=list)
-
-
-async def _one(client: OffloadClient, inputs: dict[str, Any], series: Series) -> None:
-    started = time.perf_counter()
-    try:
-        await client.infer(inputs)
-    except OffloadError as err:
-        series.failed += 1
-        print(f"  request FAILED ({series.priority}): {err}", flush=True)
-        return
-    series.latencies_ms.append((time.perf_counter() - started) * 1000)
-
-
-async def _closed_loop(
-    client: OffloadClient, inputs: dict[str, Any], series: Series, stop: asyncio.Event
-) -> None:
-    while not stop.is_set():
-        await _one(client, inputs, series)
-
-
-async def _open_loop(
-    client: OffloadClient,
-    inputs: dict[str, Any],
-    series: Series,
-    stop: asyncio.Event,
-    rate_per_s: float,
-) -> None:
-    """A request every 1/rate s until `stop`, each answered whenever it is; then wait for
-    the ones still out."""
-    loop = asyncio.get_running_loop()
-    out: set[asyncio.Task[None]] = set()
-    due = loop.time()
-    while not stop.is_set():
-        task = asyncio.create_task(_one(client, inputs, series))
-        out.add(task)
-        task.add_done_callback(out.discard)
-        due += 1 / rate_per_s
-        await asyncio.sleep(max(0.0, due - loop.time()))
-    await asyncio.gather(*out)
 
 
 async def run_arm(
@@ -167,9 +128,9 @@ async def run_arm(
             )
             # Its latency alone on one CPU, measured in the first arm only: every arm then
             # offers the same rate against the same SLO.
-            alone = Series(first.deployment_id, "critical")
+            alone = Series(label="critical", deployment=first.deployment_id)
             stop = asyncio.Event()
-            task = asyncio.create_task(_closed_loop(critical, inputs, alone, stop))
+            task = asyncio.create_task(closed_loop(critical, inputs, alone, stop))
             await asyncio.sleep(CALIBRATION_S if calibration is None else 1.0)
             stop.set()
             await task
@@ -184,12 +145,14 @@ async def run_arm(
             await cluster.start_node(idle)
             everywhere = _pin(_threads(), {int(args.cpus[1])})
             arm.series = [
-                Series(first.deployment_id, "critical"),
-                Series(second.deployment_id, "best-effort"),
+                Series(label="critical", deployment=first.deployment_id),
+                Series(label="best-effort", deployment=second.deployment_id),
             ]
             stop = asyncio.Event()
             tasks = [
-                asyncio.create_task(_open_loop(client, inputs, series, stop, arm.rate_per_s))
+                asyncio.create_task(
+                    open_loop(client, inputs, stop, constant(series, arm.rate_per_s))
+                )
                 for client, series in zip((critical, best_effort), arm.series, strict=True)
             ]
             await asyncio.sleep(args.window)
@@ -264,7 +227,7 @@ def summarise(arms: Sequence[Arm]) -> dict[str, Any]:
             )
             attainment[arm.name.split("-")[0]].append(f["slo_attainment"])
             print(
-                f"{arm.name:<8} {series.priority:<12} {arm.rate_per_s:>6.1f} {f['requests']:>8} "
+                f"{arm.name:<8} {series.label:<12} {arm.rate_per_s:>6.1f} {f['requests']:>8} "
                 f"{f['p50_ms']:>8} "
                 f"{f['p99_ms']:>8} {arm.slo_ms:>7.1f} {f['slo_attainment']:>10.1%} "
                 f"{f['failed']:>6}"

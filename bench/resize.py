@@ -45,13 +45,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 import modelzoo
+from bench.loadgen import Series, closed_loop, open_loop
 from edge_client.client import OffloadClient
 from edge_client.demo.cluster import DEMO_NODES, LocalCluster
 from edge_client.demo.run import pick_runtime
-from edge_client.errors import OffloadError
 from node_daemon.runtimes.cgroup_limits import can_limit_cpu
 
 CALIBRATION_S = 4.0
@@ -62,25 +61,13 @@ SETTLE_S = 3.0
 
 
 @dataclass
-class Series:
-    latencies_ms: list[float] = field(default_factory=list)
-    failed: int = 0
-
-    def percentiles(self) -> tuple[float, float]:
-        if not self.latencies_ms:
-            return float("nan"), float("nan")
-        lat = np.array(self.latencies_ms)
-        return float(np.percentile(lat, 50)), float(np.percentile(lat, 99))
-
-
-@dataclass
 class Arm:
     policy: str
     label: str
-    burst: Series = field(default_factory=Series)
+    burst: Series = field(default_factory=lambda: Series("critical"))
     """The critical deployment's requests sent during a burst."""
-    quiet: Series = field(default_factory=Series)
-    best_effort: Series = field(default_factory=Series)
+    quiet: Series = field(default_factory=lambda: Series("critical"))
+    best_effort: Series = field(default_factory=lambda: Series("best-effort"))
     window_s: float = 0.0
     resizes: list[dict[str, Any]] = field(default_factory=list)
     deployments: dict[str, str] = field(default_factory=dict)
@@ -88,24 +75,6 @@ class Arm:
 
     def failed(self) -> int:
         return self.burst.failed + self.quiet.failed + self.best_effort.failed
-
-
-async def _one(client: OffloadClient, inputs: dict[str, Any], series: Series, what: str) -> None:
-    started = time.perf_counter()
-    try:
-        await client.infer(inputs)
-    except OffloadError as err:
-        series.failed += 1
-        print(f"  request FAILED ({what}): {err}", flush=True)
-        return
-    series.latencies_ms.append((time.perf_counter() - started) * 1000)
-
-
-async def _closed_loop(
-    client: OffloadClient, inputs: dict[str, Any], series: Series, stop: asyncio.Event
-) -> None:
-    while not stop.is_set():
-        await _one(client, inputs, series, "best-effort")
 
 
 async def _bursts(
@@ -118,19 +87,14 @@ async def _bursts(
 ) -> None:
     """Quiet, burst, quiet, burst ... until `stop`; each request counted in the series of
     the phase it was sent in. Then waits for the ones still out."""
-    loop = asyncio.get_running_loop()
-    out: set[asyncio.Task[None]] = set()
-    start = due = loop.time()
     cycle = args.quiet + args.burst
-    while not stop.is_set():
-        in_burst = (loop.time() - start) % cycle >= args.quiet
-        series = arm.burst if in_burst else arm.quiet
-        task = asyncio.create_task(_one(client, inputs, series, "critical"))
-        out.add(task)
-        task.add_done_callback(out.discard)
-        due += 1 / (burst_rate if in_burst else QUIET_RATE_PER_S)
-        await asyncio.sleep(max(0.0, due - loop.time()))
-    await asyncio.gather(*out)
+
+    def schedule(elapsed_s: float) -> tuple[Series, float]:
+        if elapsed_s % cycle >= args.quiet:
+            return arm.burst, burst_rate
+        return arm.quiet, QUIET_RATE_PER_S
+
+    await open_loop(client, inputs, stop, schedule)
 
 
 async def _resizes(cluster: LocalCluster) -> list[dict[str, Any]]:
@@ -172,10 +136,10 @@ async def run_arm(
             if args.burst_rate is None:
                 # What it serves alone at its starting quota, kept saturated (the first
                 # arm: `static`): a burst offers `--burst-load / --crit-cpus` times that.
-                alone = Series()
+                alone = Series("critical")
                 stop = asyncio.Event()
                 loops = [
-                    asyncio.create_task(_closed_loop(critical, inputs, alone, stop))
+                    asyncio.create_task(closed_loop(critical, inputs, alone, stop))
                     for _ in range(CALIBRATION_LOOPS)
                 ]
                 await asyncio.sleep(1.0)
@@ -197,9 +161,9 @@ async def run_arm(
             assert crit.node_id == be.node_id == "node-a"
             arm.deployments = {"critical": crit.deployment_id, "best-effort": be.deployment_id}
             stop = asyncio.Event()
-            warmup = Series()
+            warmup = Series("best-effort")
             loops = [
-                asyncio.create_task(_closed_loop(best_effort, inputs, warmup, stop))
+                asyncio.create_task(closed_loop(best_effort, inputs, warmup, stop))
                 for _ in range(args.be_loops)
             ]
             await asyncio.sleep(SETTLE_S)
@@ -207,7 +171,7 @@ async def run_arm(
             await asyncio.gather(*loops)
             stop = asyncio.Event()
             tasks = [
-                asyncio.create_task(_closed_loop(best_effort, inputs, arm.best_effort, stop))
+                asyncio.create_task(closed_loop(best_effort, inputs, arm.best_effort, stop))
                 for _ in range(args.be_loops)
             ]
             tasks.append(
