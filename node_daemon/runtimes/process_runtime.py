@@ -245,7 +245,7 @@ class ProcessRuntime:
         self._cpuset = cpuset
         self._running: dict[str, _Running] = {}
         self._cgroups: dict[str, Path] = {}
-        """replica_id -> the CPU cgroup `update` made for it."""
+        """replica_id -> the CPU cgroup made for it (at its start, or by `update`)."""
         self._background = can_leave_background()
         self._warned_background = False
         self._warned_cgroup = False
@@ -512,7 +512,7 @@ class ProcessRuntime:
 
     async def stop(self, replica_id: str, grace_s: float = 10.0) -> int | None:
         """SIGTERM, wait up to `grace_s` (plus a margin for exit), then SIGKILL; then its
-        folder and its CPU cgroup (`update`) go. Returns the exit code (None when unknown:
+        folder and its CPU cgroup go. Returns the exit code (None when unknown:
         adopted, or no such replica here: idempotent). ReplicaFailed when it still runs
         after SIGKILL: it stays tracked."""
         running = self._running.get(replica_id)
