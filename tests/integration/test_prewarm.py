@@ -233,16 +233,16 @@ async def test_a_restarted_broker_stops_the_standby_its_predecessor_left(
     assert standby_replica in (await node_replicas(cluster))["node-b"]
     cluster.kill_broker()
     await cluster.start_broker("--cooldown", "0", "--prewarm-budget", "1")
-    # Its record says it is the broker's own: stopped as such.
+    # Its record says it is the broker's own: stopped as such. The broker logs it once the
+    # node has answered the stop, a moment after the node stops listing it.
+    retired = f"standby {standby_replica} on node=node-b retired: the broker restarted"
     for _ in range(600):
-        if standby_replica not in (await node_replicas(cluster))["node-b"]:
+        gone = standby_replica not in (await node_replicas(cluster))["node-b"]
+        if gone and retired in cluster.broker_log.read_text():
             break
         await asyncio.sleep(0.05)
     assert standby_replica not in (await node_replicas(cluster))["node-b"]
-    assert (
-        f"standby {standby_replica} on node=node-b retired: the broker restarted"
-        in cluster.broker_log.read_text()
-    )
+    assert retired in cluster.broker_log.read_text()
     async with cluster.edge("alice") as alice:
         assert (await alice.get(deployment.deployment_id)).node_id == "node-a"
 
