@@ -73,7 +73,7 @@ class Reason(enum.StrEnum):
     FASTER = "faster"
     """fastest: this side's estimate is the lower."""
     MEASURING = "measuring"
-    """fastest: this side has too few figures yet."""
+    """fastest: this side has too few figures yet (only before the first comparison)."""
     PROBE = "probe"
     """The losing side, occasionally, or the replica again after it failed."""
     REMOTE_DOWN = "remote-down"
@@ -188,6 +188,7 @@ class OffloadChooser:
         self._since_probe = 0
         self._last_probe_at: float | None = None
         self._confirm = False
+        self._compared = False
         self._down = False
         self._retry_at = 0.0
         self._retry_wait_s = self.settings.retry_min_s
@@ -221,7 +222,10 @@ class OffloadChooser:
             return Decision(Target.REMOTE, Reason.POLICY)
         for target in Target:
             if len(self._figures[target]) < self.settings.min_figures:
-                return Decision(target, Reason.MEASURING)
+                # Once compared, a side short of figures lost them to a probe that found them
+                # stale (`_figure`): the request that refills them confirms that probe.
+                return Decision(target, Reason.PROBE if self._compared else Reason.MEASURING)
+        self._compared = True
         self._update_winner()
         loser = Target.LOCAL if self._winner == Target.REMOTE else Target.REMOTE
         self._since_probe += 1

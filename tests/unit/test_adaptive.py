@@ -107,6 +107,22 @@ def test_fastest_measures_both_sides_then_takes_the_faster_and_probes_the_other_
     )
 
 
+def test_only_the_first_figures_of_a_side_are_measuring() -> None:
+    """The first round trips are slow (a channel being connected), so the local side wins; a
+    probe far below them drops them, and the request that refills the replica's figures
+    confirms that probe: it is a probe, not a second measurement."""
+    run = Run(Policy.FASTEST, probe_every=5, probe_interval_s=1000)
+    assert [d.reason for d in run.requests(2, 0.500, 0.100)] == [Reason.MEASURING] * 2
+    assert [d.reason for d in run.requests(2, 0.030, 0.100)] == [Reason.MEASURING] * 2
+    decisions = run.requests(10, 0.030, 0.100)
+    assert decisions[0] == Decision(LOCAL, Reason.FASTER)
+    remote = [d for d in decisions if d.target == REMOTE]
+    assert remote[:2] == [Decision(REMOTE, Reason.PROBE)] * 2
+    assert Decision(REMOTE, Reason.FASTER) in remote
+    counts = {(c.target, c.reason): c.requests for c in run.chooser.summary().decisions}
+    assert counts[REMOTE, Reason.MEASURING] == counts[LOCAL, Reason.MEASURING] == 2
+
+
 def test_fastest_probes_after_an_interval_even_when_requests_are_few() -> None:
     run = Run(Policy.FASTEST, probe_every=1000, probe_interval_s=1.0)
     run.requests(4, 0.030, 0.200)
