@@ -1,12 +1,14 @@
-"""Build the runtime image for inference containers without an image registry.
+"""Build the images without an image registry: the runtime image of the inference containers
+(variants ``cpu`` and ``cuda``) and the broker's image (variant ``broker``).
 
-The image is assembled from three locally produced inputs:
+An image is assembled from three locally produced inputs:
 
 1. a Debian bookworm base image made with ``debootstrap`` and imported into Docker
    (:func:`ensure_base_image`), unless the caller names another base such as ``python:3.11-slim``;
 2. wheels for CPython 3.11 on manylinux, downloaded on the host with ``pip download``
    (:func:`download_wheels`) and cached under ``$EDGE_OFFLOAD_CACHE`` (``~/.cache/edge-offload``);
-3. the application packages ``runtime/`` and ``protos/`` of this repository.
+3. the variant's application packages of this repository (:data:`APP_PACKAGES`): ``runtime/``
+   and ``protos/`` for a runtime image; the broker's packages and its ops page for the broker.
 
 :func:`build_image` copies them into a build context, hashes it, and runs ``docker build`` with
 ``images/Dockerfile`` only when the tag does not already carry that content hash. Every function
@@ -46,15 +48,27 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
-VARIANTS = ("cpu", "cuda")
+RUNTIME_VARIANTS = ("cpu", "cuda")
+VARIANTS = (*RUNTIME_VARIANTS, "broker")
 IMAGES_DIR = Path(__file__).resolve().parent
 # The directory holding the `images` package also holds the application packages.
 REPO_ROOT = Path(__file__).resolve().parents[1]
-APP_PACKAGES = ("runtime", "protos")
+_RUNTIME_APP = ("runtime", "protos")
+APP_PACKAGES: dict[str, tuple[str, ...]] = {
+    "cpu": _RUNTIME_APP,
+    "cuda": _RUNTIME_APP,
+    # The broker imports runtime.errors and runtime.rpc.status (its error messages and status
+    # mapping); nothing of it loads onnxruntime, which the broker image does not have.
+    "broker": ("broker", "common", "migration", "protos", "runtime"),
+}
+"""Per variant, the repository's packages copied into the image under /app."""
 APP_SUFFIXES = (".py", ".pyi")
+APP_DATA_DIRS = ("broker/ops/static",)
+"""Directories whose every file is copied too (the ops page), where a variant has them."""
 
 BASE_IMAGE = "edge-offload/base:bookworm"
 RUNTIME_REPOSITORY = "edge-offload/runtime"
+BROKER_REPOSITORY = "edge-offload/broker"
 BASE_HASH_LABEL = "offload.base.hash"
 HASH_LABEL = "offload.image.hash"
 VARIANT_LABEL = "offload.image.variant"
@@ -136,9 +150,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EDGE_OFFLOAD_CACHE") or Path.home() / ".cache" / "edge-offload")
 
 
-def _check_variant(variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ImageBuildError(f"unknown image variant {variant!r}; expected one of {VARIANTS}")
+def _check_variant(variant: str, variants: tuple[str, ...] = VARIANTS) -> None:
+    if variant not in variants:
+        raise ImageBuildError(f"unknown image variant {variant!r}; expected one of {variants}")
 
 
 def runtime_image_tag(variant: str) -> str:
@@ -146,9 +160,18 @@ def runtime_image_tag(variant: str) -> str:
 
     <version> is the project's version (runtime/version.py, which pyproject reads too).
     """
-    _check_variant(variant)
+    _check_variant(variant, RUNTIME_VARIANTS)
     suffix = "" if variant == "cpu" else f"-{variant}"
     return f"{RUNTIME_REPOSITORY}:{__version__}{suffix}"
+
+
+def image_tag(variant: str) -> str:
+    """The tag `variant` builds: the runtime image's (:func:`runtime_image_tag`), or
+    edge-offload/broker:<version> for the broker."""
+    _check_variant(variant)
+    if variant == "broker":
+        return f"{BROKER_REPOSITORY}:{__version__}"
+    return runtime_image_tag(variant)
 
 
 def requirements_file(variant: str) -> Path:
@@ -443,10 +466,13 @@ def _external_base(client: docker.DockerClient, reference: str, progress: Progre
 
 
 def _app_sources(package: Path) -> list[Path]:
+    data_dirs = [REPO_ROOT / directory for directory in APP_DATA_DIRS]
     return sorted(
         path
         for path in package.rglob("*")
-        if path.is_file() and path.suffix in APP_SUFFIXES and "__pycache__" not in path.parts
+        if path.is_file()
+        and "__pycache__" not in path.parts
+        and (path.suffix in APP_SUFFIXES or any(d in path.parents for d in data_dirs))
     )
 
 
@@ -462,14 +488,15 @@ def _place(destination: Path) -> Path:
 def assemble_context(variant: str, wheels: Path, context: Path) -> None:
     """Fill the empty directory `context` with the build context of `variant`: Dockerfile,
     requirements.txt, wheels/ (hard links to the wheels in `wheels`, so `context` must be on the
-    same file system) and app/<package>/ with the .py/.pyi files of the application packages.
+    same file system) and app/<package>/ with the .py/.pyi files of the variant's application
+    packages (and the files of APP_DATA_DIRS within them).
     Files are made mode 0644 so that the image's non-root user can read them whatever the umask.
     """
     shutil.copyfile(IMAGES_DIR / "Dockerfile", context / "Dockerfile")
     shutil.copyfile(requirements_file(variant), context / "requirements.txt")
     for wheel in sorted(wheels.glob("*.whl")):
         os.link(wheel, _place(context / "wheels" / wheel.name))
-    for package in APP_PACKAGES:
+    for package in APP_PACKAGES[variant]:
         source_root = REPO_ROOT / package
         if not (source_root / "__init__.py").is_file():
             raise ImageBuildError(f"application package {source_root} is missing")
@@ -539,8 +566,8 @@ def build_image(
     force: bool = False,
     progress: Progress = _print_progress,
 ) -> str:
-    """Build the runtime image of `variant` ("cpu" or "cuda") and return its tag
-    (:func:`runtime_image_tag`).
+    """Build the image of `variant` ("cpu" or "cuda": the runtime; "broker") and return its tag
+    (:func:`image_tag`).
 
     `base` names the base image (it must have python3 3.11 with venv on PATH, e.g.
     python:3.11-slim, pulled if missing); by default it is BASE_IMAGE, built with
@@ -549,7 +576,7 @@ def build_image(
     the whole build: minutes for a first cpu build, longer for cuda. `progress` receives one line
     per stage event and per Dockerfile step.
     """
-    tag = runtime_image_tag(variant)
+    tag = image_tag(variant)
     with contextlib.closing(_connect()) as client:
         if base is None:
             base_id = ensure_base_image(client=client, progress=progress)
@@ -597,21 +624,27 @@ def register_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     """Add `image build` to the `offload` command line."""
     image = subparsers.add_parser(
         "image",
-        help="build the runtime image of the inference containers",
-        description="Build the runtime image of the inference containers, with no registry.",
+        help="build the runtime image of the inference containers, or the broker's",
+        description="Build the runtime image of the inference containers, or the broker's "
+        "image, with no registry.",
     )
     commands = image.add_subparsers(dest="image_command", metavar="SUBCOMMAND", required=True)
     build = commands.add_parser(
         "build",
-        help="build edge-offload/runtime:<version>[-cuda] (skipped when up to date)",
+        help="build edge-offload/runtime:<version>[-cuda] or edge-offload/broker:<version> "
+        "(skipped when up to date)",
         description=(
-            "Build the runtime image: a Debian base made with debootstrap (needs root), wheels "
+            "Build an image: a Debian base made with debootstrap (needs root), wheels "
             "downloaded with pip and cached under $EDGE_OFFLOAD_CACHE, and this repository's "
-            "runtime/ and protos/. Progress goes to stderr, the image tag to stdout."
+            "packages (runtime/ and protos/ for the runtime; the broker's for the broker). "
+            "Progress goes to stderr, the image tag to stdout."
         ),
     )
     build.add_argument(
-        "--variant", choices=VARIANTS, default="cpu", help="cpu, or cuda for onnxruntime-gpu"
+        "--variant",
+        choices=VARIANTS,
+        default="cpu",
+        help="cpu (the runtime), cuda (the runtime with onnxruntime-gpu), or broker",
     )
     build.add_argument(
         "--base",

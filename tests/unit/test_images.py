@@ -31,6 +31,7 @@ from images.build import (
     canonical_name,
     context_hash,
     download_wheels,
+    image_tag,
     read_pins,
     register_cli,
     requirements_file,
@@ -63,23 +64,30 @@ def write_pinned_wheels(directory: Path, variant: str) -> set[str]:
 # --- tags and pins ---------------------------------------------------------------------------
 
 
-def test_runtime_image_tags_carry_the_package_version() -> None:
+def test_image_tags_carry_the_package_version() -> None:
     version = importlib.metadata.version("edge-offload")
-    assert runtime_image_tag("cpu") == f"edge-offload/runtime:{version}"
+    assert runtime_image_tag("cpu") == image_tag("cpu") == f"edge-offload/runtime:{version}"
     assert runtime_image_tag("cuda") == f"edge-offload/runtime:{version}-cuda"
-    with pytest.raises(ImageBuildError, match="unknown image variant"):
-        runtime_image_tag("rocm")
+    assert image_tag("broker") == f"edge-offload/broker:{version}"
+    for variant in ("rocm", "broker"):  # the broker image is no runtime image
+        with pytest.raises(ImageBuildError, match=f"unknown image variant '{variant}'"):
+            runtime_image_tag(variant)
+    with pytest.raises(ImageBuildError, match="unknown image variant 'rocm'"):
+        image_tag("rocm")
 
 
 def test_variants_share_their_common_pins() -> None:
     cpu = read_pins(requirements_file("cpu"))
     cuda = read_pins(requirements_file("cuda"))
+    broker = read_pins(requirements_file("broker"))
     assert cuda["onnxruntime-gpu"] == cpu["onnxruntime"]
     assert "onnxruntime" not in cuda
-    for name in set(cpu) & set(cuda):
-        assert cpu[name] == cuda[name], name
+    assert not any(name.startswith("onnxruntime") for name in broker)
+    for other in (cuda, broker):
+        for name in set(cpu) & set(other):
+            assert cpu[name] == other[name], name
     for name in ("grpcio", "protobuf", "numpy"):
-        assert cpu[name] == cuda[name]
+        assert cpu[name] == cuda[name] == broker[name]
 
 
 def test_read_pins_rejects_unpinned_requirements(tmp_path: Path) -> None:
@@ -168,15 +176,20 @@ def test_wheels_pip_did_not_provide_are_reported(
 # --- build context and content hash -----------------------------------------------------------
 
 
-@pytest.fixture
-def context(tmp_path: Path) -> Path:
-    """The cpu build context, with stand-in wheels."""
+def build_context(tmp_path: Path, variant: str) -> Path:
+    """The build context of `variant`, with stand-in wheels."""
     wheels = tmp_path / "wheels"
-    write_pinned_wheels(wheels, "cpu")
+    write_pinned_wheels(wheels, variant)
     context = tmp_path / "context"
     context.mkdir()
-    assemble_context("cpu", wheels, context)
+    assemble_context(variant, wheels, context)
     return context
+
+
+@pytest.fixture
+def context(tmp_path: Path) -> Path:
+    """The cpu build context."""
+    return build_context(tmp_path, "cpu")
 
 
 def test_context_holds_the_application_sources_only(context: Path) -> None:
@@ -188,6 +201,27 @@ def test_context_holds_the_application_sources_only(context: Path) -> None:
     assert (context / "requirements.txt").read_bytes() == requirements_file("cpu").read_bytes()
     for path in context.rglob("*"):
         assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
+
+
+def test_the_broker_context_holds_its_packages_and_ops_page(tmp_path: Path) -> None:
+    context = build_context(tmp_path, "broker")
+    relative = {
+        path.relative_to(context / "app").as_posix()
+        for path in (context / "app").rglob("*")
+        if path.is_file()
+    }
+    packages = {name.split("/")[0] for name in relative}
+    assert packages == {"broker", "common", "migration", "protos", "runtime"}
+    assert {"broker/__main__.py", "broker/ops/static/index.html"} <= relative
+    static = {n for n in relative if n.startswith("broker/ops/static/")}
+    expected = {
+        path.relative_to(build.REPO_ROOT).as_posix()
+        for path in (build.REPO_ROOT / "broker/ops/static").rglob("*")
+        if path.is_file()
+    }
+    assert static == expected
+    assert all(n.endswith((".py", ".pyi")) for n in relative - static)
+    assert (context / "requirements.txt").read_bytes() == requirements_file("broker").read_bytes()
 
 
 def _dockerfile_instructions(dockerfile: Path) -> list[list[str]]:
@@ -215,9 +249,24 @@ def test_dockerfile_contract(context: Path) -> None:
     instructions = [" ".join(words) for words in _dockerfile_instructions(context / "Dockerfile")]
     assert instructions[0] == "ARG BASE=edge-offload/base:bookworm"
     assert "FROM ${BASE} AS venv" in instructions
-    assert "USER 10001:10001" in instructions
-    assert "EXPOSE 8001 8002" in instructions  # inference, and the runtime's metrics
-    assert instructions[-1] == 'ENTRYPOINT ["/opt/venv/bin/python", "-m", "runtime.server"]'
+    assert instructions[-2:] == ["USER 10001:10001", "WORKDIR /app"]
+    # Each image's entry point and ports are set in its own stage.
+    stages: dict[str, list[str]] = {}
+    for line in instructions:
+        if line.startswith("FROM "):
+            stages[line.split()[-1]] = []
+        elif stages:
+            stages[list(stages)[-1]].append(line)
+    assert stages["runtime"] == [
+        "EXPOSE 8001 8002",  # inference, and the runtime's metrics
+        'ENTRYPOINT ["/opt/venv/bin/python", "-m", "runtime.server"]',
+    ]
+    broker = stages["variant-broker"]
+    assert broker[-3:] == [
+        "VOLUME /var/lib/edge-offload",
+        "EXPOSE 7000 8080",
+        'ENTRYPOINT ["/opt/venv/bin/python", "-m", "broker"]',
+    ]
     assert any("useradd --uid 10001" in line and line.endswith("offload") for line in instructions)
 
 
