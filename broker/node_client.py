@@ -1,5 +1,6 @@
 """The broker's client of one node's NodeAgent: every call with the cluster token and a
-deadline; gRPC errors become the broker's own (they never leave this module)."""
+deadline, over mutual TLS when the broker has a certificate; gRPC errors become the broker's
+own (they never leave this module)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from broker.errors import (
     ResourceExhausted,
     client_text,
 )
+from common.certs import TlsIdentity
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
+from runtime.tls import open_channel
 
 START_TIMEOUT_S = 120.0
 _REPLICA_FAULTS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
@@ -40,11 +43,15 @@ class ReplicaResources:
 
 
 class NodeClient:
-    def __init__(self, node_id: str, address: str, token: str) -> None:
+    def __init__(
+        self, node_id: str, address: str, token: str, tls: TlsIdentity | None = None
+    ) -> None:
+        """`tls`: the broker's certificate (presented to the node, which requires one) and
+        the CA the node's certificate must chain to; None: plaintext."""
         self.node_id = node_id
         self.address = address
         self._metadata = (("authorization", f"Bearer {token}"),)
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = open_channel(address, tls)
         self._stub = pb_grpc.NodeAgentStub(self._channel)
 
     async def close(self) -> None:

@@ -4,6 +4,13 @@ Serves `offload.v1.NodeRegistry` (nodes join with the cluster's join token) and
 `offload.v1.EdgeBroker` (clients with API keys) on one gRPC port, and the ops HTTP server
 (`/healthz`, `/metrics`, `/api/...`, the dashboard) on another. State lives in SQLite under
 the state dir; a restarted broker reloads it, and nodes re-register and are reconciled.
+
+With `--tls-cert/--tls-key/--tls-ca` every port serves TLS (the ops server HTTPS) and
+NodeRegistry moves to a port of its own, `--node-listen`, where a node must present a
+certificate for its node id, signed by the CA, as well as the join token (mutual TLS: gRPC
+Python cannot make a client certificate optional, and clients have none). The broker presents
+its own certificate to the nodes it calls. A plaintext port that other hosts can reach needs
+`--insecure`.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import logging
 import secrets
 import signal
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,9 +40,11 @@ from broker.rpc.status import MalformedRequests
 from broker.service import Broker, BrokerSettings
 from broker.state import KeyChanges, StateError, StateStore, new_api_key, parse_api_keys_file
 from broker.state.permissions import create_private_file
+from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
 from migration.policy import Hysteresis, PrewarmSettings
 from migration.rebalance import RebalanceSettings
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+from runtime.tls import check_listener, listen, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +82,15 @@ class BrokerConfig:
         default_factory=lambda: RebalanceSettings(max_concurrent=0)
     )
     """Speculative rebalancing: off unless `max_concurrent` > 0 (`--rebalance N`)."""
+    node_listen: str = ""
+    """host:port for NodeRegistry on a port of its own; empty: on `listen`. Needed with
+    `tls`: nodes connect there with mutual TLS."""
+    tls: TlsIdentity | None = None
+    """The broker's certificate, key and CA (which nodes' certificates must chain to); None:
+    plaintext everywhere."""
+    tls_files: tuple[Path, Path] | None = None
+    """The files of `tls.cert` and `tls.key`, for the ops server's HTTPS (Python's ssl module
+    reads a certificate chain from files only)."""
 
 
 @dataclass(slots=True)
@@ -84,8 +103,14 @@ class RunningBroker:
     ops_runner: object
     ops_port: int
     store: StateStore
+    node_server: grpc.aio.Server | None = None
+    """NodeRegistry's own server (`--node-listen`); None when it is on `server`."""
+    node_port: int = 0
+    """The port nodes register on: `port` when NodeRegistry is on `server`."""
 
     async def stop(self) -> None:
+        if self.node_server is not None:
+            await self.node_server.stop(2.0)
         await self.server.stop(2.0)
         await self.ops_runner.cleanup()  # type: ignore[attr-defined]
         await self.broker.close()
@@ -101,49 +126,99 @@ async def start_broker(config: BrokerConfig) -> RunningBroker:
         _log_key_changes(changes, "at start")
         models = ModelStore(config.state_dir / "models", config.max_model_bytes)
         metrics = BrokerMetrics()
-        broker = Broker(store, models, network, config.join_token, config.settings, metrics)
-        await broker.load()
-        server = grpc.aio.server(
-            interceptors=[MalformedRequests()],
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
+        broker = Broker(
+            store,
+            models,
+            network,
+            config.join_token,
+            config.settings,
+            metrics,
+            node_tls=config.tls,
         )
+        await broker.load()
+        server = _grpc_server()
+        node_server = _grpc_server() if config.node_listen else None
         migrations = Migrations(
             broker, config.hysteresis, config.drain_timeout_s, prewarm=config.prewarm
         )
         await migrations.resume_after_restart()
-        pb_grpc.add_NodeRegistryServicer_to_server(NodeRegistryServicer(broker), server)
-        pb_grpc.add_EdgeBrokerServicer_to_server(EdgeBrokerServicer(broker, migrations), server)
+        pb_grpc.add_NodeRegistryServicer_to_server(
+            NodeRegistryServicer(broker, node_certificates=config.tls is not None),
+            node_server or server,
+        )
+        endpoint_ca = config.tls.ca.decode() if config.tls is not None else ""
+        pb_grpc.add_EdgeBrokerServicer_to_server(
+            EdgeBrokerServicer(broker, migrations, endpoint_ca), server
+        )
         pb_grpc.add_OperatorServicer_to_server(OperatorServicer(migrations), server)
-        try:
-            port = server.add_insecure_port(config.listen)
-        except RuntimeError as err:
-            raise OSError(f"cannot listen on {config.listen}: {err}") from err
+        tls = config.tls
+        port = listen(server, config.listen, server_credentials(tls) if tls else None)
+        node_port = port
+        if node_server is not None:
+            node_port = listen(
+                node_server,
+                config.node_listen,
+                server_credentials(tls, require_client_cert=True) if tls else None,
+            )
+            await node_server.start()
         await server.start()
         ops_token = config.ops_token
         if ops_token is None:
             ops_token = await asyncio.to_thread(state_ops_token, config.state_dir)
         auth = OpsAuth(ops_token, metrics_open=not config.metrics_auth)
         host, _, ops_port_text = config.ops_listen.rpartition(":")
+        ssl_context = _ops_ssl_context(config.tls_files) if config.tls_files else None
         runner, ops_port = await start_ops_server(
             create_ops_app(BrokerOpsView(broker, config.prewarm.budget), metrics, auth),
             host,
             int(ops_port_text),
+            ssl_context,
         )
     except BaseException:
         store.close()
         raise
     logger.info(
-        "broker listening on %s:%d, ops on http://%s:%d/",
+        "broker listening on %s:%d%s, nodes on %s:%d%s, ops on %s://%s:%d/",
         config.listen.rpartition(":")[0],
         port,
+        " (TLS)" if tls else "",
+        (config.node_listen or config.listen).rpartition(":")[0],
+        node_port,
+        " (mutual TLS)" if tls else "",
+        "https" if ssl_context else "http",
         host,
         ops_port,
     )
     rebalancer = Rebalancer(migrations, config.rebalance)
-    return RunningBroker(broker, migrations, rebalancer, server, port, runner, ops_port, store)
+    return RunningBroker(
+        broker,
+        migrations,
+        rebalancer,
+        server,
+        port,
+        runner,
+        ops_port,
+        store,
+        node_server,
+        node_port,
+    )
+
+
+def _grpc_server() -> grpc.aio.Server:
+    return grpc.aio.server(
+        interceptors=[MalformedRequests()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+
+
+def _ops_ssl_context(files: tuple[Path, Path]) -> ssl.SSLContext:
+    """HTTPS for the ops server with the broker's certificate (checked already)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*files)
+    return context
 
 
 def _log_key_changes(changes: KeyChanges, when: str) -> None:
@@ -257,11 +332,23 @@ def _read_secret(path: Path, flag: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
-    """Validated configuration; ValueError or OSError saying which flag is wrong."""
-    for flag, value in (("--listen", args.listen), ("--ops-listen", args.ops_listen)):
+    """Validated configuration; ValueError or OSError saying which flag is wrong (CertError,
+    a ValueError, for a certificate or key that cannot be used)."""
+    listeners = [("--listen", args.listen), ("--ops-listen", args.ops_listen)]
+    if args.node_listen:
+        listeners.append(("--node-listen", args.node_listen))
+    for flag, value in listeners:
         host, colon, port = value.rpartition(":")
         if not colon or not host or not port.isdigit():
             raise ValueError(f"{flag} {value!r} is not host:port")
+    tls = identity_from_args(args)
+    if tls is not None and not args.node_listen:
+        raise ValueError(
+            "--tls-cert needs --node-listen HOST:PORT: nodes register there with mutual TLS "
+            "(their own certificates), clients keep --listen"
+        )
+    for flag, value in listeners:
+        check_listener(flag, value, tls is not None, args.insecure)
     keys: tuple[str, ...] = ()
     if args.api_keys_file is not None:
         keys = parse_api_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))
@@ -300,6 +387,9 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
             ttl_s=args.prewarm_ttl,
         ),
         rebalance=_rebalance_settings(args),
+        node_listen=args.node_listen,
+        tls=tls,
+        tls_files=(args.tls_cert, args.tls_key) if tls is not None else None,
     )
 
 
@@ -325,6 +415,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--listen", required=True, help="host:port for gRPC (port 0: any, logged)")
     p.add_argument("--ops-listen", required=True, help="host:port for the ops HTTP server")
+    p.add_argument(
+        "--node-listen",
+        default="",
+        help="host:port for NodeRegistry on a port of its own, where nodes register (needed "
+        "with --tls-cert: mutual TLS; default: on --listen)",
+    )
+    add_tls_arguments(
+        p, "that nodes' certificates must chain to (and the one nodes verify the broker by)"
+    )
     p.add_argument("--state-dir", type=Path, required=True, help="SQLite state and models")
     p.add_argument(
         "--cluster",

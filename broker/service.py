@@ -67,6 +67,7 @@ from broker.state import (
     StateStore,
 )
 from broker.telemetry import LoadHistory, NodeSample, Resize
+from common.certs import TlsIdentity
 from common.inventory import Gpu, Inventory, Link, LinkKind
 from common.topology import Topology
 
@@ -413,8 +414,12 @@ class Broker:
         join_token: str,
         settings: BrokerSettings,
         metrics: BrokerMetrics,
+        node_tls: TlsIdentity | None = None,
     ) -> None:
+        """`node_tls`: the broker's certificate and CA for its calls to nodes (mutual TLS);
+        None: plaintext."""
         self._store = store
+        self._node_tls = node_tls
         self.models = models
         self.network = network
         self.settings = settings
@@ -489,7 +494,7 @@ class Broker:
                 record,
                 inventory,
                 Topology.from_inventory(inventory),
-                NodeClient(record.node_id, record.address, self._join_token),
+                NodeClient(record.node_id, record.address, self._join_token, self._node_tls),
                 time.monotonic(),
             )
         for starting in await self._db(
@@ -607,7 +612,7 @@ class Broker:
         else:
             if previous is not None:
                 await previous.client.close()
-            client = NodeClient(node_id, address, self._join_token)
+            client = NodeClient(node_id, address, self._join_token, self._node_tls)
         entry = NodeEntry(record, inventory, topology, client, time.monotonic())
         self._nodes[node_id] = entry
         logger.info(

@@ -32,7 +32,9 @@ Paths:
   `stats()`.
 
 Every gRPC error becomes an `edge_client.errors.OffloadError` through one table,
-`STATUS_ERRORS`; `grpc.RpcError` never leaves this module.
+`STATUS_ERRORS`; `grpc.RpcError` never leaves this module. With `tls_ca` the broker channel
+is TLS and the broker's certificate must chain to that CA; a failed handshake (a broker
+certificate that does not) is never retried.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any, Self, TypeVar
 import grpc
 import numpy as np
 
+from common.certs import CertError, TlsIdentity, load_ca
 from common.content import file_sha256
 from edge_client.adaptive import (
     AdaptiveSettings,
@@ -85,6 +88,7 @@ from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 from runtime.model import TensorSpec
+from runtime.tls import is_handshake_failure, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +138,18 @@ _PRIORITIES = {
 
 def _mapped(err: grpc.aio.AioRpcError, action: str) -> OffloadError:
     kind = STATUS_ERRORS.get(err.code(), ServerError)
-    return kind(f"{action}: {err.code().name} {err.details()}")
+    return kind(f"{action}: {err.code().name} {err.details()}{tls_hint(err)}")
+
+
+def tls_hint(err: grpc.aio.AioRpcError) -> str:
+    """What an UNAVAILABLE that TLS explains means, to append to its message; "" else."""
+    if err.code() != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    if is_handshake_failure(err.details()):
+        return " (the TLS handshake failed: is the server's certificate signed by the CA given?)"
+    if "socket closed" in (err.details() or "").lower():
+        return " (closed at once: the server may serve TLS while this client speaks plaintext)"
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +169,9 @@ class Deployment:
     state: str
     """One of "pending", "starting", "running", "failed"."""
     model_name: str
+    endpoint_ca: str = ""
+    """PEM of the CA the replica's certificate chains to: inference goes over TLS with it;
+    empty: plaintext."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,20 +190,26 @@ def _deployment(message: pb.Deployment) -> Deployment:
         node_id=message.node_id,
         state=message.state,
         model_name=message.model_name,
+        endpoint_ca=message.endpoint_ca_pem,
     )
 
 
 class _Replica:
     """One epoch's endpoint: its channel, and the calls in flight on it."""
 
-    def __init__(self, endpoint: str, token: str, epoch: int, migration_id: str = "") -> None:
+    def __init__(
+        self, endpoint: str, token: str, epoch: int, migration_id: str = "", ca: str = ""
+    ) -> None:
+        """`ca`: PEM of the CA the replica's certificate chains to (TLS); empty: plaintext."""
         self.endpoint = endpoint
         self.epoch = epoch
         self.migration_id = migration_id
         """The migration that switched to it ("" for the first placement)."""
         self.answered = False
         """Whether it has answered a request yet."""
-        self.channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        self.channel = open_channel(
+            endpoint, TlsIdentity(ca=ca.encode()) if ca else None, options=_CHANNEL_OPTIONS
+        )
         # Connect now rather than on the first call, so that the first call after a switch
         # finds the connection (usually) up.
         self.channel.get_state(try_to_connect=True)
@@ -239,6 +263,7 @@ class OffloadClient:
         local_threads: int = 0,
         adaptive: AdaptiveSettings | None = None,
         offload_report_s: float = 10.0,
+        tls_ca: Path | str | None = None,
     ) -> None:
         """`broker` is host:port. Timeouts in seconds: `call_timeout_s` is the deadline of
         each inference attempt and each quick broker call; `deploy_timeout_s` of an upload
@@ -255,9 +280,21 @@ class OffloadClient:
         "remote", "local", "fastest" or "remote-then-local" (None: "fastest" with a local
         model, else "remote"); `adaptive` tunes the estimates and
         probes; `offload_report_s` how often the decisions are reported to the broker (0:
-        never). InvalidInput for an unknown policy, a policy that needs a local model
-        without one, or a local model file that does not exist."""
+        never).
+
+        `tls_ca`: a PEM file of the CA the broker's certificate must chain to; the broker
+        channel is TLS with it, plaintext without (None). Blocking (reads the file).
+
+        InvalidInput for an unknown policy, a policy that needs a local model without one,
+        a local model file that does not exist, or a `tls_ca` that is not a valid PEM
+        certificate."""
         self.broker = broker
+        self._tls: TlsIdentity | None = None
+        if tls_ca is not None:
+            try:
+                self._tls = TlsIdentity(ca=load_ca(Path(tls_ca), "tls_ca"))
+            except CertError as err:
+                raise InvalidInput(str(err)) from None
         self._metadata = (("authorization", f"Bearer {api_key}"),)
         self._call_timeout_s = call_timeout_s
         self._deploy_timeout_s = deploy_timeout_s
@@ -302,7 +339,7 @@ class OffloadClient:
                 LocalModel.load, self._local_path, self._local_threads
             )
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.broker, options=_CHANNEL_OPTIONS)
+            self._channel = open_channel(self.broker, self._tls, options=_CHANNEL_OPTIONS)
             self._stub = pb_grpc.EdgeBrokerStub(self._channel)
 
     async def close(self) -> None:
@@ -369,7 +406,11 @@ class OffloadClient:
             try:
                 return await call()
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > give_up:
+                if (
+                    err.code() != grpc.StatusCode.UNAVAILABLE
+                    or is_handshake_failure(err.details())
+                    or time.monotonic() > give_up
+                ):
                     raise _mapped(err, action) from err
                 logger.warning(
                     "broker %s unavailable (%s); retrying %s in %.1fs",
@@ -615,7 +656,12 @@ class OffloadClient:
         old = self._replica
         self._deployment = deployment
         self._replica = (
-            _Replica(deployment.endpoint, deployment.token, deployment.epoch)
+            _Replica(
+                deployment.endpoint,
+                deployment.token,
+                deployment.epoch,
+                ca=deployment.endpoint_ca,
+            )
             if deployment.endpoint
             else None
         )
@@ -707,10 +753,17 @@ class OffloadClient:
         current = self._deployment
         assert current is not None
         old = self._replica
-        self._replica = _Replica(update.endpoint, update.token, update.epoch, update.migration_id)
+        self._replica = _Replica(
+            update.endpoint,
+            update.token,
+            update.epoch,
+            update.migration_id,
+            update.endpoint_ca_pem,
+        )
         self._deployment = replace(
             current,
             endpoint=update.endpoint,
+            endpoint_ca=update.endpoint_ca_pem,
             token=update.token,
             epoch=update.epoch,
             node_id="",

@@ -4,7 +4,8 @@
 $OFFLOAD_OPS_TOKEN_FILE); `deployments` and
 `explain` call the broker's EdgeBroker service with a client's API key (`--broker HOST:PORT
 --api-key-file F`, or $OFFLOAD_BROKER and $OFFLOAD_API_KEY_FILE). Tables for people, `--json`
-for scripts.
+for scripts. `--tls-ca F` (or $OFFLOAD_TLS_CA) is the CA a TLS broker's certificate must
+chain to, for its gRPC port and its HTTPS ops API alike; without it they are plaintext.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -23,8 +25,11 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from common.certs import CertError, TlsIdentity, load_ca
+from edge_client.client import tls_hint
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+from runtime.tls import open_channel
 
 _PRIORITY = {1: "best-effort", 2: "standard", 3: "critical"}
 
@@ -60,14 +65,47 @@ def _broker(args: argparse.Namespace) -> str:
     return address
 
 
-async def edge_call(args: argparse.Namespace, method: str, request: Any) -> Any:
-    metadata = (("authorization", f"Bearer {_api_key(args)}"),)
-    async with grpc.aio.insecure_channel(_broker(args)) as channel:
-        stub = pb_grpc.EdgeBrokerStub(channel)
+def _tls(args: argparse.Namespace) -> TlsIdentity | None:
+    """The CA of `--tls-ca`/$OFFLOAD_TLS_CA, checked; None without one (plaintext).
+    CommandError when it is not a valid PEM certificate."""
+    path = getattr(args, "tls_ca", None) or os.environ.get("OFFLOAD_TLS_CA")
+    if not path:
+        return None
+    try:
+        return TlsIdentity(ca=load_ca(Path(path)))
+    except CertError as err:
+        raise CommandError(str(err)) from None
+
+
+def tls_ca(args: argparse.Namespace) -> str | None:
+    """The `--tls-ca` file (or $OFFLOAD_TLS_CA), checked as `_tls` does; None: plaintext."""
+    if _tls(args) is None:
+        return None
+    return str(getattr(args, "tls_ca", None) or os.environ["OFFLOAD_TLS_CA"])
+
+
+async def broker_call(
+    args: argparse.Namespace,
+    stub_class: Any,
+    method: str,
+    request: Any,
+    token: str,
+    deadline_s: float,
+) -> Any:
+    """One call to the broker (`--broker`, over TLS with `--tls-ca`) with `token` as bearer;
+    CommandError with the status, and what TLS has to do with it."""
+    metadata = (("authorization", f"Bearer {token}"),)
+    async with open_channel(_broker(args), _tls(args)) as channel:
         try:
-            return await getattr(stub, method)(request, metadata=metadata, timeout=15)
+            return await getattr(stub_class(channel), method)(
+                request, metadata=metadata, timeout=deadline_s
+            )
         except grpc.aio.AioRpcError as err:
-            raise CommandError(f"{err.code().name}: {err.details()}") from err
+            raise CommandError(f"{err.code().name}: {err.details()}{tls_hint(err)}") from err
+
+
+async def edge_call(args: argparse.Namespace, method: str, request: Any) -> Any:
+    return await broker_call(args, pb_grpc.EdgeBrokerStub, method, request, _api_key(args), 15)
 
 
 def _ops_token(args: argparse.Namespace) -> str:
@@ -87,12 +125,14 @@ async def ops_get(args: argparse.Namespace, path: str) -> Any:
     if not url:
         raise CommandError("give --ops URL, the broker's ops address (or set OFFLOAD_OPS)")
     headers = {"Authorization": f"Bearer {_ops_token(args)}"}
+    tls = _tls(args)
+    context = ssl.create_default_context(cadata=tls.ca.decode()) if tls is not None else None
     try:
         async with (
             aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=15), headers=headers
             ) as http,
-            http.get(f"{url}{path}") as response,
+            http.get(f"{url}{path}", ssl=context if context is not None else True) as response,
         ):
             if response.status == 401:
                 raise CommandError(
@@ -207,6 +247,16 @@ def ops_token_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ops-token-file", help="file holding the broker's ops token ($OFFLOAD_OPS_TOKEN_FILE)"
     )
+    tls_flag(p)
+
+
+def tls_flag(p: argparse.ArgumentParser) -> None:
+    """`--tls-ca`, for every command that talks to the broker."""
+    p.add_argument(
+        "--tls-ca",
+        help="the CA (PEM) the broker's certificate must chain to: TLS to its gRPC port and "
+        "HTTPS to its ops API ($OFFLOAD_TLS_CA; default: plaintext)",
+    )
 
 
 def _run(handler: Any) -> Any:
@@ -235,5 +285,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             p.add_argument("deployment", help="the deployment id")
         p.add_argument("--broker", help="the broker's gRPC address HOST:PORT")
         p.add_argument("--api-key-file", help="file holding your API key")
+        tls_flag(p)
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
         p.set_defaults(func=_run(handler))

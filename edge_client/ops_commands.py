@@ -26,7 +26,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 from rich.console import Console
 from rich.table import Table
@@ -37,9 +36,12 @@ from edge_client.commands import (
     _api_key,
     _broker,
     _run,
+    broker_call,
     edge_call,
     ops_get,
     ops_token_flag,
+    tls_ca,
+    tls_flag,
 )
 from edge_client.errors import OffloadError
 from protos.offload.v1 import broker_pb2 as pb
@@ -56,7 +58,7 @@ async def _deploy(args: argparse.Namespace) -> int:
     if not args.model.is_file():
         raise CommandError(f"{args.model}: no such file")
     started = time.monotonic()
-    async with OffloadClient(_broker(args), _api_key(args)) as client:
+    async with OffloadClient(_broker(args), _api_key(args), tls_ca=tls_ca(args)) as client:
         _say(f"uploading {args.model} ({args.model.stat().st_size / 1e6:.1f} MB) ...")
         try:
             sha = await client.upload_model(args.model)
@@ -99,7 +101,7 @@ def _inputs(pairs: list[str]) -> dict[str, np.ndarray]:
 
 async def _infer(args: argparse.Namespace) -> int:
     inputs = _inputs(args.input)
-    async with OffloadClient(_broker(args), _api_key(args)) as client:
+    async with OffloadClient(_broker(args), _api_key(args), tls_ca=tls_ca(args)) as client:
         try:
             await client.attach(args.deployment)
             started = time.perf_counter()
@@ -129,15 +131,9 @@ async def _operator(args: argparse.Namespace, method: str, request: Any) -> Any:
     path = args.join_token_file or os.environ.get("OFFLOAD_JOIN_TOKEN_FILE")
     if not path:
         raise CommandError("give --join-token-file F (or set OFFLOAD_JOIN_TOKEN_FILE)")
-    token = _read_token(Path(path))
-    metadata = (("authorization", f"Bearer {token}"),)
-    async with grpc.aio.insecure_channel(_broker(args)) as channel:
-        try:
-            return await getattr(pb_grpc.OperatorStub(channel), method)(
-                request, metadata=metadata, timeout=30
-            )
-        except grpc.aio.AioRpcError as err:
-            raise CommandError(f"{err.code().name}: {err.details()}") from err
+    return await broker_call(
+        args, pb_grpc.OperatorStub, method, request, _read_token(Path(path)), 30
+    )
 
 
 async def _move(args: argparse.Namespace) -> int:
@@ -300,6 +296,7 @@ def _listing(counts: Counter[str]) -> str:
 def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", help="the broker's gRPC address HOST:PORT ($OFFLOAD_BROKER)")
     p.add_argument("--api-key-file", help="file holding your API key ($OFFLOAD_API_KEY_FILE)")
+    tls_flag(p)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -352,6 +349,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("node")
     p.add_argument("--broker", help="the broker's gRPC address HOST:PORT ($OFFLOAD_BROKER)")
     p.add_argument("--join-token-file", help="the cluster's join token ($OFFLOAD_JOIN_TOKEN_FILE)")
+    tls_flag(p)
     p.set_defaults(func=_run(_drain))
 
     for name, helptext, handler in (

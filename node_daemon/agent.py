@@ -52,6 +52,7 @@ from node_daemon.runtimes import (
 )
 from node_daemon.telemetry import NodeSample, ReplicaInfo, Telemetry
 from runtime.errors import quote
+from runtime.pem import TlsIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +206,11 @@ class NodeAgent:
         ready_timeout_s: float = 60.0,
         telemetry: Telemetry | None = None,
         read_gpus: Callable[[], tuple[Gpu, ...]] | None = None,
+        replica_tls: TlsIdentity | None = None,
     ) -> None:
+        """`replica_tls`: the node's certificate, key and CA; replicas serve TLS with the
+        certificate (it names the node's address) and are probed with the CA. None:
+        replicas serve plaintext (`--insecure`)."""
         self.node_id = node_id
         self.site = site
         self.inventory = inventory
@@ -213,6 +218,7 @@ class NodeAgent:
         self.cache = cache
         self.host = host
         self.ready_timeout_s = ready_timeout_s
+        self.replica_tls = replica_tls
         self.topology = Topology.from_inventory(inventory)
         self.allocator = GpuAllocator(inventory, self.topology)
         self._replicas: dict[str, ReplicaView] = {}
@@ -333,6 +339,7 @@ class NodeAgent:
             cpus=request.cpus,
             memory_mib=request.memory_mib,
             background=request.background_start,
+            tls=self.replica_tls,
         )
         logger.info(
             "replica=%s starting model=%s gpus=%s%s",

@@ -4,7 +4,9 @@
 heartbeats every interval the broker asked for, with the node's usage and replicas; when
 the broker answers NOT_FOUND (it lost its state, or marked the node lost and dropped it) the
 node registers again. Every call has a deadline; only UNAVAILABLE and DEADLINE_EXCEEDED are
-retried.
+retried, except a failed TLS handshake (the broker's certificate does not chain to the
+node's CA), which no retry mends: it stops the daemon. Over TLS the node presents its
+certificate (mutual TLS); the broker checks that it is for this node id.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 import grpc
 
+from common.certs import TlsIdentity
 from node_daemon.agent import NodeAgent
 from node_daemon.errors import ModelNotCached
 from node_daemon.rpc import convert
@@ -22,6 +25,7 @@ from node_daemon.telemetry import NodeSample
 from protos.offload.v1 import broker_pb2 as bpb
 from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
 from protos.offload.v1 import node_pb2 as npb
+from runtime.tls import is_handshake_failure, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +41,17 @@ class BrokerLink:
         join_token: str,
         agent: NodeAgent,
         agent_address: str,
+        tls: TlsIdentity | None = None,
     ) -> None:
+        """`tls`: the node's certificate (presented) and the CA the broker's must chain to;
+        None: plaintext."""
         self.broker = broker
         self._metadata = (("authorization", f"Bearer {join_token}"),)
         self._agent = agent
         self._agent_address = agent_address
-        self._channel = grpc.aio.insecure_channel(
-            broker,
-            options=[("grpc.max_receive_message_length", 8 * 1024 * 1024)],
+        self._tls = tls is not None
+        self._channel = open_channel(
+            broker, tls, options=[("grpc.max_receive_message_length", 8 * 1024 * 1024)]
         )
         self._stub = bpb_grpc.NodeRegistryStub(self._channel)
         self.registered = asyncio.Event()
@@ -72,13 +79,15 @@ class BrokerLink:
                     request, metadata=self._metadata, timeout=CALL_TIMEOUT_S
                 )
             except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRYABLE:
+                if err.code() not in RETRYABLE or is_handshake_failure(err.details()):
                     raise
                 logger.warning(
-                    "broker %s unreachable (%s); retrying in %.1fs",
+                    "broker %s unreachable (%s: %s); retrying in %.1fs%s",
                     self.broker,
                     err.code().name,
+                    err.details(),
                     backoff,
+                    _closed_hint(err.details(), self._tls),
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
@@ -179,3 +188,13 @@ class BrokerLink:
             upload.abort()
             raise
         logger.info("model %s fetched from broker %s", sha256[:12], self.broker)
+
+
+def _closed_hint(details: str | None, tls: bool) -> str:
+    """What a connection the broker closed at once may mean: TLS on one side only, or a
+    node certificate the broker refused."""
+    if "socket closed" not in (details or "").lower():
+        return ""
+    if tls:
+        return " (the broker may refuse this node's certificate, or serve plaintext)"
+    return " (the broker may serve TLS: give --tls-cert, --tls-key and --tls-ca)"

@@ -4,14 +4,18 @@ Start-up: read the inventory, connect the runtime, adopt the replicas an earlier
 this node left running, then listen. A background loop notices replicas that die. SIGTERM or
 SIGINT stops listening and, by default, leaves the replicas serving for the next daemon
 (`--stop-replicas-on-exit` stops them instead).
+
+With `--tls-cert/--tls-key/--tls-ca` (a certificate for this node: its common name is the
+node id, its names the addresses the broker dials) NodeAgent serves mutual TLS (callers
+present a certificate signed by the CA: the broker does), and the node joins the broker's
+`--node-listen` port with the same certificate. A plaintext listener that other hosts can
+reach needs `--insecure`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
 from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink
@@ -42,6 +47,7 @@ from node_daemon.runtimes import DockerRuntime, ProcessRuntime, Runtime, Runtime
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 from runtime.rpc.auth import TokenAuthInterceptor
 from runtime.rpc.status import MalformedRequests
+from runtime.tls import check_listener, is_loopback, listen, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,11 @@ class NodeSettings:
     cpuset: frozenset[int] = frozenset()
     """The CPUs replicas (and the daemon) run on; empty: all this process may use. The node
     offers as many cores as it has CPUs here."""
+    tls: TlsIdentity | None = None
+    """This node's certificate, key and CA: NodeAgent serves mutual TLS, the link to the
+    broker presents the certificate. None: plaintext."""
+    insecure: bool = False
+    """Plaintext allowed on an address other hosts can reach (`--insecure`)."""
 
     @property
     def replica_host(self) -> str:
@@ -144,6 +155,7 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
         host=settings.replica_host,
         ready_timeout_s=settings.ready_timeout_s,
         read_gpus=NvmlLiveGpus(inventory.gpus).read if settings.nvml else None,
+        replica_tls=settings.tls,
     )
     agent.resizer = ResourceManager(settings.resize_policy, agent.resize)
     adopted = await agent.adopt()
@@ -167,13 +179,23 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
         ],
     )
     pb_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent), server)
+    tls = settings.tls
     try:
-        port = server.add_insecure_port(settings.listen)
-    except RuntimeError as err:
+        port = listen(
+            server,
+            settings.listen,
+            server_credentials(tls, require_client_cert=True) if tls else None,
+        )
+    except OSError:
         await agent.close(stop_replicas=False)
-        raise OSError(f"cannot listen on {settings.listen}: {err}") from err
+        raise
     await server.start()
-    logger.info("node agent listening on %s:%d", settings.listen.rpartition(":")[0], port)
+    logger.info(
+        "node agent listening on %s:%d%s",
+        settings.listen.rpartition(":")[0],
+        port,
+        " (mutual TLS)" if tls else "",
+    )
     return server, port, agent
 
 
@@ -203,7 +225,11 @@ async def serve(settings: NodeSettings) -> int:
     link = None
     if settings.broker:
         link = BrokerLink(
-            settings.broker, settings.join_token, agent, f"{settings.replica_host}:{port}"
+            settings.broker,
+            settings.join_token,
+            agent,
+            f"{settings.replica_host}:{port}",
+            settings.tls,
         )
         agent.fetch_model = link.fetch_model
     failed = False
@@ -232,13 +258,6 @@ async def serve(settings: NodeSettings) -> int:
         await server.stop(5.0)
         await agent.close(stop_replicas=settings.stop_replicas_on_exit)
     return 1 if failed else 0
-
-
-def _is_loopback(listen: str) -> bool:
-    host = listen.rpartition(":")[0].strip("[]")
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host).is_loopback
-    return host == "localhost"
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -290,7 +309,16 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="require this bearer token on every NodeAgent call (needed unless "
         "--listen is a loopback address)",
     )
-    p.add_argument("--broker", default="", help="host:port of the broker to join")
+    p.add_argument(
+        "--broker",
+        default="",
+        help="host:port of the broker to join (its --node-listen port when it serves TLS)",
+    )
+    add_tls_arguments(
+        p,
+        "the broker's certificate must chain to, and NodeAgent's callers' (the broker's) "
+        "certificates too",
+    )
     p.add_argument(
         "--join-token-file",
         type=Path,
@@ -350,13 +378,15 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     token = join_token
     if args.agent_token_file is not None:
         token = _read_token(args.agent_token_file, "--agent-token-file")
-    elif not token and not _is_loopback(args.listen):
+    elif not token and not is_loopback(args.listen):
         raise ValueError(
             f"--listen {args.listen} is reachable from other hosts: give --agent-token-file "
             "so that only the broker can start containers here"
         )
     if args.max_model_bytes <= 0:
         raise ValueError("--max-model-bytes must be positive")
+    tls = identity_from_args(args)
+    check_listener("--listen", args.listen, tls is not None, args.insecure)
     if args.resize_policy != "static" and not args.broker:
         # The node samples its replicas at the broker's heartbeat interval; a standalone
         # node takes no samples to resize from.
@@ -385,6 +415,8 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         stop_replicas_on_exit=args.stop_replicas_on_exit,
         cpuset=parse_cpuset(args.cpuset),
         resize_policy=args.resize_policy,
+        tls=tls,
+        insecure=args.insecure,
     )
 
 

@@ -10,6 +10,10 @@ Beside the gRPC port, the server's Prometheus metrics (`runtime.metrics`) are se
 plain HTTP on --metrics-port, without a token: the page holds counts and durations, never a
 tensor, the token or the model's path. It is up from the start (the node daemon reads its
 port from the log line before `runtime listening on`) until gRPC has stopped.
+
+With `--tls-cert` and `--tls-key` (the node's certificate, which the node hands its replicas)
+gRPC serves TLS; without them, a --host other hosts can reach needs `--insecure` (the node
+passes it when it serves plaintext itself).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.errors import ModelLoadError
 from runtime.metrics import MetricsEndpoint, RuntimeMetrics
 from runtime.model import DEVICES, OnnxModel
+from runtime.pem import TlsIdentity, read_pem
 from runtime.rpc.auth import BearerToken, require_token
 from runtime.rpc.measurement import measure_calls
 from runtime.rpc.registration import add_servicer
 from runtime.rpc.servicer import InferenceServicer, ServingState
 from runtime.rpc.status import parse_in_handler
+from runtime.tls import check_listener, listen, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +83,8 @@ class RuntimeSettings:
     """Port of the Prometheus endpoint on `host` (0 picks a free port, logged); None serves
     none. The command line's default is `DEFAULT_METRICS_PORT`; this one is None so that
     servers made in one process (tests, benchmarks) do not contend for a port."""
+    tls: TlsIdentity | None = None
+    """The certificate and key gRPC serves TLS with; None: plaintext."""
 
 
 @dataclass(slots=True)
@@ -150,11 +158,14 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
             require_token(BearerToken(settings.token)),
         ],
     )
+    tls = settings.tls
     try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    except RuntimeError as err:
+        port = listen(
+            server, f"{settings.host}:{settings.port}", server_credentials(tls) if tls else None
+        )
+    except OSError:
         executor.shutdown()
-        raise OSError(f"cannot listen on {settings.host}:{settings.port}: {err}") from err
+        raise
     endpoint = None
     if settings.metrics_port is not None:
         try:
@@ -170,7 +181,7 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
         # Before the line below: whoever waits for that one finds this one too.
         logger.info("metrics served at %s (no token needed)", endpoint.url)
     await server.start()
-    logger.info("runtime listening on %s:%d", settings.host, port)
+    logger.info("runtime listening on %s:%d%s", settings.host, port, " (TLS)" if tls else "")
     return RunningServer(server, port, state, executor, metrics, endpoint)
 
 
@@ -320,6 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
         "'authorization: Bearer <token>'",
     )
     p.add_argument(
+        "--tls-cert", type=Path, help="certificate (PEM) to serve TLS with (with --tls-key)"
+    )
+    p.add_argument("--tls-key", type=Path, help="its private key (PEM)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext on a --host other hosts can reach (without TLS only loopback "
+        "addresses are allowed)",
+    )
+    p.add_argument(
         "--device",
         choices=DEVICES,
         default="auto",
@@ -388,6 +409,23 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         parser.error(f"--token-file {args.token_file} is empty; write the deployment token in it")
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    tls = None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    try:
+        if args.tls_cert is not None:
+            tls = TlsIdentity(
+                cert=read_pem(args.tls_cert, "--tls-cert"), key=read_pem(args.tls_key, "--tls-key")
+            )
+        check_listener(
+            "--host",
+            f"{args.host}:{args.port}",
+            tls is not None,
+            args.insecure,
+            "--tls-cert and --tls-key",
+        )
+    except ValueError as err:
+        parser.error(str(err))
     metrics_port = args.metrics_port
     if metrics_port is None:  # a server on a free port is one of several: no fixed port
         metrics_port = 0 if args.port == 0 else DEFAULT_METRICS_PORT
@@ -406,6 +444,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         intra_op_threads=args.intra_op_threads,
         warmup_inputs=args.warmup_inputs,
         metrics_port=None if metrics_port == METRICS_OFF else metrics_port,
+        tls=tls,
     )
 
 

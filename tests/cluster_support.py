@@ -3,7 +3,10 @@
 Ports are picked free up front (the broker keeps its port across a restart, so the nodes find
 it again). Logs go to files under the test's tmp_path; `wait_for_log` polls them. The nodes,
 the cluster file and the process helpers are the demo's (`edge_client.demo.cluster`); this
-class adds what tests need: restarting and killing the broker, per-client API keys.
+class adds what tests need: restarting and killing the broker, per-client API keys, and an
+opt-in TLS mode (`Cluster(root, tls=True)`): a CA and certificates made in `<root>/tls`, the
+broker serving TLS with NodeRegistry on its own mutual-TLS port, nodes with certificates for
+their ids, and the tests' own calls over TLS.
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 import modelzoo
+from common.certs import TlsIdentity, issue, make_ca, write_new
 from common.content import file_sha256
 from edge_client.demo.cluster import (
     CLUSTER_FILE,
@@ -38,6 +40,7 @@ from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 from protos.offload.v1 import node_pb2_grpc as npb_grpc
+from runtime.tls import open_channel
 
 JOIN_TOKEN = "join-token-for-tests-0123456789"
 CLUSTER_YAML = CLUSTER_FILE.read_text()
@@ -55,10 +58,62 @@ class Cluster:
     broker: subprocess.Popen[bytes] | None = None
     nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     api_keys: dict[str, str] = field(default_factory=dict)
+    tls: bool = False
+    """TLS on every channel the cluster serves (default: plaintext, on loopback)."""
+    node_port: int = field(default_factory=free_port)
+    """The broker's NodeRegistry port of its own (`--node-listen`), with `tls` only."""
 
     @property
     def broker_address(self) -> str:
         return f"127.0.0.1:{self.broker_port}"
+
+    @property
+    def registry_address(self) -> str:
+        """Where nodes register: the node port with TLS, the broker's port without."""
+        return f"127.0.0.1:{self.node_port if self.tls else self.broker_port}"
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.root / "tls"
+
+    def certificate(self, name: str) -> TlsIdentity:
+        """The CA and a certificate for `name` (made once, for 127.0.0.1 and localhost) in
+        `tls_dir`: `<name>.pem`, `<name>-key.pem` and `ca.pem`."""
+        ca_path, ca_key_path = self.tls_dir / "ca.pem", self.tls_dir / "ca-key.pem"
+        if not ca_path.exists():
+            self.tls_dir.mkdir(mode=0o700, exist_ok=True)
+            ca_cert, ca_key = make_ca("cluster test CA")
+            write_new(ca_key_path, ca_key)
+            write_new(ca_path, ca_cert, 0o644)
+        ca = ca_path.read_bytes()
+        cert_path, key_path = self.tls_dir / f"{name}.pem", self.tls_dir / f"{name}-key.pem"
+        if not cert_path.exists():
+            cert, key = issue(ca, ca_key_path.read_bytes(), name, ["localhost"], ["127.0.0.1"])
+            write_new(key_path, key)
+            write_new(cert_path, cert, 0o644)
+        return TlsIdentity(ca=ca, cert=cert_path.read_bytes(), key=key_path.read_bytes())
+
+    def tls_flags(self, name: str) -> list[str]:
+        """`--tls-cert/--tls-key/--tls-ca` with `name`'s certificate; [] without `tls`."""
+        if not self.tls:
+            return []
+        self.certificate(name)
+        return [
+            "--tls-cert", str(self.tls_dir / f"{name}.pem"),
+            "--tls-key", str(self.tls_dir / f"{name}-key.pem"),
+            "--tls-ca", str(self.tls_dir / "ca.pem"),
+        ]  # fmt: skip
+
+    @property
+    def client_tls(self) -> TlsIdentity | None:
+        """What a client verifies the broker by (the CA only); None without `tls`."""
+        return TlsIdentity(ca=self.certificate("broker").ca) if self.tls else None
+
+    @property
+    def operator_tls(self) -> TlsIdentity | None:
+        """A certificate of the CA for the tests' own NodeAgent calls (mutual TLS); None
+        without `tls`."""
+        return self.certificate("operator") if self.tls else None
 
     @property
     def broker_log(self) -> Path:
@@ -84,6 +139,8 @@ class Cluster:
                 "--join-token-file", str(self.root / "join-token"),
                 "--api-keys-file", str(self.root / "api-keys"),
                 "--heartbeat-interval", "0.2", "--lost-after", "3", "--orphan-grace", "3",
+                *self.tls_flags("broker"),
+                *(["--node-listen", self.registry_address] if self.tls else []),
                 *extra,
             ],
             self.broker_log,
@@ -99,13 +156,15 @@ class Cluster:
                 "--site", plan.site, "--node-id", plan.node_id, "--runtime", runtime,
                 "--topology-file", str(plan.capture), "--gpu-spec", plan.gpu_spec,
                 "--state-dir", str(self.root / f"{plan.node_id}-state"),
-                "--broker", self.broker_address,
+                "--broker", self.registry_address,
                 "--join-token-file", str(self.root / "join-token"),
-                "--stop-replicas-on-exit", *plan.flags, *extra,
+                "--stop-replicas-on-exit", *self.tls_flags(plan.node_id), *plan.flags, *extra,
             ],
             log,
         )  # fmt: skip
-        await wait_for_log(log, r"registered with broker", after=offset)
+        await wait_for_log(
+            log, r"registered with broker", after=offset, process=self.nodes[plan.node_id]
+        )
 
     def kill_broker(self) -> None:
         assert self.broker is not None
@@ -131,7 +190,7 @@ class Cluster:
 
     @contextlib.asynccontextmanager
     async def edge(self, client: str) -> AsyncIterator[EdgeClient]:
-        async with grpc.aio.insecure_channel(self.broker_address) as channel:
+        async with open_channel(self.broker_address, self.client_tls) as channel:
             yield EdgeClient(pb_grpc.EdgeBrokerStub(channel), self.metadata(client))
 
 
@@ -177,7 +236,7 @@ async def node_replicas(cluster: Cluster) -> dict[str, list[str]]:
         # The address of its latest start (a restarted node listens on a new port).
         log = cluster.node_log(node_id).read_text()
         address = re.findall(r"node agent listening on (127\.0\.0\.1:\d+)", log)[-1]
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address, cluster.operator_tls) as channel:
             listed = await npb_grpc.NodeAgentStub(channel).ListReplicas(
                 npb.ListReplicasRequest(),
                 metadata=(("authorization", f"Bearer {JOIN_TOKEN}"),),
@@ -215,7 +274,7 @@ async def cluster_agrees(cluster: Cluster, timeout_s: float = 60) -> list[pb.Dep
     deadline = loop.time() + timeout_s
     while True:
         deployments = []
-        async with grpc.aio.insecure_channel(cluster.broker_address) as channel:
+        async with open_channel(cluster.broker_address, cluster.client_tls) as channel:
             stub = pb_grpc.EdgeBrokerStub(channel)
             for client in cluster.api_keys:
                 reply = await stub.ListDeployments(
@@ -262,7 +321,10 @@ async def cluster_agrees(cluster: Cluster, timeout_s: float = 60) -> list[pb.Dep
 async def infer_once(deployment: pb.Deployment, model: str = "mlp") -> None:
     """One ModelInfer on the deployment's replica; raises AioRpcError on failure."""
     inputs = modelzoo.sample_inputs(modelzoo.model_path(model))
-    async with grpc.aio.insecure_channel(deployment.endpoint) as channel:
+    tls = (
+        TlsIdentity(ca=deployment.endpoint_ca_pem.encode()) if deployment.endpoint_ca_pem else None
+    )
+    async with open_channel(deployment.endpoint, tls) as channel:
         await infer_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
             infer_request(model, inputs),
             metadata=(("authorization", f"Bearer {deployment.token}"),),

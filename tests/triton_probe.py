@@ -4,7 +4,9 @@ Runs in its own process (tritonclient's generated `inference.*` protobuf symbols
 with ours in one process). Prints a JSON report and writes the outputs to an .npz file::
 
     python tests/triton_probe.py --url HOST:PORT --model NAME --token T \
-        --inputs in.npz --outputs out.npz
+        --inputs in.npz --outputs out.npz [--ca CA.pem]
+
+With `--ca`, over TLS (`ssl=True`) with that CA as the root.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ def main() -> int:
     parser.add_argument("--token", required=True)
     parser.add_argument("--inputs", required=True)
     parser.add_argument("--outputs", required=True)
+    parser.add_argument("--ca", help="the CA (PEM) of a replica serving TLS")
     args = parser.parse_args()
     headers = {"authorization": f"Bearer {args.token}"}
-    client = triton.InferenceServerClient(url=args.url)
+    client = triton.InferenceServerClient(
+        url=args.url, ssl=args.ca is not None, root_certificates=args.ca
+    )
     try:
         metadata = client.get_model_metadata(args.model, headers=headers, as_json=True)
         inputs = []

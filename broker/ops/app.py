@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any, TypeVar
@@ -100,22 +101,23 @@ def create_ops_app(view: OpsView, metrics: BrokerMetrics, auth: OpsAuth) -> web.
 
 
 async def start_ops_server(
-    app: web.Application, host: str, port: int
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
 ) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (port 0: any free one); returns the runner and the bound port.
+    """Serve `app` on host:port (port 0: any free one), over HTTPS with `ssl_context`;
+    returns the runner and the bound port.
 
     The caller stops it with `await runner.cleanup()`.
     """
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     bound_port: int = runner.addresses[0][1]
-    logger.info("ops HTTP serving on %s:%d", host, bound_port)
+    logger.info("ops %s serving on %s:%d", "HTTPS" if ssl_context else "HTTP", host, bound_port)
     return runner, bound_port
 
 

@@ -1,7 +1,9 @@
 """`offload.v1.NodeRegistry` and `offload.v1.EdgeBroker`: thin methods over `Broker`.
 
 NodeRegistry calls carry the cluster's join token, EdgeBroker calls a client's API key, both
-as `authorization: Bearer ...`; a missing or wrong one is UNAUTHENTICATED.
+as `authorization: Bearer ...`; a missing or wrong one is UNAUTHENTICATED. Over TLS a node
+also presents a certificate (its port requires one, signed by the broker's CA): one for
+another node id is PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import cast
 
 import grpc
 
-from broker.errors import InvalidRequest, Unauthenticated, client_text, quote
+from broker.errors import InvalidRequest, PermissionDenied, Unauthenticated, client_text, quote
 from broker.migrations import Migrations
 from broker.model_store import Upload
 from broker.quotas import within_idle_timeout
@@ -26,6 +28,7 @@ from migration.mechanism import Strategy
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
+from runtime.tls import peer_common_name
 
 RESIZES_SHOWN = 10
 """Resizes GetDeployment returns (the most recent)."""
@@ -62,21 +65,39 @@ def _runtimes(runtimes: list[str]) -> list[str]:
 
 
 class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, *, node_certificates: bool = False) -> None:
+        """`node_certificates`: served on a mutual-TLS port, so every caller presented a
+        certificate the listener verified; its common name must be the node id."""
         self._broker = broker
+        self._node_certificates = node_certificates
 
-    def _check(self, context: grpc.aio.ServicerContext) -> None:
+    def _check(self, context: grpc.aio.ServicerContext, node_id: str | None = None) -> None:
+        """The join token, and over mutual TLS a certificate for `node_id` (any node's
+        certificate when None)."""
         if not self._broker.check_join_token(_authorization(context)):
             raise Unauthenticated(
                 "missing or wrong join token: send 'authorization: Bearer <join token>' "
                 "(the broker's --join-token-file)"
+            )
+        if not self._node_certificates:
+            return
+        name = peer_common_name(context)
+        if name is None:
+            raise Unauthenticated(
+                "nodes must present a certificate signed by the broker's CA "
+                "(offload node --tls-cert/--tls-key/--tls-ca)"
+            )
+        if node_id is not None and name != node_id:
+            raise PermissionDenied(
+                f"this certificate is for node {quote(name)}, not {quote(node_id)}: issue one "
+                "whose name is the node id (offload certs issue NODE_ID ...)"
             )
 
     @mapped_errors
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
-        self._check(context)
+        self._check(context, request.node_id)
         await self._broker.register_node(
             request.node_id,
             request.address,
@@ -95,7 +116,7 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
-        self._check(context)
+        self._check(context, request.node_id)
         node_id = validate.node_id("node_id", request.node_id)
         sample = node_sample_from_proto(request.usage)
         self._broker.heartbeat(node_id, sample, _replicas(list(request.replicas)))
@@ -114,8 +135,11 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
             first = False
 
 
-def deployment_message(record: DeploymentRecord) -> pb.Deployment:
+def deployment_message(record: DeploymentRecord, endpoint_ca: str = "") -> pb.Deployment:
+    """The client's view of a deployment; `endpoint_ca` (PEM) goes with an endpoint whose
+    replica serves TLS."""
     return pb.Deployment(
+        endpoint_ca_pem=endpoint_ca if record.endpoint else "",
         deployment_id=record.deployment_id,
         endpoint=record.endpoint,
         token=record.token,
@@ -205,9 +229,13 @@ async def _migration(migrations: Migrations, migration_id: str) -> pb.Migration:
 
 
 class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
-    def __init__(self, broker: Broker, migrations: Migrations) -> None:
+    def __init__(self, broker: Broker, migrations: Migrations, endpoint_ca: str = "") -> None:
+        """`endpoint_ca`: PEM of the CA replicas' certificates chain to (the broker's own
+        --tls-ca: its nodes' certificates chain to it, and replicas serve theirs), sent with
+        every endpoint; empty: replicas serve plaintext."""
         self._broker = broker
         self._migrations = migrations
+        self._endpoint_ca = endpoint_ca
 
     async def _client(self, context: grpc.aio.ServicerContext) -> str:
         client_id = await self._broker.client_for(_authorization(context), context.peer())
@@ -254,7 +282,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         _same_client(request.client_id, client_id)
         record = await self._broker.deploy(client_id, deploy_spec(request))
         self._migrations.on_deployed(record)
-        return deployment_message(record)
+        return deployment_message(record, self._endpoint_ca)
 
     @mapped_errors
     async def GetDeployment(
@@ -262,7 +290,9 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     ) -> pb.Deployment:
         client_id = await self._client(context)
         deployment_id = validate.identifier("deployment_id", request.deployment_id)
-        message = deployment_message(await self._broker.get(client_id, deployment_id))
+        message = deployment_message(
+            await self._broker.get(client_id, deployment_id), self._endpoint_ca
+        )
         resizes = await self._broker.resizes(deployment_id)
         message.resizes.extend(
             npb.ResizeEvent(
@@ -285,7 +315,9 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     ) -> pb.ListDeploymentsResponse:
         client_id = await self._client(context)
         records = await self._broker.list(client_id)
-        return pb.ListDeploymentsResponse(deployments=[deployment_message(r) for r in records])
+        return pb.ListDeploymentsResponse(
+            deployments=[deployment_message(r, self._endpoint_ca) for r in records]
+        )
 
     @mapped_errors
     async def DeleteDeployment(
@@ -314,6 +346,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
                     migration_id=update.migration_id,
                     state=str(update.state),
                     prepared_ms=update.prepared_ms,
+                    endpoint_ca_pem=self._endpoint_ca if update.endpoint else "",
                 )
 
     @mapped_errors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -14,6 +15,8 @@ import grpc
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.pem import TlsIdentity
+from runtime.tls import open_channel
 
 T = TypeVar("T")
 
@@ -63,6 +66,33 @@ class ReplicaSpec:
     Raising at ready rather than at the switch costs nothing (a ready target takes no calls
     until the switch) and leaves no window in which a replica that serves could still be at
     background priority, whoever dies when: the broker needs no call to raise it."""
+    tls: TlsIdentity | None = None
+    """The node's certificate and key, which the replica serves TLS with (files only it and
+    the node can read: `write_tls_files`), and the CA the readiness probe checks it by.
+    None: the replica serves plaintext, started with `--insecure` (a container listens on
+    0.0.0.0)."""
+
+
+def tls_args(spec: ReplicaSpec, cert_file: str, key_file: str) -> list[str]:
+    """The runtime server's TLS flags for `spec`: its certificate and key files (as the
+    replica sees them) when the node serves TLS, else `--insecure`: a plaintext node passes
+    it, so that the replica, whatever address it listens on, starts as the node does."""
+    if spec.tls is None:
+        return ["--insecure"]
+    return ["--tls-cert", cert_file, "--tls-key", key_file]
+
+
+def write_tls_files(spec: ReplicaSpec, folder: Path) -> tuple[Path, Path] | None:
+    """Write `spec`'s certificate and key into `folder` (`tls-cert.pem`, `tls-key.pem`, both
+    0600 from their creation); None (nothing written) when it serves plaintext. Blocking."""
+    if spec.tls is None:
+        return None
+    paths = folder / "tls-cert.pem", folder / "tls-key.pem"
+    for path, data in zip(paths, (spec.tls.cert, spec.tls.key), strict=True):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+    return paths
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,18 +194,20 @@ async def wait_ready(
     timeout_s: float,
     alive: Callable[[], Awaitable[None]] | None = None,
     interval_s: float = 0.05,
+    tls: TlsIdentity | None = None,
 ) -> float:
     """Poll ServerReady and ModelReady until both are true; returns the seconds it took.
 
     Each probe uses a fresh channel: a reused one would sit in gRPC's reconnect backoff
     (about a second) after the first refused connection and hide the true ready time.
     `alive` is awaited between probes and raises ReplicaFailed when the replica died.
-    TimeoutError after `timeout_s`.
+    `tls`: the replica serves TLS, its certificate chains to `tls.ca`. TimeoutError after
+    `timeout_s`.
     """
     started = time.monotonic()
     metadata = (("authorization", f"Bearer {token}"),)
     while True:
-        async with grpc.aio.insecure_channel(endpoint) as channel:
+        async with open_channel(endpoint, tls) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             try:
                 server = await stub.ServerReady(

@@ -49,8 +49,10 @@ from node_daemon.runtimes.base import (
     ReplicaStats,
     ReplicaStatus,
     RuntimeUnavailable,
+    tls_args,
     uncancellable,
     wait_ready,
+    write_tls_files,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ _ENGINE_HINT = (
 )
 # Labels this runtime owns (the caller's labels must not use them).
 _OWN = ("replica", "host", "secrets", "gpu-mode", "background", "metrics-port")
+
+SECRETS = "/run/secrets"
+"""Where a container finds its token, certificate and key (mounted read-only)."""
 
 
 def connect_docker() -> docker.DockerClient:
@@ -171,7 +176,9 @@ class DockerRuntime:
                 await asyncio.to_thread(self._check_alive, container)
 
             endpoint = await self._endpoint(container, spec.host, ready_timeout_s)
-            await wait_ready(endpoint, spec.token, spec.model_name, ready_timeout_s, alive=alive)
+            await wait_ready(
+                endpoint, spec.token, spec.model_name, ready_timeout_s, alive=alive, tls=spec.tls
+            )
             if lowered is not None:
                 await self._raise(spec.replica_id, container)
                 logger.info(
@@ -212,6 +219,12 @@ class DockerRuntime:
             token_file.chmod(0o400)
         else:  # the directory stays private to this user on the host
             token_file.chmod(0o444)
+        for path in write_tls_files(spec, secrets) or ():
+            if os.geteuid() == 0:  # as the token: readable by the runtime's user only
+                os.chown(path, RUNTIME_UID, RUNTIME_UID)
+                path.chmod(0o400)
+            else:
+                path.chmod(0o444)
         container = await asyncio.to_thread(self._run, spec, secrets)
         self._started[spec.replica_id] = _Started(container, secrets)
 
@@ -264,6 +277,7 @@ class DockerRuntime:
             *self._listen_args(spec.host),
             "--token-file", "/run/secrets/offload-token",
             "--concurrency", str(spec.concurrency),
+            *tls_args(spec, f"{SECRETS}/offload-tls-cert.pem", f"{SECRETS}/offload-tls-key.pem"),
         ]  # fmt: skip
         if spec.gpu_memory_mib and gpu_mode == "device-request":
             command += ["--gpu-mem-limit-mib", str(spec.gpu_memory_mib)]
@@ -271,6 +285,12 @@ class DockerRuntime:
             str(spec.model_path.resolve()): {"bind": "/models/model.onnx", "mode": "ro"},
             str(secrets / "token"): {"bind": "/run/secrets/offload-token", "mode": "ro"},
         }
+        if spec.tls is not None:
+            for name in ("tls-cert.pem", "tls-key.pem"):
+                volumes[str(secrets / name)] = {
+                    "bind": f"/run/secrets/offload-{name}",
+                    "mode": "ro",
+                }
         if spec.warmup_inputs is not None:
             volumes[str(spec.warmup_inputs.resolve())] = {
                 "bind": "/models/warmup.npz",

@@ -54,8 +54,10 @@ from node_daemon.runtimes.base import (
     ReplicaStats,
     ReplicaStatus,
     ResourceUpdateUnsupported,
+    tls_args,
     uncancellable,
     wait_ready,
+    write_tls_files,
 )
 
 logger = logging.getLogger(__name__)
@@ -286,6 +288,7 @@ class ProcessRuntime:
                 spec.model_name,
                 ready_timeout_s,
                 alive=lambda: self._check_alive(spec.replica_id),
+                tls=spec.tls,
             )
             self._raise(running, "ready")
         except BaseException as err:
@@ -313,12 +316,14 @@ class ProcessRuntime:
         token_file = workdir / "token"
         token_file.write_text(spec.token)
         token_file.chmod(0o600)
+        tls_files = write_tls_files(spec, workdir)
         _write_record(workdir, None, "", spec.labels)
         command = [
             sys.executable, "-m", "runtime.server",
             "--model", str(spec.model_path), "--name", spec.model_name,
             "--host", spec.host, "--port", "0", "--metrics-port", "0",
             "--token-file", str(token_file), "--concurrency", str(spec.concurrency),
+            *tls_args(spec, *(str(path) for path in tls_files or ("", ""))),
         ]  # fmt: skip
         if spec.warmup_inputs is not None:
             command += ["--warmup-inputs", str(spec.warmup_inputs)]

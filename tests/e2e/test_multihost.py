@@ -4,7 +4,8 @@ A broker "host" (10.77.N.1), two GPU "hosts" at two sites (10.77.N.2 factory, 10
 depot) and a device (10.77.N.4), joined by a bridge. Each step runs the
 commands the README gives, with two substitutions it names itself: GPUs from a topology
 capture instead of NVML (no GPU here), and the process runtime (a Docker engine publishes
-ports in its own namespace, not in the node's).
+ports in its own namespace, not in the node's). Every channel is TLS, with certificates
+`offload certs` makes, as the README does.
 """
 
 from __future__ import annotations
@@ -119,9 +120,16 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
         pytest.skip(reason)
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for line in (
-        "--listen 0.0.0.0:7000 --ops-listen 0.0.0.0:8080",
+        "offload certs init --dir ca",
+        "offload certs issue broker --ca-dir ca --out-dir tls --ip 10.0.0.1",
+        "offload certs issue gpu-factory --ca-dir ca --out-dir tls --ip 10.0.0.2",
+        "--listen 0.0.0.0:7000 --node-listen 0.0.0.0:7001 --ops-listen 0.0.0.0:8080",
+        "--tls-cert tls/broker.pem --tls-key tls/broker-key.pem --tls-ca ca/ca.pem",
         "--api-keys-file api.keys --ops-token-file ops.token",
         "--listen 0.0.0.0:7070 --advertise-host 10.0.0.2 --site factory",
+        "--broker 10.0.0.1:7001",
+        "--tls-cert gpu-factory.pem --tls-key gpu-factory-key.pem --tls-ca ca.pem",
+        "OFFLOAD_TLS_CA=ca.pem",
         "offload deploy model.onnx --site factory --gpus 1",
         "offload move robot-1 --site depot",
     ):
@@ -146,9 +154,27 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
         def device(*args: str, env: dict[str, str]) -> str:
             return on_device(device_ns, *args, env=env)
 
+        ca, tls = tmp_path / "ca", tmp_path / "tls"
+        subprocess.run([*PYTHON, "certs", "init", "--dir", str(ca)], check=True)
+        for name, ip in (
+            ("broker", broker_ip),
+            ("gpu-factory", factory_ip),
+            ("gpu-depot", depot_ip),
+        ):
+            subprocess.run([*PYTHON, "certs", "issue", name, "--ca-dir", str(ca),
+                            "--out-dir", str(tls), "--ip", ip], check=True)  # fmt: skip
+
+        def tls_flags(name: str) -> list[str]:
+            return [
+                "--tls-cert", str(tls / f"{name}.pem"),
+                "--tls-key", str(tls / f"{name}-key.pem"),
+                "--tls-ca", str(ca / "ca.pem"),
+            ]  # fmt: skip
+
         try:
             processes.append(start(broker_ns, [
-                "broker", "--listen", "0.0.0.0:7000", "--ops-listen", "0.0.0.0:8080",
+                "broker", "--listen", "0.0.0.0:7000", "--node-listen", "0.0.0.0:7001",
+                "--ops-listen", "0.0.0.0:8080", *tls_flags("broker"),
                 "--state-dir", str(tmp_path / "broker-state"),
                 "--cluster", str(tmp_path / "cluster.yaml"),
                 "--join-token-file", str(tmp_path / "join.token"),
@@ -166,16 +192,17 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
                     "--topology-file", str(CAPTURES / "12_dgx-a100-8gpu-nv12-10nic-nps4.txt"),
                     "--gpu-spec", "A100-SXM4-40GB:40960", "--runtime", "process",
                     "--state-dir", str(tmp_path / f"{site}-state"),
-                    "--broker", f"{broker_ip}:7000",
+                    "--broker", f"{broker_ip}:7001",
                     "--join-token-file", str(tmp_path / "join.token"),
-                    "--stop-replicas-on-exit",
+                    "--stop-replicas-on-exit", *tls_flags(f"gpu-{site}"),
                 ], tmp_path / f"{site}.log", r"registered with broker"))  # fmt: skip
 
             env = {
                 "OFFLOAD_BROKER": f"{broker_ip}:7000",
                 "OFFLOAD_API_KEY_FILE": str(tmp_path / "robot.key"),
-                "OFFLOAD_OPS": f"http://{broker_ip}:8080",
+                "OFFLOAD_OPS": f"https://{broker_ip}:8080",
                 "OFFLOAD_OPS_TOKEN_FILE": str(tmp_path / "ops.token"),
+                "OFFLOAD_TLS_CA": str(ca / "ca.pem"),
             }
             nodes = json.loads(device("nodes", "--json", env=env))
             assert {(n["node_id"], n["site"], n["state"]) for n in nodes} == {
@@ -188,6 +215,8 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
             )
             assert deployed["node_id"] == "gpu-factory"
             assert deployed["endpoint"].startswith(f"{factory_ip}:"), deployed
+            # The replica serves TLS with its node's certificate, which chains to this CA.
+            assert deployed["endpoint_ca"] == (ca / "ca.pem").read_text()
 
             for name, array in inputs.items():
                 np.save(tmp_path / f"{name}.npy", array)

@@ -129,7 +129,8 @@ def test_serves_a_model_over_grpc(
     token_file.write_text(TOKEN)
     container = docker_client.containers.run(
         cpu_image,
-        ["--model", "/models/probe.onnx", "--token-file", "/run/token"],
+        # Plaintext on the container's 0.0.0.0 (published on loopback only).
+        ["--model", "/models/probe.onnx", "--token-file", "/run/token", "--insecure"],
         detach=True,
         ports={"8001/tcp": ("127.0.0.1", None)},
         volumes={

@@ -245,7 +245,7 @@ async def test_a_taken_metrics_port_fails_the_start(probe_model: Path) -> None:
 def test_metrics_port_flag(tmp_path: Path, probe_model: Path, flags, expected) -> None:
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    common = ["--model", str(probe_model), "--token-file", str(token)]
+    common = ["--model", str(probe_model), "--token-file", str(token), "--insecure"]
     assert settings_from_args([*common, *flags]).metrics_port == expected
 
 

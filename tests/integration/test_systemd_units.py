@@ -22,6 +22,7 @@ import pytest
 from broker.network import load_cluster_network
 from broker.server import config_from_args
 from broker.state.api_keys import new_api_key
+from common.certs import issue, make_ca, write_new
 from edge_client.cli import build_parser
 from node_daemon.server import settings_from_args
 
@@ -274,6 +275,8 @@ def _cli_args(name: str, tmp_path: Path) -> list[str]:
             path.write_text(secrets.token_hex(32) + "\n")
             path.chmod(0o400)
             arg = str(path)
+        elif arg.startswith(f"{CONFIG_DIR}/tls/"):
+            arg = str(_tls_file(secret_files / "tls", arg.removeprefix(f"{CONFIG_DIR}/tls/")))
         elif arg.startswith(f"{CONFIG_DIR}/"):
             example = ETC_DIR / arg.removeprefix(f"{CONFIG_DIR}/")
             if example.exists():
@@ -288,6 +291,24 @@ def _cli_args(name: str, tmp_path: Path) -> list[str]:
     return resolved
 
 
+def _tls_file(folder: Path, name: str) -> Path:
+    """`name` (ca.pem, HOST.pem or HOST-key.pem) as `offload certs` makes it, in `folder`."""
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if not (folder / "ca.pem").exists():
+        ca, ca_key = make_ca("test CA")
+        write_new(folder / "ca.pem", ca, 0o644)
+        write_new(folder / "ca-key.pem", ca_key)
+    host = name.removesuffix(".pem").removesuffix("-key")
+    if not (folder / f"{host}.pem").exists():
+        cert, key = issue(
+            (folder / "ca.pem").read_bytes(), (folder / "ca-key.pem").read_bytes(), host,
+            ips=["192.0.2.1"],
+        )  # fmt: skip
+        write_new(folder / f"{host}.pem", cert, 0o644)
+        write_new(folder / f"{host}-key.pem", key)
+    return folder / name
+
+
 def test_broker_flags_are_accepted(tmp_path: Path) -> None:
     args = _cli_args("broker", tmp_path)
     assert args[0] == "broker"
@@ -296,6 +317,7 @@ def test_broker_flags_are_accepted(tmp_path: Path) -> None:
     assert len(config.api_keys) == 1 and config.join_token
     assert config.ops_token is None  # made by the broker in its state dir
     assert config.cluster == ETC_DIR / "cluster.yaml"
+    assert config.tls is not None and config.node_listen  # TLS beyond loopback
     load_cluster_network(config.cluster)
 
 
@@ -305,6 +327,7 @@ def test_node_flags_are_accepted(tmp_path: Path) -> None:
     settings = settings_from_args(build_parser().parse_args(args))
     assert settings.state_dir == Path("/var/lib/edge-offload/node")
     assert settings.broker and settings.join_token
+    assert settings.tls is not None  # TLS beyond loopback
     assert settings.agent_token == settings.join_token  # guards NodeAgent beyond loopback
     assert not settings.stop_replicas_on_exit  # replicas outlive the daemon (KillMode=process)
     assert load_cluster_network(ETC_DIR / "cluster.yaml").has_site(settings.site)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from common.certs import issue, make_ca, write_new
 from edge_client.cli import build_parser
 from node_daemon.server import settings_from_args
 
@@ -88,3 +89,21 @@ def test_unreadable_capture_exits_1_naming_the_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 1
     assert "line 3" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_plaintext_listener_beyond_loopback_needs_insecure(tmp_path: Path) -> None:
+    token = tmp_path / "agent-token"
+    token.write_text("agent-token-0123456789")
+    base = ("--listen", "0.0.0.0:7000", "--site", "a", "--agent-token-file", str(token))
+    with pytest.raises(ValueError, match="reachable from other hosts and no TLS certificate"):
+        settings(*base)
+    assert settings(*base, "--insecure").tls is None
+    ca, ca_key = make_ca("test CA")
+    cert, key = issue(ca, ca_key, "n1", ips=["10.0.0.2"])
+    for name, data in (("ca.pem", ca), ("n1.pem", cert), ("n1-key.pem", key)):
+        write_new(tmp_path / name, data)
+    tls = ["--tls-cert", str(tmp_path / "n1.pem"), "--tls-key", str(tmp_path / "n1-key.pem")]
+    with pytest.raises(ValueError, match="--tls-cert, --tls-key and --tls-ca go together"):
+        settings(*base, *tls)
+    configured = settings(*base, *tls, "--tls-ca", str(tmp_path / "ca.pem"))
+    assert configured.tls is not None and configured.tls.cert == cert

@@ -104,7 +104,7 @@ class DeployRequest(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., p2p_required: bool = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., latency_slo_ms: _Optional[float] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ..., cpus_min: _Optional[float] = ..., cpus_max: _Optional[float] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state", "reason", "explanation_json", "client_id", "site", "priority", "model_sha256", "resizes")
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "node_id", "gpu_uuids", "model_name", "state", "reason", "explanation_json", "client_id", "site", "priority", "model_sha256", "resizes", "endpoint_ca_pem")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class Deployment(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     RESIZES_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_CA_PEM_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     endpoint: str
     token: str
@@ -135,7 +136,8 @@ class Deployment(_message.Message):
     priority: PriorityClass
     model_sha256: str
     resizes: _containers.RepeatedCompositeFieldContainer[_node_pb2.ResizeEvent]
-    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., explanation_json: _Optional[str] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., model_sha256: _Optional[str] = ..., resizes: _Optional[_Iterable[_Union[_node_pb2.ResizeEvent, _Mapping]]] = ...) -> None: ...
+    endpoint_ca_pem: str
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., explanation_json: _Optional[str] = ..., client_id: _Optional[str] = ..., site: _Optional[str] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., model_sha256: _Optional[str] = ..., resizes: _Optional[_Iterable[_Union[_node_pb2.ResizeEvent, _Mapping]]] = ..., endpoint_ca_pem: _Optional[str] = ...) -> None: ...
 
 class GetDeploymentRequest(_message.Message):
     __slots__ = ("deployment_id",)
@@ -170,7 +172,7 @@ class WatchDeploymentRequest(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
 
 class PlacementUpdate(_message.Message):
-    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason", "migration_id", "state", "prepared_ms")
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason", "migration_id", "state", "prepared_ms", "endpoint_ca_pem")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +181,7 @@ class PlacementUpdate(_message.Message):
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PREPARED_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_CA_PEM_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     endpoint: str
     token: str
@@ -187,7 +190,8 @@ class PlacementUpdate(_message.Message):
     migration_id: str
     state: str
     prepared_ms: float
-    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., migration_id: _Optional[str] = ..., state: _Optional[str] = ..., prepared_ms: _Optional[float] = ...) -> None: ...
+    endpoint_ca_pem: str
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., migration_id: _Optional[str] = ..., state: _Optional[str] = ..., prepared_ms: _Optional[float] = ..., endpoint_ca_pem: _Optional[str] = ...) -> None: ...
 
 class ReportLocationRequest(_message.Message):
     __slots__ = ("client_id", "site")
