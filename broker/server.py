@@ -3,7 +3,8 @@
 Serves `offload.v1.NodeRegistry` (nodes join with the cluster's join token) and
 `offload.v1.EdgeBroker` (clients with API keys) on one gRPC port, and the ops HTTP server
 (`/healthz`, `/metrics`, `/api/...`, the dashboard) on another. State lives in SQLite under
-the state dir; a restarted broker reloads it, and nodes re-register and are reconciled.
+the state dir, or in PostgreSQL with `--state postgresql://...`; a restarted broker reloads
+it, and nodes re-register and are reconciled.
 
 With `--tls-cert/--tls-key/--tls-ca` every port serves TLS (the ops server HTTPS) and
 NodeRegistry moves to a port of its own, `--node-listen`, where a node must present a
@@ -22,6 +23,7 @@ import secrets
 import signal
 import ssl
 import sys
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +40,14 @@ from broker.rebalance import REBALANCE_SWEEP_S, Rebalancer
 from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer, OperatorServicer
 from broker.rpc.status import MalformedRequests
 from broker.service import Broker, BrokerSettings
-from broker.state import KeyChanges, StateError, StateStore, new_api_key, parse_api_keys_file
+from broker.state import (
+    KeyChanges,
+    StateError,
+    StateStore,
+    new_api_key,
+    open_store,
+    parse_api_keys_file,
+)
 from broker.state.permissions import create_private_file
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
 from migration.policy import Hysteresis, PrewarmSettings
@@ -63,6 +72,9 @@ class BrokerConfig:
     state_dir: Path
     cluster: Path
     join_token: str
+    state: str = ""
+    """Where the state is (`--state`): "" for `<state_dir>/broker.sqlite3`, or a PostgreSQL
+    URL without a password (`broker.state.open_store`)."""
     api_keys: tuple[str, ...] = ()
     """Exactly the `<client id>.<secret>` keys to accept (stored hashed in the state); any
     other key the state has is revoked at start."""
@@ -120,7 +132,7 @@ class RunningBroker:
 async def start_broker(config: BrokerConfig) -> RunningBroker:
     """Open the state, load the cluster file, listen on both ports."""
     network = EdgeNetwork.from_yaml(config.cluster.read_text(), str(config.cluster))
-    store = await asyncio.to_thread(StateStore, config.state_dir)
+    store = await asyncio.to_thread(open_store, config.state, config.state_dir)
     try:
         changes = await asyncio.to_thread(store.replace_client_keys, config.api_keys)
         _log_key_changes(changes, "at start")
@@ -331,6 +343,19 @@ def _read_secret(path: Path, flag: str) -> str:
     return text
 
 
+def _check_state_location(location: str) -> None:
+    """A password in `--state` would be on the command line, which every local user can read
+    (ps, /proc): refused, pointing at where libpq reads one from instead."""
+    parts = urllib.parse.urlsplit(location)
+    query = urllib.parse.parse_qs(parts.query)
+    if "://" in location and (parts.password is not None or "password" in query):
+        raise ValueError(
+            "--state: the URL holds a password, which would be readable by every local user "
+            "on the command line; leave it out and give it in a password file (PGPASSFILE, "
+            "mode 0600, or ~/.pgpass) or in PGPASSWORD in the service's environment"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     """Validated configuration; ValueError or OSError saying which flag is wrong (CertError,
     a ValueError, for a certificate or key that cannot be used)."""
@@ -349,6 +374,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         )
     for flag, value in listeners:
         check_listener(flag, value, tls is not None, args.insecure)
+    _check_state_location(args.state)
     keys: tuple[str, ...] = ()
     if args.api_keys_file is not None:
         keys = parse_api_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))
@@ -356,6 +382,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         listen=args.listen,
         ops_listen=args.ops_listen,
         state_dir=args.state_dir,
+        state=args.state,
         cluster=args.cluster,
         join_token=_read_secret(args.join_token_file, "--join-token-file"),
         api_keys=keys,
@@ -424,7 +451,21 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     add_tls_arguments(
         p, "that nodes' certificates must chain to (and the one nodes verify the broker by)"
     )
-    p.add_argument("--state-dir", type=Path, required=True, help="SQLite state and models")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        required=True,
+        help="the models, the ops token, and the state's SQLite file unless --state says "
+        "otherwise",
+    )
+    p.add_argument(
+        "--state",
+        default="",
+        metavar="URL",
+        help="keep the state in PostgreSQL (12 or newer): postgresql://USER@HOST:PORT/DB "
+        "(libpq parameters allowed, e.g. ?sslmode=verify-full); never a password here: libpq "
+        "reads it from PGPASSFILE/~/.pgpass or PGPASSWORD (default: <state-dir>/broker.sqlite3)",
+    )
     p.add_argument(
         "--cluster",
         type=Path,

@@ -60,6 +60,8 @@ class Cluster:
     api_keys: dict[str, str] = field(default_factory=dict)
     tls: bool = False
     """TLS on every channel the cluster serves (default: plaintext, on loopback)."""
+    state: str = ""
+    """The broker's `--state`: "" for SQLite in its state dir, or a PostgreSQL URL."""
     node_port: int = field(default_factory=free_port)
     """The broker's NodeRegistry port of its own (`--node-listen`), with `tls` only."""
 
@@ -141,6 +143,7 @@ class Cluster:
                 "--heartbeat-interval", "0.2", "--lost-after", "3", "--orphan-grace", "3",
                 *self.tls_flags("broker"),
                 *(["--node-listen", self.registry_address] if self.tls else []),
+                *(["--state", self.state] if self.state else []),
                 *extra,
             ],
             self.broker_log,

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from node_daemon.runtimes.base import LABEL_PREFIX, RuntimeUnavailable
 from node_daemon.runtimes.docker_runtime import connect_docker
+from tests.pg_support import broker_state, postgresql_server, postgresql_url  # noqa: F401
 
 # Every container we start carries offload.replica (and offload.node where a node runs it).
 LABEL = f"{LABEL_PREFIX}replica"

@@ -1,23 +1,33 @@
-"""The broker's durable state: one SQLite file in WAL mode, schema versioned.
+"""The broker's durable state: an SQLite file in WAL mode or a PostgreSQL database, schema
+versioned.
 
-    from broker.state import StateStore, DeploymentRecord, DeploymentState
-    store = StateStore(state_dir)          # blocking: call it through asyncio.to_thread
-    with store.transaction():              # several changes, all or none
+    from broker.state import open_store, DeploymentRecord, DeploymentState
+    store = open_store(location, state_dir)  # "" or a URL; blocking: use asyncio.to_thread
+    with store.transaction():                # several changes, all or none
         store.create_deployment(record)
         store.append_event("deployment.created", record.deployment_id, "{}")
 
-`store` has the adapter (the only `sqlite3` user), `records` the values it keeps, `schema`
-the migration scripts, `api_keys` the key format and its hashing, `errors` the exceptions.
+`store` has the logic, `backend` the seam to a database, `sqlite_backend` and
+`postgres_backend` the adapters (the only `sqlite3` and `psycopg` users), `records` the values
+it keeps, `schema` the migration scripts of both, `api_keys` the key format and its hashing,
+`errors` the exceptions.
 """
 
 from broker.state.api_keys import new_api_key, parse_api_key, parse_api_keys_file
-from broker.state.errors import ConstraintError, SchemaError, StateError, StorageError
+from broker.state.errors import (
+    ConstraintError,
+    LeaseLost,
+    SchemaError,
+    StateError,
+    StorageError,
+)
 from broker.state.records import (
     ClientRecord,
     DeploymentRecord,
     DeploymentState,
     EventRecord,
     KeyChanges,
+    Lease,
     MigrationRecord,
     MigrationState,
     MigrationStrategy,
@@ -31,7 +41,8 @@ from broker.state.records import (
     ResizeRecord,
     StandbyRecord,
 )
-from broker.state.store import DB_FILENAME, StateStore
+from broker.state.sqlite_backend import DB_FILENAME
+from broker.state.store import StateStore, open_store
 
 __all__ = [
     "DB_FILENAME",
@@ -41,6 +52,8 @@ __all__ = [
     "DeploymentState",
     "EventRecord",
     "KeyChanges",
+    "Lease",
+    "LeaseLost",
     "MigrationRecord",
     "MigrationState",
     "MigrationStrategy",
@@ -58,6 +71,7 @@ __all__ = [
     "StateStore",
     "StorageError",
     "new_api_key",
+    "open_store",
     "parse_api_key",
     "parse_api_keys_file",
 ]

@@ -193,6 +193,20 @@ class EventRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class Lease:
+    """A leader lease as its holder got it: valid until `expires_at` unless renewed."""
+
+    name: str
+    holder: str
+    """Who holds it (a broker's id of its own choosing)."""
+    term: int
+    """Increases with every change of holder (and every take after an expiry or a release):
+    the fencing token a write checks with `StateStore.check_lease`."""
+    expires_at: float
+    """By the database's clock, seconds since the epoch."""
+
+
+@dataclass(frozen=True, slots=True)
 class OffloadCount:
     """Requests one client sent to one side for one reason."""
 

@@ -1,23 +1,28 @@
-"""The state file's schema, as an ordered list of migration scripts.
+"""The state's schema, as an ordered list of migration scripts for each database.
 
-`MIGRATIONS[i]` takes a file from schema version `i` to `i + 1`; the version is SQLite's
-`PRAGMA user_version` (0 for a new file). `StateStore` applies the missing scripts at open,
-each in its own transaction together with the new version number, so a crash mid-migration
-leaves the file at the previous version. Rules for adding one:
+`MIGRATIONS[dialect][i]` takes a database from schema version `i` to `i + 1`; the version is
+SQLite's `PRAGMA user_version`, PostgreSQL's table `schema_version` (0 for a new database).
+`StateStore` applies the missing scripts at open, each in its own transaction together with
+the new version number, so a crash mid-migration leaves the database at the previous version.
+Both lists have the same versions: version `n` has the same tables, columns and rules in both,
+spelled in each database's dialect. Rules for adding one:
 
-- append, never edit a released script (files in the field have run it already);
+- append to both lists, never edit a released script (databases in the field have run it);
 - a new enum member of a column with a CHECK on its values needs a script that rebuilds the
   table (SQLite cannot alter a CHECK); the migrations table has no such CHECKs on purpose, as
   its enums are young;
 - scripts hold no BEGIN/COMMIT: the store wraps them.
 
-Tables are STRICT (column types enforced, SQLite >= 3.37) and JSON columns are checked with
-`json_valid` (SQLite >= 3.38); `StateStore` refuses an older SQLite with a clear error.
+SQLite: tables are STRICT (column types enforced, SQLite >= 3.37) and JSON columns are checked
+with `json_valid` (SQLite >= 3.38); the store refuses an older SQLite with a clear error.
+PostgreSQL: REAL is DOUBLE PRECISION, INTEGER is BIGINT (0/1 flags stay INTEGER), JSON stays
+text (kept as given) checked by a cast to `json`, and text keys sort in the "C" collation:
+byte order, as SQLite's BINARY does, whatever the database's locale.
 """
 
 from __future__ import annotations
 
-_V1 = """
+_SQLITE_V1 = """
 CREATE TABLE clients (
     client_id  TEXT PRIMARY KEY CHECK (client_id <> ''),
     key_hash   TEXT NOT NULL,
@@ -107,7 +112,7 @@ CREATE TABLE events (
 ) STRICT;
 """
 
-_V2 = """
+_SQLITE_V2 = """
 CREATE TABLE model_owners (
     sha256     TEXT NOT NULL REFERENCES models (sha256),
     client_id  TEXT NOT NULL REFERENCES clients (client_id),
@@ -123,7 +128,7 @@ INSERT INTO model_owners (sha256, client_id, created_at)
 """
 """Version 2: which clients uploaded each model (a client deploys only those)."""
 
-_V3 = """
+_SQLITE_V3 = """
 -- NULL: not measured (every migration recorded before this version, and reports from
 -- clients that measure only the switch).
 ALTER TABLE migrations ADD COLUMN span_gap_ms REAL CHECK (span_gap_ms >= 0);
@@ -131,7 +136,7 @@ ALTER TABLE migrations ADD COLUMN span_gap_ms REAL CHECK (span_gap_ms >= 0);
 """Version 3: the longest gap a client saw over the whole migration (the decision to the old
 replica stopped), beside `downtime_ms` (across the switch only)."""
 
-_V4 = """
+_SQLITE_V4 = """
 -- The latest adaptive offload summary of each client session of a deployment (cumulative
 -- counts since the client started; a newer report of the session replaces the row).
 CREATE TABLE offload_reports (
@@ -154,7 +159,7 @@ CREATE TABLE offload_reports (
 """
 """Version 4: adaptive offload summaries, the latest per (deployment, client, session)."""
 
-_V5 = """
+_SQLITE_V5 = """
 -- 1: the target was a pre-warmed standby replica (no start).
 ALTER TABLE migrations ADD COLUMN prewarmed INTEGER NOT NULL DEFAULT 0
     CHECK (prewarmed IN (0, 1));
@@ -175,7 +180,7 @@ CREATE TABLE standbys (
 """
 """Version 5: predictive pre-warm: standby replicas, and which migrations switched to one."""
 
-_V6 = """
+_SQLITE_V6 = """
 -- CPU changes a node's resource manager made to a deployment's replica, with its reason
 -- (reported in heartbeats; a node repeats its recent ones, so the key makes each one count
 -- once). The broker keeps the most recent ones of each deployment.
@@ -196,5 +201,197 @@ CREATE INDEX resizes_by_deployment ON resizes (deployment_id, at);
 """
 """Version 6: the node resource managers' CPU resizes, with their reasons."""
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
-"""The scripts in order; `len(MIGRATIONS)` is the schema version this broker writes."""
+_SQLITE_V7 = """
+-- Leader leases: who holds each, under which term, until when (by the database's clock).
+-- A row stays after its lease ends, so a term is never reused.
+CREATE TABLE leases (
+    name       TEXT PRIMARY KEY CHECK (name <> ''),
+    holder     TEXT NOT NULL,
+    term       INTEGER NOT NULL CHECK (term >= 0),
+    expires_at REAL NOT NULL
+) STRICT;
+"""
+"""Version 7: leader leases (`StateStore.acquire_lease`), for brokers sharing a database."""
+
+# -- PostgreSQL: the same versions, in its dialect --------------------------------------------
+
+_POSTGRES_V1 = """
+CREATE TABLE schema_version (
+    version INTEGER NOT NULL CHECK (version >= 0)
+);
+INSERT INTO schema_version (version) VALUES (0);
+
+CREATE TABLE clients (
+    client_id  TEXT COLLATE "C" PRIMARY KEY CHECK (client_id <> ''),
+    key_hash   TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL
+);
+
+CREATE TABLE client_sites (
+    client_id  TEXT COLLATE "C" PRIMARY KEY REFERENCES clients (client_id),
+    site       TEXT NOT NULL CHECK (site <> ''),
+    updated_at DOUBLE PRECISION NOT NULL
+);
+
+CREATE TABLE nodes (
+    node_id           TEXT COLLATE "C" PRIMARY KEY CHECK (node_id <> ''),
+    address           TEXT NOT NULL,
+    site              TEXT NOT NULL,
+    state             TEXT NOT NULL CHECK (state IN ('ready', 'lost', 'draining')),
+    inventory_json    TEXT NOT NULL CHECK (inventory_json::json IS NOT NULL),
+    runtimes_json     TEXT NOT NULL CHECK (json_typeof(runtimes_json::json) = 'array'),
+    registered_at     DOUBLE PRECISION NOT NULL,
+    last_heartbeat_at DOUBLE PRECISION NOT NULL,
+    usage_json        TEXT NOT NULL CHECK (usage_json::json IS NOT NULL)
+);
+
+CREATE TABLE models (
+    sha256     TEXT COLLATE "C" PRIMARY KEY CHECK (sha256 ~ '^[0-9a-f]{64}$'),
+    name       TEXT NOT NULL,
+    size_bytes BIGINT NOT NULL CHECK (size_bytes > 0),
+    created_at DOUBLE PRECISION NOT NULL
+);
+
+CREATE TABLE deployments (
+    deployment_id    TEXT COLLATE "C" PRIMARY KEY CHECK (deployment_id <> ''),
+    client_id        TEXT COLLATE "C" NOT NULL REFERENCES clients (client_id),
+    model_sha256     TEXT COLLATE "C" NOT NULL REFERENCES models (sha256),
+    model_name       TEXT NOT NULL,
+    request_json     TEXT NOT NULL CHECK (request_json::json IS NOT NULL),
+    priority         BIGINT NOT NULL,
+    site             TEXT NOT NULL,
+    state            TEXT NOT NULL CHECK (
+                         state IN ('pending', 'starting', 'running', 'failed', 'deleting',
+                                   'deleted')
+                     ),
+    node_id          TEXT COLLATE "C" REFERENCES nodes (node_id),
+    gpus_json        TEXT NOT NULL CHECK (json_typeof(gpus_json::json) = 'array'),
+    gpu_uuids_json   TEXT NOT NULL CHECK (json_typeof(gpu_uuids_json::json) = 'array'),
+    endpoint         TEXT NOT NULL,
+    token            TEXT NOT NULL,
+    epoch            BIGINT NOT NULL CHECK (epoch >= 0),
+    explanation_json TEXT NOT NULL CHECK (explanation_json::json IS NOT NULL),
+    reason           TEXT NOT NULL,
+    created_at       DOUBLE PRECISION NOT NULL,
+    updated_at       DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX deployments_by_client ON deployments (client_id);
+CREATE INDEX deployments_by_state ON deployments (state);
+CREATE INDEX deployments_by_node ON deployments (node_id);
+
+CREATE TABLE migrations (
+    migration_id    TEXT COLLATE "C" PRIMARY KEY CHECK (migration_id <> ''),
+    deployment_id   TEXT COLLATE "C" NOT NULL REFERENCES deployments (deployment_id),
+    trigger         TEXT NOT NULL,
+    source_node     TEXT COLLATE "C" NOT NULL REFERENCES nodes (node_id),
+    target_node     TEXT COLLATE "C" NOT NULL REFERENCES nodes (node_id),
+    strategy        TEXT NOT NULL,
+    state           TEXT NOT NULL,
+    timeline_json   TEXT NOT NULL CHECK (timeline_json::json IS NOT NULL),
+    outcome         TEXT NOT NULL,
+    reason          TEXT NOT NULL,
+    downtime_ms     DOUBLE PRECISION CHECK (downtime_ms >= 0),
+    failed_requests BIGINT CHECK (failed_requests >= 0),
+    created_at      DOUBLE PRECISION NOT NULL,
+    updated_at      DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX migrations_by_deployment ON migrations (deployment_id);
+
+CREATE TABLE events (
+    seq         BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at          DOUBLE PRECISION NOT NULL,
+    kind        TEXT NOT NULL CHECK (kind <> ''),
+    subject     TEXT NOT NULL,
+    detail_json TEXT NOT NULL CHECK (detail_json::json IS NOT NULL)
+);
+"""
+
+_POSTGRES_V2 = """
+CREATE TABLE model_owners (
+    sha256     TEXT COLLATE "C" NOT NULL REFERENCES models (sha256),
+    client_id  TEXT COLLATE "C" NOT NULL REFERENCES clients (client_id),
+    created_at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (sha256, client_id)
+);
+CREATE INDEX model_owners_by_client ON model_owners (client_id);
+
+INSERT INTO model_owners (sha256, client_id, created_at)
+    SELECT model_sha256, client_id, MIN(created_at) FROM deployments
+    GROUP BY model_sha256, client_id;
+"""
+
+_POSTGRES_V3 = """
+ALTER TABLE migrations ADD COLUMN span_gap_ms DOUBLE PRECISION CHECK (span_gap_ms >= 0);
+"""
+
+_POSTGRES_V4 = """
+CREATE TABLE offload_reports (
+    deployment_id      TEXT COLLATE "C" NOT NULL REFERENCES deployments (deployment_id),
+    client_id          TEXT COLLATE "C" NOT NULL REFERENCES clients (client_id),
+    session            TEXT COLLATE "C" NOT NULL CHECK (session <> ''),
+    policy             TEXT NOT NULL,
+    local_model        TEXT NOT NULL,
+    decisions_json     TEXT NOT NULL CHECK (json_typeof(decisions_json::json) = 'array'),
+    remote_requests    BIGINT NOT NULL CHECK (remote_requests >= 0),
+    local_requests     BIGINT NOT NULL CHECK (local_requests >= 0),
+    fallbacks          BIGINT NOT NULL CHECK (fallbacks >= 0),
+    remote_estimate_ms DOUBLE PRECISION CHECK (remote_estimate_ms >= 0),
+    local_estimate_ms  DOUBLE PRECISION CHECK (local_estimate_ms >= 0),
+    remote_reachable   INTEGER NOT NULL CHECK (remote_reachable IN (0, 1)),
+    reported_at        DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (deployment_id, client_id, session)
+);
+"""
+
+_POSTGRES_V5 = """
+ALTER TABLE migrations ADD COLUMN prewarmed INTEGER NOT NULL DEFAULT 0
+    CHECK (prewarmed IN (0, 1));
+
+CREATE TABLE standbys (
+    deployment_id TEXT COLLATE "C" NOT NULL REFERENCES deployments (deployment_id),
+    epoch         BIGINT NOT NULL CHECK (epoch >= 1),
+    node_id       TEXT COLLATE "C" NOT NULL REFERENCES nodes (node_id),
+    site          TEXT NOT NULL,
+    gpus_json     TEXT NOT NULL CHECK (json_typeof(gpus_json::json) = 'array'),
+    created_at    DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (deployment_id, epoch)
+);
+"""
+
+_POSTGRES_V6 = """
+CREATE TABLE resizes (
+    node_id       TEXT COLLATE "C" NOT NULL REFERENCES nodes (node_id),
+    event_id      TEXT COLLATE "C" NOT NULL CHECK (event_id <> ''),
+    deployment_id TEXT COLLATE "C" NOT NULL REFERENCES deployments (deployment_id),
+    replica_id    TEXT NOT NULL,
+    cpus_before   DOUBLE PRECISION NOT NULL CHECK (cpus_before >= 0),
+    cpus_after    DOUBLE PRECISION NOT NULL CHECK (cpus_after >= 0),
+    policy        TEXT NOT NULL,
+    reason        TEXT NOT NULL,
+    at            DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (node_id, event_id)
+);
+
+CREATE INDEX resizes_by_deployment ON resizes (deployment_id, at);
+"""
+
+_POSTGRES_V7 = """
+CREATE TABLE leases (
+    name       TEXT COLLATE "C" PRIMARY KEY CHECK (name <> ''),
+    holder     TEXT NOT NULL,
+    term       BIGINT NOT NULL CHECK (term >= 0),
+    expires_at DOUBLE PRECISION NOT NULL
+);
+"""
+
+MIGRATIONS: dict[str, tuple[str, ...]] = {
+    "sqlite": (
+        _SQLITE_V1, _SQLITE_V2, _SQLITE_V3, _SQLITE_V4, _SQLITE_V5, _SQLITE_V6, _SQLITE_V7,
+    ),
+    "postgresql": (
+        _POSTGRES_V1, _POSTGRES_V2, _POSTGRES_V3, _POSTGRES_V4, _POSTGRES_V5, _POSTGRES_V6,
+        _POSTGRES_V7,
+    ),
+}  # fmt: skip
+"""The scripts of each backend's dialect (`Backend.dialect`), in order; the length of either
+is the schema version this broker writes."""

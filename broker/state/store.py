@@ -1,28 +1,40 @@
-"""`StateStore`: the broker's durable state in one SQLite file, `<state_dir>/broker.sqlite3`.
+"""`StateStore`: the broker's durable state, in SQLite or PostgreSQL.
 
-This module is the state's adapter: the only one in the broker that imports `sqlite3`.
+    store = open_store(location, state_dir)   # "" (SQLite) or a postgresql:// URL
 
-Durability. The file is in WAL mode with `synchronous=FULL`: a transaction is on disk (the WAL
-fsynced) before `commit` returns, so what the broker has acknowledged to a client or a node
-survives a power cut, not only a crash of the process. `NORMAL` would survive a SIGKILL as
-well, but a power cut could undo the last transactions, and the broker's writes (deploys,
-placements, state changes, heartbeats) are few enough that one fsync each costs nothing that
-matters. Every change runs in a transaction (`transaction()`), so a crash at any point leaves
-each change either whole or absent. Foreign keys are enforced.
+Backends. One store, two databases: an SQLite file in the state dir (`sqlite_backend`, the
+default) or a PostgreSQL database (`postgres_backend`). Every rule of the state lives here,
+with its SQL written once; a backend (`backend.Backend`) supplies the connection, the dialect
+and the mapping of the driver's errors. Their docstrings say what each guarantees beyond this.
 
-Schema. `PRAGMA user_version` is the schema version; the scripts of `schema.MIGRATIONS` that
-a file lacks are applied at open, each in its own transaction with its version number. A file
-of a newer schema than this broker knows is refused with `SchemaError`, untouched.
+Durability. Every change runs in a transaction (`transaction()`), committed before the method
+returns: a crash at any point (a SIGKILL, a lost connection) leaves each change either whole
+or absent. SQLite's commit is on disk before it returns (WAL, `synchronous=FULL`);
+PostgreSQL's is as durable as the server makes a commit (by default: WAL flushed).
 
-Blocking. Every method blocks on SQLite (and `put_client`/`client_for_api_key` on a ~35 ms
-key hash): callers on an event loop use `asyncio.to_thread` or one single-thread executor.
-One connection serves all threads (`check_same_thread=False`), serialised by a lock that a
-transaction holds from BEGIN to COMMIT.
+Consistency. A transaction that reads rows to change them holds them against other writers
+until it ends (SQLite: the write lock from BEGIN; PostgreSQL: `SELECT ... FOR UPDATE`), and
+the schema's constraints (keys, references, CHECKs) are enforced by the database.
+
+Leader leases. `acquire_lease`/`renew_lease`/`release_lease` keep named leases with a holder,
+an expiry by the database's clock (one clock for every broker sharing a database) and a term
+that grows with every change of holder: a fencing token. A leader's write calls `check_lease`
+inside its transaction, which then commits only while that term still holds the lease.
+
+Schema. The scripts of `schema.MIGRATIONS` that a database lacks are applied at open, each in
+its own transaction with its version number, one opener at a time. A database of a newer
+schema than this broker knows is refused with `SchemaError`, untouched.
+
+Blocking. Every method blocks on the database (and `put_client`/`client_for_api_key` on a
+~35 ms key hash): callers on an event loop use `asyncio.to_thread` or one single-thread
+executor. One connection serves all threads, serialised by a lock that a transaction holds
+from BEGIN to COMMIT.
 
 "Missing". `get_*` and `client_site` return None for an unknown id; methods that change a
 row raise `KeyError` for one (`heartbeat` returns False instead: a node that heartbeats
 before it registers is routine, not an error). A change that would break the schema's rules
-raises `ConstraintError` with nothing written.
+raises `ConstraintError` with nothing written; any other failure of the database is
+`StorageError`.
 """
 
 from __future__ import annotations
@@ -31,7 +43,6 @@ import dataclasses
 import json
 import logging
 import math
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -41,14 +52,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from broker.state import api_keys
-from broker.state.errors import ConstraintError, SchemaError, StorageError
-from broker.state.permissions import create_private_file, private_dir, tighten
+from broker.state.backend import Backend, Params, Row
+from broker.state.errors import (
+    ConstraintError,
+    LeaseLost,
+    SchemaError,
+    StateError,
+    StorageError,
+)
+from broker.state.postgres_backend import SCHEMES, PostgresBackend, redact
 from broker.state.records import (
     ClientRecord,
     DeploymentRecord,
     DeploymentState,
     EventRecord,
     KeyChanges,
+    Lease,
     MigrationRecord,
     MigrationState,
     MigrationStrategy,
@@ -63,11 +82,9 @@ from broker.state.records import (
     StandbyRecord,
 )
 from broker.state.schema import MIGRATIONS
+from broker.state.sqlite_backend import SqliteBackend
 
 logger = logging.getLogger(__name__)
-
-DB_FILENAME = "broker.sqlite3"
-_MIN_SQLITE = (3, 38, 0)  # STRICT tables (3.37) and built-in JSON functions (3.38)
 
 _Record = TypeVar("_Record", DeploymentRecord, MigrationRecord)
 _E = TypeVar("_E", bound=StrEnum)
@@ -95,6 +112,7 @@ _OFFLOAD_COLUMNS = (
     "reported_at"
 )
 _OFFLOAD_KEY = ("deployment_id", "client_id", "session")
+_MAX_TTL_S = 86400.0
 
 
 def _placeholders(columns: str) -> str:
@@ -106,19 +124,6 @@ def _assignments(columns: str, key: str) -> str:
     return ", ".join(f"{name} = :{name}" for name in names if name != key)
 
 
-def _statements(script: str) -> Iterator[str]:
-    """The statements of a migration script, one at a time (`executescript` would commit the
-    transaction the script must run in)."""
-    pending = ""
-    for line in script.splitlines(keepends=True):
-        pending += line
-        if sqlite3.complete_statement(pending):
-            yield pending
-            pending = ""
-    if pending.strip():
-        yield pending  # incomplete: executing it reports the syntax error
-
-
 def _enum(cls: type[_E], value: str, what: str) -> _E:
     try:
         return cls(value)
@@ -127,89 +132,94 @@ def _enum(cls: type[_E], value: str, what: str) -> _E:
         raise ConstraintError(f"{what} {value!r} is not one of: {valid}") from None
 
 
-class StateStore:
-    """The broker's durable state. Open with `StateStore(state_dir)`, `close()` when done
-    (or use it as a context manager). See the module docstring for durability, blocking and
-    what "missing" means."""
+def open_store(
+    location: str, state_dir: Path, *, clock: Callable[[], float] = time.time
+) -> StateStore:
+    """Open the broker's state where `location` says: "" for the SQLite file in `state_dir`
+    (`<state_dir>/broker.sqlite3`, created if absent), a `postgresql://` or `postgres://` URL
+    for that PostgreSQL database (its tables created if absent), or any other text for the
+    SQLite file in that folder. StorageError, quoting `location` without its password, for
+    another URL scheme, a malformed URL or a server that cannot be reached; SchemaError as
+    `StateStore`. Blocking."""
+    if location.startswith(SCHEMES):
+        return StateStore(PostgresBackend(location), clock=clock)
+    if "://" in location:
+        raise StorageError(
+            f"the state {redact(location)!r} is neither a folder nor a PostgreSQL URL "
+            f"({' or '.join(SCHEMES)})"
+        )
+    return StateStore(Path(location) if location else state_dir, clock=clock)
 
-    def __init__(self, state_dir: Path, *, clock: Callable[[], float] = time.time) -> None:
-        """Open (creating if absent) `<state_dir>/broker.sqlite3` and bring its schema up to
-        date. SchemaError if the file's schema is newer than this broker knows or a migration
-        fails; StorageError if the file cannot be opened as SQLite. Blocking."""
-        if sqlite3.sqlite_version_info < _MIN_SQLITE:
-            raise SchemaError(
-                f"SQLite {sqlite3.sqlite_version} is too old for the broker's state: it needs "
-                f"{'.'.join(map(str, _MIN_SQLITE))} or newer"
-            )
-        private_dir(state_dir)
-        self.path = state_dir / DB_FILENAME
-        # SQLite gives the -wal and -shm files the main file's mode: create it private first.
-        create_private_file(self.path)
-        for suffix in ("-wal", "-shm"):
-            tighten(self.path.with_name(DB_FILENAME + suffix))
+
+class StateStore:
+    """The broker's durable state. Open with `open_store(location, state_dir)` (or
+    `StateStore(state_dir)` for SQLite), `close()` when done (or use it as a context manager).
+    See the module docstring for durability, blocking and what "missing" means."""
+
+    def __init__(
+        self, database: Path | Backend, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        """Open the state: the SQLite file of the state dir `database` (created if absent),
+        or the database of an opened backend, which the store then owns; bring its schema up
+        to date. SchemaError if its schema is newer than this broker knows or a migration
+        fails; StorageError if it cannot be opened. Blocking."""
+        self._backend = SqliteBackend(database) if isinstance(database, Path) else database
+        self.location = self._backend.location
+        """Where the state is, for messages: never holds a password."""
+        self.path = self._backend.path
+        """The SQLite file; None on PostgreSQL."""
         self._clock = clock
         self._lock = threading.RLock()
         self._depth = 0  # transactions open on the connection: 0, or 1 + savepoints
         try:
-            self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as err:
-            raise StorageError(f"cannot open the state file {self.path}: {err}") from err
-        self._conn.row_factory = sqlite3.Row
-        try:
             self._open()
         except BaseException:
-            self._conn.close()
+            self._backend.close()
             raise
+
+    def __repr__(self) -> str:
+        return f"StateStore({self.location!r})"
 
     def _open(self) -> None:
         try:
             self._refuse_newer_schema()
-            mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            self._conn.execute("PRAGMA synchronous = FULL")
-            self._conn.execute("PRAGMA foreign_keys = ON")
-        except sqlite3.Error as err:
-            raise StorageError(f"cannot open the state file {self.path}: {err}") from err
-        if mode != "wal":
-            raise SchemaError(
-                f"the state file {self.path} cannot be put in WAL mode (SQLite answered "
-                f"{mode!r}); keep the state dir on a local filesystem"
-            )
+            self._backend.configure()
+        except StorageError as err:
+            detail = err.__cause__ if err.__cause__ is not None else err
+            raise StorageError(f"cannot open the state {self.location}: {detail}") from err
         self._migrate()
 
-    def _schema_version(self) -> int:
-        version: int = self._conn.execute("PRAGMA user_version").fetchone()[0]
-        return version
-
     def _refuse_newer_schema(self) -> None:
-        version = self._schema_version()
-        if version > len(MIGRATIONS):
+        version = self._backend.schema_version()
+        known = len(MIGRATIONS[self._backend.dialect])
+        if version > known:
             raise SchemaError(
-                f"the state file {self.path} has schema version {version}, newer than the "
-                f"{len(MIGRATIONS)} this broker knows: run the broker that wrote it (or a "
-                "newer one), or start from another --state-dir"
+                f"the state {self.location} has schema version {version}, newer than the "
+                f"{known} this broker knows: run the broker that wrote it (or a newer one), or "
+                "start from another --state-dir or database"
             )
 
     def _migrate(self) -> None:
-        for target, script in enumerate(MIGRATIONS, start=1):
+        for target, script in enumerate(MIGRATIONS[self._backend.dialect], start=1):
             try:
-                with self.transaction():  # BEGIN IMMEDIATE: one opener migrates at a time
+                with self.transaction():
+                    self._backend.lock_schema()  # one opener migrates at a time
                     self._refuse_newer_schema()
-                    if self._schema_version() >= target:
+                    if self._backend.schema_version() >= target:
                         continue
-                    for statement in _statements(script):
-                        self._conn.execute(statement)
-                    self._conn.execute(f"PRAGMA user_version = {target}")
+                    self._backend.run_script(script)
+                    self._backend.set_schema_version(target)
             except (ConstraintError, StorageError) as err:
                 raise SchemaError(
-                    f"migrating the state file {self.path} to schema version {target} failed, "
+                    f"migrating the state {self.location} to schema version {target} failed, "
                     f"it stays at version {target - 1}: {err}"
                 ) from err
-            logger.info("state: %s migrated to schema version %d", self.path, target)
+            logger.info("state: %s migrated to schema version %d", self.location, target)
 
     def close(self) -> None:
-        """Close the file; idempotent. Blocking (SQLite checkpoints the WAL)."""
+        """Close the connection; idempotent. Blocking (SQLite checkpoints the WAL)."""
         with self._lock:
-            self._conn.close()
+            self._backend.close()
 
     def __enter__(self) -> StateStore:
         return self
@@ -229,50 +239,44 @@ class StateStore:
         undo: tuple[str, ...]
         with self._lock:
             if self._depth == 0:
-                begin, commit, undo = "BEGIN IMMEDIATE", "COMMIT", ("ROLLBACK",)
+                self._backend.recover()
+                begin, commit, undo = self._backend.begin, "COMMIT", ("ROLLBACK",)
             else:
                 name = f"nested_{self._depth}"
                 begin, commit = f"SAVEPOINT {name}", f"RELEASE {name}"
                 undo = (f"ROLLBACK TO {name}", f"RELEASE {name}")
-            self._control(begin)
+            self._backend.execute(begin)
             self._depth += 1
             try:
                 yield
-                self._control(commit)
-            except BaseException as err:
+                self._backend.execute(commit)
+            except BaseException:
                 self._undo(undo)
-                if isinstance(err, sqlite3.IntegrityError):
-                    raise ConstraintError(f"the change breaks a rule of the state: {err}") from err
-                if isinstance(err, sqlite3.Error):
-                    raise StorageError(f"{type(err).__name__} on {self.path}: {err}") from err
                 raise
             finally:
                 self._depth -= 1
 
-    def _control(self, statement: str) -> None:
-        try:
-            self._conn.execute(statement)
-        except sqlite3.Error as err:
-            raise StorageError(f"{statement} on {self.path} failed: {err}") from err
-
     def _undo(self, statements: tuple[str, ...]) -> None:
-        if not self._conn.in_transaction:
-            return  # SQLite rolled back already (after an I/O error, say)
+        if not self._backend.in_transaction():
+            return  # the database rolled back already (after an I/O error, say)
         try:
             for statement in statements:
-                self._conn.execute(statement)
-        except sqlite3.Error:
-            logger.exception("state: undoing a failed transaction on %s failed", self.path)
+                self._backend.execute(statement)
+        except StateError:
+            logger.exception("state: undoing a failed transaction on %s failed", self.location)
 
-    def _query(self, sql: str, params: Any = ()) -> list[sqlite3.Row]:
+    def _execute(self, sql: str, params: Params = ()) -> int:
+        """Run a change inside the caller's `transaction()`; the rows it changed."""
+        return self._backend.execute(sql, params).rowcount
+
+    def _query(self, sql: str, params: Params = ()) -> list[Row]:
         with self._lock:
-            try:
-                return self._conn.execute(sql, params).fetchall()
-            except sqlite3.Error as err:
-                raise StorageError(f"{type(err).__name__} on {self.path}: {err}") from err
+            if self._depth == 0:
+                self._backend.recover()
+            return self._backend.execute(sql, params).rows
 
     def _exists(self, table: str, column: str, value: object) -> bool:
-        return bool(self._query(f"SELECT 1 FROM {table} WHERE {column} = ?", (value,)))
+        return bool(self._query(f"SELECT 1 AS found FROM {table} WHERE {column} = ?", (value,)))
 
     def _require(self, table: str, column: str, value: object, what: str) -> None:
         if not self._exists(table, column, value):
@@ -296,7 +300,7 @@ class StateStore:
             )
         key_hash = api_keys.hash_secret(parsed[1])  # slow: not under the lock
         with self.transaction():
-            self._conn.execute(
+            self._execute(
                 "INSERT INTO clients (client_id, key_hash, created_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (client_id) DO UPDATE SET key_hash = excluded.key_hash",
                 (client_id, key_hash, self._clock()),
@@ -326,26 +330,29 @@ class StateStore:
             if not current.get(client_id) or not api_keys.verify_secret(secret, current[client_id])
         }
         with self.transaction():
-            current = self._client_key_hashes()
+            current = self._client_key_hashes(lock=True)
             for client_id, key_hash in hashes.items():
-                self._conn.execute(
+                self._execute(
                     "INSERT INTO clients (client_id, key_hash, created_at) VALUES (?, ?, ?) "
                     "ON CONFLICT (client_id) DO UPDATE SET key_hash = excluded.key_hash",
                     (client_id, key_hash, self._clock()),
                 )
             revoked = sorted(c for c, h in current.items() if h and c not in wanted)
-            self._conn.executemany(
-                "UPDATE clients SET key_hash = '' WHERE client_id = ?", [(c,) for c in revoked]
-            )
+            for client_id in revoked:
+                self._execute("UPDATE clients SET key_hash = '' WHERE client_id = ?", (client_id,))
         return KeyChanges(
             added=tuple(sorted(c for c in hashes if not current.get(c))),
             replaced=tuple(sorted(c for c in hashes if current.get(c))),
             revoked=tuple(revoked),
         )
 
-    def _client_key_hashes(self) -> dict[str, str]:
-        """client id -> its key hash ("" for a client with no key)."""
-        return {row[0]: row[1] for row in self._query("SELECT client_id, key_hash FROM clients")}
+    def _client_key_hashes(self, lock: bool = False) -> dict[str, str]:
+        """client id -> its key hash ("" for a client with no key); `lock`: held against
+        other writers until the transaction ends."""
+        rows = self._query(
+            f"SELECT client_id, key_hash FROM clients{self._backend.row_lock if lock else ''}"
+        )
+        return {row["client_id"]: row["key_hash"] for row in rows}
 
     def client_for_api_key(self, api_key: str) -> str | None:
         """The client id `api_key` authenticates, or None: for a malformed key, an unknown
@@ -371,7 +378,7 @@ class StateStore:
         with self.transaction():
             if not self._exists("clients", "client_id", client_id):
                 raise KeyError(f"client {client_id!r} is unknown")
-            self._conn.execute(
+            self._execute(
                 "INSERT INTO client_sites (client_id, site, updated_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (client_id) DO UPDATE SET site = excluded.site, "
                 "updated_at = excluded.updated_at",
@@ -400,7 +407,7 @@ class StateStore:
             "usage_json": record.usage_json,
         }
         with self.transaction():
-            self._conn.execute(
+            self._execute(
                 f"INSERT INTO nodes ({_NODE_COLUMNS}) VALUES ({_placeholders(_NODE_COLUMNS)}) "
                 f"ON CONFLICT (node_id) DO UPDATE SET {_assignments(_NODE_COLUMNS, 'node_id')}",
                 params,
@@ -410,20 +417,20 @@ class StateStore:
         """Record a heartbeat of `node_id` at `at` with its usage. False (nothing written) if
         the node is unknown: it must register first. The node's state is left as it is."""
         with self.transaction():
-            cursor = self._conn.execute(
+            changed = self._execute(
                 "UPDATE nodes SET last_heartbeat_at = ?, usage_json = ? WHERE node_id = ?",
                 (at, usage_json, node_id),
             )
-        return cursor.rowcount == 1
+        return changed == 1
 
     def set_node_state(self, node_id: str, state: NodeState) -> None:
         """Set `node_id`'s state; idempotent. KeyError for an unknown node."""
         value = _enum(NodeState, state, "node state").value
         with self.transaction():
-            cursor = self._conn.execute(
+            changed = self._execute(
                 "UPDATE nodes SET state = ? WHERE node_id = ?", (value, node_id)
             )
-            if cursor.rowcount == 0:
+            if changed == 0:
                 raise KeyError(f"node {node_id!r} is unknown")
 
     def get_node(self, node_id: str) -> NodeRecord | None:
@@ -441,12 +448,12 @@ class StateStore:
         (the first record stays: same hash, same content). ConstraintError if the sizes of the
         two differ, which means one of them is wrong."""
         with self.transaction():
-            cursor = self._conn.execute(
+            changed = self._execute(
                 "INSERT INTO models (sha256, name, size_bytes, created_at) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (sha256) DO NOTHING",
                 (record.sha256, record.name, record.size_bytes, record.created_at),
             )
-            if cursor.rowcount == 1:
+            if changed == 1:
                 return True
             known = self._query("SELECT size_bytes FROM models WHERE sha256 = ?", (record.sha256,))
             if known[0]["size_bytes"] != record.size_bytes:
@@ -460,14 +467,14 @@ class StateStore:
         rows = self._query(
             "SELECT sha256, name, size_bytes, created_at FROM models WHERE sha256 = ?", (sha256,)
         )
-        return ModelRecord(*rows[0]) if rows else None
+        return ModelRecord(**rows[0]) if rows else None
 
     def list_models(self) -> list[ModelRecord]:
         """Every model, oldest first."""
         rows = self._query(
             "SELECT sha256, name, size_bytes, created_at FROM models ORDER BY created_at, sha256"
         )
-        return [ModelRecord(*row) for row in rows]
+        return [ModelRecord(**row) for row in rows]
 
     def add_model_owner(self, sha256: str, client_id: str) -> bool:
         """Record that `client_id` uploaded the model `sha256`: True if it had not before.
@@ -475,12 +482,12 @@ class StateStore:
         with self.transaction():
             self._require("models", "sha256", sha256, "model")
             self._require("clients", "client_id", client_id, "client")
-            cursor = self._conn.execute(
+            changed = self._execute(
                 "INSERT INTO model_owners (sha256, client_id, created_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (sha256, client_id) DO NOTHING",
                 (sha256, client_id, self._clock()),
             )
-        return cursor.rowcount == 1
+        return changed == 1
 
     def owns_model(self, client_id: str, sha256: str) -> bool:
         """Whether `client_id` uploaded the model `sha256` (False for unknown ones)."""
@@ -494,11 +501,11 @@ class StateStore:
     def client_model_bytes(self, client_id: str) -> int:
         """The total size of the models `client_id` uploaded (0 for none)."""
         rows = self._query(
-            "SELECT COALESCE(SUM(m.size_bytes), 0) FROM model_owners o "
+            "SELECT COALESCE(SUM(m.size_bytes), 0) AS total FROM model_owners o "
             "JOIN models m ON m.sha256 = o.sha256 WHERE o.client_id = ?",
             (client_id,),
         )
-        return int(rows[0][0])
+        return int(rows[0]["total"])
 
     # -- deployments ----------------------------------------------------------------------
 
@@ -509,7 +516,7 @@ class StateStore:
             if self._exists("deployments", "deployment_id", record.deployment_id):
                 raise ConstraintError(f"deployment {record.deployment_id!r} exists already")
             self._check_deployment_refs(record)
-            self._conn.execute(
+            self._execute(
                 f"INSERT INTO deployments ({_DEPLOYMENT_COLUMNS}) "
                 f"VALUES ({_placeholders(_DEPLOYMENT_COLUMNS)})",
                 _deployment_params(record),
@@ -527,12 +534,10 @@ class StateStore:
         (`deployment_id`, `created_at`, `updated_at`); KeyError for an unknown deployment;
         ConstraintError for a value the schema refuses (an unknown node, a negative epoch)."""
         with self.transaction():
-            current = self.get_deployment(deployment_id)
-            if current is None:
-                raise KeyError(f"deployment {deployment_id!r} is unknown")
+            current = self._deployment_to_change(deployment_id)
             updated = self._changed(current, changes, "deployment_id")
             self._check_deployment_refs(updated)
-            self._conn.execute(
+            self._execute(
                 f"UPDATE deployments SET "
                 f"{_assignments(_DEPLOYMENT_COLUMNS, 'deployment_id')} "
                 "WHERE deployment_id = :deployment_id",
@@ -550,6 +555,18 @@ class StateStore:
         if frozen := sorted(changes.keys() & fixed):
             raise TypeError(f"{', '.join(frozen)} cannot be changed")
         return dataclasses.replace(record, **changes, updated_at=self._clock())
+
+    def _deployment_to_change(self, deployment_id: str) -> DeploymentRecord:
+        """Inside a transaction: the deployment, held against other writers until the end.
+        KeyError for an unknown one."""
+        rows = self._query(
+            f"SELECT {_DEPLOYMENT_COLUMNS} FROM deployments WHERE deployment_id = ?"
+            f"{self._backend.row_lock}",
+            (deployment_id,),
+        )
+        if not rows:
+            raise KeyError(f"deployment {deployment_id!r} is unknown")
+        return _deployment(rows[0])
 
     def get_deployment(self, deployment_id: str) -> DeploymentRecord | None:
         """The deployment of that id, deleted ones included; None if there never was one."""
@@ -592,13 +609,9 @@ class StateStore:
         Idempotent: deleting a deleted deployment changes nothing. KeyError for an unknown
         deployment."""
         with self.transaction():
-            current = self.get_deployment(deployment_id)
-            if current is None:
-                raise KeyError(f"deployment {deployment_id!r} is unknown")
+            current = self._deployment_to_change(deployment_id)
             for table in ("offload_reports", "resizes"):
-                self._conn.execute(
-                    f"DELETE FROM {table} WHERE deployment_id = ?", (deployment_id,)
-                )
+                self._execute(f"DELETE FROM {table} WHERE deployment_id = ?", (deployment_id,))
             if current.state is DeploymentState.DELETED:
                 return current
             return self.update_deployment(deployment_id, state=DeploymentState.DELETED)
@@ -612,7 +625,7 @@ class StateStore:
             if self._exists("migrations", "migration_id", record.migration_id):
                 raise ConstraintError(f"migration {record.migration_id!r} exists already")
             self._check_migration_refs(record)
-            self._conn.execute(
+            self._execute(
                 f"INSERT INTO migrations ({_MIGRATION_COLUMNS}) "
                 f"VALUES ({_placeholders(_MIGRATION_COLUMNS)})",
                 _migration_params(record),
@@ -627,12 +640,12 @@ class StateStore:
         """Change the given fields of a migration and set `updated_at` to now; returns it as
         stored. Errors as `update_deployment`'s."""
         with self.transaction():
-            current = self._migrations("WHERE migration_id = ?", (migration_id,))
+            current = self._migrations("WHERE migration_id = ?", (migration_id,), lock=True)
             if not current:
                 raise KeyError(f"migration {migration_id!r} is unknown")
             updated = self._changed(current[0], changes, "migration_id")
             self._check_migration_refs(updated)
-            self._conn.execute(
+            self._execute(
                 f"UPDATE migrations SET {_assignments(_MIGRATION_COLUMNS, 'migration_id')} "
                 "WHERE migration_id = :migration_id",
                 _migration_params(updated),
@@ -645,10 +658,13 @@ class StateStore:
             return self._migrations("", ())
         return self._migrations("WHERE deployment_id = ?", (deployment_id,))
 
-    def _migrations(self, condition: str, params: tuple[str, ...]) -> list[MigrationRecord]:
+    def _migrations(
+        self, condition: str, params: tuple[str, ...], lock: bool = False
+    ) -> list[MigrationRecord]:
+        """`lock`: inside a transaction, hold the rows against other writers until its end."""
         rows = self._query(
             f"SELECT {_MIGRATION_COLUMNS} FROM migrations {condition} "
-            "ORDER BY created_at, migration_id",
+            f"ORDER BY created_at, migration_id{self._backend.row_lock if lock else ''}",
             params,
         )
         return [_migration(row) for row in rows]
@@ -662,7 +678,7 @@ class StateStore:
             self._require("deployments", "deployment_id", record.deployment_id, "deployment")
             self._require("nodes", "node_id", record.node_id, "node")
             try:
-                self._conn.execute(
+                self._execute(
                     "INSERT INTO standbys (deployment_id, epoch, node_id, site, gpus_json, "
                     "created_at) VALUES (?, ?, ?, ?, ?, ?)",
                     (
@@ -674,7 +690,7 @@ class StateStore:
                         record.created_at,
                     ),
                 )
-            except sqlite3.IntegrityError as err:
+            except ConstraintError as err:
                 raise ConstraintError(
                     f"standby {record.deployment_id}@{record.epoch} is recorded already"
                 ) from err
@@ -683,11 +699,11 @@ class StateStore:
         """Forget the standby of `deployment_id` at `epoch` if it is the one on `node_id`
         (a caller releases only the standby it owns); whether one was."""
         with self.transaction():
-            cursor = self._conn.execute(
+            changed = self._execute(
                 "DELETE FROM standbys WHERE deployment_id = ? AND epoch = ? AND node_id = ?",
                 (deployment_id, epoch, node_id),
             )
-            return cursor.rowcount > 0
+            return changed > 0
 
     def list_standbys(self) -> list[StandbyRecord]:
         """Every recorded standby, oldest first."""
@@ -723,7 +739,7 @@ class StateStore:
         with self.transaction():
             self._require("deployments", "deployment_id", record.deployment_id, "deployment")
             self._require("clients", "client_id", record.client_id, "client")
-            cursor = self._conn.execute(
+            changed = self._execute(
                 f"INSERT INTO offload_reports ({_OFFLOAD_COLUMNS}) "
                 f"VALUES ({_placeholders(_OFFLOAD_COLUMNS)}) "
                 f"ON CONFLICT ({', '.join(_OFFLOAD_KEY)}) DO UPDATE SET {updates} "
@@ -731,8 +747,8 @@ class StateStore:
                 "offload_reports.remote_requests + offload_reports.local_requests",
                 _offload_params(record),
             )
-            kept = cursor.rowcount > 0
-            self._conn.execute(
+            kept = changed > 0
+            self._execute(
                 "DELETE FROM offload_reports WHERE deployment_id = :d AND client_id = :c "
                 "AND session NOT IN (SELECT session FROM offload_reports "
                 "WHERE deployment_id = :d AND client_id = :c "
@@ -769,29 +785,19 @@ class StateStore:
                     and self._exists("nodes", "node_id", r.node_id)
                 ):
                     continue
-                cursor = self._conn.execute(
+                changed = self._execute(
                     # Not INSERT OR IGNORE: that would skip a row breaking a CHECK too.
                     f"INSERT INTO resizes ({_RESIZE_COLUMNS}) "
                     f"VALUES ({_placeholders(_RESIZE_COLUMNS)}) "
                     "ON CONFLICT (node_id, event_id) DO NOTHING",
-                    (
-                        r.node_id,
-                        r.event_id,
-                        r.deployment_id,
-                        r.replica_id,
-                        r.cpus_before,
-                        r.cpus_after,
-                        r.policy,
-                        r.reason,
-                        r.at,
-                    ),
+                    dataclasses.asdict(r),
                 )
-                if cursor.rowcount > 0:
+                if changed > 0:
                     added.append(r)
             for deployment_id in sorted({r.deployment_id for r in added}):
-                self._conn.execute(
-                    "DELETE FROM resizes WHERE deployment_id = :d AND rowid NOT IN "
-                    "(SELECT rowid FROM resizes WHERE deployment_id = :d "
+                self._execute(
+                    "DELETE FROM resizes WHERE deployment_id = :d AND (node_id, event_id) NOT IN "
+                    "(SELECT node_id, event_id FROM resizes WHERE deployment_id = :d "
                     "ORDER BY at DESC, event_id DESC LIMIT :keep)",
                     {"d": deployment_id, "keep": keep},
                 )
@@ -808,7 +814,7 @@ class StateStore:
             "ORDER BY at DESC, event_id DESC LIMIT ?",
             (*params, limit),
         )
-        return [ResizeRecord(*row) for row in reversed(rows)]
+        return [ResizeRecord(**row) for row in reversed(rows)]
 
     # -- events ---------------------------------------------------------------------------
 
@@ -817,12 +823,12 @@ class StateStore:
         same `transaction()` as the change it records, so both or neither are kept."""
         at = self._clock()
         with self.transaction():
-            cursor = self._conn.execute(
-                "INSERT INTO events (at, kind, subject, detail_json) VALUES (?, ?, ?, ?)",
+            (row,) = self._backend.execute(
+                "INSERT INTO events (at, kind, subject, detail_json) VALUES (?, ?, ?, ?) "
+                "RETURNING seq",
                 (at, kind, subject, detail_json),
-            )
-        assert cursor.lastrowid is not None
-        return EventRecord(cursor.lastrowid, at, kind, subject, detail_json)
+            ).rows
+        return EventRecord(row["seq"], at, kind, subject, detail_json)
 
     def list_events(self, limit: int = 100) -> list[EventRecord]:
         """The `limit` most recent events, newest first."""
@@ -830,10 +836,89 @@ class StateStore:
             "SELECT seq, at, kind, subject, detail_json FROM events ORDER BY seq DESC LIMIT ?",
             (limit,),
         )
-        return [EventRecord(*row) for row in rows]
+        return [EventRecord(**row) for row in rows]
+
+    # -- leader leases --------------------------------------------------------------------
+
+    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease | None:
+        """Take the lease `name` for `holder` for `ttl_s` seconds of the database's clock, or
+        extend it when `holder` holds it already (same term); None while another holder's is
+        unexpired. Taking it after another holder, an expiry or a release starts a new term,
+        higher than every earlier one. ValueError unless 0 < `ttl_s` <= 1 day."""
+        _check_ttl(ttl_s)
+        with self.transaction():
+            self._execute(  # a lease never held: term 0, expired
+                "INSERT INTO leases (name, holder, term, expires_at) VALUES (?, '', 0, 0) "
+                "ON CONFLICT (name) DO NOTHING",
+                (name,),
+            )
+            (row,) = self._query(
+                f"SELECT holder, term, expires_at FROM leases WHERE name = ?"
+                f"{self._backend.row_lock}",
+                (name,),
+            )
+            now = self._database_time()
+            if row["expires_at"] > now and row["holder"] != holder:
+                return None
+            term = row["term"] if row["expires_at"] > now else row["term"] + 1
+            lease = Lease(name, holder, term, now + ttl_s)
+            self._execute(
+                "UPDATE leases SET holder = ?, term = ?, expires_at = ? WHERE name = ?",
+                (holder, term, lease.expires_at, name),
+            )
+        return lease
+
+    def renew_lease(self, lease: Lease, ttl_s: float) -> Lease | None:
+        """Extend `lease` to `ttl_s` seconds from now, if it is still held (unexpired, same
+        term); None if it was lost: the holder must stop acting as leader. ValueError as
+        `acquire_lease`."""
+        _check_ttl(ttl_s)
+        with self.transaction():
+            now = self._database_time()
+            changed = self._execute(
+                "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND term = ? "
+                "AND expires_at > ?",
+                (now + ttl_s, lease.name, lease.holder, lease.term, now),
+            )
+        return dataclasses.replace(lease, expires_at=now + ttl_s) if changed == 1 else None
+
+    def release_lease(self, lease: Lease) -> bool:
+        """End `lease` now, so another holder need not wait for its expiry; whether it was
+        still held. The term is kept: the next holder's is higher."""
+        with self.transaction():
+            now = self._database_time()
+            changed = self._execute(
+                "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND term = ? "
+                "AND expires_at > ?",
+                (now, lease.name, lease.holder, lease.term, now),
+            )
+        return changed == 1
+
+    def check_lease(self, name: str, term: int) -> None:
+        """The fence of a leader's write: call it inside the write's `transaction()`, which
+        then commits only while lease `name` is unexpired at `term`. LeaseLost otherwise
+        (the block's changes are undone as it propagates). On PostgreSQL the lease's row
+        stays locked until the transaction ends, so no other holder takes it in between;
+        on SQLite the write lock does the same. RuntimeError outside a transaction."""
+        with self._lock:
+            if self._depth == 0:
+                raise RuntimeError("check_lease fences a write: call it inside transaction()")
+            rows = self._query(
+                f"SELECT holder, term, expires_at FROM leases WHERE name = ?"
+                f"{self._backend.row_lock}",
+                (name,),
+            )
+            now = self._database_time()
+        if not rows or rows[0]["term"] != term or rows[0]["expires_at"] <= now:
+            current = f"term {rows[0]['term']} of {rows[0]['holder']!r}" if rows else "none"
+            raise LeaseLost(f"lease {name!r} is no longer held at term {term} (now: {current})")
+
+    def _database_time(self) -> float:
+        (row,) = self._query(f"SELECT {self._backend.clock} AS now")
+        return float(row["now"])
 
 
-def _node(row: sqlite3.Row) -> NodeRecord:
+def _node(row: Row) -> NodeRecord:
     return NodeRecord(
         node_id=row["node_id"],
         address=row["address"],
@@ -870,7 +955,7 @@ def _deployment_params(record: DeploymentRecord) -> dict[str, object]:
     }
 
 
-def _deployment(row: sqlite3.Row) -> DeploymentRecord:
+def _deployment(row: Row) -> DeploymentRecord:
     return DeploymentRecord(
         deployment_id=row["deployment_id"],
         client_id=row["client_id"],
@@ -902,7 +987,7 @@ def _migration_params(record: MigrationRecord) -> dict[str, object]:
     return params
 
 
-def _migration(row: sqlite3.Row) -> MigrationRecord:
+def _migration(row: Row) -> MigrationRecord:
     subject = f"migration={row['migration_id']}"
     return MigrationRecord(
         migration_id=row["migration_id"],
@@ -943,7 +1028,7 @@ def _offload_params(record: OffloadReportRecord) -> dict[str, object]:
     }
 
 
-def _offload(row: sqlite3.Row) -> OffloadReportRecord:
+def _offload(row: Row) -> OffloadReportRecord:
     subject = f"deployment={row['deployment_id']} session={row['session']}"
     return OffloadReportRecord(
         deployment_id=row["deployment_id"],
@@ -969,6 +1054,11 @@ def _offload(row: sqlite3.Row) -> OffloadReportRecord:
         ),
         reported_at=row["reported_at"],
     )
+
+
+def _check_ttl(ttl_s: float) -> None:
+    if not (math.isfinite(ttl_s) and 0 < ttl_s <= _MAX_TTL_S):
+        raise ValueError(f"a lease's ttl must be over 0 and at most {_MAX_TTL_S} s, not {ttl_s!r}")
 
 
 def _finite_or_none(value: float | None, column: str, subject: str) -> float | None:

@@ -22,13 +22,20 @@ from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 from protos.offload.v1 import node_pb2_grpc as npb_grpc
 from tests.chromium_support import DomDump, log_in, open_page, require_chromium
-from tests.cluster_support import JOIN_TOKEN, THREE_NODES, Cluster, infer_once, wait_for_log
+from tests.cluster_support import (
+    CLUSTER_YAML,
+    JOIN_TOKEN,
+    THREE_NODES,
+    Cluster,
+    infer_once,
+    wait_for_log,
+)
 from tests.ops_support import ops_headers
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    cluster = Cluster(tmp_path)
+async def cluster(tmp_path: Path, broker_state: str) -> AsyncIterator[Cluster]:
+    cluster = Cluster(tmp_path, state=broker_state)
     try:
         await cluster.start_broker()
         await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES))
@@ -396,3 +403,37 @@ async def test_dashboard_shows_the_live_cluster(cluster: Cluster, tmp_path: Path
     rows = [e.attrs["data-deployment-id"] for e in dom.having("data-deployment-id")]
     assert rows == [deployment.deployment_id]
     assert len(png) > 10_000
+
+
+def test_the_state_location_is_checked_before_the_broker_serves(tmp_path: Path) -> None:
+    """`--state`: a password in the URL is refused (it would be on the command line); another
+    scheme and an unreachable server are clear errors that quote the location."""
+    (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
+    token = tmp_path / "join-token"
+    token.write_text(JOIN_TOKEN)
+    token.chmod(0o600)
+
+    def broker(state: str) -> subprocess.CompletedProcess[str]:
+        return _offload(
+            "broker", "--listen", "127.0.0.1:0", "--ops-listen", "127.0.0.1:0",
+            "--state-dir", str(tmp_path / "state"), "--cluster", str(tmp_path / "cluster.yaml"),
+            "--join-token-file", str(token), "--state", state,
+        )  # fmt: skip
+
+    for with_password in (
+        "postgresql://broker:s3cret-pw@db.example/offload",
+        "postgres://broker@db.example/offload?password=s3cret-pw",
+    ):
+        refused = broker(with_password)
+        assert refused.returncode == 2, refused.stderr
+        assert "--state: the URL holds a password" in refused.stderr
+        assert "PGPASSFILE" in refused.stderr and "s3cret" not in refused.stderr
+    other = broker("mysql://broker@db.example/offload")
+    assert other.returncode == 1
+    assert "'mysql://broker@db.example/offload' is neither a folder nor a PostgreSQL URL" in (
+        other.stderr
+    )
+    unreachable = broker("postgresql://broker@127.0.0.1:1/offload?connect_timeout=2")
+    assert unreachable.returncode == 1
+    assert "127.0.0.1:1" in unreachable.stderr and "Traceback" not in unreachable.stderr
+    assert not (tmp_path / "state" / "broker.sqlite3").exists()

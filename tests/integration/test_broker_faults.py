@@ -22,8 +22,8 @@ NODE_A, _NODE_B, NODE_C = THREE_NODES
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    cluster = Cluster(tmp_path)
+async def cluster(tmp_path: Path, broker_state: str) -> AsyncIterator[Cluster]:
+    cluster = Cluster(tmp_path, state=broker_state)
     try:
         await cluster.start_broker()
         await asyncio.gather(cluster.start_node(NODE_A), cluster.start_node(NODE_C))
@@ -125,11 +125,11 @@ async def test_a_broker_killed_mid_migration_restarts_with_every_deployment_serv
 
 
 async def test_a_failover_whose_target_cannot_start_waits_pending_for_a_node(
-    tmp_path: Path,
+    tmp_path: Path, broker_state: str
 ) -> None:
     """node-c takes no model over 100 bytes: a failover to it fails; the deployment waits
     pending and is placed when node-a is back."""
-    cluster = Cluster(tmp_path)
+    cluster = Cluster(tmp_path, state=broker_state)
     try:
         await cluster.start_broker()
         await cluster.start_node(NODE_A)
@@ -207,11 +207,13 @@ async def test_a_node_killed_while_its_replica_starts_leaves_the_deployment_pend
     await cluster_agrees(cluster)
 
 
-async def test_a_migrations_replicas_are_never_taken_for_orphans(tmp_path: Path) -> None:
+async def test_a_migrations_replicas_are_never_taken_for_orphans(
+    tmp_path: Path, broker_state: str
+) -> None:
     """No client acks the switch, so the old replica drains for the whole drain timeout
     (8 s), well past the orphan grace (3 s): the move holds it, so the migration stops it,
     not reconciliation."""
-    cluster = Cluster(tmp_path)
+    cluster = Cluster(tmp_path, state=broker_state)
     try:
         await cluster.start_broker("--drain-timeout", "8")
         await asyncio.gather(cluster.start_node(NODE_A), cluster.start_node(NODE_C))

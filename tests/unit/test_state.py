@@ -1,4 +1,9 @@
-"""The broker's state in a real SQLite file: schema, every method, transactions, crashes."""
+"""The broker's state in a real SQLite file and a real PostgreSQL database: schema, every
+method, transactions, crashes.
+
+Every test of the store's behaviour runs against both backends (the `database` fixture's
+params); tests of what only one database has (SQLite's file, its modes and PRAGMAs;
+PostgreSQL's version table, advisory lock, URLs and connections) say so in their names."""
 
 from __future__ import annotations
 
@@ -10,20 +15,24 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
-import broker.state.store
 from broker.state import (
     DB_FILENAME,
     ConstraintError,
     DeploymentRecord,
     DeploymentState,
+    LeaseLost,
     MigrationRecord,
     MigrationState,
     MigrationStrategy,
@@ -38,15 +47,24 @@ from broker.state import (
     SchemaError,
     StandbyRecord,
     StateStore,
+    StorageError,
     new_api_key,
+    open_store,
     parse_api_key,
     parse_api_keys_file,
 )
 from broker.state.schema import MIGRATIONS
+from tests.pg_support import PostgresServer
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = hashlib.sha256(b"model").hexdigest()
 KEY = "alice.s3cret-s3cret-s3cret-0123456789"
+LATEST = len(MIGRATIONS["sqlite"])
+# How each database words a broken CHECK: SQLite's, PostgreSQL's, and PostgreSQL's for text
+# that a JSON column's cast refuses.
+CHECK_FAILED = (
+    "CHECK constraint failed|violates check constraint|invalid input syntax for type json"
+)
 
 
 class Clock:
@@ -64,14 +82,77 @@ def clock() -> Clock:
     return Clock()
 
 
+@dataclass(frozen=True, slots=True)
+class Database:
+    """Where a test's state lives, and a way to look at it from outside the store."""
+
+    backend: str
+    """"sqlite" or "postgresql": the key of its scripts in `MIGRATIONS`."""
+    location: str
+    """What `open_store` takes: "" (the SQLite file in `state_dir`) or the database's URL."""
+    state_dir: Path
+
+    def open(self, clock: Callable[[], float] = time.time) -> StateStore:
+        return open_store(self.location, self.state_dir, clock=clock)
+
+    def query(self, sql: str) -> list[tuple[object, ...]]:
+        """Run `sql` on a connection of its own, as another process would; its rows."""
+        if self.backend == "sqlite":
+            with closing(sqlite3.connect(self.state_dir / DB_FILENAME)) as conn, conn:
+                return conn.execute(sql).fetchall()
+        with psycopg.connect(self.location, autocommit=True) as conn:
+            cursor = conn.execute(sql)
+            return cursor.fetchall() if cursor.description is not None else []
+
+    def schema_version(self) -> int:
+        if self.backend == "sqlite":
+            sql = "PRAGMA user_version"
+        else:
+            sql = "SELECT version FROM schema_version"
+        ((version,),) = self.query(sql)
+        assert isinstance(version, int)
+        return version
+
+    def tables(self) -> set[str]:
+        if self.backend == "sqlite":
+            sql = "SELECT name FROM sqlite_master WHERE type = 'table'"
+        else:
+            sql = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+        return {str(name) for (name,) in self.query(sql)}
+
+    def schema(self) -> list[tuple[object, ...]]:
+        """Every table, index and column with its definition."""
+        if self.backend == "sqlite":
+            return self.query("SELECT sql FROM sqlite_master ORDER BY name")
+        return self.query(
+            "SELECT table_name, column_name, data_type, collation_name FROM "
+            "information_schema.columns WHERE table_schema = current_schema() ORDER BY 1, 2"
+        ) + self.query(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema() "
+            "ORDER BY 1"
+        )
+
+    def use_migrations(self, monkeypatch: pytest.MonkeyPatch, scripts: tuple[str, ...]) -> None:
+        """Make the store know only `scripts`, as a broker of that version did."""
+        monkeypatch.setitem(MIGRATIONS, self.backend, scripts)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
+    """Each backend in turn: an SQLite file in tmp_path, an empty PostgreSQL database."""
+    if request.param == "sqlite":
+        return Database("sqlite", "", tmp_path)
+    return Database("postgresql", request.getfixturevalue("postgresql_url"), tmp_path)
+
+
 @pytest.fixture
-def store(tmp_path: Path, clock: Clock) -> Iterator[StateStore]:
-    with StateStore(tmp_path, clock=clock) as opened:
+def store(database: Database, clock: Clock) -> Iterator[StateStore]:
+    with database.open(clock) as opened:
         yield opened
 
 
 def inspect(path: Path, sql: str) -> list[tuple[object, ...]]:
-    """Read the file through a connection of its own, as another process would."""
+    """Read the SQLite file through a connection of its own, as another process would."""
     with closing(sqlite3.connect(path)) as conn:
         return conn.execute(sql).fetchall()
 
@@ -152,74 +233,89 @@ def populated(store: StateStore) -> StateStore:
 # -- the file -----------------------------------------------------------------------------
 
 
-def test_a_new_file_is_at_the_latest_schema_in_wal_mode(store: StateStore, tmp_path: Path) -> None:
-    path = tmp_path / DB_FILENAME
-    assert store.path == path
-    assert inspect(path, "PRAGMA user_version") == [(len(MIGRATIONS),)]
-    assert inspect(path, "PRAGMA journal_mode") == [("wal",)]
-    tables = {name for (name,) in inspect(path, "SELECT name FROM sqlite_master")}
-    assert {"clients", "client_sites", "nodes", "models", "deployments", "migrations"} <= tables
-    assert {"events"} <= tables
-    # foreign_keys is a per-connection setting: only the store's own connection can tell.
-    assert store._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-    assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+def test_a_new_state_is_at_the_latest_schema(store: StateStore, database: Database) -> None:
+    assert database.schema_version() == LATEST
+    assert {"clients", "client_sites", "nodes", "models", "deployments", "migrations"} <= (
+        database.tables()
+    )
+    assert {"events", "model_owners", "offload_reports", "standbys", "resizes"} <= (
+        database.tables()
+    )
 
 
-def test_reopening_applies_nothing_twice_and_keeps_the_data(tmp_path: Path) -> None:
+def test_sqlite_a_new_file_is_in_wal_mode_with_its_pragmas(tmp_path: Path) -> None:
     with StateStore(tmp_path) as store:
+        path = tmp_path / DB_FILENAME
+        assert store.path == path
+        assert inspect(path, "PRAGMA journal_mode") == [("wal",)]
+        # foreign_keys is a per-connection setting: only the store's own connection can tell.
+        backend = store._backend
+        assert backend.execute("PRAGMA foreign_keys").rows == [{"foreign_keys": 1}]
+        assert backend.execute("PRAGMA synchronous").rows == [{"synchronous": 2}]  # FULL
+
+
+def test_reopening_applies_nothing_twice_and_keeps_the_data(database: Database) -> None:
+    with database.open() as store:
         store.put_model(model())
-    schema = inspect(tmp_path / DB_FILENAME, "SELECT sql FROM sqlite_master ORDER BY name")
+    schema = database.schema()
     for _ in range(2):
-        with StateStore(tmp_path) as store:
+        with database.open() as store:
             assert store.list_models() == [model()]
-    assert inspect(tmp_path / DB_FILENAME, "PRAGMA user_version") == [(len(MIGRATIONS),)]
-    assert inspect(tmp_path / DB_FILENAME, "SELECT sql FROM sqlite_master ORDER BY name") == schema
+    assert database.schema_version() == LATEST
+    assert database.schema() == schema
 
 
-def test_a_newer_schema_is_refused_and_left_untouched(tmp_path: Path) -> None:
+def test_sqlite_a_newer_schema_is_refused_and_left_untouched(tmp_path: Path) -> None:
     path = tmp_path / DB_FILENAME
     with closing(sqlite3.connect(path)) as conn:
-        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
-    with pytest.raises(SchemaError, match=f"schema version {len(MIGRATIONS) + 1}, newer than"):
+        conn.execute(f"PRAGMA user_version = {LATEST + 1}")
+    with pytest.raises(SchemaError, match=f"schema version {LATEST + 1}, newer than"):
         StateStore(tmp_path)
     assert inspect(path, "SELECT name FROM sqlite_master") == []
     assert inspect(path, "PRAGMA journal_mode") == [("delete",)]
 
 
 def test_a_later_migration_applies_once_and_then_older_brokers_refuse_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    StateStore(tmp_path).close()
-    newer = (*MIGRATIONS, "CREATE TABLE extra (a INTEGER) STRICT;\nINSERT INTO extra VALUES (1);")
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", newer)
+    database.open().close()
+    newer = (*MIGRATIONS[database.backend], "CREATE TABLE extra (a INTEGER);\n"
+             "INSERT INTO extra VALUES (1);")  # fmt: skip
+    database.use_migrations(monkeypatch, newer)
     for _ in range(2):
-        StateStore(tmp_path).close()
-    assert inspect(tmp_path / DB_FILENAME, "SELECT a FROM extra") == [(1,)]
-    assert inspect(tmp_path / DB_FILENAME, "PRAGMA user_version") == [(len(newer),)]
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
+        database.open().close()
+    assert database.query("SELECT a FROM extra") == [(1,)]
+    assert database.schema_version() == len(newer)
+    database.use_migrations(monkeypatch, newer[:-1])
     with pytest.raises(SchemaError, match="newer than"):
-        StateStore(tmp_path)
+        database.open()
 
 
 def test_a_failing_migration_leaves_the_file_at_the_previous_version(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    StateStore(tmp_path).close()
-    broken = (*MIGRATIONS, "CREATE TABLE extra (a INTEGER) STRICT;\nCREATE TABLE clients (b);")
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", broken)
-    version = len(MIGRATIONS)
+    database.open().close()
+    broken = (*MIGRATIONS[database.backend], "CREATE TABLE extra (a INTEGER);\n"
+              "CREATE TABLE clients (b INTEGER);")  # fmt: skip
+    database.use_migrations(monkeypatch, broken)
     with pytest.raises(
-        SchemaError, match=f"to schema version {version + 1} failed, it stays at version {version}"
+        SchemaError, match=f"to schema version {LATEST + 1} failed, it stays at version {LATEST}"
     ):
-        StateStore(tmp_path)
-    path = tmp_path / DB_FILENAME
-    assert inspect(path, "PRAGMA user_version") == [(version,)]
-    assert inspect(path, "SELECT name FROM sqlite_master WHERE name = 'extra'") == []
+        database.open()
+    assert database.schema_version() == LATEST
+    assert "extra" not in database.tables()
 
 
-def test_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
+def test_sqlite_a_location_that_is_not_a_url_is_the_folder_of_the_file(tmp_path: Path) -> None:
+    with open_store(str(tmp_path / "elsewhere"), tmp_path / "unused") as store:
+        assert store.path == tmp_path / "elsewhere" / DB_FILENAME
+        assert store.location == f"file {store.path}"
+    assert not (tmp_path / "unused").exists()
+
+
+def test_sqlite_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
     (tmp_path / DB_FILENAME).write_bytes(b"not a database" * 100)
-    with pytest.raises(broker.state.StorageError, match="cannot open the state file"):
+    with pytest.raises(StorageError, match="cannot open the state file"):
         StateStore(tmp_path)
 
 
@@ -255,15 +351,16 @@ def test_any_other_key_authenticates_nobody(store: StateStore, api_key: str) -> 
 
 
 def test_only_a_salted_hash_is_stored_and_a_new_key_replaces_the_old(
-    store: StateStore, clock: Clock
+    store: StateStore, clock: Clock, database: Database
 ) -> None:
     store.put_client("alice", KEY)
     store.put_client("bob", "bob." + KEY.split(".")[1])
-    hashes = [str(h) for (h,) in inspect(store.path, "SELECT key_hash FROM clients")]
+    hashes = list(key_hashes(database).values())
     secret = KEY.split(".")[1]
     assert all(secret not in h for h in hashes)
     assert hashes[0].split("$")[-2:] != hashes[1].split("$")[-2:]  # same secret, other salt
-    assert secret.encode() not in store.path.read_bytes()
+    if store.path is not None:
+        assert secret.encode() not in store.path.read_bytes()
 
     rotated = new_api_key("alice")
     clock.now += 5
@@ -276,7 +373,7 @@ def test_only_a_salted_hash_is_stored_and_a_new_key_replaces_the_old(
     ]
 
 
-def test_replacing_the_keys_makes_exactly_them_work(store: StateStore) -> None:
+def test_replacing_the_keys_makes_exactly_them_work(store: StateStore, database: Database) -> None:
     alice, bob, carol = new_api_key("alice"), new_api_key("bob"), new_api_key("carol")
     changes = store.replace_client_keys([alice, bob])
     assert (changes.added, changes.replaced, changes.revoked) == (("alice", "bob"), (), ())
@@ -290,16 +387,16 @@ def test_replacing_the_keys_makes_exactly_them_work(store: StateStore) -> None:
     # Revoked clients keep their row: their deployments refer to it.
     assert [c.client_id for c in store.list_clients()] == ["alice", "bob", "carol"]
 
-    hashes = key_hashes(store)
+    hashes = key_hashes(database)
     assert not store.replace_client_keys([alice2, carol])
-    assert key_hashes(store) == hashes  # a key given again keeps its hash
+    assert key_hashes(database) == hashes  # a key given again keeps its hash
     store.replace_client_keys([bob])
     assert store.client_for_api_key(bob) == "bob"
-    assert key_hashes(store)["alice"] == key_hashes(store)["carol"] == ""
+    assert key_hashes(database)["alice"] == key_hashes(database)["carol"] == ""
 
 
-def key_hashes(store: StateStore) -> dict[str, str]:
-    rows = inspect(store.path, "SELECT client_id, key_hash FROM clients")
+def key_hashes(database: Database) -> dict[str, str]:
+    rows = database.query("SELECT client_id, key_hash FROM clients ORDER BY client_id")
     return {str(client_id): str(key_hash) for client_id, key_hash in rows}
 
 
@@ -325,7 +422,7 @@ def test_a_keys_file_is_parsed_with_line_numbers() -> None:
         parse_api_keys_file(f"{alice}\n{bob}\n{new_api_key('alice')}\n", "keys")
 
 
-def test_the_state_dir_and_its_files_are_private(tmp_path: Path) -> None:
+def test_sqlite_the_state_dir_and_its_files_are_private(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     with StateStore(state_dir) as opened:
         opened.put_client("alice", KEY)
@@ -335,7 +432,7 @@ def test_the_state_dir_and_its_files_are_private(tmp_path: Path) -> None:
     assert set(modes.values()) == {0o600}
 
 
-def test_looser_modes_are_tightened_at_open_with_a_warning(
+def test_sqlite_looser_modes_are_tightened_at_open_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     state_dir = tmp_path / "state"
@@ -425,7 +522,7 @@ def test_nodes_register_heartbeat_and_change_state(store: StateStore) -> None:
 
 
 def test_a_node_with_invalid_json_is_refused(store: StateStore) -> None:
-    with pytest.raises(ConstraintError, match="CHECK constraint failed"):
+    with pytest.raises(ConstraintError, match=CHECK_FAILED):
         store.upsert_node(node(inventory_json="{not json"))
     assert store.list_nodes() == []
 
@@ -465,15 +562,16 @@ def test_model_owners_and_their_bytes(populated: StateStore) -> None:
 
 
 def test_the_owners_migration_gives_deployed_models_to_their_clients(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS[:1])
-    with StateStore(tmp_path) as old:
+    scripts = MIGRATIONS[database.backend]
+    database.use_migrations(monkeypatch, scripts[:1])
+    with database.open() as old:
         old.put_client("alice", KEY)
         old.put_model(model())
         old.create_deployment(deployment())
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
-    with StateStore(tmp_path) as upgraded:
+    database.use_migrations(monkeypatch, scripts)
+    with database.open() as upgraded:
         assert upgraded.owns_model("alice", SHA)
         assert upgraded.client_model_bytes("alice") == 1234
 
@@ -510,8 +608,8 @@ def test_deployments_are_created_listed_and_filtered(populated: StateStore) -> N
         (deployment(client_id="mallory"), "client 'mallory' is unknown"),
         (deployment(model_sha256=hashlib.sha256(b"x").hexdigest()), "model '.*' is unknown"),
         (deployment(node_id="ghost"), "node 'ghost' is unknown"),
-        (deployment(epoch=-1), "CHECK constraint failed"),
-        (deployment(request_json="{"), "CHECK constraint failed"),
+        (deployment(epoch=-1), CHECK_FAILED),
+        (deployment(request_json="{"), CHECK_FAILED),
         (deployment(state="lost"), "'lost' is not one of: pending, starting"),
     ],
 )
@@ -555,7 +653,11 @@ def test_updates_change_the_named_fields_and_bump_updated_at(
         ({"deployment_id": "d9"}, TypeError, "deployment_id"),
         ({"node_id": "ghost"}, ConstraintError, "node 'ghost' is unknown"),
         ({"state": "bogus"}, ConstraintError, "'bogus' is not one of"),
-        ({"priority": "high"}, ConstraintError, "cannot store TEXT value in INTEGER column"),
+        (
+            {"priority": "high"},
+            ConstraintError,
+            "cannot store TEXT value in INTEGER column|invalid input syntax for type bigint",
+        ),
     ],
 )
 def test_a_wrong_update_changes_nothing(
@@ -616,18 +718,18 @@ def test_migrations_are_recorded_and_updated(populated: StateStore, clock: Clock
         store.create_migration(migration("m3", deployment_id="d9"))
     with pytest.raises(ConstraintError, match="target node 'ghost' is unknown"):
         store.create_migration(migration("m3", target_node="ghost"))
-    with pytest.raises(ConstraintError, match="CHECK constraint failed"):
+    with pytest.raises(ConstraintError, match=CHECK_FAILED):
         store.update_migration("m1", downtime_ms=-1.0)
     assert store.list_migrations("d1") == [done]
 
 
 def test_an_infinite_downtime_slipped_in_earlier_reads_as_unknown(
-    populated: StateStore, caplog: pytest.LogCaptureFixture
+    populated: StateStore, database: Database, caplog: pytest.LogCaptureFixture
 ) -> None:
     populated.create_deployment(deployment())
     populated.create_migration(migration())
     populated.update_migration("m1", downtime_ms=float("inf"))
-    assert inspect(populated.path, "SELECT downtime_ms FROM migrations") == [(float("inf"),)]
+    assert database.query("SELECT downtime_ms FROM migrations") == [(float("inf"),)]
     assert populated.list_migrations() == [migration(downtime_ms=None, updated_at=1000.0)]
     assert "migration=m1 has downtime_ms=inf; read as unknown" in caplog.text
 
@@ -700,26 +802,26 @@ CRASHING_WRITER = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    from broker.state import StateStore
+    from broker.state import open_store
     from tests.unit.test_state import KEY, deployment, model, node
 
-    store = StateStore(Path(sys.argv[1]))
+    store = open_store(sys.argv[1], Path(sys.argv[2]))
     store.put_client("alice", KEY)
     store.put_model(model())
     store.upsert_node(node("n1"))
     with store.transaction():
         store.create_deployment(deployment())
         store.set_node_state("n1", "draining")
-        for i in range(5000):  # 5 MB: more than the page cache, so some reaches the WAL
+        for i in range(5000):  # 5 MB: more than SQLite's page cache, so some reaches the WAL
             store.append_event("bulk", str(i), '{"pad": "%s"}' % ("x" * 1000))
         os.kill(os.getpid(), signal.SIGKILL)
     """
 )
 
 
-def test_a_process_killed_mid_transaction_leaves_nothing_of_it(tmp_path: Path) -> None:
+def test_a_process_killed_mid_transaction_leaves_nothing_of_it(database: Database) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", CRASHING_WRITER, str(tmp_path)],
+        [sys.executable, "-c", CRASHING_WRITER, database.location, str(database.state_dir)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
@@ -727,43 +829,45 @@ def test_a_process_killed_mid_transaction_leaves_nothing_of_it(tmp_path: Path) -
         timeout=60,
     )
     assert result.returncode == -signal.SIGKILL, result.stderr
-    # Uncommitted pages spilled into the WAL before the kill: recovery must ignore them.
-    assert (tmp_path / f"{DB_FILENAME}-wal").stat().st_size > 2**20
-    with StateStore(tmp_path) as store:
+    if database.backend == "sqlite":
+        # Uncommitted pages spilled into the WAL before the kill: recovery must ignore them.
+        assert (database.state_dir / f"{DB_FILENAME}-wal").stat().st_size > 2**20
+    with database.open() as store:
         assert store.client_for_api_key(KEY) == "alice"
         assert store.list_models() == [model()]
         assert store.get_node("n1") == node("n1")
         assert store.list_deployments() == []
         assert store.list_events() == []
-    assert inspect(tmp_path / DB_FILENAME, "PRAGMA integrity_check") == [("ok",)]
+    if database.backend == "sqlite":
+        assert database.query("PRAGMA integrity_check") == [("ok",)]
 
 
 def test_the_span_gap_migration_keeps_older_migrations_unmeasured(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS[:2])
-    with StateStore(tmp_path) as old:
+    scripts = MIGRATIONS[database.backend]
+    database.use_migrations(monkeypatch, scripts[:2])
+    with database.open() as old:
         old.put_client("alice", KEY)
         old.put_model(model())
         old.upsert_node(node("n1"))
         old.upsert_node(node("n2", site="site-b"))
         old.create_deployment(deployment())
     # Written as a version-2 broker did: without the column.
-    with closing(sqlite3.connect(tmp_path / DB_FILENAME)) as conn, conn:
-        conn.execute(
-            "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
-            "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
-            "failed_requests, created_at, updated_at) VALUES ('m1', 'd1', 'mobility', 'n1', "
-            "'n2', 'make_before_break', 'completed', '[]', 'succeeded', '', 80.0, 0, 40.0, 40.0)"
-        )
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
-    with StateStore(tmp_path) as upgraded:
+    database.query(
+        "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
+        "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
+        "failed_requests, created_at, updated_at) VALUES ('m1', 'd1', 'mobility', 'n1', "
+        "'n2', 'make_before_break', 'completed', '[]', 'succeeded', '', 80.0, 0, 40.0, 40.0)"
+    )
+    database.use_migrations(monkeypatch, scripts)
+    with database.open() as upgraded:
         (before,) = upgraded.list_migrations()
         assert (before.downtime_ms, before.span_gap_ms) == (80.0, None)
         after = upgraded.update_migration("m1", span_gap_ms=140.0)
         assert (after.downtime_ms, after.span_gap_ms) == (80.0, 140.0)
         assert upgraded.list_migrations() == [after]
-    assert inspect(tmp_path / DB_FILENAME, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+    assert database.schema_version() == LATEST
 
 
 def test_a_negative_span_gap_is_refused(populated: StateStore) -> None:
@@ -842,7 +946,9 @@ def test_only_the_newest_sessions_of_a_deployment_are_kept(populated: StateStore
         store.put_offload_report(report(40.0), keep=0)
 
 
-def test_deleting_a_deployment_drops_its_offload_reports(populated: StateStore) -> None:
+def test_deleting_a_deployment_drops_its_offload_reports(
+    populated: StateStore, database: Database
+) -> None:
     store = populated
     store.create_deployment(deployment())
     store.create_deployment(deployment("d2"))
@@ -851,7 +957,7 @@ def test_deleting_a_deployment_drops_its_offload_reports(populated: StateStore) 
     store.put_offload_report(report(12.0, "d2"), keep=8)
     store.delete_deployment("d1")
     assert store.list_offload_reports() == [report(12.0, "d2")]
-    assert inspect(store.path, "SELECT COUNT(*) FROM offload_reports") == [(1,)]
+    assert database.query("SELECT COUNT(*) FROM offload_reports") == [(1,)]
 
 
 @pytest.mark.parametrize(
@@ -859,9 +965,9 @@ def test_deleting_a_deployment_drops_its_offload_reports(populated: StateStore) 
     [
         (report(10.0, "d9"), "deployment 'd9' is unknown"),
         (dataclasses.replace(report(10.0), client_id="carol"), "client 'carol' is unknown"),
-        (report(10.0, fallbacks=-1), "CHECK constraint failed"),
-        (report(10.0, local_estimate_ms=-0.5), "CHECK constraint failed"),
-        (report(10.0, session=""), "CHECK constraint failed"),
+        (report(10.0, fallbacks=-1), CHECK_FAILED),
+        (report(10.0, local_estimate_ms=-0.5), CHECK_FAILED),
+        (report(10.0, session=""), CHECK_FAILED),
     ],
 )
 def test_an_offload_report_breaking_a_rule_is_refused(
@@ -874,35 +980,33 @@ def test_an_offload_report_breaking_a_rule_is_refused(
 
 
 def test_a_version_3_file_gains_offload_reports(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS[:3])
-    with StateStore(tmp_path) as old:
+    scripts = MIGRATIONS[database.backend]
+    database.use_migrations(monkeypatch, scripts[:3])
+    with database.open() as old:
         old.put_client("alice", KEY)
         old.put_model(model())
         old.upsert_node(node("n1"))
         old.upsert_node(node("n2", site="site-b"))
         old.create_deployment(deployment())
-    path = tmp_path / DB_FILENAME
     # Written as a version-3 broker did: with the span gap, without `prewarmed`.
-    with closing(sqlite3.connect(path)) as conn, conn:
-        conn.execute(
-            "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
-            "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
-            "failed_requests, created_at, updated_at, span_gap_ms) SELECT 'm1', 'd1', "
-            f"'mobility', 'n1', 'n2', 'make_before_break', '{MigrationState.PREPARING}', '[]', "
-            "'', ?, NULL, NULL, 40.0, 40.0, 140.0",
-            (migration().reason,),
-        )
-    assert inspect(path, "PRAGMA user_version") == [(3,)]
-    assert inspect(path, "SELECT name FROM sqlite_master WHERE name = 'offload_reports'") == []
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
-    with StateStore(tmp_path) as upgraded:
+    database.query(
+        "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
+        "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
+        "failed_requests, created_at, updated_at, span_gap_ms) SELECT 'm1', 'd1', "
+        f"'mobility', 'n1', 'n2', 'make_before_break', '{MigrationState.PREPARING}', '[]', "
+        f"'', '{migration().reason}', NULL, NULL, 40.0, 40.0, 140.0"
+    )
+    assert database.schema_version() == 3
+    assert "offload_reports" not in database.tables()
+    database.use_migrations(monkeypatch, scripts)
+    with database.open() as upgraded:
         assert upgraded.list_offload_reports() == []
         assert upgraded.list_migrations() == [migration(span_gap_ms=140.0)]
         assert upgraded.put_offload_report(report(50.0), keep=8)
         assert upgraded.list_offload_reports() == [report(50.0)]
-    assert inspect(path, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+    assert database.schema_version() == LATEST
 
 
 # -- standbys -----------------------------------------------------------------------------
@@ -944,34 +1048,33 @@ def test_a_standby_of_an_unknown_deployment_or_node_is_refused(populated: StateS
 
 
 def test_a_version_4_file_gains_standbys_and_its_migrations_read_not_prewarmed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS[:4])
-    with StateStore(tmp_path) as old:
+    scripts = MIGRATIONS[database.backend]
+    database.use_migrations(monkeypatch, scripts[:4])
+    with database.open() as old:
         old.put_client("alice", KEY)
         old.put_model(model())
         old.upsert_node(node("n1"))
         old.upsert_node(node("n2", site="site-b"))
         old.create_deployment(deployment())
-    path = tmp_path / DB_FILENAME
-    with closing(sqlite3.connect(path)) as conn, conn:
-        conn.execute(
-            "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
-            "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
-            "failed_requests, created_at, updated_at, span_gap_ms) VALUES ('m1', 'd1', "
-            "'mobility', 'n1', 'n2', 'make_before_break', 'completed', '[]', 'succeeded', '', "
-            "80.0, 0, 40.0, 40.0, 90.0)"
-        )
-    assert inspect(path, "SELECT name FROM sqlite_master WHERE name = 'standbys'") == []
-    monkeypatch.setattr(broker.state.store, "MIGRATIONS", MIGRATIONS)
-    with StateStore(tmp_path) as upgraded:
+    database.query(
+        "INSERT INTO migrations (migration_id, deployment_id, trigger, source_node, "
+        "target_node, strategy, state, timeline_json, outcome, reason, downtime_ms, "
+        "failed_requests, created_at, updated_at, span_gap_ms) VALUES ('m1', 'd1', "
+        "'mobility', 'n1', 'n2', 'make_before_break', 'completed', '[]', 'succeeded', '', "
+        "80.0, 0, 40.0, 40.0, 90.0)"
+    )
+    assert "standbys" not in database.tables()
+    database.use_migrations(monkeypatch, scripts)
+    with database.open() as upgraded:
         (before,) = upgraded.list_migrations()
         assert before.prewarmed is False
         upgraded.create_migration(migration("m2", prewarmed=True))
         assert [m.prewarmed for m in upgraded.list_migrations()] == [False, True]
         upgraded.put_standby(standby())
         assert upgraded.list_standbys() == [standby()]
-    assert inspect(path, "PRAGMA user_version") == [(len(MIGRATIONS),)]
+    assert database.schema_version() == LATEST
 
 
 # -- resizes ------------------------------------------------------------------------------
@@ -1017,7 +1120,7 @@ def test_only_the_most_recent_resizes_of_a_deployment_stay(populated: StateStore
 
 
 def test_resizes_of_unknown_deployments_are_skipped_and_deleting_drops_them(
-    populated: StateStore,
+    populated: StateStore, database: Database
 ) -> None:
     store = populated
     store.create_deployment(deployment())
@@ -1026,14 +1129,225 @@ def test_resizes_of_unknown_deployments_are_skipped_and_deleting_drops_them(
     ]
     store.delete_deployment("d1")
     assert store.list_resizes() == []
-    assert inspect(store.path, "SELECT COUNT(*) FROM resizes") == [(0,)]
+    assert database.query("SELECT COUNT(*) FROM resizes") == [(0,)]
 
 
 def test_a_resize_breaking_a_rule_writes_nothing(populated: StateStore) -> None:
     store = populated
     store.create_deployment(deployment())
-    with pytest.raises(ConstraintError, match="CHECK constraint failed"):
+    with pytest.raises(ConstraintError, match=CHECK_FAILED):
         store.put_resizes([resize("r-1", 1.0), resize("r-2", 2.0, cpus_after=-1.0)], keep=8)
     assert store.list_resizes() == []
     with pytest.raises(ValueError, match="keep must be at least 1"):
         store.put_resizes([resize("r-1", 1.0)], keep=0)
+
+
+# -- PostgreSQL only ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def pg(postgresql_url: str, tmp_path: Path) -> Database:
+    return Database("postgresql", postgresql_url, tmp_path)
+
+
+def test_postgresql_keeps_the_schema_version_in_a_table_of_one_row(pg: Database) -> None:
+    pg.open().close()
+    assert pg.query("SELECT version FROM schema_version") == [(LATEST,)]
+    # Text keys sort bytewise, as SQLite's do, whatever the database's locale.
+    collations = pg.query(
+        "SELECT DISTINCT collation_name FROM information_schema.columns "
+        "WHERE table_schema = current_schema() AND column_name = 'deployment_id'"
+    )
+    assert collations == [("C",)]
+
+
+def test_postgresql_a_newer_schema_is_refused_and_left_untouched(pg: Database) -> None:
+    pg.query("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    pg.query(f"INSERT INTO schema_version VALUES ({LATEST + 1})")
+    with pytest.raises(SchemaError, match=f"schema version {LATEST + 1}, newer than"):
+        pg.open()
+    assert pg.tables() == {"schema_version"}
+    assert pg.schema_version() == LATEST + 1
+
+
+def test_postgresql_openers_racing_on_an_empty_database_migrate_it_once(
+    pg: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="broker.state.store")
+    start = threading.Barrier(4)
+
+    def open_and_close(_: int) -> None:
+        start.wait()
+        pg.open().close()
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(open_and_close, range(4)))
+    # A script applied twice would have failed ("relation already exists"), and its opener
+    # raised SchemaError: each version was reached once, by one of them.
+    migrated = [r.getMessage() for r in caplog.records if "migrated to schema" in r.message]
+    assert len(migrated) == LATEST
+    assert pg.schema_version() == LATEST
+
+
+def test_postgresql_a_writer_waits_for_the_rows_another_is_changing(
+    pg: Database, postgresql_url: str
+) -> None:
+    with pg.open() as first, pg.open() as second:
+        first.put_client("alice", KEY)
+        first.put_model(model())
+        first.create_deployment(deployment())
+        with ThreadPoolExecutor(max_workers=1) as pool, first.transaction():
+            first.update_deployment("d1", epoch=1)
+            waiting = pool.submit(second.update_deployment, "d1", reason="moved")
+            wait_for_a_lock_wait(postgresql_url)
+            assert not waiting.done()
+        # The second read the row after the first committed: both changes stand.
+        assert waiting.result(timeout=30) == second.get_deployment("d1")
+        stored = first.get_deployment("d1")
+    assert stored is not None
+    assert (stored.epoch, stored.reason) == (1, "moved")
+
+
+def wait_for_a_lock_wait(url: str, deadline_s: float = 30.0) -> None:
+    """Return once some connection to the database waits for a lock another holds."""
+    deadline = time.monotonic() + deadline_s
+    with psycopg.connect(url, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            waiting = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()
+            if waiting is not None and waiting[0] > 0:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"no connection waited for a lock within {deadline_s} s")
+
+
+def test_postgresql_a_dropped_connection_fails_one_call_then_is_replaced(
+    pg: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pg.open() as store:
+        store.upsert_node(node("n1"))
+        pg.query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        with pytest.raises(StorageError, match="on database postgresql://"):
+            store.list_nodes()
+        assert store.list_nodes() == [node("n1")]
+    assert "the connection to database postgresql://" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("postgresql://broker:{secret}@127.0.0.1:1/offload", "cannot connect to the state"),
+        ("postgres://broker:{secret}@[::1/offload", "not a valid PostgreSQL URL"),
+        ("postgresql://broker@127.0.0.1:1/offload?password={secret}&sslmode=bogus",
+         "cannot connect to the state"),
+        ("mysql://broker:{secret}@db/offload", "neither a folder nor a PostgreSQL URL"),
+    ],
+    ids=["unreachable", "malformed", "bad-option", "other-scheme"],
+)  # fmt: skip
+def test_postgresql_a_bad_url_is_a_storage_error_without_its_password(
+    url: str, message: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "hunter2-not-for-logs"
+    with pytest.raises(StorageError, match=message) as refused:
+        open_store(url.format(secret=secret), tmp_path)
+    assert "***" in str(refused.value)
+    assert secret not in str(refused.value)
+    assert refused.value.__cause__ is None or secret not in str(refused.value.__cause__)
+    assert secret not in caplog.text
+    assert not list(tmp_path.iterdir())  # no SQLite file made for a URL
+
+
+def test_postgresql_an_unknown_database_is_named_without_the_password(
+    postgresql_server: PostgresServer, tmp_path: Path
+) -> None:
+    url = postgresql_server.url("nowhere").replace("postgres@", "postgres:hunter2-secret@")
+    with pytest.raises(StorageError, match='database "nowhere" does not exist') as refused:
+        open_store(url, tmp_path)
+    assert "postgresql://postgres:***@/nowhere" in str(refused.value)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_postgresql_the_store_shows_its_url_without_the_password(pg: Database) -> None:
+    url = pg.location.replace("postgres@", "postgres:hunter2-secret@")
+    with open_store(url, pg.state_dir) as store:
+        assert store.path is None
+        for shown in (store.location, repr(store), repr(store._backend)):
+            assert "postgres:***@" in shown
+            assert "hunter2" not in shown
+
+
+# -- leader leases ------------------------------------------------------------------------
+
+
+def test_a_lease_has_one_holder_and_each_new_holder_a_higher_term(database: Database) -> None:
+    with database.open() as first, database.open() as second:
+        lease = first.acquire_lease("leader", "broker-a", ttl_s=60)
+        assert lease is not None
+        assert (lease.holder, lease.term) == ("broker-a", 1)
+        assert second.acquire_lease("leader", "broker-b", ttl_s=60) is None
+        # Its holder taking it again extends it in the same term.
+        again = first.acquire_lease("leader", "broker-a", ttl_s=120)
+        assert again is not None
+        assert again.term == 1 and again.expires_at > lease.expires_at
+        renewed = first.renew_lease(again, ttl_s=60)
+        assert renewed is not None and renewed.term == 1
+
+        assert first.release_lease(renewed)
+        assert not first.release_lease(renewed)
+        taken = second.acquire_lease("leader", "broker-b", ttl_s=60)
+        assert taken is not None
+        assert (taken.holder, taken.term) == ("broker-b", 2)
+        assert first.renew_lease(renewed, ttl_s=60) is None
+        # Leases of other names are their own.
+        other = first.acquire_lease("rebalancer", "broker-a", ttl_s=60)
+        assert other is not None and other.term == 1
+
+
+def test_a_write_fenced_by_a_lost_lease_is_refused_whole(populated: StateStore) -> None:
+    store = populated
+    old = store.acquire_lease("leader", "broker-a", ttl_s=60)
+    assert old is not None
+    with store.transaction():
+        store.create_deployment(deployment("d1"))
+        store.check_lease("leader", old.term)
+    assert store.release_lease(old)
+    new = store.acquire_lease("leader", "broker-b", ttl_s=60)
+    assert new is not None
+    with (
+        pytest.raises(LeaseLost, match="no longer held at term 1 \\(now: term 2 of 'broker-b'\\)"),
+        store.transaction(),
+    ):
+        store.create_deployment(deployment("d2"))
+        store.check_lease("leader", old.term)
+    assert [d.deployment_id for d in store.list_deployments()] == ["d1"]
+    with pytest.raises(LeaseLost, match="now: none"), store.transaction():
+        store.check_lease("nobody-holds-this", 1)
+    with pytest.raises(RuntimeError, match="inside transaction"):
+        store.check_lease("leader", new.term)
+
+
+def test_an_expired_lease_goes_to_the_next_taker(database: Database) -> None:
+    with database.open() as first, database.open() as second:
+        lease = first.acquire_lease("leader", "broker-a", ttl_s=0.05)
+        assert lease is not None
+        deadline = time.monotonic() + 30
+        taken = None
+        while taken is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            taken = second.acquire_lease("leader", "broker-b", ttl_s=60)
+        assert taken is not None and taken.term == lease.term + 1
+        assert first.renew_lease(lease, ttl_s=60) is None
+        with pytest.raises(LeaseLost), first.transaction():
+            first.check_lease("leader", lease.term)
+
+
+@pytest.mark.parametrize("ttl_s", [0.0, -1.0, float("nan"), float("inf"), 86400.5])
+def test_a_lease_needs_a_finite_positive_ttl(store: StateStore, ttl_s: float) -> None:
+    with pytest.raises(ValueError, match="ttl must be over 0"):
+        store.acquire_lease("leader", "broker-a", ttl_s=ttl_s)
+    assert store.acquire_lease("leader", "broker-a", ttl_s=1) is not None
