@@ -65,6 +65,11 @@ class Busy(Impossible):
     the same call succeeds once that has finished)."""
 
 
+class StateUnavailable(BrokerError):
+    """The broker's state store failed (a PostgreSQL connection lost, a disk error): nothing
+    was changed by the call; retry. The detail goes to the broker's log, not to the caller."""
+
+
 class NodeUnavailable(BrokerError):
     pass
 

@@ -34,6 +34,7 @@ from broker.errors import (
     NotFound,
     ReplicaFailed,
     ResourceExhausted,
+    StateUnavailable,
     quote,
 )
 from broker.key_verifier import KeyVerifier
@@ -65,6 +66,7 @@ from broker.state import (
     ResizeRecord,
     StandbyRecord,
     StateStore,
+    StorageError,
 )
 from broker.telemetry import LoadHistory, NodeSample, Resize
 from common.certs import TlsIdentity
@@ -469,8 +471,15 @@ class Broker:
         return await self._db(self._store.list_deployments, states=VISIBLE)
 
     async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn` on the state thread. A StorageError (the store's transaction undone) is
+        StateUnavailable to the caller, its detail (which names the database) logged here."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._db_executor, lambda: fn(*args, **kwargs))
+        try:
+            return await loop.run_in_executor(self._db_executor, lambda: fn(*args, **kwargs))
+        except StorageError as err:
+            logger.warning("the state store failed: %s", err)
+            unavailable = "the broker cannot reach its state store; retry shortly"
+            raise StateUnavailable(unavailable) from err
 
     # --- start-up and shutdown -----------------------------------------------------------
 

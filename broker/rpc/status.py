@@ -28,6 +28,7 @@ from broker.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    StateUnavailable,
     Unauthenticated,
 )
 from runtime.rpc.status import MalformedRequests, error_mapper
@@ -42,6 +43,7 @@ STATUS_TABLE: Sequence[tuple[type[BrokerError], grpc.StatusCode]] = (
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Impossible, grpc.StatusCode.FAILED_PRECONDITION),
     (NodeUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (StateUnavailable, grpc.StatusCode.UNAVAILABLE),
 )
 """Each error's status, most specific first."""
 

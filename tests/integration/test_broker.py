@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import psycopg
 import pytest
 
 import modelzoo
@@ -437,3 +438,33 @@ def test_the_state_location_is_checked_before_the_broker_serves(tmp_path: Path) 
     assert unreachable.returncode == 1
     assert "127.0.0.1:1" in unreachable.stderr and "Traceback" not in unreachable.stderr
     assert not (tmp_path / "state" / "broker.sqlite3").exists()
+
+
+async def test_a_lost_database_connection_is_unavailable_then_reconnected(
+    tmp_path: Path, postgresql_url: str
+) -> None:
+    """PostgreSQL drops the broker's connection (a restart, a failover): the call that meets
+    it is UNAVAILABLE, saying nothing of the database; the next one reconnects and works."""
+    cluster = Cluster(tmp_path, state=postgresql_url)
+    try:
+        await cluster.start_broker()
+        async with cluster.edge("alice") as alice:
+            assert await alice.list() == []
+            database = postgresql_url.split("/")[-1].split("?")[0]
+            with psycopg.connect(postgresql_url, autocommit=True) as admin:
+                dropped = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (database,),
+                ).fetchone()
+            assert dropped is not None and dropped[0] >= 1
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await alice.list()
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert failed.value.details() == (
+                "the broker cannot reach its state store; retry shortly"
+            )
+            assert await alice.list() == []
+        await wait_for_log(cluster.broker_log, r"WARNING .* the state store failed: ")
+    finally:
+        await cluster.stop()
