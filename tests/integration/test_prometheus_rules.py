@@ -472,6 +472,10 @@ def test_the_example_config_passes_promtool_check(tmp_path: Path) -> None:
     # The token comes from a file, never inline.
     assert set(job["authorization"]) == {"type", "credentials_file"}
     assert "bearer_token" not in job
+    # The ops server is HTTPS with the cluster's certificate, verified with its CA (promtool
+    # does not open the file; Prometheus does at each scrape).
+    assert job["scheme"] == "https"
+    assert set(job["tls_config"]) == {"ca_file"}
     # OffloadBrokerDown watches this job.
     assert f'up{{job="{job["job_name"]}"}}' in RULES.read_text()
 
