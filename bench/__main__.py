@@ -26,6 +26,7 @@ from typing import Any
 import onnxruntime
 
 from bench import (
+    control_plane,
     gpu_allocation,
     migration,
     mobility,
@@ -51,6 +52,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "rebalance": rebalance.main,
     "offload": offload.main,
     "peers": peers.main,
+    "control_plane": control_plane.main,
 }
 
 

@@ -1,0 +1,693 @@
+"""The scale of one control plane, measured as Kubernetes measures its own (kubemark): hollow
+nodes (`node_daemon.hollow`: the real node daemon, agent, broker link and NodeAgent server,
+over a runtime that runs nothing) registering and heartbeating every second into one real
+broker process (`offload broker`, its real state), while clients deploy, migrate and delete.
+
+The cluster grows in steps (250, 500, 1,000, 2,000 hollow nodes; 100 and 250 with --quick)
+against the same broker, each node one of five real 8-GPU servers (the `nvidia-smi topo -m`
+captures `bench.placement` uses) at one of --sites edge sites. The hollow nodes live in
+--hollow-processes child processes (each node with its own gRPC server on a loopback port and
+its own connection to the broker). At each step, once every node has registered and
+--settle seconds passed, --clients clients (each with its own API key, as distinct users)
+run a closed loop for --window seconds: deploy (60 % of operations: 1 GPU at a random site,
+answered once the broker has placed it, the node has fetched the model and started the
+replica, and the deployment is recorded running), delete (30 %: their oldest deployment) and
+migrate (10 %: a random one of theirs, make-before-break; answered once the move is decided
+and recorded, the move itself runs on in the broker). Between steps nothing is cleaned: the
+deployments stay, as in a cluster that grows.
+
+Reported per step:
+- heartbeat round trip p50/p99/max (ms) as the hollow nodes see it (the broker exposes no
+  heartbeat metric), and heartbeats that failed;
+- nodes falsely marked lost: the broker's "lost" log lines during the step (every hollow node
+  heartbeats all along, so every one is false), and the nodes it shows lost (`/api/nodes`);
+- Deploy throughput with the state committed: deployments answered `running` per second,
+  end to end, with the Deploy latency p50/p99, and the deploys answered otherwise (pending,
+  refused) by reason; migrations and deletes answered per second;
+- the broker's CPU (cores, from /proc/<pid>/stat over the window), its RSS and peak RSS
+  (VmHWM), the hollow processes' CPU (they share this machine's CPUs with the broker) and
+  how late their event loops wake (lag p99: the part of a heartbeat's round trip that is the
+  hollow side's own), and the machine's load average (other work on it shows there);
+- hollow nodes stopped so far (all steps) by a refusal their broker link does not retry
+  (an `offload node` would exit), with the reasons; the broker marks them lost for real, so
+  they are not counted as falsely lost;
+- whether the step is saturated: heartbeat p99 over half the interval, a node marked lost,
+  a heartbeat failed, or Deploy throughput under 80 % of the best earlier step's.
+
+The table puts the anchors beside the figures: kube-scheduler about 300 pods/s, Godel about
+1,000 pods/s at 30k nodes, Nomad 3,750 containers/s (C1M). Target (issue 15): 2,000 hollow
+nodes with zero nodes falsely marked lost, and over 300 deploy decisions per second committed
+on SQLite. The figures are reported, not asserted; the exit status is 1 when a node was
+marked lost, a heartbeat failed, a hollow node stopped, a step did not register all its
+nodes, or nothing deployed.
+
+`--state VALUE` is passed to the broker as `--state VALUE` (its state's location: a
+postgresql:// URL); without it the broker keeps its default SQLite state in its state dir.
+
+    python -m bench.control_plane [--quick] [--steps N,N,...] [--window S] [--clients N]
+        [--hollow-processes N] [--sites N] [--state VALUE] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+
+import modelzoo
+from bench.placement import CAPTURES
+from bench.timing import percentiles
+from broker.state.api_keys import new_api_key
+from edge_client.client import OffloadClient
+from edge_client.demo.cluster import ClusterError, LocalCluster
+from node_daemon.hollow import FleetStatus, HollowFleet
+from node_daemon.inventory import Inventory, inventory_from_capture
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+from tests.data import TOPOLOGIES
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""The broker's default, which the issue asks for."""
+LOST_AFTER_S = 5.0
+"""The broker's default."""
+STEPS = (250, 500, 1000, 2000)
+QUICK_STEPS = (100, 250)
+OPERATIONS = {"deploy": 6, "delete": 3, "migrate": 1}
+"""Operation -> weight in the clients' mix."""
+ANCHORS = (
+    ("kube-scheduler", 300.0, "pods/s (Kubernetes scheduling throughput SLO tests)"),
+    ("Godel", 1000.0, "pods/s at 30k nodes (ByteDance, SoCC 2023)"),
+    ("Nomad C1M", 3750.0, "containers/s (HashiCorp's million-container challenge)"),
+)
+TARGET_RATE = 300.0
+"""Deploy decisions per second committed on SQLite (issue 15)."""
+SATURATION_DROP = 0.8
+"""A step whose Deploy throughput is under this share of the best earlier one's saturates."""
+MODEL = "mlp"
+LOST_LINE = re.compile(r"node=(\S+) lost: no heartbeat")
+CALL_TIMEOUT_S = 120.0
+LAG_PROBE_S = 0.1
+ANSWER_GRACE_S = 15.0
+"""How long past the window the clients wait for their calls still out."""
+
+
+def hollow_inventories() -> list[Inventory]:
+    """The five 8-GPU servers of `bench.placement`, from their captures. Blocking."""
+    return [
+        inventory_from_capture(next(TOPOLOGIES.glob(f"{n}_*.txt")), spec)
+        for n, spec in CAPTURES.items()
+    ]
+
+
+def cluster_yaml(sites: int) -> str:
+    """An edge network of `sites` sites along a road, 5 ms apart."""
+    names = [f"site-{i:02d}" for i in range(sites)]
+    links = "".join(
+        f"  - {{a: {a}, b: {b}, latency_ms: 5}}\n" for a, b in itertools.pairwise(names)
+    )
+    return f"sites: [{', '.join(names)}]\nlinks:\n" + (links or "  []\n")
+
+
+# --- the hollow processes ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """What a hollow process needs (pickled to it)."""
+
+    broker: str
+    join_token: str
+    root: Path
+    sites: tuple[str, ...]
+    prefix: str
+
+
+def fleet_process(config: FleetConfig, conn: multiprocessing.connection.Connection) -> None:
+    """A hollow process's main: a `HollowFleet` that answers the bench's commands on `conn`
+    (("grow", count), ("heartbeats", None), ("status", None), ("close", None)). Only errors
+    are logged (a node that stops): thousands of nodes' retry and slow-sample warnings would
+    bury the bench's output, and its figures count what they would say."""
+    logging.basicConfig(
+        level=logging.ERROR, format="%(processName)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(_serve_fleet(config, conn))
+
+
+async def _serve_fleet(config: FleetConfig, conn: multiprocessing.connection.Connection) -> None:
+    inventories = await asyncio.to_thread(hollow_inventories)
+    fleet = HollowFleet(
+        config.broker, config.join_token, config.root, config.sites, inventories, config.prefix
+    )
+    lags: list[float] = []
+    lagging = asyncio.create_task(_measure_lag(lags), name="loop-lag")
+    try:
+        while True:
+            command, argument = await asyncio.to_thread(conn.recv)
+            if command == "grow":
+                # Joining at 200 nodes a second, as a cluster's nodes join, not all at once.
+                spread = max(1.0, (argument - fleet.status().nodes) / 200)
+                try:
+                    conn.send(await fleet.grow(argument, spread_s=spread))
+                except (TimeoutError, OSError) as err:  # raised again in the bench
+                    conn.send(err)
+            elif command == "heartbeats":
+                conn.send((fleet.heartbeats.take(), lags[:]))
+                lags.clear()
+            elif command == "status":
+                conn.send(fleet.status())
+            else:
+                break
+    finally:
+        lagging.cancel()
+        await fleet.close()
+        conn.send(None)
+
+
+async def _measure_lag(lags: list[float]) -> None:
+    """How late the hollow process's event loop wakes from a `LAG_PROBE_S` sleep, in ms,
+    into `lags`: the part of the heartbeat round trips that is the hollow process's own."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        await asyncio.sleep(LAG_PROBE_S)
+        lags.append((loop.time() - asked - LAG_PROBE_S) * 1000)
+
+
+class FleetProcess:
+    """One hollow process, driven from the bench's event loop."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        context = multiprocessing.get_context("spawn")  # gRPC does not survive a fork
+        self._conn, child = context.Pipe()
+        self.process = context.Process(
+            target=fleet_process, args=(config, child), name=config.prefix, daemon=True
+        )
+        self.process.start()
+        child.close()
+
+    async def ask(self, command: str, argument: object = None) -> Any:
+        """Send a command and wait for its answer; an exception the process answered with
+        is raised here. ConnectionError when the process has died."""
+
+        def exchange() -> Any:
+            self._conn.send((command, argument))
+            if not self._conn.poll(CALL_TIMEOUT_S + 300):
+                raise ConnectionError(f"{self.process.name} did not answer {command}")
+            return self._conn.recv()
+
+        try:
+            answer = await asyncio.to_thread(exchange)
+        except (EOFError, BrokenPipeError) as err:
+            raise ConnectionError(f"{self.process.name} exited") from err
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(ConnectionError):
+                await self.ask("close")
+        await asyncio.to_thread(self.process.join, 30)
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join)
+
+
+# --- the broker process, from /proc --------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far. OSError when it is gone."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def memory_mib(pid: int) -> tuple[float, float]:
+    """(RSS, peak RSS) of a process in MiB. OSError when it is gone."""
+    found = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0]) / 1024
+    return found["VmRSS"], found["VmHWM"]
+
+
+# --- the clients -----------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What the clients did in one window."""
+
+    deploy_ms: list[float] = field(default_factory=list)
+    """Latency of the deploys answered running."""
+    outcomes: Counter[str] = field(default_factory=Counter)
+    """Operation outcome ("deploy running", "deploy pending", "migrate RESOURCE_EXHAUSTED"
+    ...) -> count."""
+    unanswered: Counter[str] = field(default_factory=Counter)
+    """Operation -> calls given up unanswered (`run_clients`)."""
+
+
+@dataclass
+class Client:
+    """One client (its own API key and model upload) and the deployments it has."""
+
+    stub: pb_grpc.EdgeBrokerStub
+    metadata: tuple[tuple[str, str], ...]
+    sha256: str
+    sites: Sequence[str]
+    rng: random.Random
+    live: list[str] = field(default_factory=list)
+    """Its deployments that run and no move holds, oldest first."""
+
+    async def step(self, tally: Tally) -> None:
+        """One operation of the mix (a deploy when there is nothing to delete or move)."""
+        operation = self.rng.choices(list(OPERATIONS), list(OPERATIONS.values()))[0]
+        if not self.live:
+            operation = "deploy"
+        outcome = "answered"
+        started = time.perf_counter()
+        try:
+            if operation == "deploy":
+                reply = await self.stub.Deploy(
+                    pb.DeployRequest(
+                        model_sha256=self.sha256,
+                        model_name=MODEL,
+                        gpus=1,
+                        priority=pb.PRIORITY_CLASS_STANDARD,
+                        site=self.rng.choice(self.sites),
+                    ),
+                    metadata=self.metadata,
+                    timeout=CALL_TIMEOUT_S,
+                )
+                outcome = reply.state
+                if reply.state == "running":
+                    tally.deploy_ms.append((time.perf_counter() - started) * 1000)
+                    self.live.append(reply.deployment_id)
+            elif operation == "delete":
+                await self.stub.DeleteDeployment(
+                    pb.DeleteDeploymentRequest(deployment_id=self.live.pop(0)),
+                    metadata=self.metadata,
+                    timeout=CALL_TIMEOUT_S,
+                )
+            else:
+                # Left out of `live` from now on: the move runs on after the answer.
+                moved = self.live.pop(self.rng.randrange(len(self.live)))
+                await self.stub.Migrate(
+                    pb.MigrateRequest(deployment_id=moved),
+                    metadata=self.metadata,
+                    timeout=CALL_TIMEOUT_S,
+                )
+        except grpc.aio.AioRpcError as err:
+            outcome = err.code().name
+        except asyncio.CancelledError:
+            tally.unanswered[operation] += 1
+            raise
+        tally.outcomes[f"{operation} {outcome}"] += 1
+
+
+async def run_clients(clients: Sequence[Client], window_s: float) -> Tally:
+    """Each client's closed loop for `window_s`, then up to `ANSWER_GRACE_S` more for the
+    calls still out; those still unanswered then are given up (the broker finishes what
+    it started regardless) and counted in `Tally.unanswered`."""
+    tally = Tally()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + window_s
+
+    async def closed_loop(client: Client) -> None:
+        while loop.time() < end:
+            await client.step(tally)
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(
+            asyncio.gather(*(closed_loop(c) for c in clients)), window_s + ANSWER_GRACE_S
+        )
+    return tally
+
+
+# --- one step ------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One step's figures (the JSON's `steps`) and whether it saturates."""
+
+    nodes: int
+    registered: int
+    figures: dict[str, Any] = field(default_factory=dict)
+    saturated: list[str] = field(default_factory=list)
+    """Why the step counts as saturated; empty: it does not."""
+
+
+async def lost_nodes(http: aiohttp.ClientSession, cluster: LocalCluster) -> list[str]:
+    """The nodes the broker shows lost now."""
+    async with http.get(f"{cluster.ops_url}api/nodes") as reply:
+        reply.raise_for_status()
+        return sorted(n["node_id"] for n in await reply.json() if n["state"] == "lost")
+
+
+async def run_step(
+    nodes: int,
+    args: argparse.Namespace,
+    cluster: LocalCluster,
+    fleets: Sequence[FleetProcess],
+    clients: Sequence[Client],
+    http: aiohttp.ClientSession,
+    best_rate: float,
+) -> Step:
+    broker_pid = cluster.processes["broker"].pid
+    log_offset = cluster.log("broker").stat().st_size
+    shares = [len(range(k, nodes, len(fleets))) for k in range(len(fleets))]
+    joining = time.monotonic()
+    grown = await asyncio.gather(
+        *(f.ask("grow", n) for f, n in zip(fleets, shares, strict=True)),
+        return_exceptions=True,
+    )
+    joined_s = time.monotonic() - joining
+    for answer in grown:
+        if isinstance(answer, BaseException) and not isinstance(answer, TimeoutError):
+            raise answer
+    late = [str(answer) for answer in grown if isinstance(answer, TimeoutError)]
+    await asyncio.sleep(args.settle)
+    await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
+    hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
+    broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
+    started = time.monotonic()
+    tally = await run_clients(clients, args.window)
+    took = time.monotonic() - started
+    broker_cores = (cpu_seconds(broker_pid) - broker_cpu) / took
+    hollow_cores = (sum(map(cpu_seconds, hollow_pids)) - hollow_cpu) / took
+    beats = await asyncio.gather(*(f.ask("heartbeats") for f in fleets))
+    statuses: list[FleetStatus] = await asyncio.gather(*(f.ask("status") for f in fleets))
+    round_trips = [ms for log, _ in beats for ms in log.round_trips_ms]
+    failed_beats = sum(log.failed for log, _ in beats)
+    lag = percentiles([ms for _, lags in beats for ms in lags] or [0.0])
+    rss, peak = memory_mib(broker_pid)
+    log = cluster.log("broker").read_bytes()[log_offset:].decode(errors="replace")
+    # A node whose link stopped (see `FleetStatus.stopped`) is lost for real.
+    stopped = {node: why for status in statuses for node, why in status.stopped}
+    marked_lost = sorted(set(LOST_LINE.findall(log)) - set(stopped))
+    lost_now = sorted(set(await lost_nodes(http, cluster)) - set(stopped))
+    heartbeat = percentiles(round_trips) if round_trips else {"p50": 0.0, "p99": 0.0, "n": 0}
+    deploy = percentiles(tally.deploy_ms) if tally.deploy_ms else {"p50": 0.0, "p99": 0.0}
+    committed = len(tally.deploy_ms)
+    rate = committed / took
+    count = tally.outcomes
+    step = Step(nodes, sum(s.registered for s in statuses))
+    step.figures = {
+        "nodes": nodes,
+        "registered": step.registered,
+        "join_s": round(joined_s, 1),
+        "window_s": round(took, 1),
+        "heartbeats": heartbeat["n"],
+        "heartbeat_p50_ms": round(heartbeat["p50"], 2),
+        "heartbeat_p99_ms": round(heartbeat["p99"], 2),
+        "heartbeat_max_ms": round(max(round_trips, default=0.0), 2),
+        "heartbeats_failed": failed_beats,
+        "heartbeats_per_s": round(heartbeat["n"] / took, 1),
+        "hollow_loop_lag_p50_ms": round(lag["p50"], 1),
+        "hollow_loop_lag_p99_ms": round(lag["p99"], 1),
+        "marked_lost": len(marked_lost),
+        "marked_lost_nodes": marked_lost[:20],
+        "lost_now": len(lost_now),
+        "deploys_committed": committed,
+        "deploys_per_s": round(rate, 1),
+        "deploy_p50_ms": round(deploy["p50"], 1),
+        "deploy_p99_ms": round(deploy["p99"], 1),
+        "migrations_per_s": round(count["migrate answered"] / took, 1),
+        "deletes_per_s": round(count["delete answered"] / took, 1),
+        "outcomes": dict(sorted(count.items())),
+        "unanswered": dict(sorted(tally.unanswered.items())),
+        "replicas_on_nodes": sum(s.replicas for s in statuses),
+        "broker_cpu_cores": round(broker_cores, 2),
+        "broker_rss_mib": round(rss, 1),
+        "broker_peak_rss_mib": round(peak, 1),
+        "hollow_cpu_cores": round(hollow_cores, 2),
+        "load_average_1m": round(os.getloadavg()[0], 1),
+        "stopped_nodes": len(stopped),
+        "stopped_reasons": dict(Counter(stopped.values()).most_common(5)),
+    }
+    if late:
+        step.saturated.append("; ".join(late))
+    if heartbeat["p99"] > HEARTBEAT_INTERVAL_S * 1000 / 2:
+        step.saturated.append(f"heartbeat p99 {heartbeat['p99']:.0f} ms > half the interval")
+    if marked_lost or lost_now:
+        step.saturated.append(f"{len(set(marked_lost) | set(lost_now))} node(s) marked lost")
+    if failed_beats:
+        step.saturated.append(f"{failed_beats} heartbeat(s) failed")
+    if stopped:
+        step.saturated.append(f"{len(stopped)} hollow node(s) stopped by a broker refusal")
+    if best_rate and rate < SATURATION_DROP * best_rate:
+        step.saturated.append(
+            f"Deploy throughput {rate:.0f}/s < {SATURATION_DROP:.0%} of {best_rate:.0f}/s"
+        )
+    step.figures["saturated"] = step.saturated
+    return step
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="bench-control-plane-"))
+    (root / "cluster.yaml").write_text(cluster_yaml(args.sites))
+    sites = tuple(f"site-{i:02d}" for i in range(args.sites))
+    keys = [new_api_key(f"client-{i:03d}") for i in range(args.clients)]
+    cluster = LocalCluster(
+        root,
+        runtime="process",
+        nodes=(),
+        cluster_file=root / "cluster.yaml",
+        broker_flags=(
+            "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S),
+            "--lost-after", str(LOST_AFTER_S),
+            "--max-deployments-per-client", "1000000",
+            # No client watches the moved deployments: their moves need not wait 5 s for
+            # an acknowledgement that never comes.
+            "--drain-timeout", "0.5",
+            *(("--state", args.state) if args.state else ()),
+        ),
+        client_id="bench",
+        more_api_keys=keys,
+    )  # fmt: skip
+    fleets: list[FleetProcess] = []
+    steps: list[Step] = []
+    try:
+        await cluster.start(lambda line: print(line, flush=True))
+        join_token = cluster.join_token_file.read_text().strip()
+        fleets = [
+            FleetProcess(
+                FleetConfig(cluster.broker_address, join_token, root / "hollow", sites, f"h{k}")
+            )
+            for k in range(args.hollow_processes)
+        ]
+        model = modelzoo.model_path(MODEL)
+        async with (
+            grpc.aio.insecure_channel(cluster.broker_address) as channel,
+            aiohttp.ClientSession(headers=cluster.ops_headers) as http,
+        ):
+            stub = pb_grpc.EdgeBrokerStub(channel)
+            clients = []
+            for index, key in enumerate(keys):
+                async with OffloadClient(cluster.broker_address, key) as uploader:
+                    sha = await uploader.upload_model(model)
+                clients.append(
+                    Client(
+                        stub,
+                        (("authorization", f"Bearer {key}"),),
+                        sha,
+                        sites,
+                        random.Random(args.seed + index),
+                    )
+                )
+            best = 0.0
+            for nodes in args.steps:
+                print(f"== {nodes} hollow nodes", flush=True)
+                step = await run_step(nodes, args, cluster, fleets, clients, http, best)
+                steps.append(step)
+                best = max(best, step.figures["deploys_per_s"])
+                _print_step(step)
+    finally:
+        for fleet in fleets:
+            await fleet.close()
+        await cluster.stop()
+        if args.keep:
+            print(f"logs and state kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return summarise(steps, args)
+
+
+def _print_step(step: Step) -> None:
+    f = step.figures
+    print(
+        f"   joined in {f['join_s']} s; heartbeats p50 {f['heartbeat_p50_ms']} ms, p99 "
+        f"{f['heartbeat_p99_ms']} ms ({f['heartbeats_per_s']}/s, {f['heartbeats_failed']} "
+        f"failed); marked lost {f['marked_lost']}; deploys {f['deploys_per_s']}/s committed "
+        f"(p50 {f['deploy_p50_ms']} ms); broker {f['broker_cpu_cores']} cores, "
+        f"{f['broker_rss_mib']} MiB; hollow loop lag p99 {f['hollow_loop_lag_p99_ms']} ms; "
+        f"load average {f['load_average_1m']}",
+        flush=True,
+    )
+    print(f"   outcomes: {f['outcomes']}; unanswered: {f['unanswered'] or 'none'}", flush=True)
+
+
+def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]:
+    header = (
+        f"{'nodes':>6} {'hb p50 ms':>9} {'hb p99 ms':>9} {'lost':>5} {'deploys/s':>9} "
+        f"{'dep p50 ms':>10} {'dep p99 ms':>10} {'migr/s':>6} {'del/s':>6} "
+        f"{'broker CPU':>10} {'RSS MiB':>8} {'peak MiB':>8} {'hollow CPU':>10} "
+        f"{'lag p99 ms':>10}"
+    )
+    print(f"\n{header}")
+    for step in steps:
+        f = step.figures
+        print(
+            f"{f['nodes']:>6} {f['heartbeat_p50_ms']:>9} {f['heartbeat_p99_ms']:>9} "
+            f"{f['marked_lost']:>5} {f['deploys_per_s']:>9} {f['deploy_p50_ms']:>10} "
+            f"{f['deploy_p99_ms']:>10} {f['migrations_per_s']:>6} {f['deletes_per_s']:>6} "
+            f"{f['broker_cpu_cores']:>10} {f['broker_rss_mib']:>8} "
+            f"{f['broker_peak_rss_mib']:>8} {f['hollow_cpu_cores']:>10} "
+            f"{f['hollow_loop_lag_p99_ms']:>10}"
+            + (f"  saturated: {'; '.join(step.saturated)}" if step.saturated else "")
+        )
+    for name, rate, what in ANCHORS:
+        print(f"{'':>6} {name:<19} {rate:>15.0f} {what}")
+    saturated = next((s.nodes for s in steps if s.saturated), None)
+    largest = steps[-1].figures if steps else {}
+    print(
+        f"\nSaturation: {f'at {saturated} nodes' if saturated else 'not within these steps'}"
+        f"; at {largest.get('nodes', 0)} nodes {largest.get('deploys_per_s', 0)} deploys/s "
+        f"committed (target over {TARGET_RATE:.0f}/s on SQLite), "
+        f"{sum(s.figures['marked_lost'] for s in steps)} node(s) marked lost"
+        f" (state: {args.state or 'SQLite'})"
+    )
+    return {
+        "state": args.state or "sqlite",
+        "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
+        "lost_after_s": LOST_AFTER_S,
+        "clients": args.clients,
+        "hollow_processes": args.hollow_processes,
+        "sites": args.sites,
+        "window_s": args.window,
+        "steps": [s.figures for s in steps],
+        "saturated_at_nodes": saturated,
+        "target_deploys_per_s": TARGET_RATE,
+        "anchors": [{"name": n, "per_s": r, "what": w} for n, r, w in ANCHORS],
+    }
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 250,500,1000") from None
+    if not steps or any(not 1 <= n <= 20_000 for n in steps) or list(steps) != sorted(steps):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: node counts must be 1..20000, in increasing order"
+        )
+    return steps
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.control_plane",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="steps 100,250, a 10 s window (about a minute)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=_steps,
+        help=f"hollow node counts, increasing (default {','.join(map(str, STEPS))})",
+    )
+    parser.add_argument(
+        "--window", type=float, default=30.0, help="seconds of client load per step (30)"
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="seconds between the last node registering and the window (5)",
+    )
+    parser.add_argument(
+        "--clients", type=int, default=16, help="concurrent clients, each its own API key (16)"
+    )
+    parser.add_argument(
+        "--hollow-processes",
+        type=int,
+        default=1,
+        help="processes the hollow nodes are split over (1)",
+    )
+    parser.add_argument("--sites", type=int, default=10, help="edge sites (10)")
+    parser.add_argument(
+        "--state",
+        default="",
+        metavar="VALUE",
+        help="passed to the broker as --state VALUE (where its state is: a postgresql:// URL); "
+        "default: none, the broker's SQLite state in its state dir",
+    )
+    parser.add_argument("--seed", type=int, default=15)
+    parser.add_argument("--keep", action="store_true", help="keep the logs and state")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.window = min(args.window, 10.0)
+        args.steps = args.steps or QUICK_STEPS
+    args.steps = args.steps or STEPS
+    if not (
+        0 < args.window <= 3600
+        and 0 <= args.settle <= 600
+        and 1 <= args.clients <= 256
+        and 1 <= args.hollow_processes <= 64
+        and 1 <= args.sites <= 100
+    ):
+        parser.error(
+            "--window 0..3600 s, --settle 0..600 s, --clients 1..256, --hollow-processes "
+            "1..64, --sites 1..100"
+        )
+    if args.state and not args.state.isprintable():
+        parser.error("--state must be printable text")
+    try:
+        result = asyncio.run(run(args))
+    except ClusterError as err:  # the broker did not start: its log's tail says why
+        print(f"python -m bench.control_plane: {err}", file=sys.stderr)
+        return 1
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    steps = result["steps"]
+    ok = bool(steps) and all(
+        s["registered"] == s["nodes"]
+        and s["marked_lost"] == 0
+        and s["lost_now"] == 0
+        and s["heartbeats_failed"] == 0
+        and s["stopped_nodes"] == 0
+        for s in steps
+    )
+    return 0 if ok and any(s["deploys_committed"] > 0 for s in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""`python -m bench.control_plane`, the control-plane scale benchmark, on a small cluster: a
+real broker process and hollow nodes in two hollow processes; every node registers and keeps
+heartbeating (none is marked lost), the clients' deploys are answered running and recorded
+by the broker, and the hollow nodes hold the replicas the broker placed on them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+NODE_STEPS = (12, 30)
+
+
+def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> None:
+    out = tmp_path / "control-plane.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.control_plane",
+         "--steps", ",".join(map(str, NODE_STEPS)), "--window", "4", "--settle", "2",
+         "--clients", "3", "--hollow-processes", "2", "--sites", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Saturation:" in done.stdout
+    assert "kube-scheduler" in done.stdout and "Nomad C1M" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["state"] == "sqlite"
+    assert [s["nodes"] for s in result["steps"]] == list(NODE_STEPS)
+    for step in result["steps"]:
+        assert step["registered"] == step["nodes"], step
+        assert step["marked_lost"] == 0 and step["lost_now"] == 0, step
+        assert step["heartbeats_failed"] == 0 and step["stopped_nodes"] == 0, step
+        # Every node heartbeats about once a second through the window (half of that is
+        # plenty on a loaded machine; a node that stopped would fall far below it).
+        assert step["heartbeats"] >= step["nodes"] * (step["window_s"] // 2), step
+        assert 0 < step["heartbeat_p50_ms"] <= step["heartbeat_p99_ms"], step
+        assert step["deploys_committed"] > 0, step
+        assert step["deploys_per_s"] > 0 and step["deploy_p50_ms"] > 0, step
+        assert step["outcomes"]["deploy running"] == step["deploys_committed"], step
+        assert step["broker_cpu_cores"] > 0, step
+        assert 0 < step["broker_rss_mib"] <= step["broker_peak_rss_mib"], step
+    last = result["steps"][-1]
+    # The replicas the hollow nodes hold are those of the deployments that run: each
+    # committed deploy put one there, each answered delete took one away (migrations may
+    # still hold a second replica for a moment: at most one more per migration).
+    committed = sum(s["deploys_committed"] for s in result["steps"])
+    deleted = sum(s["outcomes"].get("delete answered", 0) for s in result["steps"])
+    migrated = sum(s["outcomes"].get("migrate answered", 0) for s in result["steps"])
+    assert committed - deleted <= last["replicas_on_nodes"] <= committed - deleted + migrated
+    assert [a["name"] for a in result["anchors"]] == ["kube-scheduler", "Godel", "Nomad C1M"]
