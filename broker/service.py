@@ -113,6 +113,12 @@ RESIZES_REMEMBERED = 4096
 """(node, event) pairs the broker remembers as recorded, to skip the store for the ones a
 node repeats; one it forgot is recorded again harmlessly (the store ignores duplicates)."""
 
+RECONCILE_READ_GAP_S = 0.25
+"""Reconciliations share one read of the running deployments, started at most this often:
+each waits for the first read that starts after its heartbeat arrived, and that read serves
+every node that reported meanwhile. (A read per heartbeat costs nodes x deployments rows a
+second on the one state thread: at a few hundred nodes it starves every other decision.)"""
+
 OFFLOAD_SESSIONS_KEPT = 8
 """Offload summaries kept per deployment: those of the client's most recently reported
 sessions (a client that restarts begins a new session)."""
@@ -355,6 +361,30 @@ class NodeEntry:
     load: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Expected:
+    """The running and starting deployments as one read of the store found them, indexed
+    for reconciling nodes."""
+
+    running: Mapping[str, Mapping[str, DeploymentRecord]]
+    """node id -> replica id -> the running deployment whose replica it is."""
+    starting: frozenset[str]
+    """The replica ids of the deployments starting (on any node)."""
+
+    @classmethod
+    def of(cls, records: Sequence[DeploymentRecord]) -> _Expected:
+        running: dict[str, dict[str, DeploymentRecord]] = {}
+        for d in records:
+            if d.state is DeploymentState.RUNNING and d.node_id:
+                running.setdefault(d.node_id, {})[replica_id(d.deployment_id, d.epoch)] = d
+        starting = frozenset(
+            replica_id(d.deployment_id, d.epoch)
+            for d in records
+            if d.state is DeploymentState.STARTING
+        )
+        return cls(running, starting)
+
+
 @dataclass(slots=True)
 class _Watchers:
     queues: dict[str, set[asyncio.Queue[PlacementUpdate | None]]] = field(default_factory=dict)
@@ -442,6 +472,11 @@ class Broker:
         self._reconciling: dict[str, Sequence[tuple[str, ReplicaState]] | None] = {}
         """node id -> the replicas of its latest heartbeat not yet reconciled (None: none
         waiting) while a reconciliation of the node runs."""
+        self._next_read: asyncio.Task[_Expected] | None = None
+        """The read of the running deployments that reconciliations wait for, not started
+        yet (`_expected`)."""
+        self._last_read = 0.0
+        """When the latest such read started (monotonic)."""
         self._replacing: set[str] = set()
         self._busy: set[str] = set()
         """Deployments being migrated or deleted: no other move or eviction takes them, and
@@ -729,15 +764,8 @@ class Broker:
         # A heartbeat may have been taken before a switch it is processed after.
         settled_before = time.time() - 2 * self.settings.heartbeat_interval_s
         entry.replicas = frozenset(rid for rid, _ in replicas)
-        records = await self._db(
-            self._store.list_deployments,
-            states=(DeploymentState.RUNNING, DeploymentState.STARTING),
-        )
-        expected = {
-            replica_id(d.deployment_id, d.epoch): d
-            for d in records
-            if d.state is DeploymentState.RUNNING and d.node_id == node_id
-        }
+        found = await self._expected()
+        expected = found.running.get(node_id, {})
         self.load_history.attribute(node_id, {r: d.deployment_id for r, d in expected.items()})
         for replica, deployment in expected.items():
             if (
@@ -757,11 +785,7 @@ class Broker:
         # target before the switch, its source until it stops), however long that takes.
         claimed = {
             *expected,
-            *(
-                replica_id(d.deployment_id, d.epoch)
-                for d in records
-                if d.state is DeploymentState.STARTING
-            ),
+            *found.starting,
             *(replica_id(deployment, epoch) for deployment, epoch in self._holds),
             *(standby.replica for standby in self.standbys() if standby.node_id == node_id),
         }
@@ -789,6 +813,26 @@ class Broker:
                 del self._orphans[(node_id, replica)]
                 with contextlib.suppress(NodeUnavailable):
                     await entry.client.stop_replica(replica, self.settings.stop_grace_ms)
+
+    async def _expected(self) -> _Expected:
+        """The running and starting deployments, from a read of the store that starts after
+        this call: one read serves every call made before it starts (see
+        `RECONCILE_READ_GAP_S`)."""
+        if self._next_read is None:
+            self._next_read = self._own(self._read_expected(), "reconcile-read")
+            self._next_read.add_done_callback(_retrieve)
+        return await asyncio.shield(self._next_read)
+
+    async def _read_expected(self) -> _Expected:
+        await asyncio.sleep(max(0.0, self._last_read + RECONCILE_READ_GAP_S - time.monotonic()))
+        # Whoever asks from now on may have heard from its node after this read started.
+        self._next_read = None
+        self._last_read = time.monotonic()
+        records = await self._db(
+            self._store.list_deployments,
+            states=(DeploymentState.RUNNING, DeploymentState.STARTING),
+        )
+        return _Expected.of(records)
 
     async def mark_lost_nodes(self) -> list[str]:
         """Mark nodes silent past the timeout as lost; returns their ids. The decision is
