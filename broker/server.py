@@ -12,13 +12,21 @@ certificate for its node id, signed by the CA, as well as the join token (mutual
 Python cannot make a client certificate optional, and clients have none). The broker presents
 its own certificate to the nodes it calls. A plaintext port that other hosts can reach needs
 `--insecure`.
+
+Several brokers may share one PostgreSQL state: each takes the lease "broker" before it serves
+(`broker.leadership`); the others stand by on their ports, refusing every call with the
+leader's address, and take over within about `--lease-ttl` when the leader stops renewing.
+They need fixed ports, and `--advertise HOST` when they listen on a wildcard address.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import math
+import re
 import secrets
 import signal
 import ssl
@@ -30,10 +38,24 @@ from pathlib import Path
 
 import grpc
 
+from broker.leadership import (
+    DEFAULT_LEASE_TTL_S,
+    LEASE_NAME,
+    Holder,
+    Leadership,
+    Standby,
+    acquire,
+)
 from broker.migrations import Migrations
 from broker.model_store import ModelStore
 from broker.network import ClusterConfigError, EdgeNetwork
-from broker.ops import BrokerMetrics, OpsAuth, create_ops_app, start_ops_server
+from broker.ops import (
+    BrokerMetrics,
+    OpsAuth,
+    create_ops_app,
+    create_standby_app,
+    start_ops_server,
+)
 from broker.ops_view import BrokerOpsView
 from broker.quotas import Quotas
 from broker.rebalance import REBALANCE_SWEEP_S, Rebalancer
@@ -49,10 +71,12 @@ from broker.state import (
     parse_api_keys_file,
 )
 from broker.state.permissions import create_private_file
+from broker.state.postgres_backend import SCHEMES
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
 from migration.policy import Hysteresis, PrewarmSettings
 from migration.rebalance import RebalanceSettings
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+from runtime.errors import quote
 from runtime.tls import check_listener, listen, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -60,6 +84,11 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 OPS_TOKEN_FILENAME = "ops-token"
 DEFAULT_MAX_MODEL_BYTES = 2 * 1024**3
+MIN_LEASE_TTL_S = 0.5
+STANDBY_GRACE_S = 0.5
+"""How long refusals in flight may take to finish when a standby stops to lead."""
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+_ADVERTISED_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 PREWARM_SWEEP_S = 5.0
 """How often deployments without a standby are planned again (new ones, and those the
 budget turned away)."""
@@ -103,6 +132,22 @@ class BrokerConfig:
     tls_files: tuple[Path, Path] | None = None
     """The files of `tls.cert` and `tls.key`, for the ops server's HTTPS (Python's ssl module
     reads a certificate chain from files only)."""
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    """With a PostgreSQL state: how long the leader's lease lasts unrenewed (`--lease-ttl`)."""
+    advertise: str = ""
+    """The host other brokers' standbys name to clients and nodes (`--advertise`); "": the
+    host of `listen`."""
+
+    @property
+    def shared_state(self) -> bool:
+        """Whether the state is PostgreSQL, which several brokers share: one leads."""
+        return self.state.startswith(SCHEMES)
+
+    def holder(self) -> Holder:
+        """This process as the lease's holder: its id and advertised addresses."""
+        host = self.advertise or self.listen.rpartition(":")[0]
+        node_port = (self.node_listen or self.listen).rpartition(":")[2]
+        return Holder.new(f"{host}:{self.listen.rpartition(':')[2]}", f"{host}:{node_port}")
 
 
 @dataclass(slots=True)
@@ -129,11 +174,16 @@ class RunningBroker:
         self.store.close()
 
 
-async def start_broker(config: BrokerConfig) -> RunningBroker:
-    """Open the state, load the cluster file, listen on both ports."""
+async def start_broker(
+    config: BrokerConfig, leadership: Leadership | None = None
+) -> RunningBroker:
+    """Open the state, load the cluster file, listen on both ports. With `leadership`, every
+    write of the state is fenced by its lease (`StateStore.fence`)."""
     network = EdgeNetwork.from_yaml(config.cluster.read_text(), str(config.cluster))
     store = await asyncio.to_thread(open_store, config.state, config.state_dir)
     try:
+        if leadership is not None:
+            store.fence(LEASE_NAME, leadership.lease.term, leadership.on_fence_lost)
         changes = await asyncio.to_thread(store.replace_client_keys, config.api_keys)
         _log_key_changes(changes, "at start")
         models = ModelStore(config.state_dir / "models", config.max_model_bytes)
@@ -277,14 +327,107 @@ async def _every(interval_s: float, action: Callable[[], Awaitable[object]]) -> 
             logger.exception("%s failed", getattr(action, "__name__", action))
 
 
+async def _stand_by(
+    config: BrokerConfig, store: StateStore, stop: asyncio.Event
+) -> Leadership | None:
+    """Serve as a standby (refusals naming the leader) until this broker takes the lease;
+    its leadership, or None when `stop` came first."""
+    holder = config.holder()
+    standby = Standby()
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGHUP,
+        lambda: logger.info("SIGHUP: standing by; the API keys are read on taking over"),
+    )
+    tls = config.tls
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (standby.handler(node_port=False, also_nodes=not config.node_listen),)
+    )
+    listen(server, config.listen, server_credentials(tls) if tls else None)
+    node_server = None
+    if config.node_listen:
+        node_server = grpc.aio.server()
+        node_server.add_generic_rpc_handlers((standby.handler(node_port=True),))
+        listen(
+            node_server,
+            config.node_listen,
+            server_credentials(tls, require_client_cert=True) if tls else None,
+        )
+    host, _, ops_port = config.ops_listen.rpartition(":")
+    runner, _ = await start_ops_server(
+        create_standby_app(lambda: standby.leader.broker if standby.leader else ""),
+        host,
+        int(ops_port),
+        _ops_ssl_context(config.tls_files) if config.tls_files else None,
+    )
+    try:
+        for started in (server, node_server):
+            if started is not None:
+                await started.start()
+        logger.info(
+            "broker standing by on %s%s as %s (clients %s, nodes %s); lease ttl %g s",
+            config.listen,
+            f" and {config.node_listen}" if config.node_listen else "",
+            holder.id,
+            holder.broker,
+            holder.nodes,
+            config.lease_ttl_s,
+        )
+        taking = asyncio.create_task(
+            acquire(store, holder, config.lease_ttl_s, standby), name="broker-lease-acquire"
+        )
+        stopping = asyncio.create_task(stop.wait(), name="broker-stop")
+        done, _ = await asyncio.wait((taking, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if taking not in done:
+            taking.cancel()
+            await asyncio.gather(taking, stopping, return_exceptions=True)
+            return None
+        await asyncio.gather(stopping, return_exceptions=True)
+        lease, sent = taking.result()
+    finally:
+        for started in (node_server, server):
+            if started is not None:
+                await started.stop(STANDBY_GRACE_S)
+        await runner.cleanup()
+    return Leadership(store, lease, sent, config.lease_ttl_s)
+
+
 async def serve(config: BrokerConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    running = await start_broker(config)
+    if not config.shared_state:
+        return await _serve_leading(config, stop, None)
+    lease_store = await asyncio.to_thread(open_store, config.state, config.state_dir)
+    try:
+        leadership = await _stand_by(config, lease_store, stop)
+        if leadership is None:
+            return 0
+        # Renewing starts now: resuming migrations may take longer than the lease lasts.
+        keeper = asyncio.create_task(leadership.keep(), name="broker-lease")
+        try:
+            return await _serve_leading(config, stop, leadership)
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            await leadership.release()
+    finally:
+        await asyncio.to_thread(lease_store.close)
+
+
+async def _serve_leading(
+    config: BrokerConfig, stop: asyncio.Event, leadership: Leadership | None
+) -> int:
+    if leadership is not None and config.api_keys_file is not None:
+        # A standby may have waited long: the keys are those of the file now, as on SIGHUP.
+        text = await asyncio.to_thread(config.api_keys_file.read_text)
+        keys = parse_api_keys_file(text, str(config.api_keys_file))
+        config = dataclasses.replace(config, api_keys=keys)
+    running = await start_broker(config, leadership)
     broker = running.broker
-    loop.add_signal_handler(
+    asyncio.get_running_loop().add_signal_handler(
         signal.SIGHUP,
         lambda: broker.background(
             reload_api_keys(running, config.api_keys_file), "reload-api-keys"
@@ -356,6 +499,33 @@ def _check_state_location(location: str) -> None:
         )
 
 
+def _check_shared_state(args: argparse.Namespace, listeners: list[tuple[str, str]]) -> None:
+    """With a PostgreSQL state (several brokers may share it, one leads): fixed ports, a host
+    to advertise, a lease ttl within bounds."""
+    if not math.isfinite(args.lease_ttl) or not MIN_LEASE_TTL_S <= args.lease_ttl <= 60:
+        raise ValueError(f"--lease-ttl {args.lease_ttl!r} must be {MIN_LEASE_TTL_S:g} to 60 s")
+    if args.advertise and (
+        not _ADVERTISED_HOST.fullmatch(args.advertise) or args.advertise in _WILDCARD_HOSTS
+    ):
+        raise ValueError(
+            f"--advertise {quote(args.advertise)} must be a host name or address without a "
+            "port (an IPv6 address in brackets), not a wildcard"
+        )
+    if not args.state.startswith(SCHEMES):
+        return
+    for flag, value in listeners:
+        if flag != "--ops-listen" and value.rpartition(":")[2] == "0":
+            raise ValueError(
+                f"{flag} {value!r}: a broker sharing a PostgreSQL state needs a fixed port "
+                "(a standby names the leader's address to clients and nodes)"
+            )
+    if not args.advertise and args.listen.rpartition(":")[0] in _WILDCARD_HOSTS:
+        raise ValueError(
+            "--advertise HOST is needed with a PostgreSQL state and --listen on a wildcard "
+            "address: the address clients and nodes are sent to while this broker leads"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     """Validated configuration; ValueError or OSError saying which flag is wrong (CertError,
     a ValueError, for a certificate or key that cannot be used)."""
@@ -375,6 +545,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     for flag, value in listeners:
         check_listener(flag, value, tls is not None, args.insecure)
     _check_state_location(args.state)
+    _check_shared_state(args, listeners)
     keys: tuple[str, ...] = ()
     if args.api_keys_file is not None:
         keys = parse_api_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))
@@ -417,6 +588,8 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         node_listen=args.node_listen,
         tls=tls,
         tls_files=(args.tls_cert, args.tls_key) if tls is not None else None,
+        lease_ttl_s=args.lease_ttl,
+        advertise=args.advertise,
     )
 
 
@@ -465,6 +638,23 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="keep the state in PostgreSQL (12 or newer): postgresql://USER@HOST:PORT/DB "
         "(libpq parameters allowed, e.g. ?sslmode=verify-full); never a password here: libpq "
         "reads it from PGPASSFILE/~/.pgpass or PGPASSWORD (default: <state-dir>/broker.sqlite3)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=DEFAULT_LEASE_TTL_S,
+        metavar="SECONDS",
+        help="with a PostgreSQL --state, several brokers may share it: one leads, holding a "
+        "lease it renews every third of this; the others stand by and take over this long "
+        "after it stops renewing; a leader that cannot renew for this long exits "
+        f"(default {DEFAULT_LEASE_TTL_S:g})",
+    )
+    p.add_argument(
+        "--advertise",
+        default="",
+        metavar="HOST",
+        help="the host clients and nodes reach this broker at, which standbys send them to "
+        "while it leads (default: the host of --listen; needed when that is a wildcard)",
     )
     p.add_argument(
         "--cluster",

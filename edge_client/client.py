@@ -7,7 +7,11 @@ Paths:
   idempotent ones (upload, get, report location, ack, observation) are retried with backoff
   while the broker answers UNAVAILABLE (it restarts), for up to `broker_retry_s`. Deploy is
   not idempotent (a second one would place a second deployment): it waits for the broker to
-  be reachable within its deadline (`wait_for_ready`) and is never retried.
+  be reachable within its deadline and is sent again only when a standby refused it.
+- Several brokers (`broker="A,B"`, one PostgreSQL state, one leader): broker calls go to one
+  address until it answers UNAVAILABLE, then to the leader a standby named in its refusal
+  (`common.brokers`), else to the next address; a deploy passes over a broker it cannot
+  connect to within `BROKER_CONNECT_S`.
 - Inference goes straight to the replica (Open Inference Protocol, `authorization: Bearer
   <replica token>`); the broker is not on this path, so it keeps working while the broker is
   down. A call that fails with UNAVAILABLE, or CANCELLED by the other side (a replica racing
@@ -54,6 +58,12 @@ from typing import Any, Self, TypeVar
 import grpc
 import numpy as np
 
+from common.brokers import (
+    BrokerAddresses,
+    leader_hint,
+    parse_broker_addresses,
+    refused_by_standby,
+)
 from common.certs import CertError, TlsIdentity, load_ca
 from common.content import file_sha256
 from edge_client.adaptive import (
@@ -98,6 +108,8 @@ CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
+BROKER_CONNECT_S = 1.0
+"""With several brokers, how long a deploy waits to connect to one before trying the next."""
 FINAL_REPORT_S = 1.0
 """How long `close` waits for the broker to take the last offload report."""
 _CHANNEL_OPTIONS = (
@@ -249,7 +261,7 @@ class OffloadClient:
 
     def __init__(
         self,
-        broker: str,
+        broker: str | Sequence[str],
         api_key: str,
         *,
         call_timeout_s: float = 10.0,
@@ -265,13 +277,15 @@ class OffloadClient:
         offload_report_s: float = 10.0,
         tls_ca: Path | str | None = None,
     ) -> None:
-        """`broker` is host:port. Timeouts in seconds: `call_timeout_s` is the deadline of
-        each inference attempt and each quick broker call; `deploy_timeout_s` of an upload
-        or a deploy (which returns once the replica is ready); `broker_retry_s` how long an
-        idempotent broker call keeps retrying UNAVAILABLE; `switch_wait_s` how long a failed
-        inference waits for a newer endpoint before its retry; `watch_renew_s` the deadline of
-        the WatchDeployment stream, which is then reopened at once; `observation_window_s`
-        the window after a migration's update (`edge_client.observer`).
+        """`broker` is host:port, or several ("A,B" or a sequence) for brokers sharing one state:
+        broker calls go to one until it fails, then to the leader a standby named or the next one
+        (inference goes to the replica, never through a broker). Timeouts in seconds:
+        `call_timeout_s` is the deadline of each inference attempt and each quick broker call;
+        `deploy_timeout_s` of an upload or a deploy (which returns once the replica is ready);
+        `broker_retry_s` how long an idempotent broker call keeps retrying UNAVAILABLE;
+        `switch_wait_s` how long a failed inference waits for a newer endpoint before its retry;
+        `watch_renew_s` the deadline of the WatchDeployment stream, which is then reopened at once;
+        `observation_window_s` the window after a migration's update (`edge_client.observer`).
 
         Adaptive offload (`edge_client.adaptive`): `local_model` is an ONNX file the device
         runs itself (the deployment's model, or a smaller one with the same inputs and
@@ -286,9 +300,12 @@ class OffloadClient:
         channel is TLS with it, plaintext without (None). Blocking (reads the file).
 
         InvalidInput for an unknown policy, a policy that needs a local model without one,
-        a local model file that does not exist, or a `tls_ca` that is not a valid PEM
-        certificate."""
-        self.broker = broker
+        a local model file that does not exist, a `tls_ca` that is not a valid PEM
+        certificate, or a `broker` that is not host:port."""
+        try:
+            self._brokers = BrokerAddresses(parse_broker_addresses(broker, "broker"))
+        except ValueError as err:
+            raise InvalidInput(str(err)) from None
         self._tls: TlsIdentity | None = None
         if tls_ca is not None:
             try:
@@ -302,8 +319,9 @@ class OffloadClient:
         self._switch_wait_s = switch_wait_s
         self._watch_renew_s = watch_renew_s
         self._observer = GapObserver(window_s=observation_window_s)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.EdgeBrokerStub | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        """One per broker address called so far, kept open until `close`."""
+        self._connected = False
         self._closing = False
         self._deployment: Deployment | None = None
         self._replica: _Replica | None = None
@@ -338,9 +356,7 @@ class OffloadClient:
             self._local = await asyncio.to_thread(
                 LocalModel.load, self._local_path, self._local_threads
             )
-        if self._channel is None:
-            self._channel = open_channel(self.broker, self._tls, options=_CHANNEL_OPTIONS)
-            self._stub = pb_grpc.EdgeBrokerStub(self._channel)
+        self._connected = True
 
     async def close(self) -> None:
         """Stop following (cancels every background task) and close every channel; calls in
@@ -360,8 +376,8 @@ class OffloadClient:
         for replica in replicas:
             await replica.channel.close()
         self._retiring.clear()
-        if self._channel is not None:
-            await self._channel.close()
+        for channel in self._channels.values():
+            await channel.close()
 
     async def __aenter__(self) -> Self:
         await self.connect()
@@ -391,20 +407,45 @@ class OffloadClient:
 
     # --- broker calls ------------------------------------------------------------------
 
-    def _broker(self) -> pb_grpc.EdgeBrokerStub:
-        """The broker stub; NotConnected before connect() and after close()."""
-        if self._stub is None or self._closing:
-            raise NotConnected("the client is not connected: call connect() (or use async with)")
-        return self._stub
+    @property
+    def broker(self) -> str:
+        """The broker address called now."""
+        return self._brokers.current
 
-    async def _retrying(self, action: str, call: Callable[[], Awaitable[T]]) -> T:
-        """`call()` until it succeeds, retrying UNAVAILABLE with backoff for up to
-        `broker_retry_s`; every other status (and the last UNAVAILABLE) is raised mapped."""
+    def _channel(self) -> grpc.aio.Channel:
+        """The current broker's channel; NotConnected before connect() and after close()."""
+        if not self._connected or self._closing:
+            raise NotConnected("the client is not connected: call connect() (or use async with)")
+        address = self._brokers.current
+        if address not in self._channels:
+            self._channels[address] = open_channel(address, self._tls, options=_CHANNEL_OPTIONS)
+        return self._channels[address]
+
+    def _broker(self) -> pb_grpc.EdgeBrokerStub:
+        """The current broker's stub; NotConnected before connect() and after close()."""
+        return pb_grpc.EdgeBrokerStub(self._channel())
+
+    def _broker_failed(self, err: grpc.aio.AioRpcError | None) -> None:
+        """A broker call failed UNAVAILABLE (`err`; None: the broker could not be reached):
+        the next call goes to the leader it named, or to the next broker address."""
+        before = self._brokers.current
+        hint = leader_hint(err.trailing_metadata()) if err is not None else None
+        after = self._brokers.failed(hint)
+        if after != before:
+            logger.info("broker %s unavailable; calling broker %s", before, after)
+
+    async def _retrying(
+        self, action: str, call: Callable[[pb_grpc.EdgeBrokerStub], Awaitable[T]]
+    ) -> T:
+        """`call(stub)` until it succeeds, retrying UNAVAILABLE with backoff for up to
+        `broker_retry_s`, each retry on the broker `_broker_failed` picks (a standby's leader
+        at once, without backoff); every other status (and the last UNAVAILABLE) is raised
+        mapped."""
         give_up = time.monotonic() + self._broker_retry_s
         backoff = BACKOFF_MIN_S
         while True:
             try:
-                return await call()
+                return await call(self._broker())
             except grpc.aio.AioRpcError as err:
                 if (
                     err.code() != grpc.StatusCode.UNAVAILABLE
@@ -419,6 +460,9 @@ class OffloadClient:
                     action,
                     backoff,
                 )
+                self._broker_failed(err)
+                if leader_hint(err.trailing_metadata()) is not None:
+                    continue  # a standby named the leader: call it now
             await asyncio.sleep(backoff)
             backoff = min(BACKOFF_MAX_S, backoff * 2)
 
@@ -427,7 +471,7 @@ class OffloadClient:
         client computes. Idempotent: content the broker already has is not stored twice
         (logged as deduplicated). InvalidInput when the broker refuses the file (not ONNX);
         OSError when it cannot be read here."""
-        stub = self._broker()
+        self._broker()  # connected?
         sha = await asyncio.to_thread(file_sha256, path, CHUNK_BYTES)
 
         async def chunks() -> AsyncIterator[npb.ModelChunk]:
@@ -445,7 +489,7 @@ class OffloadClient:
 
         reply = await self._retrying(
             f"upload {path.name}",
-            lambda: stub.UploadModel(
+            lambda stub: stub.UploadModel(
                 chunks(), metadata=self._metadata, timeout=self._deploy_timeout_s
             ),
         )
@@ -483,7 +527,7 @@ class OffloadClient:
         unknown site or priority. `cpus_min`/`cpus_max`: the CPU floor and ceiling a node's
         resource manager keeps the replica within while it re-divides the node's CPU (0: half
         of `cpus`, and the node's cores)."""
-        stub = self._broker()
+        self._broker()  # connected?
         if priority not in _PRIORITIES:
             raise InvalidInput(
                 f"priority {priority!r} is unknown; use best-effort, standard or critical"
@@ -502,15 +546,7 @@ class OffloadClient:
             cpus_max=cpus_max,
             site=site,
         )
-        try:
-            reply = await stub.Deploy(
-                request,
-                metadata=self._metadata,
-                timeout=self._deploy_timeout_s,
-                wait_for_ready=True,
-            )
-        except grpc.aio.AioRpcError as err:
-            raise _mapped(err, f"deploy {model_name}") from err
+        reply = await self._deploy_once(request, f"deploy {model_name}")
         deployment = _deployment(reply)
         logger.info(
             "deployment=%s epoch=%d running at %s on node=%s",
@@ -523,13 +559,49 @@ class OffloadClient:
         await self._offload_to(deployment)
         return deployment
 
+    async def _deploy_once(self, request: pb.DeployRequest, action: str) -> pb.Deployment:
+        """Send `request` to the leading broker once: it goes only over a connected channel
+        (a broker that cannot be reached within `BROKER_CONNECT_S`, when there are several,
+        is passed over for the next), and is sent again only when a standby refused it (it
+        did nothing). Any other failure is raised mapped: the deploy may have been placed."""
+        give_up = time.monotonic() + self._deploy_timeout_s
+        several = len(self._brokers.all) > 1
+        while True:
+            left = give_up - time.monotonic()
+            channel = self._channel()
+            try:
+                await asyncio.wait_for(
+                    channel.channel_ready(), min(left, BROKER_CONNECT_S) if several else left
+                )
+            except TimeoutError:
+                if time.monotonic() >= give_up:
+                    raise DeadlineExceeded(
+                        f"{action}: no broker reachable within {self._deploy_timeout_s:g} s"
+                    ) from None
+                self._broker_failed(None)
+                continue
+            try:
+                return await pb_grpc.EdgeBrokerStub(channel).Deploy(
+                    request, metadata=self._metadata, timeout=max(0.0, left)
+                )
+            except grpc.aio.AioRpcError as err:
+                if not (
+                    err.code() == grpc.StatusCode.UNAVAILABLE
+                    and refused_by_standby(err.details())
+                    and time.monotonic() < give_up
+                ):
+                    raise _mapped(err, action) from err
+                hinted = leader_hint(err.trailing_metadata()) is not None
+                self._broker_failed(err)
+            if not hinted:
+                await asyncio.sleep(BACKOFF_MIN_S)
+
     async def attach(self, deployment_id: str) -> Deployment:
         """Follow an existing deployment of this client (as deploy does for a new one).
         NotFound when there is none (or it is another client's)."""
-        stub = self._broker()
         reply = await self._retrying(
             f"get deployment {deployment_id}",
-            lambda: stub.GetDeployment(
+            lambda stub: stub.GetDeployment(
                 pb.GetDeploymentRequest(deployment_id=deployment_id),
                 metadata=self._metadata,
                 timeout=self._call_timeout_s,
@@ -543,11 +615,11 @@ class OffloadClient:
     async def report_location(self, site: str) -> str | None:
         """Tell the broker where this client is now; the id of the migration it started, or
         None when it started none. InvalidInput for an unknown site."""
-        stub = self._broker()
+        self._broker()  # connected?
         reported_at = time.monotonic()
         reply = await self._retrying(
             f"report location {site}",
-            lambda: stub.ReportLocation(
+            lambda stub: stub.ReportLocation(
                 pb.ReportLocationRequest(site=site),
                 metadata=self._metadata,
                 timeout=self._call_timeout_s,
@@ -708,6 +780,8 @@ class OffloadClient:
                     err.details(),
                     backoff,
                 )
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._broker_failed(err)
                 broken = True
                 await asyncio.sleep(backoff)
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
@@ -802,11 +876,10 @@ class OffloadClient:
         """AckSwitch (the broker may drain the old replica now), then read the deployment
         again for the new node id. Failures are logged: without an ack the broker drains on
         its own timeout."""
-        stub = self._broker()
         try:
             await self._retrying(
                 f"acknowledge epoch {epoch}",
-                lambda: stub.AckSwitch(
+                lambda stub: stub.AckSwitch(
                     pb.AckSwitchRequest(deployment_id=deployment_id, epoch=epoch),
                     metadata=self._metadata,
                     timeout=self._call_timeout_s,
@@ -817,7 +890,7 @@ class OffloadClient:
         try:
             reply = await self._retrying(
                 f"get deployment {deployment_id}",
-                lambda: stub.GetDeployment(
+                lambda stub: stub.GetDeployment(
                     pb.GetDeploymentRequest(deployment_id=deployment_id),
                     metadata=self._metadata,
                     timeout=self._call_timeout_s,
@@ -853,7 +926,6 @@ class OffloadClient:
             observation.requests,
             observation.retried_requests,
         )
-        stub = self._broker()
         report = pb.ObservationReport(
             deployment_id=observation.deployment_id,
             migration_id=migration_id,
@@ -865,7 +937,7 @@ class OffloadClient:
         try:
             await self._retrying(
                 f"report the observation of migration {migration_id}",
-                lambda: stub.ReportObservation(
+                lambda stub: stub.ReportObservation(
                     report, metadata=self._metadata, timeout=self._call_timeout_s
                 ),
             )

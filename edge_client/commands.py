@@ -25,6 +25,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from common.brokers import BrokerAddresses, leader_hint, parse_broker_addresses
 from common.certs import CertError, TlsIdentity, load_ca
 from edge_client.client import tls_hint
 from protos.offload.v1 import broker_pb2 as pb
@@ -59,9 +60,15 @@ def _api_key(args: argparse.Namespace) -> str:
 
 
 def _broker(args: argparse.Namespace) -> str:
+    """`--broker` or $OFFLOAD_BROKER: one HOST:PORT or several, comma-separated (brokers
+    sharing one state; calls go to whichever leads). CommandError when absent or malformed."""
     address = args.broker or os.environ.get("OFFLOAD_BROKER")
     if not address:
         raise CommandError("give --broker HOST:PORT (or set OFFLOAD_BROKER)")
+    try:
+        parse_broker_addresses(address)
+    except ValueError as err:
+        raise CommandError(str(err)) from None
     return address
 
 
@@ -93,15 +100,26 @@ async def broker_call(
     deadline_s: float,
 ) -> Any:
     """One call to the broker (`--broker`, over TLS with `--tls-ca`) with `token` as bearer;
-    CommandError with the status, and what TLS has to do with it."""
+    CommandError with the status, and what TLS has to do with it. With several brokers, an
+    UNAVAILABLE one (a standby, or one down) is passed over for the leader it named or the
+    next one, each broker at most twice."""
     metadata = (("authorization", f"Bearer {token}"),)
-    async with open_channel(_broker(args), _tls(args)) as channel:
-        try:
-            return await getattr(stub_class(channel), method)(
-                request, metadata=metadata, timeout=deadline_s
-            )
-        except grpc.aio.AioRpcError as err:
-            raise CommandError(f"{err.code().name}: {err.details()}{tls_hint(err)}") from err
+    brokers = BrokerAddresses(parse_broker_addresses(_broker(args)))
+    tls = _tls(args)
+    attempts = 2 * len(brokers.all)
+    while True:
+        attempts -= 1
+        async with open_channel(brokers.current, tls) as channel:
+            try:
+                return await getattr(stub_class(channel), method)(
+                    request, metadata=metadata, timeout=deadline_s
+                )
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or tls_hint(err) or not attempts:
+                    raise CommandError(
+                        f"{err.code().name}: {err.details()}{tls_hint(err)}"
+                    ) from err
+                brokers.failed(leader_hint(err.trailing_metadata()))
 
 
 async def edge_call(args: argparse.Namespace, method: str, request: Any) -> Any:
@@ -283,7 +301,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         p = subparsers.add_parser(name, help=helptext)
         if name == "explain":
             p.add_argument("deployment", help="the deployment id")
-        p.add_argument("--broker", help="the broker's gRPC address HOST:PORT")
+        p.add_argument(
+            "--broker",
+            help="the broker's gRPC address HOST:PORT, or several, comma-separated "
+            "($OFFLOAD_BROKER)",
+        )
         p.add_argument("--api-key-file", help="file holding your API key")
         tls_flag(p)
         p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -294,7 +294,10 @@ def _listing(counts: Counter[str]) -> str:
 
 
 def _client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", help="the broker's gRPC address HOST:PORT ($OFFLOAD_BROKER)")
+    p.add_argument(
+        "--broker",
+        help="the broker's gRPC address HOST:PORT, or several, comma-separated ($OFFLOAD_BROKER)",
+    )
     p.add_argument("--api-key-file", help="file holding your API key ($OFFLOAD_API_KEY_FILE)")
     tls_flag(p)
 
@@ -347,7 +350,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("drain", help="move every deployment off a node (operator)")
     p.add_argument("node")
-    p.add_argument("--broker", help="the broker's gRPC address HOST:PORT ($OFFLOAD_BROKER)")
+    p.add_argument(
+        "--broker",
+        help="the broker's gRPC address HOST:PORT, or several, comma-separated ($OFFLOAD_BROKER)",
+    )
     p.add_argument("--join-token-file", help="the cluster's join token ($OFFLOAD_JOIN_TOKEN_FILE)")
     tls_flag(p)
     p.set_defaults(func=_run(_drain))

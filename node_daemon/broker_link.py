@@ -7,6 +7,11 @@ node registers again. Every call has a deadline; only UNAVAILABLE and DEADLINE_E
 retried, except a failed TLS handshake (the broker's certificate does not chain to the
 node's CA), which no retry mends: it stops the daemon. Over TLS the node presents its
 certificate (mutual TLS); the broker checks that it is for this node id.
+
+Several brokers (one PostgreSQL state, one leader): the node is given every address and
+calls one at a time; a call refused UNAVAILABLE moves it to the leader a standby named, or to
+the next address (`common.brokers.BrokerAddresses`), and the new leader has it register
+again when it does not know it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 import grpc
 
+from common.brokers import BrokerAddresses, leader_hint, parse_broker_addresses
 from common.certs import TlsIdentity
 from node_daemon.agent import NodeAgent
 from node_daemon.errors import ModelNotCached
@@ -32,31 +39,56 @@ logger = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 CALL_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 5.0
+HEARTBEAT_TIMEOUT_MIN_S = 2.0
 
 
 class BrokerLink:
     def __init__(
         self,
-        broker: str,
+        brokers: str | Sequence[str],
         join_token: str,
         agent: NodeAgent,
         agent_address: str,
         tls: TlsIdentity | None = None,
     ) -> None:
-        """`tls`: the node's certificate (presented) and the CA the broker's must chain to;
-        None: plaintext."""
-        self.broker = broker
+        """`brokers`: the NodeRegistry address of every broker, as a sequence or "A,B,..."
+        (ValueError when one is not host:port); `tls`: the node's certificate (presented) and
+        the CA the broker's must chain to; None: plaintext."""
+        self._brokers = BrokerAddresses(parse_broker_addresses(brokers))
         self._metadata = (("authorization", f"Bearer {join_token}"),)
         self._agent = agent
         self._agent_address = agent_address
+        self._tls_identity = tls
         self._tls = tls is not None
-        self._channel = open_channel(
-            broker, tls, options=[("grpc.max_receive_message_length", 8 * 1024 * 1024)]
-        )
+        self._channel = self._open(self._brokers.current)
         self._stub = bpb_grpc.NodeRegistryStub(self._channel)
         self.registered = asyncio.Event()
         self._usage: NodeSample | None = None
         """The latest sample (`_sample_usage`)."""
+
+    @property
+    def broker(self) -> str:
+        """The broker called now."""
+        return self._brokers.current
+
+    def _open(self, address: str) -> grpc.aio.Channel:
+        return open_channel(
+            address,
+            self._tls_identity,
+            options=[("grpc.max_receive_message_length", 8 * 1024 * 1024)],
+        )
+
+    async def _move_on(self, err: grpc.aio.AioRpcError) -> None:
+        """After a retryable failure: call the leader the broker named, or the next broker
+        (a new channel; with one broker, the same one)."""
+        before = self._brokers.current
+        after = self._brokers.failed(leader_hint(err.trailing_metadata()))
+        if after == before:
+            return
+        logger.info("broker %s: %s; calling broker %s", before, err.details(), after)
+        await self._channel.close()
+        self._channel = self._open(after)
+        self._stub = bpb_grpc.NodeRegistryStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -89,6 +121,7 @@ class BrokerLink:
                     backoff,
                     _closed_hint(err.details(), self._tls),
                 )
+                await self._move_on(err)
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
                 continue
@@ -149,7 +182,7 @@ class BrokerLink:
             )
             try:
                 await self._stub.Heartbeat(
-                    request, metadata=self._metadata, timeout=CALL_TIMEOUT_S
+                    request, metadata=self._metadata, timeout=_heartbeat_timeout(interval)
                 )
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
@@ -157,6 +190,7 @@ class BrokerLink:
                     interval = await self._register()
                 elif err.code() in RETRYABLE:
                     logger.warning("heartbeat to %s failed: %s", self.broker, err.code().name)
+                    await self._move_on(err)
                 else:
                     raise
 
@@ -188,6 +222,13 @@ class BrokerLink:
             upload.abort()
             raise
         logger.info("model %s fetched from broker %s", sha256[:12], self.broker)
+
+
+def _heartbeat_timeout(interval: float) -> float:
+    """A heartbeat's deadline: the broker answers one at once, so one that hangs (a broker
+    paused, a host gone without a reset) is given up soon and the next broker tried before
+    the one that leads counts this node lost."""
+    return min(CALL_TIMEOUT_S, max(HEARTBEAT_TIMEOUT_MIN_S, 2 * interval))
 
 
 def _closed_hint(details: str | None, tls: bool) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from common.brokers import parse_broker_addresses
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
 from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
@@ -74,7 +75,8 @@ class NodeSettings:
     agent_token: str = ""
     """When set, every NodeAgent call needs `authorization: Bearer <token>`."""
     broker: str = ""
-    """host:port of the broker's NodeRegistry to join; empty: a standalone node."""
+    """host:port of the broker's NodeRegistry to join, or several, comma-separated (brokers
+    sharing one state: the node follows the leader); empty: a standalone node."""
     join_token: str = ""
     image: str = ""
     max_model_bytes: int = DEFAULT_MAX_BYTES
@@ -312,7 +314,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--broker",
         default="",
-        help="host:port of the broker to join (its --node-listen port when it serves TLS)",
+        help="host:port of the broker to join (its --node-listen port when it serves TLS); "
+        "several, comma-separated, for brokers sharing one PostgreSQL state: the node "
+        "follows whichever leads",
     )
     add_tls_arguments(
         p,
@@ -373,6 +377,8 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     join_token = ""
     if bool(args.broker) != (args.join_token_file is not None):
         raise ValueError("--broker and --join-token-file go together")
+    if args.broker:
+        parse_broker_addresses(args.broker)
     if args.join_token_file is not None:
         join_token = _read_token(args.join_token_file, "--join-token-file")
     token = join_token

@@ -7,6 +7,10 @@ class adds what tests need: restarting and killing the broker, per-client API ke
 opt-in TLS mode (`Cluster(root, tls=True)`): a CA and certificates made in `<root>/tls`, the
 broker serving TLS with NodeRegistry on its own mutual-TLS port, nodes with certificates for
 their ids, and the tests' own calls over TLS.
+
+Several brokers on one PostgreSQL state: a second `Cluster` on the same root with its own
+`broker_name` (its own ports and log, the same state dir, so the same model store) runs the
+other broker; `peer_registries` gives the nodes every broker's address.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 import modelzoo
 from common.certs import TlsIdentity, issue, make_ca, write_new
 from common.content import file_sha256
+from edge_client.client import OffloadClient
 from edge_client.demo.cluster import (
     CLUSTER_FILE,
     DEMO_NODES,
@@ -34,6 +42,7 @@ from edge_client.demo.cluster import (
     spawn,
     wait_for_log,
 )
+from edge_client.errors import OffloadError
 from edge_client.rpc.tensors import infer_request
 from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import broker_pb2 as pb
@@ -64,6 +73,10 @@ class Cluster:
     """The broker's `--state`: "" for SQLite in its state dir, or a PostgreSQL URL."""
     node_port: int = field(default_factory=free_port)
     """The broker's NodeRegistry port of its own (`--node-listen`), with `tls` only."""
+    broker_name: str = "broker"
+    """Names the broker's log (`<root>/<broker_name>.log`); another for a second broker."""
+    peer_registries: tuple[str, ...] = ()
+    """Other brokers' NodeRegistry addresses, given to the nodes after this one's."""
 
     @property
     def broker_address(self) -> str:
@@ -119,12 +132,13 @@ class Cluster:
 
     @property
     def broker_log(self) -> Path:
-        return self.root / "broker.log"
+        return self.root / f"{self.broker_name}.log"
 
     def node_log(self, node_id: str) -> Path:
         return self.root / f"{node_id}.log"
 
-    async def start_broker(self, *extra: str) -> None:
+    async def start_broker(self, *extra: str, ready: str = r"broker listening on") -> None:
+        """Start the broker and wait for `ready` in its log (a standby logs "standing by")."""
         (self.root / "cluster.yaml").write_text(self.cluster_yaml)
         (self.root / "join-token").write_text(JOIN_TOKEN)
         if not self.api_keys:
@@ -148,7 +162,7 @@ class Cluster:
             ],
             self.broker_log,
         )  # fmt: skip
-        await wait_for_log(self.broker_log, r"broker listening on", after=offset)
+        await wait_for_log(self.broker_log, ready, after=offset, process=self.broker)
 
     async def start_node(self, plan: NodePlan, runtime: str = "process", *extra: str) -> None:
         log = self.node_log(plan.node_id)
@@ -159,7 +173,7 @@ class Cluster:
                 "--site", plan.site, "--node-id", plan.node_id, "--runtime", runtime,
                 "--topology-file", str(plan.capture), "--gpu-spec", plan.gpu_spec,
                 "--state-dir", str(self.root / f"{plan.node_id}-state"),
-                "--broker", self.registry_address,
+                "--broker", ",".join((self.registry_address, *self.peer_registries)),
                 "--join-token-file", str(self.root / "join-token"),
                 "--stop-replicas-on-exit", *self.tls_flags(plan.node_id), *plan.flags, *extra,
             ],
@@ -333,3 +347,47 @@ async def infer_once(deployment: pb.Deployment, model: str = "mlp") -> None:
             metadata=(("authorization", f"Bearer {deployment.token}"),),
             timeout=10,
         )
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    """Poll `condition` every 50 ms; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.05)
+
+
+class InferenceLoad:
+    """A steady stream of inferences, one at a time, recording what each call raised; with
+    `expected`, every answer is checked against those outputs (by name)."""
+
+    def __init__(
+        self,
+        client: OffloadClient,
+        inputs: dict[str, np.ndarray],
+        expected: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        self.client = client
+        self.inputs = inputs
+        self.expected = expected or {}
+        self.successes = 0
+        self.failures: list[str] = []
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="inference-load")
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                outputs = await self.client.infer(self.inputs)
+            except OffloadError as err:
+                self.failures.append(f"{type(err).__name__}: {err}")
+            else:
+                for name, array in self.expected.items():
+                    np.testing.assert_allclose(outputs[name], array, rtol=1e-5, atol=1e-6)
+                self.successes += 1
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task

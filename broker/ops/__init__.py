@@ -5,7 +5,7 @@ broker's read-only snapshot of nodes, deployments and migrations), a `BrokerMetr
 `OpsAuth` (the ops token: who may read it).
 """
 
-from broker.ops.app import create_ops_app, start_ops_server
+from broker.ops.app import create_ops_app, create_standby_app, start_ops_server
 from broker.ops.auth import OpsAuth
 from broker.ops.metrics import BrokerMetrics
 from broker.ops.view import (
@@ -45,5 +45,6 @@ __all__ = [
     "StandbyInfo",
     "TimelineEvent",
     "create_ops_app",
+    "create_standby_app",
     "start_ops_server",
 ]

@@ -2,7 +2,8 @@
 
 Routes, GET (HEAD too, as HTTP wants) unless said otherwise; any other method is 405:
 
-- `/healthz`: `ok`, text/plain. Always open.
+- `/healthz`: `ok`, text/plain. Always open. A standby broker serves `create_standby_app`
+  instead: 503 and `{"role": "standby", "leader": ...}` everywhere.
 - `/metrics`: Prometheus text format. The state gauges, the standby gauges and the clients'
   offload series are set from the view at each scrape.
   Open unless `OpsAuth.metrics_open` is off.
@@ -97,6 +98,28 @@ def create_ops_app(view: OpsView, metrics: BrokerMetrics, auth: OpsAuth) -> web.
     app.router.add_post("/login", _login)
     app.router.add_post("/logout", _logout)
     app.router.add_get("/static/{name}", _static_file)
+    return app
+
+
+def create_standby_app(leader: Callable[[], str]) -> web.Application:
+    """The ops server of a standby broker: `/healthz` answers 503 with
+    `{"role": "standby", "leader": host:port or ""}` (load balancers send nothing here,
+    operators see who leads); every other path 503 with the same, as an error."""
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"role": "standby", "leader": leader()},
+            status=503,
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        where = leader()
+        return _error(503, f"standby broker; the leader is at {where or 'not known yet'}")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_route("*", "/{tail:.*}", elsewhere)
     return app
 
 

@@ -171,6 +171,9 @@ class StateStore:
         self._clock = clock
         self._lock = threading.RLock()
         self._depth = 0  # transactions open on the connection: 0, or 1 + savepoints
+        self._fence: tuple[str, int] | None = None
+        """(lease name, term) every write transaction checks first (`fence`); None: none."""
+        self._on_lease_lost: Callable[[LeaseLost], None] | None = None
         try:
             self._open()
         except BaseException:
@@ -229,13 +232,31 @@ class StateStore:
 
     # -- transactions ---------------------------------------------------------------------
 
+    def fence(
+        self, name: str, term: int, on_lost: Callable[[LeaseLost], None] | None = None
+    ) -> None:
+        """Fence every later write with lease `name` at `term`: each `transaction()` checks
+        it first (`check_lease`), so nothing commits once another holder has taken the lease
+        (a leader paused past its expiry and resumed writes nothing). `on_lost` is called,
+        on the writer's thread, with the LeaseLost before it propagates. The lease calls
+        themselves are not fenced."""
+        with self._lock:
+            self._fence = (name, term)
+            self._on_lease_lost = on_lost
+
     @contextmanager
     def transaction(self) -> Iterator[None]:
         """Run the block's changes as one transaction: all of them are committed when it ends,
         none if it raises (the exception propagates). Nested blocks are savepoints: an inner
         block that raises undoes its own changes only. Every method below runs in one, so a
         caller groups several (a deployment and its event) by calling them inside one block.
-        Holds the store's lock until the end: keep the block short and free of awaits."""
+        Holds the store's lock until the end: keep the block short and free of awaits. Under
+        a `fence`, LeaseLost (nothing written) when the lease is no longer held."""
+        with self._transaction(fenced=True):
+            yield
+
+    @contextmanager
+    def _transaction(self, *, fenced: bool) -> Iterator[None]:
         undo: tuple[str, ...]
         with self._lock:
             if self._depth == 0:
@@ -248,6 +269,8 @@ class StateStore:
             self._backend.execute(begin)
             self._depth += 1
             try:
+                if fenced and self._depth == 1 and self._fence is not None:
+                    self._check_fence(*self._fence)
                 yield
                 self._backend.execute(commit)
             except BaseException:
@@ -255,6 +278,14 @@ class StateStore:
                 raise
             finally:
                 self._depth -= 1
+
+    def _check_fence(self, name: str, term: int) -> None:
+        try:
+            self.check_lease(name, term)
+        except LeaseLost as err:
+            if self._on_lease_lost is not None:
+                self._on_lease_lost(err)
+            raise
 
     def _undo(self, statements: tuple[str, ...]) -> None:
         if not self._backend.in_transaction():
@@ -846,7 +877,7 @@ class StateStore:
         unexpired. Taking it after another holder, an expiry or a release starts a new term,
         higher than every earlier one. ValueError unless 0 < `ttl_s` <= 1 day."""
         _check_ttl(ttl_s)
-        with self.transaction():
+        with self._transaction(fenced=False):
             self._execute(  # a lease never held: term 0, expired
                 "INSERT INTO leases (name, holder, term, expires_at) VALUES (?, '', 0, 0) "
                 "ON CONFLICT (name) DO NOTHING",
@@ -873,7 +904,7 @@ class StateStore:
         term); None if it was lost: the holder must stop acting as leader. ValueError as
         `acquire_lease`."""
         _check_ttl(ttl_s)
-        with self.transaction():
+        with self._transaction(fenced=False):
             now = self._database_time()
             changed = self._execute(
                 "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND term = ? "
@@ -885,7 +916,7 @@ class StateStore:
     def release_lease(self, lease: Lease) -> bool:
         """End `lease` now, so another holder need not wait for its expiry; whether it was
         still held. The term is kept: the next holder's is higher."""
-        with self.transaction():
+        with self._transaction(fenced=False):
             now = self._database_time()
             changed = self._execute(
                 "UPDATE leases SET expires_at = ? WHERE name = ? AND holder = ? AND term = ? "
@@ -893,6 +924,18 @@ class StateStore:
                 (now, lease.name, lease.holder, lease.term, now),
             )
         return changed == 1
+
+    def get_lease(self, name: str) -> Lease | None:
+        """Lease `name` as it stands: its holder, term and expiry; None when it is expired,
+        released or was never taken."""
+        rows = self._query(
+            f"SELECT holder, term, expires_at, {self._backend.clock} AS now FROM leases "
+            "WHERE name = ?",
+            (name,),
+        )
+        if not rows or rows[0]["expires_at"] <= rows[0]["now"]:
+            return None
+        return Lease(name, rows[0]["holder"], rows[0]["term"], rows[0]["expires_at"])
 
     def check_lease(self, name: str, term: int) -> None:
         """The fence of a leader's write: call it inside the write's `transaction()`, which

@@ -28,6 +28,7 @@ from tests.cluster_support import (
     JOIN_TOKEN,
     THREE_NODES,
     Cluster,
+    free_port,
     infer_once,
     wait_for_log,
 )
@@ -415,8 +416,9 @@ def test_the_state_location_is_checked_before_the_broker_serves(tmp_path: Path) 
     token.chmod(0o600)
 
     def broker(state: str) -> subprocess.CompletedProcess[str]:
+        # A fixed port: a broker sharing PostgreSQL must be reachable where it advertises.
         return _offload(
-            "broker", "--listen", "127.0.0.1:0", "--ops-listen", "127.0.0.1:0",
+            "broker", "--listen", f"127.0.0.1:{free_port()}", "--ops-listen", "127.0.0.1:0",
             "--state-dir", str(tmp_path / "state"), "--cluster", str(tmp_path / "cluster.yaml"),
             "--join-token-file", str(token), "--state", state,
         )  # fmt: skip

@@ -7,8 +7,7 @@ import json
 import logging
 import os
 import signal
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +21,11 @@ from edge_client.errors import (
     NotConnected,
     NotDeployed,
     NotFound,
-    OffloadError,
     Unauthenticated,
     Unavailable,
 )
 from protos.offload.v1 import broker_pb2 as pb
-from tests.cluster_support import THREE_NODES, Cluster, free_port
+from tests.cluster_support import THREE_NODES, Cluster, InferenceLoad, free_port, until
 
 
 @pytest.fixture
@@ -56,39 +54,6 @@ def _replica_pid(cluster: Cluster, deployment: Deployment) -> int:
     state = cluster.root / f"{deployment.node_id}-state" / "replicas"
     record = state / f"{deployment.deployment_id}-{deployment.epoch}" / "replica.json"
     return int(json.loads(record.read_text())["pid"])
-
-
-async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        await asyncio.sleep(0.05)
-
-
-class _Load:
-    """A steady stream of inferences, one at a time, recording what each call raised."""
-
-    def __init__(self, client: OffloadClient, inputs: dict[str, np.ndarray]) -> None:
-        self.client = client
-        self.inputs = inputs
-        self.successes = 0
-        self.failures: list[str] = []
-        self._stop = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="inference-load")
-
-    async def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.client.infer(self.inputs)
-                self.successes += 1
-            except OffloadError as err:
-                self.failures.append(f"{type(err).__name__}: {err}")
-            await asyncio.sleep(0.01)
-
-    async def stop(self) -> None:
-        self._stop.set()
-        await self._task
 
 
 async def test_upload_deploy_infer_gives_onnxruntime_outputs_and_errors_map(
@@ -134,14 +99,14 @@ async def test_inference_outlives_a_broker_restart_and_follows_a_replaced_replic
     inputs = modelzoo.sample_inputs(model)
     async with OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as client:
         first = await client.deploy(await client.upload_model(model), "mlp", site="site-a")
-        load = _Load(client, inputs)
+        load = InferenceLoad(client, inputs)
         try:
-            await _until(lambda: load.successes > 10, "inference before the kill")
+            await until(lambda: load.successes > 10, "inference before the kill")
             cluster.kill_broker()
             during = load.successes
-            await _until(lambda: load.successes > during + 20, "inference, broker down")
+            await until(lambda: load.successes > during + 20, "inference, broker down")
             await cluster.start_broker()
-            await _until(
+            await until(
                 lambda: "watch deployment=" in caplog.text and " reopened " in caplog.text,
                 "the watch stream reopened",
             )
@@ -150,13 +115,13 @@ async def test_inference_outlives_a_broker_restart_and_follows_a_replaced_replic
             # The reopened stream carries the next update: the replica dies, the broker
             # places it again at epoch 2, and the client moves there by itself.
             os.kill(_replica_pid(cluster, first), signal.SIGKILL)
-            await _until(
+            await until(
                 lambda: client.deployment is not None and client.deployment.epoch == 2,
                 "the switch to epoch 2",
             )
             after = load.successes
-            await _until(lambda: load.successes > after + 10, "inference on epoch 2")
-            await _until(
+            await until(lambda: load.successes > after + 10, "inference on epoch 2")
+            await until(
                 lambda: client.deployment is not None and client.deployment.node_id != "",
                 "the node of epoch 2",
             )
@@ -181,13 +146,13 @@ async def test_moving_the_client_migrates_with_no_failed_request_and_reports_the
     async with OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as client:
         first = await client.deploy(await client.upload_model(model), "resnet18", site="site-a")
         assert first.node_id == "node-a"
-        load = _Load(client, inputs)
+        load = InferenceLoad(client, inputs)
         try:
-            await _until(lambda: load.successes > 10, "inference before the move")
+            await until(lambda: load.successes > 10, "inference before the move")
             assert await client.report_location("site-a") is None  # already there
             migration_id = await client.report_location("site-b")
             assert migration_id is not None
-            await _until(lambda: len(client.stats().migrations) == 1, "the observation")
+            await until(lambda: len(client.stats().migrations) == 1, "the observation")
         finally:
             await load.stop()
         moved = client.deployment

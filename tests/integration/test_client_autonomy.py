@@ -19,8 +19,8 @@ import pytest
 import modelzoo
 from edge_client.adaptive import Reason, Target
 from edge_client.client import Deployment, OffloadClient
-from edge_client.errors import InvalidInput, NotDeployed, OffloadError
-from tests.cluster_support import THREE_NODES, Cluster
+from edge_client.errors import InvalidInput, NotDeployed
+from tests.cluster_support import THREE_NODES, Cluster, InferenceLoad
 
 
 @pytest.fixture
@@ -54,33 +54,10 @@ def _reference(model: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarr
     return dict(zip(names, session.run(names, inputs), strict=True))
 
 
-class _Load:
+def _load(client: OffloadClient, model: Path) -> InferenceLoad:
     """A steady request loop, one at a time; every answer is checked against ONNX Runtime."""
-
-    def __init__(self, client: OffloadClient, model: Path) -> None:
-        self.client = client
-        self.inputs = modelzoo.sample_inputs(model)
-        self.expected = _reference(model, self.inputs)
-        self.successes = 0
-        self.failures: list[str] = []
-        self._stop = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="inference-load")
-
-    async def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                outputs = await self.client.infer(self.inputs)
-            except OffloadError as err:
-                self.failures.append(f"{type(err).__name__}: {err}")
-            else:
-                for name, array in self.expected.items():
-                    np.testing.assert_allclose(outputs[name], array, rtol=1e-5, atol=1e-6)
-                self.successes += 1
-            await asyncio.sleep(0.01)
-
-    async def stop(self) -> None:
-        self._stop.set()
-        await self._task
+    inputs = modelzoo.sample_inputs(model)
+    return InferenceLoad(client, inputs, _reference(model, inputs))
 
 
 def _remote(client: OffloadClient) -> int:
@@ -104,7 +81,7 @@ async def test_killing_the_broker_then_the_replicas_node_fails_no_request(
     ) as client:
         first = await client.deploy(await client.upload_model(model), "mlp", site="site-a")
         assert first.node_id == "node-a"
-        load = _Load(client, model)
+        load = _load(client, model)
         try:
             await _until(lambda: _remote(client) > 10, "remote inference")
             # The broker dies: the replica keeps serving, nothing runs locally.

@@ -29,6 +29,8 @@ def settings(*argv: str) -> object:
         (["--listen", "127.0.0.1:0", "--site", "a", "--max-model-bytes", "0"], "positive"),
         (["--listen", "127.0.0.1:0", "--site", "a", "--topology-file", "x", "--gpu-spec", "A"],
          "expected NAME:MIB"),
+        (["--listen", "127.0.0.1:0", "--site", "a", "--broker", "b1:7000,b2",
+          "--join-token-file", "t"], "--broker: 'b2' is not host:port"),
     ],
 )  # fmt: skip
 def test_bad_flags_say_what_is_wrong(argv: list[str], message: str) -> None:

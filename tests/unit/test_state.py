@@ -1331,6 +1331,27 @@ def test_a_write_fenced_by_a_lost_lease_is_refused_whole(populated: StateStore) 
         store.check_lease("leader", new.term)
 
 
+def test_a_fenced_store_commits_nothing_once_its_lease_is_taken(
+    database: Database, clock: Clock
+) -> None:
+    with database.open(clock) as leader, database.open(clock) as other:
+        lease = leader.acquire_lease("broker", "broker-a", ttl_s=60)
+        assert lease is not None
+        lost: list[LeaseLost] = []
+        leader.fence("broker", lease.term, lost.append)
+        leader.put_model(model())  # held: writes commit
+        assert leader.renew_lease(lease, ttl_s=60) is not None  # lease calls are not fenced
+        assert leader.get_lease("broker") is not None
+        assert leader.release_lease(lease)
+        assert leader.get_lease("broker") is None
+        taken = other.acquire_lease("broker", "broker-b", ttl_s=60)
+        assert taken is not None and leader.get_lease("broker") == taken
+        with pytest.raises(LeaseLost, match="no longer held at term 1"):
+            leader.upsert_node(node("n1"))
+        assert len(lost) == 1 and "term 2 of 'broker-b'" in str(lost[0])
+        assert other.list_nodes() == [] and len(other.list_models()) == 1
+
+
 def test_an_expired_lease_goes_to_the_next_taker(database: Database) -> None:
     with database.open() as first, database.open() as second:
         lease = first.acquire_lease("leader", "broker-a", ttl_s=0.05)
