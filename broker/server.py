@@ -84,6 +84,9 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 OPS_TOKEN_FILENAME = "ops-token"
 DEFAULT_MAX_MODEL_BYTES = 2 * 1024**3
+MAX_PENDING_CALLS = 50_000
+"""Calls gRPC core holds for the event loop to pick up before it refuses more (its default
+is 1,000, which a cluster of more nodes than that reaches whenever the loop stalls)."""
 MIN_LEASE_TTL_S = 0.5
 STANDBY_GRACE_S = 0.5
 """How long refusals in flight may take to finish when a standby stops to lead."""
@@ -272,6 +275,11 @@ def _grpc_server() -> grpc.aio.Server:
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # gRPC core cancels calls at random once more than 1,000 wait for the event loop
+            # to pick them up (all of them past 3,000): with thousands of nodes, a stall of
+            # the loop would cancel heartbeats, and nodes would be lost.
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ],
     )
 

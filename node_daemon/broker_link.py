@@ -36,7 +36,13 @@ from runtime.tls import is_handshake_failure, open_channel
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    # What an overloaded broker's gRPC core answers a call it sheds before the broker sees
+    # it (more calls waiting for its event loop than `grpc.server.max_pending_requests`).
+    grpc.StatusCode.CANCELLED,
+)
 CALL_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 5.0
 HEARTBEAT_TIMEOUT_MIN_S = 2.0
