@@ -56,10 +56,20 @@ class BrokerLink:
         agent: NodeAgent,
         agent_address: str,
         tls: TlsIdentity | None = None,
+        *,
+        channel_options: Sequence[tuple[str, object]] = (),
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
         """`brokers`: the NodeRegistry address of every broker, as a sequence or "A,B,..."
         (ValueError when one is not host:port); `tls`: the node's certificate (presented) and
-        the CA the broker's must chain to; None: plaintext."""
+        the CA the broker's must chain to; None: plaintext. `channel_options` and
+        `interceptors` go to every channel the link opens (hollow nodes: a connection of
+        their own, timed)."""
+        self._channel_options = [
+            ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+            *channel_options,
+        ]
+        self._interceptors = interceptors
         self._brokers = BrokerAddresses(parse_broker_addresses(brokers))
         self._metadata = (("authorization", f"Bearer {join_token}"),)
         self._agent = agent
@@ -78,11 +88,7 @@ class BrokerLink:
         return self._brokers.current
 
     def _open(self, address: str) -> grpc.aio.Channel:
-        return open_channel(
-            address,
-            self._tls_identity,
-            options=[("grpc.max_receive_message_length", 8 * 1024 * 1024)],
-        )
+        return open_channel(address, self._tls_identity, self._channel_options, self._interceptors)
 
     async def _move_on(self, err: grpc.aio.AioRpcError) -> None:
         """After a retryable failure: call the leader the broker named, or the next broker

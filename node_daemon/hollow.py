@@ -44,7 +44,6 @@ from node_daemon.resources import ResourceManager
 from node_daemon.rpc.servicer import NodeAgentServicer
 from node_daemon.runtimes.null_runtime import NullRuntime
 from node_daemon.server import MAX_MESSAGE_BYTES
-from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
 from protos.offload.v1 import node_pb2_grpc as npb_grpc
 from runtime.rpc.auth import TokenAuthInterceptor
 from runtime.rpc.status import MalformedRequests
@@ -212,19 +211,19 @@ class HollowFleet:
         except RuntimeError as err:
             raise OSError(f"hollow node {node_id} cannot listen on {self.host}: {err}") from err
         await server.start()
-        link = BrokerLink(self.broker, self._join_token, agent, f"{self.host}:{port}")
-        # The link's own channel shares one connection with every other node's and cannot
-        # be timed: it is swapped for a channel of the node's own, with the timer.
-        await link._channel.close()
-        link._channel = grpc.aio.insecure_channel(
+        # A connection of the node's own (not one shared by every node of this process),
+        # its heartbeats timed.
+        link = BrokerLink(
             self.broker,
-            options=[
+            self._join_token,
+            agent,
+            f"{self.host}:{port}",
+            channel_options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.use_local_subchannel_pool", 1),
             ],
             interceptors=[HeartbeatTimer(self.heartbeats)],
         )
-        link._stub = bpb_grpc.NodeRegistryStub(link._channel)
         agent.fetch_model = link.fetch_model
         return _HollowNode(agent, runtime, server, link)
 

@@ -39,19 +39,26 @@ def server_credentials(
 
 
 def open_channel(
-    target: str, tls: TlsIdentity | None, options: Sequence[tuple[str, object]] = ()
+    target: str,
+    tls: TlsIdentity | None,
+    options: Sequence[tuple[str, object]] = (),
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
     """A channel to `target`: TLS when `tls` is given (the server's certificate must chain
     to `tls.ca`; `tls.cert` and `tls.key`, when not empty, are presented for mutual TLS),
     plaintext otherwise."""
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=list(options))
+        return grpc.aio.insecure_channel(
+            target, options=list(options), interceptors=list(interceptors)
+        )
     credentials = grpc.ssl_channel_credentials(
         root_certificates=tls.ca,
         private_key=tls.key or None,
         certificate_chain=tls.cert or None,
     )
-    return grpc.aio.secure_channel(target, credentials, options=list(options))
+    return grpc.aio.secure_channel(
+        target, credentials, options=list(options), interceptors=list(interceptors)
+    )
 
 
 def listen(
