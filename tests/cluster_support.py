@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -189,7 +190,8 @@ class Cluster:
         self.broker.wait()
 
     async def stop(self) -> None:
-        """SIGTERM every process; nodes stop their replicas on the way out."""
+        """SIGTERM every process; nodes stop their replicas on the way out. Replicas a node
+        could not stop (a test killed the node: they outlive it, by design) are killed."""
         for process in (*self.nodes.values(), self.broker):
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -201,6 +203,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        _kill_leftover_replicas(self.root)
 
     def metadata(self, client: str) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.api_keys[client]}"),)
@@ -261,6 +264,17 @@ async def node_replicas(cluster: Cluster) -> dict[str, list[str]]:
             )
         out[node_id] = sorted(r.replica_id for r in listed.replicas)
     return out
+
+
+def _kill_leftover_replicas(root: Path) -> None:
+    """SIGKILL every process replica still alive of the nodes under `root` (their state dirs'
+    `replica.json`)."""
+    for record in root.glob("*-state/replicas/*/replica.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pid = int(json.loads(record.read_text())["pid"])
+            # Only a replica of this cluster's: the pid may have been reused since.
+            if str(record.parent.parent.parent) in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
 
 
 def replica_processes(cluster: Cluster) -> dict[str, list[str]]:
