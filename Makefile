@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test lint bench bench-full chaos protos image image-cuda docker-engine clean help
+.PHONY: venv demo test test-postgresql lint bench bench-full chaos protos image image-cuda docker-engine clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -25,6 +25,9 @@ demo: $(STAMP)  ## a whole edge cloud on this machine, a client moving (ARGS="--
 
 test: $(STAMP)  ## run every test (Docker tests skip without an engine, fail under CI=true)
 	$(PY) -m pytest
+
+test-postgresql: $(STAMP)  ## the tests that start clusters, their brokers' state on PostgreSQL
+	OFFLOAD_TEST_STATE=postgresql $(PY) -m pytest tests/integration tests/e2e
 
 lint: $(STAMP)  ## ruff check, ruff format --check, mypy
 	$(VENV)/bin/ruff check .

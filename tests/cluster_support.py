@@ -52,6 +52,10 @@ from protos.offload.v1 import node_pb2 as npb
 from protos.offload.v1 import node_pb2_grpc as npb_grpc
 from runtime.tls import open_channel
 
+DEFAULT_STATE = ""
+"""The `state` of a Cluster that does not name one: SQLite, unless the tests run with
+OFFLOAD_TEST_STATE=postgresql (`make test-postgresql`), when `tests/conftest.py` sets it to
+a fresh PostgreSQL database for each test."""
 JOIN_TOKEN = "join-token-for-tests-0123456789"
 CLUSTER_YAML = CLUSTER_FILE.read_text()
 THREE_NODES = DEMO_NODES
@@ -70,8 +74,9 @@ class Cluster:
     api_keys: dict[str, str] = field(default_factory=dict)
     tls: bool = False
     """TLS on every channel the cluster serves (default: plaintext, on loopback)."""
-    state: str = ""
-    """The broker's `--state`: "" for SQLite in its state dir, or a PostgreSQL URL."""
+    state: str = field(default_factory=lambda: DEFAULT_STATE)
+    """The broker's `--state`: "" for SQLite in its state dir, or a PostgreSQL URL. Default:
+    `DEFAULT_STATE`."""
     node_port: int = field(default_factory=free_port)
     """The broker's NodeRegistry port of its own (`--node-listen`), with `tls` only."""
     broker_name: str = "broker"

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from node_daemon.runtimes.base import LABEL_PREFIX, RuntimeUnavailable
 from node_daemon.runtimes.docker_runtime import connect_docker
+from tests import cluster_support
 from tests.pg_support import broker_state, postgresql_server, postgresql_url  # noqa: F401
 
 # Every container we start carries offload.replica (and offload.node where a node runs it).
@@ -38,6 +39,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(config.stash[_RUN_TEMP], ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _clusters_on_postgresql(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With OFFLOAD_TEST_STATE=postgresql (`make test-postgresql`), every test cluster whose
+    test does not choose a backend keeps its broker's state in a fresh PostgreSQL database."""
+    backend = os.environ.get("OFFLOAD_TEST_STATE", "sqlite")
+    if backend not in ("sqlite", "postgresql"):
+        pytest.fail(f"OFFLOAD_TEST_STATE={backend[:20]!r}: use sqlite or postgresql")
+    if backend == "postgresql":
+        monkeypatch.setattr(
+            cluster_support, "DEFAULT_STATE", str(request.getfixturevalue("postgresql_url"))
+        )
 
 
 @pytest.fixture(autouse=True)
