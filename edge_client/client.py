@@ -64,7 +64,6 @@ from common.brokers import (
     parse_broker_addresses,
     refused_by_standby,
 )
-from common.certs import CertError, TlsIdentity, load_ca
 from common.content import file_sha256
 from edge_client.adaptive import (
     AdaptiveSettings,
@@ -98,6 +97,7 @@ from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
 from runtime.model import TensorSpec
+from runtime.pem import TlsIdentity
 from runtime.tls import is_handshake_failure, open_channel
 
 logger = logging.getLogger(__name__)
@@ -308,6 +308,10 @@ class OffloadClient:
             raise InvalidInput(str(err)) from None
         self._tls: TlsIdentity | None = None
         if tls_ca is not None:
+            # Here, not at the top: checking a CA file needs `cryptography`, which a device
+            # without TLS (the runtime image as bench.offload's device) need not have.
+            from common.certs import CertError, load_ca
+
             try:
                 self._tls = TlsIdentity(ca=load_ca(Path(tls_ca), "tls_ca"))
             except CertError as err:

@@ -113,6 +113,23 @@ def test_runtime_dependencies_import(docker_client: docker.DockerClient, cpu_ima
     assert "CPUExecutionProvider" in json.loads(output.splitlines()[-1])
 
 
+def test_the_client_library_runs_on_the_runtime_image(
+    docker_client: docker.DockerClient, cpu_image: str
+) -> None:
+    """bench.offload's emulated device is the runtime image with this repository mounted: the
+    client library (without TLS) must import with the image's packages alone."""
+    output = docker_client.containers.run(
+        cpu_image,
+        ["-c", "import bench.offload_device, edge_client.client; print('imported')"],
+        entrypoint="/opt/venv/bin/python",
+        environment={"PYTHONPATH": "/src"},
+        volumes={str(build.REPO_ROOT): {"bind": "/src", "mode": "ro"}},
+        working_dir="/src",
+        remove=True,
+    )
+    assert output.decode().splitlines()[-1] == "imported"
+
+
 def test_image_holds_sources_but_no_wheels(
     docker_client: docker.DockerClient, cpu_image: str
 ) -> None:
