@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import modelzoo
 from edge_client.adaptive import Reason, Target
 from edge_client.client import Deployment, OffloadClient
 from edge_client.errors import InvalidInput, NotDeployed
-from tests.cluster_support import THREE_NODES, Cluster, InferenceLoad
+from tests.cluster_support import THREE_NODES, Cluster, InferenceLoad, until
 
 
 @pytest.fixture
@@ -34,12 +33,9 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         await cluster.stop()
 
 
-async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        await asyncio.sleep(0.05)
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """`until`, with the time a loaded machine needs to restart a broker and a node."""
+    await until(condition, what, timeout_s=90)
 
 
 def _replica_pid(cluster: Cluster, deployment: Deployment) -> int:
