@@ -1,8 +1,14 @@
 """The broker's domain: nodes, models and deployments, and how they change.
 
-Plain Python over the state store (SQLite), the model store, the edge network, placement
-(pure functions) and one `NodeClient` per node; the gRPC servicers in `broker.rpc` are thin
-layers over it. Blocking store calls run in one worker thread (`_db`), in order.
+Plain Python over the state store (SQLite or PostgreSQL), the model store, the edge network,
+placement (pure functions) and one `NodeClient` per node; the gRPC servicers in `broker.rpc`
+are thin layers over it. Blocking store calls run in one worker thread (`_db`), in order.
+
+Reads of deployments and of the cluster come from memory: the deployments as stored
+(`DeploymentTable`, changed after every write the store commits) and placement's view of
+the cluster (`ClusterSnapshot`), brought up to date node by node when a decision reads it
+(the nodes a change touched are marked stale: `_stale`). A deploy, a heartbeat or a
+reconciliation reads no row of the store.
 
 Durability: every change is written to the store before it is acted on or answered, so a
 broker killed at any point restarts into a state it can reconcile with what the nodes
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, TypeGuard, TypeVar
 
+from broker.deployment_table import ACTIVE, DeploymentTable
 from broker.errors import (
     Busy,
     Impossible,
@@ -77,8 +84,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ACTIVE = (DeploymentState.STARTING, DeploymentState.RUNNING)
-"""Deployments that hold GPUs on a node."""
 VISIBLE = (
     DeploymentState.PENDING,
     DeploymentState.STARTING,
@@ -112,12 +117,6 @@ RESIZES_LISTED = 500
 RESIZES_REMEMBERED = 4096
 """(node, event) pairs the broker remembers as recorded, to skip the store for the ones a
 node repeats; one it forgot is recorded again harmlessly (the store ignores duplicates)."""
-
-RECONCILE_READ_GAP_S = 0.25
-"""Reconciliations share one read of the running deployments, started at most this often:
-each waits for the first read that starts after its heartbeat arrived, and that read serves
-every node that reported meanwhile. (A read per heartbeat costs nodes x deployments rows a
-second on the one state thread: at a few hundred nodes it starves every other decision.)"""
 
 OFFLOAD_SESSIONS_KEPT = 8
 """Offload summaries kept per deployment: those of the client's most recently reported
@@ -361,30 +360,6 @@ class NodeEntry:
     load: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Expected:
-    """The running and starting deployments as one read of the store found them, indexed
-    for reconciling nodes."""
-
-    running: Mapping[str, Mapping[str, DeploymentRecord]]
-    """node id -> replica id -> the running deployment whose replica it is."""
-    starting: frozenset[str]
-    """The replica ids of the deployments starting (on any node)."""
-
-    @classmethod
-    def of(cls, records: Sequence[DeploymentRecord]) -> _Expected:
-        running: dict[str, dict[str, DeploymentRecord]] = {}
-        for d in records:
-            if d.state is DeploymentState.RUNNING and d.node_id:
-                running.setdefault(d.node_id, {})[replica_id(d.deployment_id, d.epoch)] = d
-        starting = frozenset(
-            replica_id(d.deployment_id, d.epoch)
-            for d in records
-            if d.state is DeploymentState.STARTING
-        )
-        return cls(running, starting)
-
-
 @dataclass(slots=True)
 class _Watchers:
     queues: dict[str, set[asyncio.Queue[PlacementUpdate | None]]] = field(default_factory=dict)
@@ -472,11 +447,16 @@ class Broker:
         self._reconciling: dict[str, Sequence[tuple[str, ReplicaState]] | None] = {}
         """node id -> the replicas of its latest heartbeat not yet reconciled (None: none
         waiting) while a reconciliation of the node runs."""
-        self._next_read: asyncio.Task[_Expected] | None = None
-        """The read of the running deployments that reconciliations wait for, not started
-        yet (`_expected`)."""
-        self._last_read = 0.0
-        """When the latest such read started (monotonic)."""
+        self._deployments = DeploymentTable()
+        """Every deployment not deleted, as stored (see the module docstring)."""
+        self._placement = ClusterSnapshot.empty()
+        """Placement's view of the cluster, up to date but for the `_stale` nodes."""
+        self._stale: set[str] = set()
+        """Nodes whose entry in `_placement` is out of date: their node entry, deployments,
+        holds or a deployment's being taken by a move changed since it was made."""
+        self._reloaded: set[str] = set()
+        """Nodes whose load alone changed since their entry in `_placement` was made (every
+        heartbeat's: the entry is copied with the new load, not made again)."""
         self._replacing: set[str] = set()
         self._busy: set[str] = set()
         """Deployments being migrated or deleted: no other move or eviction takes them, and
@@ -503,7 +483,7 @@ class Broker:
 
     async def visible_deployments(self) -> list[DeploymentRecord]:
         """Every deployment a client can see (pending, starting, running, failed)."""
-        return await self._db(self._store.list_deployments, states=VISIBLE)
+        return self._deployments.select(states=VISIBLE)
 
     async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn` on the state thread. A StorageError (the store's transaction undone) is
@@ -541,9 +521,9 @@ class Broker:
                 NodeClient(record.node_id, record.address, self._join_token, self._node_tls),
                 time.monotonic(),
             )
-        for starting in await self._db(
-            self._store.list_deployments, states=(DeploymentState.STARTING,)
-        ):
+        self._stale.update(self._nodes)
+        self._deployments.load(await self._db(self._store.list_deployments, states=VISIBLE))
+        for starting in self._deployments.select(states=(DeploymentState.STARTING,)):
             async with self._placing:
                 await self._write_pending(
                     starting.deployment_id, "the broker restarted while its replica was starting"
@@ -560,9 +540,8 @@ class Broker:
                 self._stop_standby(standby, "the broker restarted", "lapsed"),
                 f"retire-{standby.replica}",
             )
-        deployments = await self._db(self._store.list_deployments, states=VISIBLE)
         logger.info(
-            "state loaded: %d node(s), %d deployment(s)", len(self._nodes), len(deployments)
+            "state loaded: %d node(s), %d deployment(s)", len(self._nodes), len(self._deployments)
         )
 
     def background(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
@@ -659,6 +638,7 @@ class Broker:
             client = NodeClient(node_id, address, self._join_token, self._node_tls)
         entry = NodeEntry(record, inventory, topology, client, time.monotonic())
         self._nodes[node_id] = entry
+        self._stale.add(node_id)
         logger.info(
             "node=%s registered site=%s gpus=%d replicas=%d",
             node_id,
@@ -679,13 +659,16 @@ class Broker:
         if entry is None:
             raise NotFound(f"node {node_id} is not registered; register again")
         entry.last_heartbeat = time.monotonic()
-        entry.load = sample.load
+        if entry.load != sample.load:
+            entry.load = sample.load
+            self._reloaded.add(node_id)
         self.load_history.record(node_id, sample, time.time())
         fresh = [r for r in sample.resizes if (node_id, r.event_id) not in self._resizes_seen]
         if fresh:
             self.background(self._record_resizes(node_id, fresh), f"resizes-{node_id}")
         if entry.record.state is NodeState.LOST:
             entry.record = replace(entry.record, state=NodeState.READY)
+            self._stale.add(node_id)
             self.background(
                 self._db(self._store.set_node_state, node_id, NodeState.READY), f"back-{node_id}"
             )
@@ -764,8 +747,12 @@ class Broker:
         # A heartbeat may have been taken before a switch it is processed after.
         settled_before = time.time() - 2 * self.settings.heartbeat_interval_s
         entry.replicas = frozenset(rid for rid, _ in replicas)
-        found = await self._expected()
-        expected = found.running.get(node_id, {})
+        placed = self._deployments.on_node(node_id)
+        expected = {
+            replica_id(d.deployment_id, d.epoch): d
+            for d in placed
+            if d.state is DeploymentState.RUNNING
+        }
         self.load_history.attribute(node_id, {r: d.deployment_id for r, d in expected.items()})
         for replica, deployment in expected.items():
             if (
@@ -784,8 +771,7 @@ class Broker:
         # Claimed besides the running ones: replicas starting, and those a move holds (its
         # target before the switch, its source until it stops), however long that takes.
         claimed = {
-            *expected,
-            *found.starting,
+            *(replica_id(d.deployment_id, d.epoch) for d in placed),
             *(replica_id(deployment, epoch) for deployment, epoch in self._holds),
             *(standby.replica for standby in self.standbys() if standby.node_id == node_id),
         }
@@ -814,26 +800,6 @@ class Broker:
                 with contextlib.suppress(NodeUnavailable):
                     await entry.client.stop_replica(replica, self.settings.stop_grace_ms)
 
-    async def _expected(self) -> _Expected:
-        """The running and starting deployments, from a read of the store that starts after
-        this call: one read serves every call made before it starts (see
-        `RECONCILE_READ_GAP_S`)."""
-        if self._next_read is None:
-            self._next_read = self._own(self._read_expected(), "reconcile-read")
-            self._next_read.add_done_callback(_retrieve)
-        return await asyncio.shield(self._next_read)
-
-    async def _read_expected(self) -> _Expected:
-        await asyncio.sleep(max(0.0, self._last_read + RECONCILE_READ_GAP_S - time.monotonic()))
-        # Whoever asks from now on may have heard from its node after this read started.
-        self._next_read = None
-        self._last_read = time.monotonic()
-        records = await self._db(
-            self._store.list_deployments,
-            states=(DeploymentState.RUNNING, DeploymentState.STARTING),
-        )
-        return _Expected.of(records)
-
     async def mark_lost_nodes(self) -> list[str]:
         """Mark nodes silent past the timeout as lost; returns their ids. The decision is
         taken on the in-memory heartbeat times alone, all nodes at once; only then is it
@@ -844,6 +810,7 @@ class Broker:
             silent = now - entry.last_heartbeat
             if entry.record.state is NodeState.READY and silent > self.settings.lost_after_s:
                 entry.record = replace(entry.record, state=NodeState.LOST)
+                self._stale.add(node_id)
                 logger.error("node=%s lost: no heartbeat for %.1fs", node_id, silent)
                 lost.append(node_id)
         for node_id in lost:
@@ -904,49 +871,59 @@ class Broker:
 
     # --- deployments ---------------------------------------------------------------------
 
-    def _snapshot(
-        self, deployments: Sequence[DeploymentRecord], standbys: bool = False
-    ) -> ClusterSnapshot:
-        """The cluster as placement sees it: the records' allocations and the holds; with
-        `standbys`, the standbys too (at the lowest priority: a standby's own placement
-        sees them, a real one does not, and takes their GPUs at will: `_standbys_under`).
+    def _node_snapshot(self, node_id: str, entry: NodeEntry) -> NodeSnapshot:
+        """The node as placement sees it: its deployments' allocations and the holds on it.
         What no decision may take away (a replica starting, a deployment being moved or
         deleted, a hold) is entered at the top priority, so nothing preempts it."""
-        by_node: dict[str, list[DeploymentRecord]] = {}
-        for d in deployments:
-            if d.node_id and d.state in ACTIVE:
-                by_node.setdefault(d.node_id, []).append(d)
-        nodes = []
-        for node_id, entry in self._nodes.items():
-            node = NodeSnapshot.idle(
-                node_id,
-                entry.record.site,
-                entry.topology,
-                ready=entry.record.state is NodeState.READY,
-                runtimes=entry.record.runtimes,
-                cuda_version=entry.inventory.cuda_version,
-                load=entry.load,
+        node = NodeSnapshot.idle(
+            node_id,
+            entry.record.site,
+            entry.topology,
+            ready=entry.record.state is NodeState.READY,
+            runtimes=entry.record.runtimes,
+            cuda_version=entry.inventory.cuda_version,
+            load=entry.load,
+        )
+        for d in self._deployments.on_node(node_id):
+            spec = DeploySpec.from_json(d.request_json)
+            pinned = d.state is DeploymentState.STARTING or d.deployment_id in self._busy
+            priority = PriorityClass.CRITICAL if pinned else spec.priority
+            node = node.with_allocation(
+                Allocation(d.deployment_id, priority, d.gpus, spec.gpu_memory_mib)
             )
-            for d in by_node.get(node_id, ()):
-                spec = DeploySpec.from_json(d.request_json)
-                pinned = d.state is DeploymentState.STARTING or d.deployment_id in self._busy
-                priority = PriorityClass.CRITICAL if pinned else spec.priority
+        for (deployment_id, epoch), hold in self._holds.items():
+            if hold.node_id == node_id:
                 node = node.with_allocation(
-                    Allocation(d.deployment_id, priority, d.gpus, spec.gpu_memory_mib)
-                )
-            for (deployment_id, epoch), hold in self._holds.items():
-                if hold.node_id == node_id:
-                    node = node.with_allocation(
-                        Allocation(
-                            f"{deployment_id}@{epoch}",
-                            PriorityClass.CRITICAL,
-                            hold.gpus,
-                            hold.memory_mib,
-                        )
+                    Allocation(
+                        f"{deployment_id}@{epoch}",
+                        PriorityClass.CRITICAL,
+                        hold.gpus,
+                        hold.memory_mib,
                     )
-            for standby in self.standbys() if standbys else ():
-                if standby.node_id == node_id:
-                    node = node.with_allocation(
+                )
+        return node
+
+    def _placement_view(self, standbys: bool = False) -> ClusterSnapshot:
+        """The cluster as placement sees it now (the stale nodes made again first); with
+        `standbys`, the standbys too (at the lowest priority: a standby's own placement sees
+        them, a real one does not, and takes their GPUs at will: `_standbys_under`)."""
+        if self._stale or self._reloaded:
+            nodes = [
+                self._node_snapshot(n, self._nodes[n]) for n in self._stale if n in self._nodes
+            ]
+            for n in self._reloaded - self._stale:
+                old, entry = self._placement.get(n), self._nodes.get(n)
+                if old is not None and entry is not None:
+                    nodes.append(replace(old, load=entry.load))
+            gone = [n for n in self._stale if n not in self._nodes]
+            self._placement = self._placement.updated(nodes, removed=gone)
+            self._stale, self._reloaded = set(), set()
+        view = self._placement
+        for standby in self.standbys() if standbys else ():
+            node = view.get(standby.node_id)
+            if node is not None:
+                view = view.with_node(
+                    node.with_allocation(
                         Allocation(
                             standby.allocation_id,
                             PriorityClass.STANDBY,
@@ -954,26 +931,55 @@ class Broker:
                             standby.memory_mib,
                         )
                     )
-            nodes.append(node)
-        return ClusterSnapshot.of(nodes)
+                )
+        return view
 
     async def snapshot(self) -> ClusterSnapshot:
         """The cluster as placement sees it now, for a policy's dry run outside the placement
         lock (the decision it leads to checks again, under the lock)."""
-        return await self._current_snapshot()
+        return self._placement_view()
 
-    async def _current_snapshot(self, standbys: bool = False) -> ClusterSnapshot:
-        """The cluster as placement sees it now (call under `_placing`); `standbys` as for
-        `_snapshot`."""
-        return self._snapshot(
-            await self._db(self._store.list_deployments, states=ACTIVE), standbys
-        )
+    # --- deployment records: written to the store, then kept in the table -----------------
+
+    def _keep(self, record: DeploymentRecord) -> DeploymentRecord:
+        """`record`, as the store has just committed it, into the table; placement's view
+        of the nodes it left or joined is stale."""
+        self._stale |= self._deployments.put(record)
+        return record
+
+    async def _update(self, deployment_id: str, **changes: Any) -> DeploymentRecord:
+        """Change a deployment in the store, then in the table; the record as stored."""
+        return self._keep(await self._db(self._store.update_deployment, deployment_id, **changes))
+
+    def _take(self, deployment_id: str) -> None:
+        """Mark a deployment taken by a move or a delete (its allocation pinned)."""
+        self._busy.add(deployment_id)
+        self._stale_where(deployment_id)
+
+    def _untake(self, deployment_id: str) -> None:
+        self._busy.discard(deployment_id)
+        self._stale_where(deployment_id)
+
+    def _stale_where(self, deployment_id: str) -> None:
+        record = self._deployments.get(deployment_id)
+        if record is not None and record.node_id:
+            self._stale.add(record.node_id)
+
+    def _hold(self, key: tuple[str, int], hold: Hold) -> None:
+        self._holds[key] = hold
+        self._stale.add(hold.node_id)
+
+    def _unhold(self, key: tuple[str, int]) -> None:
+        hold = self._holds.pop(key, None)
+        if hold is not None:
+            self._stale.add(hold.node_id)
 
     async def set_node_state(self, node_id: str, state: NodeState) -> None:
         """An operator's change of a node's state (draining): a decision of its own."""
         async with self._placing:
             entry = self._nodes[node_id]
             entry.record = replace(entry.record, state=state)
+            self._stale.add(node_id)
             await self._db(self._store.set_node_state, node_id, state)
 
     async def deploy(self, client_id: str, spec: DeploySpec) -> DeploymentRecord:
@@ -1018,11 +1024,9 @@ class Broker:
         stopped) and standbys."""
         async with self._placing:
             if epoch == 1:
-                current = await self._db(
-                    self._store.list_deployments, client_id=client_id, states=VISIBLE
-                )
-                check_deployments(self.limits.quotas, client_id, len(current))
-            snapshot = await self._current_snapshot()
+                current = self._deployments.count(client_id, VISIBLE)
+                check_deployments(self.limits.quotas, client_id, current)
+            snapshot = self._placement_view()
             largest, largest_node = snapshot.largest()
             if spec.gpus > largest:
                 raise Impossible(
@@ -1066,15 +1070,15 @@ class Broker:
             evicted: list[DeploymentRecord | Standby] = []
             evicted.extend(self._standbys_under(decision.node_id, decision.gpus))
             for victim_id in decision.preempt:
-                victim = await self._db(self._store.get_deployment, victim_id)
+                victim = self._deployments.get(victim_id)
                 if victim is not None and victim.state in ACTIVE:
                     await self._write_pending(victim_id, f"preempted by {deployment_id}")
                     evicted.append(victim)
             if epoch == 1:
                 await self._db(self._store.create_deployment, record)
+                self._keep(record)
             else:
-                record = await self._db(
-                    self._store.update_deployment,
+                record = await self._update(
                     deployment_id,
                     state=DeploymentState.STARTING,
                     node_id=record.node_id,
@@ -1105,8 +1109,7 @@ class Broker:
                 self._stop_standby(standby, f"the deployment left its node: {reason}", "lapsed"),
                 f"retire-{standby.replica}",
             )
-        await self._db(
-            self._store.update_deployment,
+        await self._update(
             deployment_id,
             state=DeploymentState.PENDING,
             node_id=None,
@@ -1158,8 +1161,7 @@ class Broker:
                 if current is not None and again:
                     await self._write_pending(record.deployment_id, str(err))
                 elif current is not None:
-                    await self._db(
-                        self._store.update_deployment,
+                    await self._update(
                         record.deployment_id,
                         state=DeploymentState.FAILED,
                         node_id=None,
@@ -1176,8 +1178,7 @@ class Broker:
         async with self._placing:
             current = await self._still_starting(record)
             if current is not None:
-                record = await self._db(
-                    self._store.update_deployment,
+                record = await self._update(
                     record.deployment_id,
                     state=DeploymentState.RUNNING,
                     endpoint=endpoint,
@@ -1198,7 +1199,7 @@ class Broker:
     async def _still_starting(self, record: DeploymentRecord) -> DeploymentRecord | None:
         """The deployment as stored if it is still `starting` at `record`'s epoch (nothing
         else can take a starting deployment but a delete); call under `_placing`."""
-        current = await self._db(self._store.get_deployment, record.deployment_id)
+        current = self._deployments.get(record.deployment_id)
         if current is None or (current.state, current.epoch) != (
             DeploymentState.STARTING,
             record.epoch,
@@ -1207,7 +1208,7 @@ class Broker:
         return current
 
     async def _record(self, deployment_id: str) -> DeploymentRecord:
-        record = await self._db(self._store.get_deployment, deployment_id)
+        record = await self.deployment(deployment_id)
         assert record is not None
         return record
 
@@ -1216,7 +1217,7 @@ class Broker:
         there), mark it pending and place it again; nothing when it changed since `record`
         was read or another decision holds it."""
         async with self._placing:
-            now = await self._db(self._store.get_deployment, record.deployment_id)
+            now = self._deployments.get(record.deployment_id)
             if (
                 now is None
                 or (now.state, now.epoch) != (DeploymentState.RUNNING, record.epoch)
@@ -1243,7 +1244,7 @@ class Broker:
             self._replacing.discard(deployment_id)
 
     async def _replace_once(self, deployment_id: str) -> None:
-        record = await self._db(self._store.get_deployment, deployment_id)
+        record = self._deployments.get(deployment_id)
         if record is None or record.state is not DeploymentState.PENDING:
             return
         spec = DeploySpec.from_json(record.request_json)
@@ -1252,8 +1253,7 @@ class Broker:
                 deployment_id, record.client_id, spec, record.epoch + 1
             )
         except (ResourceExhausted, Impossible) as err:
-            await self._db(
-                self._store.update_deployment,
+            await self._update(
                 deployment_id,
                 reason=f"{record.reason.split('; waiting: ')[0]}; waiting: "
                 f"{str(err).splitlines()[0]}",
@@ -1263,9 +1263,7 @@ class Broker:
         await self._start(record, "replaced", DeploymentState.PENDING)
 
     async def retry_pending(self) -> None:
-        for record in await self._db(
-            self._store.list_deployments, states=(DeploymentState.PENDING,)
-        ):
+        for record in self._deployments.select(states=(DeploymentState.PENDING,)):
             self._spawn_replace(record.deployment_id)
 
     # --- standbys: pre-warmed replicas (`broker.prewarm` decides, these hold and run them) --
@@ -1297,7 +1295,7 @@ class Broker:
         held, and its start begun at background CPU priority (`Standby.task`). None when
         any of that declines (`choose` says why in the log)."""
         async with self._placing:
-            record = await self._db(self._store.get_deployment, deployment_id)
+            record = self._deployments.get(deployment_id)
             if not _runs(record) or deployment_id in self._busy or deployment_id in self._standbys:
                 return None
             if len(self._standbys) + len(self._retiring) >= budget:
@@ -1309,7 +1307,7 @@ class Broker:
                 )
                 self.metrics.count_standby("refused")
                 return None
-            decision = choose(record, await self._current_snapshot(standbys=True))
+            decision = choose(record, self._placement_view(standbys=True))
             if decision is None or decision.node_id is None or decision.preempt:
                 return None
             spec = DeploySpec.from_json(record.request_json)
@@ -1430,7 +1428,7 @@ class Broker:
                 f"deployment {deployment_id} is being migrated or deleted; "
                 "retry when that has finished"
             )
-        self._busy.add(deployment_id)
+        self._take(deployment_id)
 
     async def reserve_move(
         self,
@@ -1447,7 +1445,7 @@ class Broker:
         client's, with `client_id`); Impossible while another move or delete holds it (None
         instead with `if_idle`)."""
         async with self._placing:
-            record = await self._db(self._store.get_deployment, deployment_id)
+            record = self._deployments.get(deployment_id)
             if not _runs(record) or (client_id is not None and record.client_id != client_id):
                 raise NotFound(f"no running deployment {deployment_id}")
             if if_idle and deployment_id in self._busy:
@@ -1456,7 +1454,7 @@ class Broker:
             standby = self._standbys.get(deployment_id)
             chosen: tuple[Decision, str] | None = None
             try:
-                chosen = choose(record, await self._current_snapshot())
+                chosen = choose(record, self._placement_view())
                 if chosen is not None and chosen[0].preempt:
                     raise ResourceExhausted(
                         f"the best target, node {chosen[0].node_id}, has room only by "
@@ -1475,7 +1473,7 @@ class Broker:
                 raise
             finally:
                 if chosen is None:  # declined, or raised: the deployment is not taken
-                    self._busy.discard(deployment_id)
+                    self._untake(deployment_id)
             if chosen is None:
                 return None
             decision, why = chosen
@@ -1510,8 +1508,9 @@ class Broker:
                     for other in self._standbys_under(decision.node_id, target_gpus)
                 ),
             )
-            self._holds[(deployment_id, move.epoch)] = Hold(
-                move.target_node, move.target_gpus, spec.gpu_memory_mib, spec.priority
+            self._hold(
+                (deployment_id, move.epoch),
+                Hold(move.target_node, move.target_gpus, spec.gpu_memory_mib, spec.priority),
             )
         if move.standby is not None:
             self.metrics.count_standby("hit")
@@ -1537,7 +1536,7 @@ class Broker:
                 if move.standby.task.cancelled():
                     raise NodeUnavailable("the standby's start was cancelled") from None
                 raise
-        record = await self._db(self._store.get_deployment, move.deployment_id)
+        record = self._deployments.get(move.deployment_id)
         entry = self._nodes.get(move.target_node)
         if record is None or entry is None:
             raise NodeUnavailable("the deployment or the target node is gone")
@@ -1586,14 +1585,14 @@ class Broker:
         entry = self._nodes[move.target_node]
         async with self._placing:
             if hold_source and move.source_node:
-                record = await self._db(self._store.get_deployment, move.deployment_id)
+                record = self._deployments.get(move.deployment_id)
                 assert record is not None
                 spec = DeploySpec.from_json(record.request_json)
-                self._holds[(move.deployment_id, move.source_epoch)] = Hold(
-                    move.source_node, move.source_gpus, spec.gpu_memory_mib, spec.priority
+                self._hold(
+                    (move.deployment_id, move.source_epoch),
+                    Hold(move.source_node, move.source_gpus, spec.gpu_memory_mib, spec.priority),
                 )
-            record = await self._db(
-                self._store.update_deployment,
+            record = await self._update(
                 move.deployment_id,
                 state=DeploymentState.RUNNING,
                 node_id=move.target_node,
@@ -1604,7 +1603,7 @@ class Broker:
                 reason="",
                 explanation_json=move.explanation_json,
             )
-            self._holds.pop((move.deployment_id, move.epoch), None)
+            self._unhold((move.deployment_id, move.epoch))
         prepared_ms = None if decided_at is None else (time.monotonic() - decided_at) * 1000
         self.watchers.push(
             move.deployment_id,
@@ -1626,25 +1625,31 @@ class Broker:
         self._release(move)
 
     def _release(self, move: Move) -> None:
-        self._holds.pop((move.deployment_id, move.epoch), None)
-        self._holds.pop((move.deployment_id, move.source_epoch), None)
-        self._busy.discard(move.deployment_id)
+        self._unhold((move.deployment_id, move.epoch))
+        self._unhold((move.deployment_id, move.source_epoch))
+        self._untake(move.deployment_id)
 
     async def deployment(self, deployment_id: str) -> DeploymentRecord | None:
-        """Any client's deployment, as stored; None when unknown."""
-        return await self._db(self._store.get_deployment, deployment_id)
+        """Any client's deployment, as stored (a deleted one read from the store); None when
+        unknown."""
+        record = self._deployments.get(deployment_id)
+        if record is None:
+            record = await self._db(self._store.get_deployment, deployment_id)
+        return record
 
     async def running(self) -> list[DeploymentRecord]:
         """Every running deployment, as stored."""
-        return await self._db(self._store.list_deployments, states=(DeploymentState.RUNNING,))
+        return self._deployments.select(states=(DeploymentState.RUNNING,))
 
     async def running_on(self, node_id: str) -> list[DeploymentRecord]:
         """The running deployments the store places on `node_id`."""
-        return [r for r in await self.running() if r.node_id == node_id]
+        return [
+            r for r in self._deployments.on_node(node_id) if r.state is DeploymentState.RUNNING
+        ]
 
     async def set_site(self, deployment_id: str, site: str) -> None:
         """Record the site the deployment's client reports from."""
-        await self._db(self._store.update_deployment, deployment_id, site=site)
+        await self._update(deployment_id, site=site)
 
     # --- migration records ---------------------------------------------------------------
 
@@ -1708,13 +1713,13 @@ class Broker:
 
     async def get(self, client_id: str, deployment_id: str) -> DeploymentRecord:
         """NotFound for an unknown deployment and for another client's: the two look alike."""
-        record = await self._db(self._store.get_deployment, deployment_id)
+        record = self._deployments.get(deployment_id)
         if record is None or record.client_id != client_id or record.state not in VISIBLE:
             raise NotFound(f"deployment {deployment_id} not found")
         return record
 
     async def list(self, client_id: str) -> list[DeploymentRecord]:
-        return await self._db(self._store.list_deployments, client_id=client_id, states=VISIBLE)
+        return self._deployments.select(client_id=client_id, states=VISIBLE)
 
     async def delete(self, client_id: str, deployment_id: str) -> None:
         """Stop the deployment's replica and delete it. NotFound; Impossible while it is
@@ -1731,18 +1736,16 @@ class Broker:
             if record.state in ACTIVE:
                 await self.stop_replica(record.node_id, replica_id(deployment_id, record.epoch))
             async with self._placing:
-                await self._db(self._store.delete_deployment, deployment_id)
+                self._keep(await self._db(self._store.delete_deployment, deployment_id))
         finally:
-            self._busy.discard(deployment_id)
+            self._untake(deployment_id)
         self.load_history.forget_deployment(deployment_id)
         self.watchers.push(deployment_id, None)
         logger.info("deployment=%s deleted", deployment_id)
 
     def _publish(self, deployment_id: str) -> None:
-        self.background(self._publish_now(deployment_id), f"publish-{deployment_id}")
-
-    async def _publish_now(self, deployment_id: str) -> None:
-        record = await self._db(self._store.get_deployment, deployment_id)
+        """Tell the deployment's watchers where it is now."""
+        record = self._deployments.get(deployment_id)
         if record is not None:
             self.watchers.push(
                 deployment_id,

@@ -139,6 +139,20 @@ class ClusterSnapshot:
         editor.put(node)
         return editor.finish()
 
+    def updated(
+        self, nodes: Iterable[NodeSnapshot], removed: Iterable[str] = ()
+    ) -> ClusterSnapshot:
+        """This snapshot with `nodes` added or replacing those of the same ids and the
+        `removed` ids taken out (ids it lacks are ignored), in one copy-on-write pass: many
+        nodes cost one copy of each chunk and site they touch, not one each."""
+        editor = _Editor(self)
+        for node_id in removed:
+            if editor.get(node_id) is not None:
+                editor.remove(node_id)
+        for node in nodes:
+            editor.put(node)
+        return editor.finish()
+
     def without_node(self, node_id: str) -> ClusterSnapshot:
         """This snapshot without that node. KeyError when it has no such node."""
         editor = _Editor(self)

@@ -446,12 +446,16 @@ async def test_a_lost_database_connection_is_unavailable_then_reconnected(
     tmp_path: Path, postgresql_url: str
 ) -> None:
     """PostgreSQL drops the broker's connection (a restart, a failover): the call that meets
-    it is UNAVAILABLE, saying nothing of the database; the next one reconnects and works."""
+    it (a deploy: it reads the model's owners from the store) is UNAVAILABLE, saying nothing
+    of the database; the next one reconnects and works."""
     cluster = Cluster(tmp_path, state=postgresql_url)
+    unknown = {"model_sha256": "ab" * 32, "model_name": "mlp", "gpus": 1, "site": "site-a"}
     try:
         await cluster.start_broker()
         async with cluster.edge("alice") as alice:
-            assert await alice.list() == []
+            with pytest.raises(grpc.aio.AioRpcError) as before:
+                await alice.deploy(**unknown)
+            assert before.value.code() == grpc.StatusCode.NOT_FOUND
             database = postgresql_url.split("/")[-1].split("?")[0]
             with psycopg.connect(postgresql_url, autocommit=True) as admin:
                 dropped = admin.execute(
@@ -461,12 +465,15 @@ async def test_a_lost_database_connection_is_unavailable_then_reconnected(
                 ).fetchone()
             assert dropped is not None and dropped[0] >= 1
             with pytest.raises(grpc.aio.AioRpcError) as failed:
-                await alice.list()
+                await alice.deploy(**unknown)
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             assert failed.value.details() == (
                 "the broker cannot reach its state store; retry shortly"
             )
-            assert await alice.list() == []
+            with pytest.raises(grpc.aio.AioRpcError) as after:
+                await alice.deploy(**unknown)
+            assert after.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "not uploaded" in (after.value.details() or "")
         await wait_for_log(cluster.broker_log, r"WARNING .* the state store failed: ")
     finally:
         await cluster.stop()

@@ -1,0 +1,169 @@
+"""The broker's in-memory deployments (`broker.deployment_table`) and the placement view it
+keeps up to date node by node (`Broker._placement_view`): after any sequence of changes, the
+view is the one a rebuild from scratch gives, and the table is what the store has."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.placement import CAPTURES
+from broker.deployment_table import DeploymentTable
+from broker.errors import ResourceExhausted
+from broker.model_store import ModelStore
+from broker.network import EdgeNetwork
+from broker.ops.metrics import BrokerMetrics
+from broker.placement import ClusterSnapshot, PriorityClass
+from broker.service import VISIBLE, Broker, BrokerSettings, DeploySpec, Hold
+from broker.state import DeploymentRecord, DeploymentState, ModelRecord, StateStore
+from broker.state.api_keys import new_api_key
+from broker.telemetry import NodeSample
+from edge_client.demo.cluster import CLUSTER_FILE
+from node_daemon.inventory.topo_file import inventory_from_capture
+from tests.data import TOPOLOGIES
+
+SHA = "ab" * 32
+
+
+def record(deployment_id: str, client: str, state: DeploymentState, node: str | None, t: float):
+    return DeploymentRecord(
+        deployment_id=deployment_id,
+        client_id=client,
+        model_sha256=SHA,
+        model_name="m",
+        request_json="{}",
+        priority=1,
+        site="site-a",
+        state=state,
+        node_id=node,
+        gpus=(),
+        gpu_uuids=(),
+        endpoint="",
+        token="",
+        epoch=1,
+        explanation_json="{}",
+        reason="",
+        created_at=t,
+        updated_at=t,
+    )
+
+
+def test_the_table_indexes_by_client_and_node_and_drops_deleted() -> None:
+    table = DeploymentTable()
+    running = record("d-1", "alice", DeploymentState.RUNNING, "n1", 2.0)
+    pending = record("d-2", "alice", DeploymentState.PENDING, None, 1.0)
+    table.load([running, pending, record("d-3", "bob", DeploymentState.STARTING, "n1", 3.0)])
+    assert [r.deployment_id for r in table.select(client_id="alice")] == ["d-2", "d-1"]
+    assert table.count("alice", VISIBLE) == 2
+    assert [r.deployment_id for r in table.on_node("n1")] == ["d-1", "d-3"]
+    # Moving d-1 touches the node it left and the one it joined.
+    assert table.put(replace(running, node_id="n2")) == {"n1", "n2"}
+    assert [r.deployment_id for r in table.on_node("n2")] == ["d-1"]
+    # Pending holds no node; deleted is gone from every index.
+    assert table.put(replace(running, state=DeploymentState.PENDING, node_id=None)) == {"n2"}
+    assert table.on_node("n2") == []
+    assert table.put(replace(pending, state=DeploymentState.DELETED)) == set()
+    assert table.get("d-2") is None
+    assert [r.deployment_id for r in table.select()] == ["d-1", "d-3"]
+    assert table.count("alice", (DeploymentState.PENDING,)) == 1
+
+
+@pytest.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
+    store = StateStore(tmp_path / "state")
+    store.put_client("alice", new_api_key("alice"))
+    store.put_model(ModelRecord(SHA, "m", 10, time.time()))
+    store.add_model_owner(SHA, "alice")
+    network = EdgeNetwork.from_yaml(CLUSTER_FILE.read_text(), str(CLUSTER_FILE))
+    broker = Broker(
+        store,
+        ModelStore(tmp_path / "models", 1 << 20),
+        network,
+        "join-token",
+        BrokerSettings(),
+        BrokerMetrics(),
+    )
+    try:
+        yield broker
+    finally:
+        await broker.close()
+        store.close()
+
+
+def from_scratch(broker: Broker) -> dict[str, object]:
+    """Every node as a rebuild of the whole view makes it."""
+    rebuilt = ClusterSnapshot.of(broker._node_snapshot(n, e) for n, e in broker.nodes.items())
+    return {node.node_id: node for node in rebuilt}
+
+
+async def test_the_view_kept_node_by_node_is_the_one_a_rebuild_makes(broker: Broker) -> None:
+    rng = random.Random(7)
+    inventories = [
+        inventory_from_capture(next(TOPOLOGIES.glob(f"{n}_*.txt")), spec)
+        for n, spec in CAPTURES.items()
+    ]
+    sites = broker.network.sites
+    for i in range(12):
+        await broker.register_node(
+            f"n{i}",
+            f"127.0.0.1:{1000 + i}",
+            sites[i % len(sites)],
+            inventories[i % 5],
+            ["docker"],
+            [],
+        )
+    placed: list[str] = []
+    holds: list[tuple[str, int]] = []
+    for step in range(300):
+        action = rng.choice(["deploy", "deploy", "pending", "take", "hold", "load", "delete"])
+        if action == "deploy":
+            spec = DeploySpec(
+                model_sha256=SHA,
+                model_name="m",
+                gpus=rng.choice([1, 1, 2]),
+                priority=rng.choice(list(PriorityClass)[1:]),
+                site=rng.choice(sites),
+            )
+            try:
+                rec, _ = await broker._reserve(f"d-{step}", "alice", spec, epoch=1)
+            except ResourceExhausted:
+                continue
+            placed.append(rec.deployment_id)
+            if rng.random() < 0.7:
+                await broker._update(
+                    rec.deployment_id, state=DeploymentState.RUNNING, endpoint="e:1"
+                )
+        elif action == "pending" and placed:
+            await broker._write_pending(rng.choice(placed), "test")
+        elif action == "take" and placed:
+            chosen = rng.choice(placed)
+            if broker.is_busy(chosen):
+                broker._untake(chosen)
+            else:
+                broker._take(chosen)
+        elif action == "hold":
+            if holds and rng.random() < 0.5:
+                broker._unhold(holds.pop())
+            else:
+                node = rng.choice(list(broker.nodes))
+                free = sorted(broker._placement_view().node(node).free)
+                if free:
+                    key = (f"h-{step}", 2)
+                    broker._hold(key, Hold(node, (free[0],), 0, PriorityClass.STANDARD))
+                    holds.append(key)
+        elif action == "load":
+            node = rng.choice(list(broker.nodes))
+            broker.heartbeat(node, NodeSample(cpu_cores=4, cpu_used_cores=rng.random() * 4), [])
+        elif action == "delete" and placed:
+            gone = placed.pop(rng.randrange(len(placed)))
+            broker._keep(await broker._db(broker._store.delete_deployment, gone))
+        view = broker._placement_view()
+        assert {node.node_id: node for node in view} == from_scratch(broker), action
+    stored = broker._store.list_deployments(states=VISIBLE)
+    assert await broker.visible_deployments() == stored
+    assert any(n.allocations for n in broker._placement_view())
