@@ -363,9 +363,7 @@ class Migrations:
         back (the target replica is unclaimed and stopped after the orphan grace); after it,
         it is complete (the old replica is unclaimed and stopped likewise)."""
         broker = self.broker
-        for m in await broker.list_migrations():
-            if m.state not in UNFINISHED:
-                continue
+        for m in await broker.list_migrations(states=UNFINISHED):
             record = await broker.deployment(m.deployment_id)
             switched = record is not None and record.node_id == m.target_node
             await broker.update_migration(

@@ -86,17 +86,16 @@ class Rebalancer:
             view for r in records.values() if (view := self._view(r, snapshot, now)) is not None
         ]
         cooldown_start = now - self.settings.cooldown_s
-        recent, in_flight = [], []
-        for m in await broker.list_migrations():
-            if m.state in UNFINISHED:
-                if m.trigger is MigrationTrigger.REBALANCE:
-                    in_flight.append(
-                        MoveRecord(m.deployment_id, m.source_node, m.target_node, m.created_at)
-                    )
-            elif m.updated_at >= cooldown_start:
-                recent.append(
-                    MoveRecord(m.deployment_id, m.source_node, m.target_node, m.updated_at)
-                )
+        in_flight = [
+            MoveRecord(m.deployment_id, m.source_node, m.target_node, m.created_at)
+            for m in await broker.list_migrations(states=UNFINISHED)
+            if m.trigger is MigrationTrigger.REBALANCE
+        ]
+        recent = [
+            MoveRecord(m.deployment_id, m.source_node, m.target_node, m.updated_at)
+            for m in await broker.list_migrations(updated_since=cooldown_start)
+            if m.state not in UNFINISHED
+        ]
         verdict = plan_rebalances(nodes, deployments, self.settings, now, recent, in_flight)
         self._log(verdict, now)
         started = []

@@ -26,7 +26,15 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -65,6 +73,7 @@ from broker.state import (
     DeploymentRecord,
     DeploymentState,
     MigrationRecord,
+    MigrationState,
     ModelRecord,
     NodeRecord,
     NodeState,
@@ -1660,16 +1669,28 @@ class Broker:
         """KeyError for an unknown migration."""
         await self._db(self._store.update_migration, migration_id, **changes)
 
-    async def list_migrations(self, deployment_id: str | None = None) -> list[MigrationRecord]:
-        """Every migration, or one deployment's, oldest first."""
-        return await self._db(self._store.list_migrations, deployment_id)
+    async def list_migrations(
+        self,
+        deployment_id: str | None = None,
+        *,
+        states: Collection[MigrationState] | None = None,
+        updated_since: float | None = None,
+    ) -> list[MigrationRecord]:
+        """Migrations, oldest first: every one, or one deployment's, in `states`, changed
+        since `updated_since` (`StateStore.list_migrations`)."""
+        return await self._db(
+            self._store.list_migrations,
+            deployment_id,
+            states=states,
+            updated_since=updated_since,
+        )
 
     async def get_migration(self, migration_id: str) -> MigrationRecord:
         """NotFound for an unknown migration."""
-        for m in await self.list_migrations():
-            if m.migration_id == migration_id:
-                return m
-        raise NotFound(f"migration {migration_id} not found")
+        found = await self._db(self._store.get_migration, migration_id)
+        if found is None:
+            raise NotFound(f"migration {migration_id} not found")
+        return found
 
     # --- adaptive offload reports ----------------------------------------------------------
 

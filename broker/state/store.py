@@ -683,14 +683,40 @@ class StateStore:
             )
             return self._migrations("WHERE migration_id = ?", (migration_id,))[0]
 
-    def list_migrations(self, deployment_id: str | None = None) -> list[MigrationRecord]:
-        """Migrations, oldest first: of one deployment, or all (`deployment_id` None)."""
-        if deployment_id is None:
-            return self._migrations("", ())
-        return self._migrations("WHERE deployment_id = ?", (deployment_id,))
+    def list_migrations(
+        self,
+        deployment_id: str | None = None,
+        *,
+        states: Collection[MigrationState] | None = None,
+        updated_since: float | None = None,
+    ) -> list[MigrationRecord]:
+        """Migrations, oldest first: of one deployment or all (`deployment_id` None), in the
+        given states or any (`states` None), changed at or after `updated_since` or at any
+        time (None). The filters run in the database: a history of thousands of migrations
+        costs a caller that wants the few in flight no records."""
+        where: list[str] = []
+        params: list[str | float] = []
+        if deployment_id is not None:
+            where.append("deployment_id = ?")
+            params.append(deployment_id)
+        if states is not None:
+            values = [_enum(MigrationState, s, "migration state").value for s in states]
+            if not values:
+                return []
+            where.append(f"state IN ({', '.join('?' * len(values))})")
+            params.extend(values)
+        if updated_since is not None:
+            where.append("updated_at >= ?")
+            params.append(updated_since)
+        return self._migrations(f"WHERE {' AND '.join(where)}" if where else "", tuple(params))
+
+    def get_migration(self, migration_id: str) -> MigrationRecord | None:
+        """The migration of that id; None if there is none."""
+        found = self._migrations("WHERE migration_id = ?", (migration_id,))
+        return found[0] if found else None
 
     def _migrations(
-        self, condition: str, params: tuple[str, ...], lock: bool = False
+        self, condition: str, params: tuple[str | float, ...], lock: bool = False
     ) -> list[MigrationRecord]:
         """`lock`: inside a transaction, hold the rows against other writers until its end."""
         rows = self._query(

@@ -723,6 +723,27 @@ def test_migrations_are_recorded_and_updated(populated: StateStore, clock: Clock
     assert store.list_migrations("d1") == [done]
 
 
+def test_migrations_are_filtered_by_state_and_change_time_in_the_database(
+    populated: StateStore, clock: Clock
+) -> None:
+    store = populated
+    store.create_deployment(deployment())
+    store.create_deployment(deployment("d2"))
+    store.create_migration(migration())
+    store.create_migration(migration("m2", deployment_id="d2", created_at=41.0))
+    clock.now = 5000.0
+    done = store.update_migration("m1", state=MigrationState.COMPLETED)
+    (in_flight,) = store.list_migrations(states=[MigrationState.PREPARING])
+    assert in_flight.migration_id == "m2"
+    assert store.list_migrations(updated_since=4000.0) == [done]
+    assert store.list_migrations("d2", updated_since=4000.0) == []
+    assert store.list_migrations(states=[]) == []
+    assert store.get_migration("m1") == done
+    assert store.get_migration("ghost") is None
+    with pytest.raises(ConstraintError, match="'moving' is not one of"):
+        store.list_migrations(states=["moving"])  # type: ignore[list-item]
+
+
 def test_an_infinite_downtime_slipped_in_earlier_reads_as_unknown(
     populated: StateStore, database: Database, caplog: pytest.LogCaptureFixture
 ) -> None:
