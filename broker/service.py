@@ -463,6 +463,8 @@ class Broker:
         self._stale: set[str] = set()
         """Nodes whose entry in `_placement` is out of date: their node entry, deployments,
         holds or a deployment's being taken by a move changed since it was made."""
+        self._owned: set[tuple[str, str]] = set()
+        """(client id, sha256) of models the store says the client owns (`_owns`)."""
         self._reloaded: set[str] = set()
         """Nodes whose load alone changed since their entry in `_placement` was made (every
         heartbeat's: the entry is copied with the new load, not made again)."""
@@ -848,7 +850,7 @@ class Broker:
         uploaded that content before: whether another client did stays invisible.
         ResourceExhausted when a new model would take the client past its model bytes quota
         (checked before the file is kept)."""
-        owned = await self._db(self._store.owns_model, client_id, upload.sha256)
+        owned = await self._owns(client_id, upload.sha256)
         if not owned:
             stored = await self._db(self._store.client_model_bytes, client_id)
             check_model_bytes(self.limits.quotas, client_id, stored, upload.size)
@@ -863,7 +865,18 @@ class Broker:
             ModelRecord(result.sha256, name or result.sha256[:12], result.size_bytes, time.time()),
         )
         await self._db(self._store.add_model_owner, result.sha256, client_id)
+        self._owned.add((client_id, result.sha256))
         return result.sha256, result.size_bytes, owned
+
+    async def _owns(self, client_id: str, sha256: str) -> bool:
+        """Whether the client uploaded that model. An owner is never removed, so a yes is
+        remembered (every deploy asks); a no is asked of the store each time."""
+        if (client_id, sha256) in self._owned:
+            return True
+        if not await self._db(self._store.owns_model, client_id, sha256):
+            return False
+        self._owned.add((client_id, sha256))
+        return True
 
     def write_upload(self, upload: Upload, data: bytes) -> None:
         try:
@@ -1006,7 +1019,7 @@ class Broker:
         """
         spec.validate()
         # Another client's model answers exactly as one nobody uploaded.
-        if not await self._db(self._store.owns_model, client_id, spec.model_sha256):
+        if not await self._owns(client_id, spec.model_sha256):
             raise NotFound(f"model {spec.model_sha256} is not uploaded; call UploadModel first")
         if spec.site not in self.network.sites:
             raise InvalidRequest(
