@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import hmac
 import json
 import logging
@@ -906,16 +907,21 @@ class Broker:
             cuda_version=entry.inventory.cuda_version,
             load=entry.load,
         )
+        allocations = []
         for d in self._deployments.on_node(node_id):
-            spec = DeploySpec.from_json(d.request_json)
+            priority, memory_mib = _allocation_terms(d.request_json)
             pinned = d.state is DeploymentState.STARTING or d.deployment_id in self._busy
-            priority = PriorityClass.CRITICAL if pinned else spec.priority
-            node = node.with_allocation(
-                Allocation(d.deployment_id, priority, d.gpus, spec.gpu_memory_mib)
+            allocations.append(
+                Allocation(
+                    d.deployment_id,
+                    PriorityClass.CRITICAL if pinned else priority,
+                    d.gpus,
+                    memory_mib,
+                )
             )
         for (deployment_id, epoch), hold in self._holds.items():
             if hold.node_id == node_id:
-                node = node.with_allocation(
+                allocations.append(
                     Allocation(
                         f"{deployment_id}@{epoch}",
                         PriorityClass.CRITICAL,
@@ -923,7 +929,7 @@ class Broker:
                         hold.memory_mib,
                     )
                 )
-        return node
+        return node.with_allocations(allocations)
 
     def _placement_view(self, standbys: bool = False) -> ClusterSnapshot:
         """The cluster as placement sees it now (the stale nodes made again first); with
@@ -1810,6 +1816,14 @@ class Broker:
                 f"site {quote(site)} is unknown; known sites: {', '.join(self.network.sites)}"
             )
         await self._db(self._store.set_client_site, client_id, site)
+
+
+@functools.lru_cache(maxsize=65536)
+def _allocation_terms(request_json: str) -> tuple[PriorityClass, int]:
+    """(priority, GPU memory share in MiB) of a stored deploy request: placement's view of
+    a node reads them for each deployment on it, each time the node changes."""
+    spec = DeploySpec.from_json(request_json)
+    return spec.priority, spec.gpu_memory_mib
 
 
 def explanation_json(decision: Decision, why: str = "") -> str:

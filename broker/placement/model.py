@@ -151,29 +151,39 @@ class NodeSnapshot:
     def with_allocation(self, allocation: Allocation) -> NodeSnapshot:
         """This node holding `allocation` too. ValueError when it does not fit (a whole GPU
         that is not free, a share that exceeds the GPU's memory) or its id is here already."""
+        return self.with_allocations((allocation,))
+
+    def with_allocations(self, allocations: Iterable[Allocation]) -> NodeSnapshot:
+        """This node holding each of `allocations` too, in order (one new snapshot, however
+        many): ValueError as `with_allocation`."""
         free = set(self.free)
         shared = dict(self.shared_mib)
         memory = {gpu.index: gpu.memory_total_mib for gpu in self.topology.inventory.gpus}
-        for index in allocation.gpus:
-            if allocation.memory_mib == 0:
-                if index not in free:
-                    raise ValueError(f"node {self.node_id}: GPU{index} is not free")
+        added = tuple(allocations)
+        for allocation in added:
+            for index in allocation.gpus:
+                if allocation.memory_mib == 0:
+                    if index not in free:
+                        raise ValueError(f"node {self.node_id}: GPU{index} is not free")
+                    free.discard(index)
+                    continue
+                used = shared.get(index, 0)
+                if (index not in free and used == 0) or used + allocation.memory_mib > memory.get(
+                    index, 0
+                ):
+                    raise ValueError(
+                        f"node {self.node_id}: no room for {allocation.memory_mib} MiB on "
+                        f"GPU{index}"
+                    )
                 free.discard(index)
-                continue
-            used = shared.get(index, 0)
-            if (index not in free and used == 0) or used + allocation.memory_mib > memory.get(
-                index, 0
-            ):
-                raise ValueError(
-                    f"node {self.node_id}: no room for {allocation.memory_mib} MiB on GPU{index}"
-                )
-            free.discard(index)
-            shared[index] = used + allocation.memory_mib
+                shared[index] = used + allocation.memory_mib
+        if not added:
+            return self
         return replace(
             self,
             free=frozenset(free),
             shared_mib=shared,
-            allocations=(*self.allocations, allocation),
+            allocations=(*self.allocations, *added),
         )
 
     def without(self, deployment_ids: Iterable[str]) -> NodeSnapshot:

@@ -476,6 +476,15 @@ def test_node_snapshots_allocate_and_release_consistently() -> None:
     assert shared.free == frozenset({1}) and shared.shared_mib == {0: 10000}
     assert shared.without(["s"]) == node
     assert shared.without(["other"]) is shared
+    # Many at once: the node one at a time would give, and the same refusals.
+    many = [Allocation("s", BE, (0,), 10000), Allocation("t", BE, (0,), 5000)]
+    many.append(Allocation("w", BE, (1,)))
+    assert node.with_allocations(many) == (
+        node.with_allocation(many[0]).with_allocation(many[1]).with_allocation(many[2])
+    )
+    assert node.with_allocations([]) is node
+    with pytest.raises(ValueError, match="GPU1 is not free"):
+        node.with_allocations([*many, Allocation("x", BE, (1,))])
 
 
 @pytest.mark.parametrize(
