@@ -230,6 +230,11 @@ class BrokerLink:
                 f"model {sha256} is not here and fetching it from the broker failed: "
                 f"{err.code().name} {err.details()}"
             ) from err
+        except grpc.aio.UsageError as err:  # the link was closed: the daemon is stopping
+            upload.abort()
+            raise ModelNotCached(
+                f"model {sha256} is not here and this node is leaving the broker"
+            ) from err
         except BaseException:
             upload.abort()
             raise
