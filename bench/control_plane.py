@@ -24,6 +24,12 @@ Reported per step:
 - Deploy throughput with the state committed: deployments answered `running` per second,
   end to end, with the Deploy latency p50/p99, and the deploys answered otherwise (pending,
   refused) by reason; migrations and deletes answered per second;
+- the decisions behind them, from the broker's `offload_deploy_decision_seconds`: committed
+  per second, the mean time each held the placement lock (cluster read, placement, the
+  `starting` write to the store) and so the capacity of that lock, 1 / the mean: the deploy
+  decisions the broker could commit per second were nothing else waiting (decisions run one
+  at a time; the rest of a Deploy, the node's start and the `running` write, runs outside
+  the lock);
 - the broker's CPU (cores, from /proc/<pid>/stat over the window), its RSS and peak RSS
   (VmHWM), the hollow processes' CPU (they share this machine's CPUs with the broker) and
   how late their event loops wake (lag p99: the part of a heartbeat's round trip that is the
@@ -73,6 +79,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 import modelzoo
 from bench.placement import CAPTURES
@@ -366,6 +373,25 @@ async def lost_nodes(http: aiohttp.ClientSession, cluster: LocalCluster) -> list
         return sorted(n["node_id"] for n in await reply.json() if n["state"] == "lost")
 
 
+async def decisions(http: aiohttp.ClientSession, cluster: LocalCluster) -> tuple[float, float]:
+    """(count, seconds in all) of the deploy decisions the broker committed so far, from
+    its `offload_deploy_decision_seconds` histogram: the time each held the placement lock
+    (cluster read, placement, the `starting` write)."""
+    async with http.get(f"{cluster.ops_url}metrics") as reply:
+        reply.raise_for_status()
+        text = await reply.text()
+    found = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "offload_deploy_decision_seconds"
+        for sample in family.samples
+    }
+    return (
+        found.get("offload_deploy_decision_seconds_count", 0.0),
+        found.get("offload_deploy_decision_seconds_sum", 0.0),
+    )
+
+
 async def run_step(
     nodes: int,
     args: argparse.Namespace,
@@ -392,9 +418,13 @@ async def run_step(
     await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
     hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
     broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
+    decided_before = await decisions(http, cluster)
     started = time.monotonic()
     tally = await run_clients(clients, args.window)
     took = time.monotonic() - started
+    decided_after = await decisions(http, cluster)
+    decided = decided_after[0] - decided_before[0]
+    deciding_s = decided_after[1] - decided_before[1]
     broker_cores = (cpu_seconds(broker_pid) - broker_cpu) / took
     hollow_cores = (sum(map(cpu_seconds, hollow_pids)) - hollow_cpu) / took
     beats = await asyncio.gather(*(f.ask("heartbeats") for f in fleets))
@@ -434,6 +464,9 @@ async def run_step(
         "deploys_per_s": round(rate, 1),
         "deploy_p50_ms": round(deploy["p50"], 1),
         "deploy_p99_ms": round(deploy["p99"], 1),
+        "decisions_per_s": round(decided / took, 1),
+        "decision_ms_mean": round(deciding_s / decided * 1000, 3) if decided else 0.0,
+        "decision_capacity_per_s": round(decided / deciding_s) if deciding_s > 0 else 0,
         "migrations_per_s": round(count["migrate answered"] / took, 1),
         "deletes_per_s": round(count["delete answered"] / took, 1),
         "outcomes": dict(sorted(count.items())),
@@ -544,7 +577,9 @@ def _print_step(step: Step) -> None:
         f"   joined in {f['join_s']} s; heartbeats p50 {f['heartbeat_p50_ms']} ms, p99 "
         f"{f['heartbeat_p99_ms']} ms ({f['heartbeats_per_s']}/s, {f['heartbeats_failed']} "
         f"failed); marked lost {f['marked_lost']}; deploys {f['deploys_per_s']}/s committed "
-        f"(p50 {f['deploy_p50_ms']} ms); broker {f['broker_cpu_cores']} cores, "
+        f"(p50 {f['deploy_p50_ms']} ms); each decision held the placement lock "
+        f"{f['decision_ms_mean']} ms (capacity {f['decision_capacity_per_s']}/s); broker "
+        f"{f['broker_cpu_cores']} cores, "
         f"{f['broker_rss_mib']} MiB; hollow loop lag p99 {f['hollow_loop_lag_p99_ms']} ms; "
         f"load average {f['load_average_1m']}",
         flush=True,
@@ -555,7 +590,8 @@ def _print_step(step: Step) -> None:
 def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]:
     header = (
         f"{'nodes':>6} {'hb p50 ms':>9} {'hb p99 ms':>9} {'lost':>5} {'deploys/s':>9} "
-        f"{'dep p50 ms':>10} {'dep p99 ms':>10} {'migr/s':>6} {'del/s':>6} "
+        f"{'dep p50 ms':>10} {'dep p99 ms':>10} {'dec ms':>6} {'dec cap/s':>9} "
+        f"{'migr/s':>6} {'del/s':>6} "
         f"{'broker CPU':>10} {'RSS MiB':>8} {'peak MiB':>8} {'hollow CPU':>10} "
         f"{'lag p99 ms':>10}"
     )
@@ -565,7 +601,9 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
         print(
             f"{f['nodes']:>6} {f['heartbeat_p50_ms']:>9} {f['heartbeat_p99_ms']:>9} "
             f"{f['marked_lost']:>5} {f['deploys_per_s']:>9} {f['deploy_p50_ms']:>10} "
-            f"{f['deploy_p99_ms']:>10} {f['migrations_per_s']:>6} {f['deletes_per_s']:>6} "
+            f"{f['deploy_p99_ms']:>10} {f['decision_ms_mean']:>6} "
+            f"{f['decision_capacity_per_s']:>9} {f['migrations_per_s']:>6} "
+            f"{f['deletes_per_s']:>6} "
             f"{f['broker_cpu_cores']:>10} {f['broker_rss_mib']:>8} "
             f"{f['broker_peak_rss_mib']:>8} {f['hollow_cpu_cores']:>10} "
             f"{f['hollow_loop_lag_p99_ms']:>10}"

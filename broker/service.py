@@ -1051,6 +1051,7 @@ class Broker:
         all under the lock. The evicted records (as they were: their replicas are still to be
         stopped) and standbys."""
         async with self._placing:
+            holding = time.perf_counter()
             if epoch == 1:
                 current = self._deployments.count(client_id, VISIBLE)
                 check_deployments(self.limits.quotas, client_id, current)
@@ -1117,6 +1118,7 @@ class Broker:
                     explanation_json=record.explanation_json,
                     reason="",
                 )
+            self.metrics.observe_decision(time.perf_counter() - holding)
             logger.info(
                 "deployment=%s placed on node=%s gpus=%s (%s)",
                 deployment_id,

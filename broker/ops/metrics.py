@@ -6,6 +6,10 @@ that several brokers (tests) can live in one process. Metric names:
 - `offload_nodes{state}`, `offload_gpus{state="free"|"used"}`, `offload_deployments{state}`:
   gauges of the current state. The ops app sets them from the `OpsView` at every scrape.
 - `offload_placement_seconds`: histogram of placement decision time (100 us .. 1 s).
+- `offload_deploy_decision_seconds`: histogram of the time each placement of a deployment
+  holds the placement lock: reading the cluster, placing, and committing the result to the
+  state store (same buckets). Decisions are taken one at a time, so 1 / its mean is how many
+  the broker can commit per second.
 - `offload_migration_downtime_seconds`: histogram of the gap clients observed across a
   migration's switch (1 ms .. 10 s).
 - `offload_migration_span_gap_seconds`: histogram of the longest gap clients observed over a
@@ -229,6 +233,13 @@ class BrokerMetrics:
             buckets=PLACEMENT_BUCKETS_S,
             registry=self.registry,
         )
+        self._decision = Histogram(
+            "offload_deploy_decision_seconds",
+            "Time one deployment's placement held the placement lock: the cluster read, the "
+            "placement and its commit to the state store.",
+            buckets=PLACEMENT_BUCKETS_S,
+            registry=self.registry,
+        )
         self._downtime = Histogram(
             "offload_migration_downtime_seconds",
             "Longest gap a client observed during one migration.",
@@ -339,6 +350,12 @@ class BrokerMetrics:
         """Record one placement decision that took `seconds`. Raises ValueError below 0."""
         _check_seconds("placement time", seconds)
         self._placement.observe(seconds)
+
+    def observe_decision(self, seconds: float) -> None:
+        """Record one deployment's decision, committed, that held the placement lock for
+        `seconds`. Raises ValueError below 0."""
+        _check_seconds("decision time", seconds)
+        self._decision.observe(seconds)
 
     def record_migration(self, outcome: str, trigger: str, downtime_s: float | None) -> None:
         """Count one finished migration by `outcome` and `trigger` and, when the client

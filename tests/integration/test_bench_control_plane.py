@@ -38,6 +38,9 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         assert step["deploys_committed"] > 0, step
         assert step["deploys_per_s"] > 0 and step["deploy_p50_ms"] > 0, step
         assert step["outcomes"]["deploy running"] == step["deploys_committed"], step
+        # The broker's own count of decisions: at least one per deploy answered running.
+        assert step["decisions_per_s"] >= step["deploys_per_s"] * 0.9, step
+        assert step["decision_ms_mean"] > 0 and step["decision_capacity_per_s"] > 0, step
         assert step["broker_cpu_cores"] > 0, step
         assert 0 < step["broker_rss_mib"] <= step["broker_peak_rss_mib"], step
     last = result["steps"][-1]

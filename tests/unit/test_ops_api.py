@@ -147,6 +147,7 @@ async def test_api_prewarm_lists_the_budget_and_standbys(ops: OpsServer) -> None
 
 async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     ops.metrics.observe_placement(0.0012)
+    ops.metrics.observe_decision(0.0031)
     ops.metrics.record_migration("succeeded", "mobility", 0.0425)
     ops.metrics.record_migration("rolled_back", "rebalance", None)
     ops.metrics.count_resize("usage", up=True)
@@ -163,6 +164,8 @@ async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     assert "offload_placement_seconds_count 1.0" in text
     assert 'offload_placement_seconds_bucket{le="0.002"} 1.0' in text
     assert 'offload_placement_seconds_bucket{le="0.001"} 0.0' in text
+    assert "offload_deploy_decision_seconds_count 1.0" in text
+    assert "offload_deploy_decision_seconds_sum 0.0031" in text
     assert "offload_migration_downtime_seconds_count 1.0" in text
     assert 'offload_migration_downtime_seconds_bucket{le="0.05"} 1.0' in text
     assert "offload_migration_span_gap_seconds_count 1.0" in text
@@ -228,6 +231,8 @@ def test_metrics_refuse_negative_or_nan_seconds() -> None:
     metrics = BrokerMetrics()
     with pytest.raises(ValueError, match="placement time"):
         metrics.observe_placement(-0.001)
+    with pytest.raises(ValueError, match="decision time"):
+        metrics.observe_decision(float("nan"))
     with pytest.raises(ValueError, match="migration downtime"):
         metrics.record_migration("succeeded", "operator", float("nan"))
     with pytest.raises(ValueError, match="migration span gap"):
