@@ -47,6 +47,7 @@ from broker.state import (
     MigrationTrigger,
     NodeRecord,
     NodeState,
+    StateStore,
 )
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
@@ -344,7 +345,25 @@ def pending(deployment_id: str, client_id: str, model_sha256: str) -> Deployment
     )  # fmt: skip
 
 
-async def test_quotas_refuse_with_the_limit_and_its_flag(broker_at: BrokerFactory) -> None:
+def seed(state_dir: Path, *records: DeploymentRecord | NodeRecord | MigrationRecord) -> None:
+    """Write records into a stopped broker's state (a running broker is the only writer of
+    its deployments: it keeps them in memory)."""
+    store = StateStore(state_dir)
+    try:
+        for record in records:
+            if isinstance(record, NodeRecord):
+                store.upsert_node(record)
+            elif isinstance(record, DeploymentRecord):
+                store.create_deployment(record)
+            else:
+                store.create_migration(record)
+    finally:
+        store.close()
+
+
+async def test_quotas_refuse_with_the_limit_and_its_flag(
+    broker_at: BrokerFactory, tmp_path: Path
+) -> None:
     quotas = Quotas(deployments=2, model_bytes=len(MODEL_A) + 10, watch_streams=2)
     async with broker_at(quotas) as running, edge(running) as stub:
         await upload(stub, ALICE, MODEL_A)
@@ -354,11 +373,8 @@ async def test_quotas_refuse_with_the_limit_and_its_flag(broker_at: BrokerFactor
         assert "--max-model-bytes-per-client" in refused.value.details()
         assert not (running.broker.models.root / sha(MODEL_B)).exists()
         assert staging(running) == []
-
-        for n in (1, 2):
-            await asyncio.to_thread(
-                running.store.create_deployment, pending(f"d-{n}", "alice", sha(MODEL_A))
-            )
+    seed(tmp_path / "state", *(pending(f"d-{n}", "alice", sha(MODEL_A)) for n in (1, 2)))
+    async with broker_at(quotas) as running, edge(running) as stub:
         request = pb.DeployRequest(model_sha256=sha(MODEL_A), model_name="scaled", site="site-a")
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Deploy(request, metadata=key(ALICE), timeout=15)
@@ -451,25 +467,27 @@ async def test_staging_left_by_a_crash_is_removed_at_start(
 # -- a bad value in the store never breaks a read path ---------------------------------------
 
 
-async def test_an_infinite_downtime_in_the_store_reads_as_null(broker_at: BrokerFactory) -> None:
+async def test_an_infinite_downtime_in_the_store_reads_as_null(
+    broker_at: BrokerFactory, tmp_path: Path
+) -> None:
     async with broker_at() as running, edge(running) as stub:
         await upload(stub, ALICE, MODEL_A)
-        store = running.store
-        now = time.time()
-        for node_id in ("n-1", "n-2"):
-            await asyncio.to_thread(
-                store.upsert_node,
-                NodeRecord(node_id, "127.0.0.1:1", "site-a", NodeState.LOST, '{"gpus": []}', (),
-                           now, now, "{}"),
-            )  # fmt: skip
-        await asyncio.to_thread(store.create_deployment, pending("d-1", "alice", sha(MODEL_A)))
-        migration = MigrationRecord(
+    now = time.time()
+    seed(
+        tmp_path / "state",
+        *(
+            NodeRecord(node_id, "127.0.0.1:1", "site-a", NodeState.LOST, '{"gpus": []}', (),
+                       now, now, "{}")
+            for node_id in ("n-1", "n-2")
+        ),
+        pending("d-1", "alice", sha(MODEL_A)),
+        MigrationRecord(
             "m-1", "d-1", MigrationTrigger.MOBILITY, "n-1", "n-2",
             MigrationStrategy.MAKE_BEFORE_BREAK, MigrationState.COMPLETED, "[]", "succeeded",
             "", math.inf, 0, now, now,
-        )  # fmt: skip
-        await asyncio.to_thread(store.create_migration, migration)
-
+        ),
+    )  # fmt: skip
+    async with broker_at() as running, edge(running) as stub:
         async with aiohttp.ClientSession(headers=ops_headers_for(running)) as http:
             base = f"http://127.0.0.1:{running.ops_port}"
             async with http.get(f"{base}/api/migrations") as response:
