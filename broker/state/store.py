@@ -132,6 +132,15 @@ def _enum(cls: type[_E], value: str, what: str) -> _E:
         raise ConstraintError(f"{what} {value!r} is not one of: {valid}") from None
 
 
+def _in_states(cls: type[_E], states: Collection[_E], what: str) -> tuple[str, list[str]]:
+    """A `state IN (...)` condition and its parameters (each state checked to be one of
+    `cls`'s); the condition matches nothing for no states."""
+    values = [_enum(cls, s, what).value for s in states]
+    if not values:
+        return "FALSE", []
+    return f"state IN ({', '.join('?' * len(values))})", values
+
+
 def open_store(
     location: str, state_dir: Path, *, clock: Callable[[], float] = time.time
 ) -> StateStore:
@@ -620,10 +629,8 @@ class StateStore:
             where.append("client_id = ?")
             params.append(client_id)
         if states is not None:
-            values = [_enum(DeploymentState, s, "deployment state").value for s in states]
-            if not values:
-                return []
-            where.append(f"state IN ({', '.join('?' * len(values))})")
+            condition, values = _in_states(DeploymentState, states, "deployment state")
+            where.append(condition)
             params.extend(values)
         condition = f"WHERE {' AND '.join(where)}" if where else ""
         rows = self._query(
@@ -700,10 +707,8 @@ class StateStore:
             where.append("deployment_id = ?")
             params.append(deployment_id)
         if states is not None:
-            values = [_enum(MigrationState, s, "migration state").value for s in states]
-            if not values:
-                return []
-            where.append(f"state IN ({', '.join('?' * len(values))})")
+            condition, values = _in_states(MigrationState, states, "migration state")
+            where.append(condition)
             params.extend(values)
         if updated_since is not None:
             where.append("updated_at >= ?")
