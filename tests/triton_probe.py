@@ -3,7 +3,7 @@
 Runs in its own process (tritonclient's generated `inference.*` protobuf symbols collide
 with ours in one process). Prints a JSON report and writes the outputs to an .npz file::
 
-    python tests/triton_probe.py --url HOST:PORT --model NAME --token T \
+    TRITON_PROBE_TOKEN=T python tests/triton_probe.py --url HOST:PORT --model NAME \
         --inputs in.npz --outputs out.npz [--ca CA.pem]
 
 With `--ca`, over TLS (`ssl=True`) with that CA as the root.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -24,12 +25,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--token", required=True)
     parser.add_argument("--inputs", required=True)
     parser.add_argument("--outputs", required=True)
     parser.add_argument("--ca", help="the CA (PEM) of a replica serving TLS")
     args = parser.parse_args()
-    headers = {"authorization": f"Bearer {args.token}"}
+    # The token comes in the environment: a secret on a command line is readable by
+    # every user of the machine, and one that starts with "-" would read as an option.
+    headers = {"authorization": f"Bearer {os.environ['TRITON_PROBE_TOKEN']}"}
     client = triton.InferenceServerClient(
         url=args.url, ssl=args.ca is not None, root_certificates=args.ca
     )

@@ -78,8 +78,9 @@ def _spawn(command: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]
 
 def triton_infer(endpoint: str, model: str, inputs_file: Path, out: Path) -> dict:
     done = subprocess.run(
-        [sys.executable, str(PROBE), "--url", endpoint, "--model", model, "--token", TOKEN,
+        [sys.executable, str(PROBE), "--url", endpoint, "--model", model,
          "--inputs", str(inputs_file), "--outputs", str(out)],
+        env={**os.environ, "TRITON_PROBE_TOKEN": TOKEN},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -65,7 +66,8 @@ async def test_tritonclient_gets_onnxruntime_outputs(
     done = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, str(PROBE), "--url", replica.endpoint, "--model", name,
-         "--token", TOKEN, "--inputs", str(inputs_file), "--outputs", str(outputs_file)],
+         "--inputs", str(inputs_file), "--outputs", str(outputs_file)],
+        env={**os.environ, "TRITON_PROBE_TOKEN": TOKEN},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import ssl
 import sys
 from collections.abc import AsyncIterator
@@ -162,8 +163,9 @@ async def test_replicas_serve_tls_with_the_nodes_certificate(
     (tmp_path / "endpoint-ca.pem").write_text(deployment.endpoint_ca_pem)
     done = await asyncio.create_subprocess_exec(
         sys.executable, str(TRITON_PROBE), "--url", deployment.endpoint, "--model", "mlp",
-        "--token", deployment.token, "--inputs", str(inputs_file),
-        "--outputs", str(outputs_file), "--ca", str(tmp_path / "endpoint-ca.pem"),
+        "--inputs", str(inputs_file), "--outputs", str(outputs_file),
+        "--ca", str(tmp_path / "endpoint-ca.pem"),
+        env={**os.environ, "TRITON_PROBE_TOKEN": deployment.token},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await done.communicate()
