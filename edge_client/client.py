@@ -115,10 +115,6 @@ FINAL_REPORT_S = 1.0
 _CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # gRPC's own reconnect backoff grows to two minutes; a restarted broker should be
-    # found again within about a second.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
 STATUS_ERRORS: Mapping[grpc.StatusCode, type[OffloadError]] = {

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -196,18 +197,30 @@ async def test_broker_killed_and_restarted_keeps_every_deployment_serving(
         await asyncio.sleep(0.5)
         cluster.kill_broker()
         during = successes
-        await asyncio.sleep(1.0)  # broker down: the replicas keep serving
+        # Broker down, the replicas keep serving: long enough (with its restart) for gRPC's
+        # default reconnect backoff to have grown past the broker's --lost-after.
+        await asyncio.sleep(3.0)
         assert successes > during
         await cluster.start_broker()
-        # The restarted broker reloads the nodes from its state and hears from each again.
+        restarted = time.monotonic()
+        # The restarted broker reloads the nodes from its state (each as heard from at the
+        # load) and hears from each again: a heartbeat age under 0.5 s once a second has
+        # passed is a heartbeat, not the load.
         for _ in range(200):
-            nodes = await _ops(cluster, "/api/nodes")
-            if len(nodes) == 3 and all(n["last_heartbeat_age_s"] < 0.5 for n in nodes):
-                break
             await asyncio.sleep(0.05)
+            nodes = await _ops(cluster, "/api/nodes")
+            if (
+                time.monotonic() - restarted > 1.0
+                and len(nodes) == 3
+                and all(n["last_heartbeat_age_s"] < 0.5 for n in nodes)
+            ):
+                break
         else:
             raise AssertionError(f"nodes did not check in again: {nodes}")
-        await asyncio.sleep(1.0)
+        # Past the broker's --lost-after (3 s) from its start: no node was counted lost.
+        await asyncio.sleep(max(0.0, restarted + 3.5 - time.monotonic()))
+        nodes = await _ops(cluster, "/api/nodes")
+        assert [n["state"] for n in nodes] == ["ready"] * 3, nodes
     finally:
         stop.set()
         await load
