@@ -11,9 +11,9 @@ as on a normal node). Models: the ResNet-18-shaped CNN, the MobileNetV2-shaped C
 recognition (pretrained).
 
 Contenders, in one device container per size and model, timed in alternating blocks
-(rounds: 5 in full mode, 4 with --quick; each contender one block per round, the order
-rotated each round) so that
-machine noise falls on all alike; requests one after another:
+(full mode: 10 rounds of 5-request blocks; --quick: 6 rounds of 4; each contender one
+block per round, the order rotated each round) so that machine noise falls on all alike;
+requests one after another:
 
   - ORT default: plain `onnxruntime.InferenceSession(path)`, no session options (ORT's
     default threads, one per core the container sees, and its default spinning): what a
@@ -98,10 +98,12 @@ class Mode:
     switch_cpus: tuple[float, ...]
 
 
-FULL = Mode(CPUS, MODELS, warmup=3, rounds=5, block=10, block_slow=3, n_switch=40,
+# Many short blocks rather than a few long ones: noise lasting a block or two (a burst of
+# slow round trips, a spent quota) then falls on several contenders' blocks, not on one's.
+FULL = Mode(CPUS, MODELS, warmup=3, rounds=10, block=5, block_slow=2, n_switch=40,
             switch_cpus=CPUS)  # fmt: skip
-QUICK = Mode((0.25, 1.0), ("resnet18", "mobilenetv2"), warmup=2, rounds=4, block=6,
-             block_slow=2, n_switch=30, switch_cpus=(0.25,))  # fmt: skip
+QUICK = Mode((0.25, 1.0), ("resnet18", "mobilenetv2"), warmup=2, rounds=6, block=4,
+             block_slow=1, n_switch=30, switch_cpus=(0.25,))  # fmt: skip
 
 
 @contextlib.asynccontextmanager
