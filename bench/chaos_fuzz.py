@@ -139,6 +139,13 @@ async def call_raw(
     and details. A server stream is read to its first message (a watch never ends)."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     try:
+        if method.client_streaming and method.server_streaming:
+            call = channel.stream_stream(path)(
+                iter(messages), metadata=metadata, timeout=timeout_s
+            )
+            async for _answer in call:  # one per message, then the stream ends
+                pass
+            return await call.code(), await call.details() or ""
         if method.client_streaming:
             await channel.stream_unary(path)(iter(messages), metadata=metadata, timeout=timeout_s)
         elif method.server_streaming:

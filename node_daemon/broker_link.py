@@ -1,12 +1,15 @@
 """The node's link to the broker: register, heartbeat, and fetch models by sha256.
 
 `BrokerLink.run` registers (retrying with backoff while the broker is unreachable), then
-heartbeats every interval the broker asked for, with the node's usage and replicas; when
-the broker answers NOT_FOUND (it lost its state, or marked the node lost and dropped it) the
-node registers again. Every call has a deadline; only UNAVAILABLE and DEADLINE_EXCEEDED are
-retried, except a failed TLS handshake (the broker's certificate does not chain to the
-node's CA), which no retry mends: it stops the daemon. Over TLS the node presents its
-certificate (mutual TLS); the broker checks that it is for this node id.
+heartbeats every interval the broker asked for, with the node's usage and replicas, as
+messages on one `Heartbeats` stream (a unary `Heartbeat` call each, from a broker that has no
+stream: UNIMPLEMENTED); when the broker answers NOT_FOUND (it lost its state, or marked the
+node lost and dropped it) the node registers again. A heartbeat unanswered within its
+deadline ends the stream, and the next one opens a new stream. Every call has a deadline;
+only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED are retried, except a failed TLS
+handshake (the broker's certificate does not chain to the node's CA), which no retry mends:
+it stops the daemon. Over TLS the node presents its certificate (mutual TLS); the broker
+checks that it is for this node id.
 
 Several brokers (one PostgreSQL state, one leader): the node is given every address and
 calls one at a time; a call refused UNAVAILABLE moves it to the leader a standby named, or to
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -58,18 +61,18 @@ class BrokerLink:
         tls: TlsIdentity | None = None,
         *,
         channel_options: Sequence[tuple[str, object]] = (),
-        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        on_heartbeat: Callable[[float | None], None] | None = None,
     ) -> None:
         """`brokers`: the NodeRegistry address of every broker, as a sequence or "A,B,..."
         (ValueError when one is not host:port); `tls`: the node's certificate (presented) and
-        the CA the broker's must chain to; None: plaintext. `channel_options` and
-        `interceptors` go to every channel the link opens (hollow nodes: a connection of
-        their own, timed)."""
+        the CA the broker's must chain to; None: plaintext. `channel_options` go to every
+        channel the link opens (hollow nodes: a connection of their own); `on_heartbeat` is
+        told each heartbeat's round trip in ms, or None for one that failed."""
         self._channel_options = [
             ("grpc.max_receive_message_length", 8 * 1024 * 1024),
             *channel_options,
         ]
-        self._interceptors = interceptors
+        self._on_heartbeat = on_heartbeat
         self._brokers = BrokerAddresses(parse_broker_addresses(brokers))
         self._metadata = (("authorization", f"Bearer {join_token}"),)
         self._agent = agent
@@ -88,7 +91,7 @@ class BrokerLink:
         return self._brokers.current
 
     def _open(self, address: str) -> grpc.aio.Channel:
-        return open_channel(address, self._tls_identity, self._channel_options, self._interceptors)
+        return open_channel(address, self._tls_identity, self._channel_options)
 
     async def _move_on(self, err: grpc.aio.AioRpcError) -> None:
         """After a retryable failure: call the leader the broker named, or the next broker
@@ -176,35 +179,63 @@ class BrokerLink:
             await asyncio.sleep(interval)
 
     async def _heartbeat(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            checking = time.monotonic()
-            replicas = await self._agent.list_replicas()
-            if (took := time.monotonic() - checking) > interval:
-                logger.warning(
-                    "checking the replicas took %.1fs (heartbeat interval %.1fs): the runtime "
-                    "is slow to answer",
-                    took,
-                    interval,
-                )
-            request = bpb.HeartbeatRequest(
-                node_id=self._agent.node_id,
-                usage=self._usage_message(),
-                replicas=[convert.replica(v) for v in replicas],
-            )
-            try:
-                await self._stub.Heartbeat(
-                    request, metadata=self._metadata, timeout=_heartbeat_timeout(interval)
-                )
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND:
-                    self.registered.clear()
-                    interval = await self._register()
-                elif err.code() in RETRYABLE:
-                    logger.warning("heartbeat to %s failed: %s", self.broker, err.code().name)
-                    await self._move_on(err)
+        stream: grpc.aio.StreamStreamCall | None = None
+        streaming = True
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                request = await self._heartbeat_request(interval)
+                started = time.perf_counter()
+                try:
+                    if streaming:
+                        if stream is None:
+                            stream = self._stub.Heartbeats(metadata=self._metadata)
+                        await _beat(stream, request, _heartbeat_timeout(interval))
+                    else:
+                        await self._stub.Heartbeat(
+                            request, metadata=self._metadata, timeout=_heartbeat_timeout(interval)
+                        )
+                except grpc.aio.AioRpcError as err:
+                    if stream is not None:
+                        stream.cancel()
+                        stream = None
+                    if self._on_heartbeat is not None:
+                        self._on_heartbeat(None)
+                    if streaming and err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        logger.info(
+                            "broker %s has no heartbeat stream: a call per heartbeat", self.broker
+                        )
+                        streaming = False
+                    elif err.code() == grpc.StatusCode.NOT_FOUND:
+                        self.registered.clear()
+                        interval = await self._register()
+                    elif err.code() in RETRYABLE:
+                        logger.warning("heartbeat to %s failed: %s", self.broker, err.code().name)
+                        await self._move_on(err)
+                    else:
+                        raise
                 else:
-                    raise
+                    if self._on_heartbeat is not None:
+                        self._on_heartbeat((time.perf_counter() - started) * 1000)
+        finally:
+            if stream is not None:
+                stream.cancel()
+
+    async def _heartbeat_request(self, interval: float) -> bpb.HeartbeatRequest:
+        checking = time.monotonic()
+        replicas = await self._agent.list_replicas()
+        if (took := time.monotonic() - checking) > interval:
+            logger.warning(
+                "checking the replicas took %.1fs (heartbeat interval %.1fs): the runtime "
+                "is slow to answer",
+                took,
+                interval,
+            )
+        return bpb.HeartbeatRequest(
+            node_id=self._agent.node_id,
+            usage=self._usage_message(),
+            replicas=[convert.replica(v) for v in replicas],
+        )
 
     def _usage_message(self) -> npb.UsageResponse:
         if self._usage is None:  # no sample yet: the GPUs as at startup
@@ -239,6 +270,35 @@ class BrokerLink:
             upload.abort()
             raise
         logger.info("model %s fetched from broker %s", sha256[:12], self.broker)
+
+
+async def _beat(
+    stream: grpc.aio.StreamStreamCall, request: bpb.HeartbeatRequest, timeout_s: float
+) -> None:
+    """One heartbeat on the stream: its answer within `timeout_s`. AioRpcError when the
+    stream ended (the broker's status) or the answer is late (DEADLINE_EXCEEDED; the
+    caller drops the stream)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await stream.write(request)
+            answer = await stream.read()
+    except TimeoutError:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            f"no answer to a heartbeat within {timeout_s:.1f}s",
+        ) from None
+    except (grpc.aio.UsageError, asyncio.InvalidStateError):
+        answer = grpc.aio.EOF  # written after the stream ended: its status says why
+    if answer is grpc.aio.EOF:
+        code = await stream.code()
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
+            await stream.initial_metadata(),
+            await stream.trailing_metadata(),
+            await stream.details() or "the broker ended the heartbeat stream",
+        )
 
 
 def _heartbeat_timeout(interval: float) -> float:

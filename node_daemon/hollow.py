@@ -17,8 +17,8 @@ cheap here: 2,000 idle grpc.aio servers in one process take under a second to st
 
 Each node's channel to the broker has a local subchannel pool, so each node has its own
 connection to the broker as a separate machine would, rather than gRPC's default of one
-connection shared by every channel of the process to the same address. The heartbeat round
-trip of every node is timed on that channel (`HeartbeatLog`).
+connection shared by every channel of the process to the same address. The link tells each
+heartbeat's round trip to the fleet's `HeartbeatLog`.
 
 What is left out: the replica monitor loop of `offload node` (every heartbeat checks the
 replicas anyway, and null replicas never die) and the process-wide parts (signals, CPU
@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +50,6 @@ from runtime.rpc.status import MalformedRequests
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_METHOD = "/offload.v1.NodeRegistry/Heartbeat"
 REGISTER_TIMEOUT_S = 120.0
 """How long `HollowFleet.grow` waits for its new nodes to have registered."""
 
@@ -64,39 +63,18 @@ class HeartbeatLog:
     failed: int = 0
     """Heartbeats that ended with another status (timeouts included)."""
 
+    def record(self, round_trip_ms: float | None) -> None:
+        """One heartbeat's round trip (`BrokerLink`'s `on_heartbeat`); None: it failed."""
+        if round_trip_ms is None:
+            self.failed += 1
+        else:
+            self.round_trips_ms.append(round_trip_ms)
+
     def take(self) -> HeartbeatLog:
         """What was logged so far, as a log of its own; this one starts again from none."""
         taken = HeartbeatLog(self.round_trips_ms, self.failed)
         self.round_trips_ms, self.failed = [], 0
         return taken
-
-
-class HeartbeatTimer(grpc.aio.UnaryUnaryClientInterceptor):
-    """Times each Heartbeat call of a channel into a `HeartbeatLog`; other calls pass."""
-
-    def __init__(self, log: HeartbeatLog) -> None:
-        self._log = log
-
-    async def intercept_unary_unary(
-        self,
-        continuation: Callable[[grpc.aio.ClientCallDetails, object], Awaitable[object]],
-        client_call_details: grpc.aio.ClientCallDetails,
-        request: object,
-    ) -> object:
-        method = client_call_details.method
-        if isinstance(method, bytes):
-            method = method.decode()
-        if method != HEARTBEAT_METHOD:
-            return await continuation(client_call_details, request)
-        started = time.perf_counter()
-        call = await continuation(client_call_details, request)
-        try:
-            await call  # type: ignore[misc]
-        except grpc.aio.AioRpcError:
-            self._log.failed += 1
-        else:
-            self._log.round_trips_ms.append((time.perf_counter() - started) * 1000)
-        return call
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +190,7 @@ class HollowFleet:
             raise OSError(f"hollow node {node_id} cannot listen on {self.host}: {err}") from err
         await server.start()
         # A connection of the node's own (not one shared by every node of this process),
-        # its heartbeats timed.
+        # its heartbeats' round trips logged.
         link = BrokerLink(
             self.broker,
             self._join_token,
@@ -222,7 +200,7 @@ class HollowFleet:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.use_local_subchannel_pool", 1),
             ],
-            interceptors=[HeartbeatTimer(self.heartbeats)],
+            on_heartbeat=self.heartbeats.record,
         )
         agent.fetch_model = link.fetch_model
         return _HollowNode(agent, runtime, server, link)

@@ -79,6 +79,12 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
                 "missing or wrong join token: send 'authorization: Bearer <join token>' "
                 "(the broker's --join-token-file)"
             )
+        self._check_certificate(context, node_id)
+
+    def _check_certificate(
+        self, context: grpc.aio.ServicerContext, node_id: str | None = None
+    ) -> None:
+        """Over mutual TLS, a certificate for `node_id` (any node's when None)."""
         if not self._node_certificates:
             return
         name = peer_common_name(context)
@@ -117,10 +123,25 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
         self._check(context, request.node_id)
+        self._beat(request)
+        return pb.HeartbeatResponse()
+
+    @mapped_errors
+    async def Heartbeats(
+        self, requests: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.HeartbeatResponse]:
+        """Heartbeat, one message each, on one call: the token is checked once, when the
+        stream opens; each message's node must be the certificate's."""
+        self._check(context)
+        async for request in requests:
+            self._check_certificate(context, request.node_id)
+            self._beat(request)
+            yield pb.HeartbeatResponse()
+
+    def _beat(self, request: pb.HeartbeatRequest) -> None:
         node_id = validate.node_id("node_id", request.node_id)
         sample = node_sample_from_proto(request.usage)
         self._broker.heartbeat(node_id, sample, _replicas(list(request.replicas)))
-        return pb.HeartbeatResponse()
 
     @mapped_errors
     async def FetchModel(

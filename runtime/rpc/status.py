@@ -120,8 +120,7 @@ def parse_in_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMet
     so that a `DecodeError` is answered INVALID_ARGUMENT.
 
     Unary requests are parsed before the servicer method starts, each message of a client
-    stream as the servicer reads it. Handlers without a deserializer and bidirectional ones
-    (none here) are returned unchanged.
+    stream as the servicer reads it. Handlers without a deserializer are returned unchanged.
     """
     if handler.request_deserializer is None:
         return handler
@@ -159,6 +158,20 @@ def parse_in_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMet
 
         return grpc.stream_unary_rpc_method_handler(
             parsed_stream_unary, response_serializer=serialize
+        )
+    if handler.stream_stream is not None:
+        stream_stream = handler.stream_stream
+
+        async def parsed_stream_stream(
+            raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            async for response in stream_stream(
+                _each_parsed(parse, raw, method, context), context
+            ):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(
+            parsed_stream_stream, response_serializer=serialize
         )
     return handler
 

@@ -1,10 +1,15 @@
-"""The node's link to the broker (`node_daemon.broker_link`) as the agent sees it when the
-daemon is stopping."""
+"""The node's link to the broker (`node_daemon.broker_link`): heartbeats on one stream (a
+call each from a broker without it), registering again when the broker forgets the node, a
+new stream when one stalls, and a fetch on a closed link."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from node_daemon.agent import NodeAgent
@@ -13,6 +18,9 @@ from node_daemon.errors import ModelNotCached
 from node_daemon.inventory import GpuSpec, inventory_from_capture
 from node_daemon.model_cache import ModelCache
 from node_daemon.runtimes.null_runtime import NullRuntime
+from protos.offload.v1 import broker_pb2 as bpb
+from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
+from tests.cluster_support import until
 from tests.data import TOPOLOGIES
 
 
@@ -34,3 +42,108 @@ async def test_a_fetch_on_a_closed_link_is_a_model_not_cached_and_leaves_nothing
     with pytest.raises(ModelNotCached):
         cache.path("ab" * 32)
     assert not [p for p in (tmp_path / "models").rglob("*") if p.is_file()]
+
+
+class Registry(bpb_grpc.NodeRegistryServicer):
+    """A broker's NodeRegistry on a real gRPC server, recording what nodes send. `streams`:
+    whether it serves the heartbeat stream (an older broker does not: UNIMPLEMENTED);
+    `forget_first`: the first stream ends NOT_FOUND (the broker does not know the node);
+    `stall_first`: the first stream never answers."""
+
+    def __init__(self, *, streams: bool, forget_first: bool = False, stall_first: bool = False):
+        self.streams = streams
+        self.forget_first = forget_first
+        self.stall_first = stall_first
+        self.registers = 0
+        self.unary_beats = 0
+        self.stream_beats = 0
+        self.opened = 0
+
+    async def Register(self, request: bpb.RegisterRequest, context: object) -> object:
+        self.registers += 1
+        return bpb.RegisterResponse(heartbeat_interval_ms=50, lost_after_ms=5000)
+
+    async def Heartbeat(self, request: bpb.HeartbeatRequest, context: object) -> object:
+        self.unary_beats += 1
+        return bpb.HeartbeatResponse()
+
+    async def Heartbeats(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not self.streams:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no such method")
+        self.opened += 1
+        first = self.opened == 1
+        async for request in requests:
+            assert request.node_id == "n1"
+            if first and self.forget_first:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "node n1 is not registered")
+            if first and self.stall_first:
+                await asyncio.sleep(3600)
+            self.stream_beats += 1
+            yield bpb.HeartbeatResponse()
+
+
+async def run_link(
+    tmp_path: Path, registry: Registry, done: Callable[[], bool]
+) -> list[float | None]:
+    """A node's link against `registry` until `done()`; the round trips it reported."""
+    server = grpc.aio.server()
+    bpb_grpc.add_NodeRegistryServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    inventory = inventory_from_capture(
+        next(TOPOLOGIES.glob("12_*.txt")), GpuSpec("A100-SXM4-40GB", 40960)
+    )
+    agent = NodeAgent("n1", "site-a", inventory, NullRuntime(), ModelCache(tmp_path / "m"))
+    beats: list[float | None] = []
+    link = BrokerLink(
+        f"127.0.0.1:{port}", "join-token", agent, "127.0.0.1:2", on_heartbeat=beats.append
+    )
+    running = asyncio.create_task(link.run())
+    try:
+        await until(done, "the link's heartbeats", timeout_s=30)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await link.close()
+        await server.stop(None)
+        # gRPC's own tasks of a cancelled stream end a few loop turns after the stop.
+        await until(lambda: not _serving(), "the server's RPC tasks to end", timeout_s=10)
+    return beats
+
+
+def _serving() -> list[asyncio.Task[Any]]:
+    """The gRPC server's tasks still running (one per call, named after its method)."""
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if not t.done()
+        and (t.get_name().startswith("HandleExceptions[") or t.get_name() == "rpc_task")
+    ]
+
+
+async def test_heartbeats_go_on_one_stream(tmp_path: Path) -> None:
+    registry = Registry(streams=True)
+    beats = await run_link(tmp_path, registry, lambda: registry.stream_beats >= 5)
+    assert registry.opened == 1 and registry.unary_beats == 0
+    assert len(beats) >= 5 and all(b is not None and b > 0 for b in beats)
+
+
+async def test_a_broker_without_the_stream_gets_a_call_per_heartbeat(tmp_path: Path) -> None:
+    registry = Registry(streams=False)
+    beats = await run_link(tmp_path, registry, lambda: registry.unary_beats >= 3)
+    assert registry.stream_beats == 0
+    # The one refused stream is a failed heartbeat; every later one is a call, answered.
+    assert beats[0] is None and all(b is not None for b in beats[1:])
+
+
+async def test_a_stream_that_forgets_the_node_has_it_register_again(tmp_path: Path) -> None:
+    registry = Registry(streams=True, forget_first=True)
+    await run_link(tmp_path, registry, lambda: registry.stream_beats >= 2)
+    assert registry.registers == 2 and registry.opened == 2
+
+
+async def test_an_unanswered_heartbeat_drops_its_stream_for_a_new_one(tmp_path: Path) -> None:
+    registry = Registry(streams=True, stall_first=True)
+    beats = await run_link(tmp_path, registry, lambda: registry.stream_beats >= 2)
+    assert registry.opened == 2 and registry.registers == 1
+    assert beats[0] is None and all(b is not None for b in beats[1:])

@@ -47,6 +47,11 @@ class NodeRegistryStub(object):
                 request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Heartbeats = channel.stream_stream(
+                '/offload.v1.NodeRegistry/Heartbeats',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.FetchModel = channel.unary_stream(
                 '/offload.v1.NodeRegistry/FetchModel',
                 request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.FetchModelRequest.SerializeToString,
@@ -74,6 +79,18 @@ class NodeRegistryServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeats(self, request_iterator, context):
+        """Heartbeat as a stream, one call for a node's life: the node writes a HeartbeatRequest
+        each interval and the broker answers each with a HeartbeatResponse. A message on an open
+        stream costs the broker a fraction of a unary call (no call set-up, metadata or
+        interceptors per beat). The stream ends with NOT_FOUND when the broker does not know the
+        node (register again, then open a new stream). Nodes fall back to Heartbeat when a broker
+        answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FetchModel(self, request, context):
         """A stored model by sha256, in chunks (the first carries the sha256). NOT_FOUND if absent.
         """
@@ -91,6 +108,11 @@ def add_NodeRegistryServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Heartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.Heartbeats,
                     request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -154,6 +176,33 @@ class NodeRegistry(object):
             request,
             target,
             '/offload.v1.NodeRegistry/Heartbeat',
+            protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/offload.v1.NodeRegistry/Heartbeats',
             protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatRequest.SerializeToString,
             protos_dot_offload_dot_v1_dot_broker__pb2.HeartbeatResponse.FromString,
             options,
