@@ -4,8 +4,10 @@
 heartbeats every interval the broker asked for, with the node's usage and replicas, as
 messages on one `Heartbeats` stream (a unary `Heartbeat` call each, from a broker that has no
 stream: UNIMPLEMENTED); when the broker answers NOT_FOUND (it lost its state, or marked the
-node lost and dropped it) the node registers again. A heartbeat unanswered within its
-deadline ends the stream, and the next one opens a new stream. Every call has a deadline;
+node lost and dropped it) the node registers again. Heartbeats on the stream do not wait
+for the answers to those before them; one unanswered for too long (`_answer_deadline`: 2 s
+with several brokers, ten heartbeats with one) ends the stream, and the next heartbeat opens
+a new one. Every call has a deadline;
 only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED are retried, except a failed TLS
 handshake (the broker's certificate does not chain to the node's CA), which no retry mends:
 it stops the daemon. Over TLS the node presents its certificate (mutual TLS); the broker
@@ -20,8 +22,10 @@ again when it does not know it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -49,6 +53,8 @@ RETRYABLE = (
 CALL_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 5.0
 HEARTBEAT_TIMEOUT_MIN_S = 2.0
+STALL_HEARTBEATS = 10
+"""With one broker, heartbeats unanswered before the stream is given up (`_answer_deadline`)."""
 
 
 class BrokerLink:
@@ -179,7 +185,7 @@ class BrokerLink:
             await asyncio.sleep(interval)
 
     async def _heartbeat(self, interval: float) -> None:
-        stream: grpc.aio.StreamStreamCall | None = None
+        stream: _HeartbeatStream | None = None
         streaming = True
         try:
             while True:
@@ -189,12 +195,15 @@ class BrokerLink:
                 try:
                     if streaming:
                         if stream is None:
-                            stream = self._stub.Heartbeats(metadata=self._metadata)
-                        await _beat(stream, request, _heartbeat_timeout(interval))
+                            call = self._stub.Heartbeats(metadata=self._metadata)
+                            stream = _HeartbeatStream(call, self._on_heartbeat)
+                        await stream.beat(request, self._answer_deadline(interval))
                     else:
                         await self._stub.Heartbeat(
                             request, metadata=self._metadata, timeout=_heartbeat_timeout(interval)
                         )
+                        if self._on_heartbeat is not None:
+                            self._on_heartbeat((time.perf_counter() - started) * 1000)
                 except grpc.aio.AioRpcError as err:
                     if stream is not None:
                         stream.cancel()
@@ -210,16 +219,29 @@ class BrokerLink:
                         self.registered.clear()
                         interval = await self._register()
                     elif err.code() in RETRYABLE:
-                        logger.warning("heartbeat to %s failed: %s", self.broker, err.code().name)
+                        logger.warning(
+                            "heartbeat to %s failed: %s (%s)",
+                            self.broker,
+                            err.code().name,
+                            err.details(),
+                        )
                         await self._move_on(err)
                     else:
                         raise
-                else:
-                    if self._on_heartbeat is not None:
-                        self._on_heartbeat((time.perf_counter() - started) * 1000)
         finally:
             if stream is not None:
                 stream.cancel()
+
+    def _answer_deadline(self, interval: float) -> float:
+        """How late the oldest unanswered heartbeat on the stream may be before the stream is
+        dropped. With several brokers, soon (`_heartbeat_timeout`): a paused leader is left
+        for the next broker before the one that leads counts this node lost. With one, ten
+        heartbeats: there is no other broker to go to, and a broker slow to answer still
+        counts each heartbeat as it reads it, so dropping the stream would only cost it a
+        new call, and the heartbeats not yet read, when it can least afford them."""
+        if len(self._brokers.all) > 1:
+            return _heartbeat_timeout(interval)
+        return max(HEARTBEAT_TIMEOUT_MIN_S, STALL_HEARTBEATS * interval)
 
     async def _heartbeat_request(self, interval: float) -> bpb.HeartbeatRequest:
         checking = time.monotonic()
@@ -272,33 +294,67 @@ class BrokerLink:
         logger.info("model %s fetched from broker %s", sha256[:12], self.broker)
 
 
-async def _beat(
-    stream: grpc.aio.StreamStreamCall, request: bpb.HeartbeatRequest, timeout_s: float
-) -> None:
-    """One heartbeat on the stream: its answer within `timeout_s`. AioRpcError when the
-    stream ended (the broker's status) or the answer is late (DEADLINE_EXCEEDED; the
-    caller drops the stream)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await stream.write(request)
-            answer = await stream.read()
-    except TimeoutError:
-        raise grpc.aio.AioRpcError(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.aio.Metadata(),
-            grpc.aio.Metadata(),
-            f"no answer to a heartbeat within {timeout_s:.1f}s",
-        ) from None
-    except (grpc.aio.UsageError, asyncio.InvalidStateError):
-        answer = grpc.aio.EOF  # written after the stream ended: its status says why
-    if answer is grpc.aio.EOF:
-        code = await stream.code()
-        raise grpc.aio.AioRpcError(
+class _HeartbeatStream:
+    """Heartbeats on one `Heartbeats` call, each written without waiting for the answers to
+    those before it: a broker slow to answer still counts each one when it reads it. A
+    reader task matches the answers, which come in order, to the times they were sent."""
+
+    def __init__(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        on_answer: Callable[[float | None], None] | None,
+    ) -> None:
+        self._call = call
+        self._on_answer = on_answer
+        self._sent: deque[float] = deque()
+        self._reader = asyncio.create_task(self._read(), name="heartbeat-answers")
+
+    async def _read(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):  # the call's status says why
+            while await self._call.read() is not grpc.aio.EOF:
+                started = self._sent.popleft() if self._sent else None
+                if self._on_answer is not None and started is not None:
+                    self._on_answer((time.perf_counter() - started) * 1000)
+
+    async def beat(self, request: bpb.HeartbeatRequest, deadline_s: float) -> None:
+        """Write one heartbeat. AioRpcError when the stream has ended (the broker's status:
+        NOT_FOUND, UNAVAILABLE, ...) or the oldest heartbeat unanswered is older than
+        `deadline_s`, or the write itself takes that long (DEADLINE_EXCEEDED: the caller
+        drops the stream)."""
+        if self._reader.done():
+            raise await self._ended()
+        if self._sent and time.perf_counter() - self._sent[0] > deadline_s:
+            raise _deadline(f"no answer to a heartbeat within {deadline_s:.1f}s")
+        try:
+            async with asyncio.timeout(deadline_s):
+                await self._call.write(request)
+        except TimeoutError:
+            raise _deadline(f"a heartbeat not written within {deadline_s:.1f}s") from None
+        except (grpc.aio.UsageError, asyncio.InvalidStateError):
+            raise await self._ended() from None  # written after the stream ended
+        self._sent.append(time.perf_counter())
+
+    async def _ended(self) -> grpc.aio.AioRpcError:
+        """The error the ended stream stands for: the broker's status (UNAVAILABLE for one
+        that ended OK: the broker went away cleanly)."""
+        await asyncio.wait([self._reader])
+        code = await self._call.code()
+        return grpc.aio.AioRpcError(
             grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
-            await stream.initial_metadata(),
-            await stream.trailing_metadata(),
-            await stream.details() or "the broker ended the heartbeat stream",
+            await self._call.initial_metadata(),
+            await self._call.trailing_metadata(),
+            await self._call.details() or "the broker ended the heartbeat stream",
         )
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+
+
+def _deadline(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
 
 
 def _heartbeat_timeout(interval: float) -> float:

@@ -48,12 +48,24 @@ class Registry(bpb_grpc.NodeRegistryServicer):
     """A broker's NodeRegistry on a real gRPC server, recording what nodes send. `streams`:
     whether it serves the heartbeat stream (an older broker does not: UNIMPLEMENTED);
     `forget_first`: the first stream ends NOT_FOUND (the broker does not know the node);
-    `stall_first`: the first stream never answers."""
+    `stall_first`: the first stream never answers; `answer_after_s`: each heartbeat is counted
+    when it arrives and answered that long after (a broker slow to answer);
+    `interval_ms`: the heartbeat interval it asks for."""
 
-    def __init__(self, *, streams: bool, forget_first: bool = False, stall_first: bool = False):
+    def __init__(
+        self,
+        *,
+        streams: bool,
+        forget_first: bool = False,
+        stall_first: bool = False,
+        answer_after_s: float = 0.0,
+        interval_ms: int = 50,
+    ):
         self.streams = streams
         self.forget_first = forget_first
         self.stall_first = stall_first
+        self.answer_after_s = answer_after_s
+        self.interval_ms = interval_ms
         self.registers = 0
         self.unary_beats = 0
         self.stream_beats = 0
@@ -61,7 +73,7 @@ class Registry(bpb_grpc.NodeRegistryServicer):
 
     async def Register(self, request: bpb.RegisterRequest, context: object) -> object:
         self.registers += 1
-        return bpb.RegisterResponse(heartbeat_interval_ms=50, lost_after_ms=5000)
+        return bpb.RegisterResponse(heartbeat_interval_ms=self.interval_ms, lost_after_ms=5000)
 
     async def Heartbeat(self, request: bpb.HeartbeatRequest, context: object) -> object:
         self.unary_beats += 1
@@ -72,6 +84,10 @@ class Registry(bpb_grpc.NodeRegistryServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no such method")
         self.opened += 1
         first = self.opened == 1
+        if self.answer_after_s:
+            async for answer in self._answer_late(requests):
+                yield answer
+            return
         async for request in requests:
             assert request.node_id == "n1"
             if first and self.forget_first:
@@ -80,6 +96,25 @@ class Registry(bpb_grpc.NodeRegistryServicer):
                 await asyncio.sleep(3600)
             self.stream_beats += 1
             yield bpb.HeartbeatResponse()
+
+    async def _answer_late(self, requests: Any) -> Any:
+        """Count each heartbeat as it arrives; answer it `answer_after_s` later, in order."""
+        loop = asyncio.get_running_loop()
+        due: asyncio.Queue[float | None] = asyncio.Queue()
+
+        async def receive() -> None:
+            async for _ in requests:
+                self.stream_beats += 1
+                due.put_nowait(loop.time() + self.answer_after_s)
+            due.put_nowait(None)
+
+        receiving = asyncio.create_task(receive())
+        try:
+            while (at := await due.get()) is not None:
+                await asyncio.sleep(at - loop.time())
+                yield bpb.HeartbeatResponse()
+        finally:
+            receiving.cancel()
 
 
 async def run_link(
@@ -147,3 +182,15 @@ async def test_an_unanswered_heartbeat_drops_its_stream_for_a_new_one(tmp_path: 
     beats = await run_link(tmp_path, registry, lambda: registry.stream_beats >= 2)
     assert registry.opened == 2 and registry.registers == 1
     assert beats[0] is None and all(b is not None for b in beats[1:])
+
+
+async def test_a_broker_slow_to_answer_keeps_the_stream_and_every_heartbeat(
+    tmp_path: Path,
+) -> None:
+    # Each answer comes 2.4 s late: past the 2 s a call would wait, within the ten heartbeats
+    # (3 s at 300 ms) a node with one broker waits on its stream. The node keeps writing
+    # meanwhile: the broker counts every heartbeat as it arrives, on the one stream.
+    registry = Registry(streams=True, answer_after_s=2.4, interval_ms=300)
+    beats = await run_link(tmp_path, registry, lambda: registry.stream_beats >= 12)
+    assert registry.opened == 1 and registry.registers == 1
+    assert beats and all(b is not None and b >= 2400 for b in beats)
