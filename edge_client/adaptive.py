@@ -21,13 +21,17 @@ Policies (`Policy`):
   its expected extra time (the loser's estimate minus the winner's) is at most
   `probe_cost_budget` of what the requests since the last probe took at the winner's
   estimate, so a loser many times slower (a 0.25-CPU device's CNN beside a LAN replica) is
-  probed every `probe_every` requests, not after every pause. A probe that beats the
-  winner's estimate, or comes in under half the loser's own, replaces the loser's older
-  figures (they describe the link or the device before it changed) and is followed by
-  another at once, until the estimates agree which side is faster. The winner changes only
-  when the other side is better by `margin` (hysteresis); the old winner is then probed
-  again after `RECHECK_AFTER` requests, so that a short run of slow figures on one side
-  (noise, not a changed link) costs a few requests rather than a probe period.
+  probed every `probe_every` requests, not after every pause. A probe of the replica that
+  beats the winner's estimate, or comes in under half the replica's own, replaces its older
+  figures (they describe the link before it changed) and is followed by another at once,
+  until the estimates agree which side is faster. A probe of the local model only adds its
+  figure: under a CPU quota (a container's `--cpus`, a cgroup) a request after a pause runs
+  on a refilled quota, several times faster than the same requests back to back (PP-OCR on
+  a quarter CPU: 21-27 against about 100 ms in `bench.offload`), so one fast local figure
+  says little about the next ones. The winner changes only when the other side is better by
+  `margin` (hysteresis); the old winner is then probed again after `RECHECK_AFTER` requests,
+  so that a short run of slow figures on one side (noise, not a changed link) costs a few
+  requests rather than a probe period.
 
 Reachability: a remote attempt that fails (unreachable, refused, past its deadline, no
 endpoint) marks the replica down; while it is down every request goes to the local model
@@ -294,14 +298,14 @@ class OffloadChooser:
             self._counts[decision.target, decision.reason] += 1
 
     def _figure(self, target: Target, seconds: float) -> None:
-        if self.policy != Policy.FASTEST or target == self._winner:
+        if self.policy != Policy.FASTEST or target in (self._winner, Target.LOCAL):
             self._figures[target].append(seconds)
             return
         winner = self.estimate(self._winner)
         own = self.estimate(target)
-        # A probe that beats the winner, or one far below the loser's own figures: those
-        # figures are stale (the link or the device changed); look again at once rather
-        # than a period later.
+        # A probe of the replica that beats the winner, or one far below its own figures:
+        # those figures are stale (the link changed); look again at once rather than a
+        # period later.
         beats = winner is not None and seconds < winner * (1 - self.settings.margin)
         changed = own is not None and seconds < own * STALE_BELOW
         if (beats or changed) and not self._confirm:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from edge_client.adaptive import (
@@ -216,10 +218,23 @@ def test_fastest_keeps_the_winner_when_the_other_side_is_only_marginally_better(
     run = Run(Policy.FASTEST, probe_every=5, probe_interval_s=1000, margin=0.1)
     run.requests(10, 0.100, 0.200)
     steady = run.requests(30, 0.100, 0.095)  # local 5 % better: inside the margin
-    # Local's first new figure is under half its old ones: it is measured again, and stays
-    # the loser.
     assert all(d.target == REMOTE for d in steady if d.reason == Reason.FASTER)
     assert run.chooser.summary().preferred == REMOTE
+
+
+def test_a_fast_local_probe_alone_does_not_pull_requests_local() -> None:
+    """A device under a CPU quota: a local request after a run of remote ones finds the
+    quota refilled and takes 25 ms; back to back, 100 ms. The fast probe neither drops the
+    local figures nor calls for another probe at once; the next local request is the next
+    periodic probe."""
+    run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
+    run.requests(20, 0.030, 0.100)
+    decisions = run.requests(25, 0.030, 0.025)
+    local = [i for i, d in enumerate(decisions) if d.target == LOCAL]
+    assert [decisions[i].reason for i in local] == [Reason.PROBE] * len(local)
+    assert all(b - a > 10 for a, b in itertools.pairwise(local))
+    assert run.chooser.summary().preferred == REMOTE
+    assert run.chooser.summary().local_estimate_ms == pytest.approx(100)
 
 
 @pytest.mark.parametrize("policy", [Policy.FASTEST, Policy.REMOTE_THEN_LOCAL])
