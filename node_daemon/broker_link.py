@@ -185,7 +185,7 @@ class BrokerLink:
             await asyncio.sleep(interval)
 
     async def _heartbeat(self, interval: float) -> None:
-        stream: _HeartbeatStream | None = None
+        stream: HeartbeatStream | None = None
         streaming = True
         try:
             while True:
@@ -196,7 +196,7 @@ class BrokerLink:
                     if streaming:
                         if stream is None:
                             call = self._stub.Heartbeats(metadata=self._metadata)
-                            stream = _HeartbeatStream(call, self._on_heartbeat)
+                            stream = HeartbeatStream(call, self._on_heartbeat)
                         await stream.beat(request, self._answer_deadline(interval))
                     else:
                         await self._stub.Heartbeat(
@@ -294,7 +294,7 @@ class BrokerLink:
         logger.info("model %s fetched from broker %s", sha256[:12], self.broker)
 
 
-class _HeartbeatStream:
+class HeartbeatStream:
     """Heartbeats on one `Heartbeats` call, each written without waiting for the answers to
     those before it: a broker slow to answer still counts each one when it reads it. A
     reader task matches the answers, which come in order, to the times they were sent."""
@@ -325,6 +325,8 @@ class _HeartbeatStream:
             raise await self._ended()
         if self._sent and time.perf_counter() - self._sent[0] > deadline_s:
             raise _deadline(f"no answer to a heartbeat within {deadline_s:.1f}s")
+        # Noted before the write: its answer may be read before the write returns here.
+        self._sent.append(time.perf_counter())
         try:
             async with asyncio.timeout(deadline_s):
                 await self._call.write(request)
@@ -332,7 +334,6 @@ class _HeartbeatStream:
             raise _deadline(f"a heartbeat not written within {deadline_s:.1f}s") from None
         except (grpc.aio.UsageError, asyncio.InvalidStateError):
             raise await self._ended() from None  # written after the stream ended
-        self._sent.append(time.perf_counter())
 
     async def _ended(self) -> grpc.aio.AioRpcError:
         """The error the ended stream stands for: the broker's status (UNAVAILABLE for one

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from node_daemon.agent import NodeAgent
-from node_daemon.broker_link import BrokerLink
+from node_daemon.broker_link import BrokerLink, HeartbeatStream
 from node_daemon.errors import ModelNotCached
 from node_daemon.inventory import GpuSpec, inventory_from_capture
 from node_daemon.model_cache import ModelCache
@@ -194,3 +194,33 @@ async def test_a_broker_slow_to_answer_keeps_the_stream_and_every_heartbeat(
     beats = await run_link(tmp_path, registry, lambda: registry.stream_beats >= 12)
     assert registry.opened == 1 and registry.registers == 1
     assert beats and all(b is not None and b >= 2400 for b in beats)
+
+
+class AnsweringWhileWriting:
+    """A `Heartbeats` call whose answer to each message arrives before the write returns
+    (as it may on a busy node: the reader task runs first)."""
+
+    def __init__(self) -> None:
+        self._answers: asyncio.Queue[object] = asyncio.Queue()
+
+    async def write(self, request: bpb.HeartbeatRequest) -> None:
+        self._answers.put_nowait(bpb.HeartbeatResponse())
+        await asyncio.sleep(0.01)
+
+    async def read(self) -> object:
+        return await self._answers.get()
+
+    def cancel(self) -> bool:
+        return True
+
+
+async def test_an_answer_read_before_its_write_returns_is_matched_to_that_heartbeat() -> None:
+    answered: list[float | None] = []
+    stream = HeartbeatStream(AnsweringWhileWriting(), answered.append)
+    try:
+        for sent in range(1, 4):
+            await stream.beat(bpb.HeartbeatRequest(node_id="n1"), deadline_s=5.0)
+            # Each answer is that heartbeat's: none skipped, none timed from the one before.
+            assert len(answered) == sent
+    finally:
+        stream.cancel()
