@@ -451,6 +451,7 @@ async def _serve_leading(
         async with asyncio.TaskGroup() as tasks:
             loops = [
                 tasks.create_task(_every(1.0, fail_over), name="lost-node-check"),
+                tasks.create_task(broker.loop_lag.run(), name="loop-lag"),
                 tasks.create_task(
                     _every(config.settings.pending_retry_s, broker.retry_pending),
                     name="pending-retry",

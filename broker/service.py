@@ -54,6 +54,7 @@ from broker.errors import (
     quote,
 )
 from broker.key_verifier import KeyVerifier
+from broker.loop_lag import LoopLag
 from broker.model_store import InvalidModel, ModelStore, Upload
 from broker.model_store import ModelNotFound as StoredModelNotFound
 from broker.model_store import ModelTooLarge as StoredModelTooLarge
@@ -484,6 +485,9 @@ class Broker:
         """Background work started by a change (placing again, publishing updates)."""
         self.load_history = LoadHistory()
         """What nodes reported in their heartbeats, the last few minutes of it."""
+        self.loop_lag = LoopLag(window_s=self.settings.lost_after_s)
+        """How late this event loop has run lately (its monitor, `LoopLag.run`, is started
+        with the lost-node check): a node gets that much more silence before it is lost."""
         self._resizes_seen: dict[tuple[str, str], None] = {}
         """(node id, event id) of resizes recorded already, oldest first (bounded): a node
         repeats its recent ones in every heartbeat, and they need no store round trip."""
@@ -813,18 +817,33 @@ class Broker:
                     await entry.client.stop_replica(replica, self.settings.stop_grace_ms)
 
     async def mark_lost_nodes(self) -> list[str]:
-        """Mark nodes silent past the timeout as lost; returns their ids. The decision is
-        taken on the in-memory heartbeat times alone, all nodes at once; only then is it
-        written to the store."""
+        """Mark nodes silent past the timeout, plus how late this event loop ran lately
+        (`loop_lag`), as lost; returns their ids. The decision is taken on the in-memory
+        heartbeat times alone, all nodes at once; only then is it written to the store."""
         now = time.monotonic()
-        lost = []
+        # Heartbeats wait unread while this loop is behind: silence that long is not the
+        # node's (`broker.loop_lag`).
+        lag = self.loop_lag.worst(now)
+        lost, spared = [], 0
         for node_id, entry in self._nodes.items():
             silent = now - entry.last_heartbeat
-            if entry.record.state is NodeState.READY and silent > self.settings.lost_after_s:
-                entry.record = replace(entry.record, state=NodeState.LOST)
-                self._stale.add(node_id)
-                logger.error("node=%s lost: no heartbeat for %.1fs", node_id, silent)
-                lost.append(node_id)
+            if entry.record.state is not NodeState.READY or silent <= self.settings.lost_after_s:
+                continue
+            if silent <= self.settings.lost_after_s + lag:
+                spared += 1
+                continue
+            entry.record = replace(entry.record, state=NodeState.LOST)
+            self._stale.add(node_id)
+            logger.error("node=%s lost: no heartbeat for %.1fs", node_id, silent)
+            lost.append(node_id)
+        if spared:
+            logger.warning(
+                "%d node(s) silent past --lost-after (%.1fs), but this broker's event loop ran "
+                "up to %.1fs late: their heartbeats may be waiting to be read; not lost yet",
+                spared,
+                self.settings.lost_after_s,
+                lag,
+            )
         for node_id in lost:
             await self._db(self._store.set_node_state, node_id, NodeState.LOST)
         for standby in list(self._standbys.values()):
