@@ -18,6 +18,9 @@ from collections import deque
 
 
 class LoopLag:
+    """The running event loop's lateness over the last `window_s` seconds (module docstring).
+    Not thread-safe: use it from that loop."""
+
     def __init__(self, window_s: float, tick_s: float = 0.1) -> None:
         if window_s <= 0 or tick_s <= 0:
             raise ValueError("window_s and tick_s must be > 0")

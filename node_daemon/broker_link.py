@@ -7,11 +7,10 @@ stream: UNIMPLEMENTED); when the broker answers NOT_FOUND (it lost its state, or
 node lost and dropped it) the node registers again. Heartbeats on the stream do not wait
 for the answers to those before them; one unanswered for too long (`_answer_deadline`: 2 s
 with several brokers, ten heartbeats with one) ends the stream, and the next heartbeat opens
-a new one. Every call has a deadline;
-only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED are retried, except a failed TLS
-handshake (the broker's certificate does not chain to the node's CA), which no retry mends:
-it stops the daemon. Over TLS the node presents its certificate (mutual TLS); the broker
-checks that it is for this node id.
+a new one. Every call has a deadline; only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED are
+retried, except a failed TLS handshake (the broker's certificate does not chain to the
+node's CA), which no retry mends: it stops the daemon. Over TLS the node presents its
+certificate (mutual TLS); the broker checks that it is for this node id.
 
 Several brokers (one PostgreSQL state, one leader): the node is given every address and
 calls one at a time; a call refused UNAVAILABLE moves it to the leader a standby named, or to
