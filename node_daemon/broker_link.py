@@ -333,22 +333,40 @@ class HeartbeatStream:
             raise _deadline(f"a heartbeat not written within {deadline_s:.1f}s") from None
         except (grpc.aio.UsageError, asyncio.InvalidStateError):
             raise await self._ended() from None  # written after the stream ended
+        except grpc.aio.AioRpcError as err:
+            raise _broken(err) from None
 
     async def _ended(self) -> grpc.aio.AioRpcError:
         """The error the ended stream stands for: the broker's status (UNAVAILABLE for one
         that ended OK: the broker went away cleanly)."""
         await asyncio.wait([self._reader])
         code = await self._call.code()
-        return grpc.aio.AioRpcError(
-            grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
-            await self._call.initial_metadata(),
-            await self._call.trailing_metadata(),
-            await self._call.details() or "the broker ended the heartbeat stream",
+        return _broken(
+            grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
+                await self._call.initial_metadata(),
+                await self._call.trailing_metadata(),
+                await self._call.details() or "the broker ended the heartbeat stream",
+            )
         )
 
     def cancel(self) -> None:
         self._call.cancel()
         self._reader.cancel()
+
+
+def _broken(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """`err`, or UNAVAILABLE for an INTERNAL one: a stream whose connection dies under it
+    (the broker killed) ends INTERNAL ("Internal error from Core"), which is the transport's
+    failure, not the broker's refusal, and must not stop the daemon."""
+    if err.code() != grpc.StatusCode.INTERNAL:
+        return err
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        err.initial_metadata(),
+        err.trailing_metadata(),
+        f"the heartbeat stream broke: {err.details()}",
+    )
 
 
 def _deadline(details: str) -> grpc.aio.AioRpcError:

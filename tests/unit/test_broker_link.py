@@ -224,3 +224,28 @@ async def test_an_answer_read_before_its_write_returns_is_matched_to_that_heartb
             assert len(answered) == sent
     finally:
         stream.cancel()
+
+
+class BrokenUnderTheWrite(AnsweringWhileWriting):
+    """A `Heartbeats` call whose connection died (the broker killed): gRPC's core fails the
+    write INTERNAL."""
+
+    async def write(self, request: bpb.HeartbeatRequest) -> None:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            "Internal error from Core",
+        )
+
+
+async def test_a_stream_broken_under_its_write_is_unavailable_not_fatal() -> None:
+    stream = HeartbeatStream(BrokenUnderTheWrite(), None)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stream.beat(bpb.HeartbeatRequest(node_id="n1"), deadline_s=5.0)
+    finally:
+        stream.cancel()
+    # UNAVAILABLE is retried (the node calls the broker again); INTERNAL stopped the daemon.
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "Internal error from Core" in (caught.value.details() or "")
