@@ -190,7 +190,6 @@ class BrokerLink:
             while True:
                 await asyncio.sleep(interval)
                 request = await self._heartbeat_request(interval)
-                started = time.perf_counter()
                 try:
                     if streaming:
                         if stream is None:
@@ -198,6 +197,7 @@ class BrokerLink:
                             stream = HeartbeatStream(call, self._on_heartbeat)
                         await stream.beat(request, self._answer_deadline(interval))
                     else:
+                        started = time.perf_counter()
                         await self._stub.Heartbeat(
                             request, metadata=self._metadata, timeout=_heartbeat_timeout(interval)
                         )

@@ -312,32 +312,27 @@ async def test_cli_shows_nodes_deployments_and_explanations(
     assert no_key.returncode == 1 and "--api-key-file" in no_key.stderr
 
 
-async def test_a_broker_paused_past_lost_after_counts_no_node_lost(tmp_path: Path) -> None:
+@pytest.mark.parametrize("broker_state", ["sqlite"], indirect=True)
+async def test_a_broker_paused_past_lost_after_counts_no_node_lost(cluster: Cluster) -> None:
     """Paused (SIGSTOP) longer than --lost-after (3 s) while the nodes heartbeat: resumed, it
     has their heartbeats waiting unread and its lost-node check due at once. It allows the
     silence its own lateness explains (`broker.loop_lag`) and counts no node lost. On SQLite
     only: on PostgreSQL a broker paused past its lease stops leading (test_broker_ha)."""
-    cluster = Cluster(tmp_path)
+    assert cluster.broker is not None
+    offset = cluster.broker_log.stat().st_size
+    cluster.broker.send_signal(signal.SIGSTOP)
     try:
-        await cluster.start_broker()
-        await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES))
-        assert cluster.broker is not None
-        offset = cluster.broker_log.stat().st_size
-        cluster.broker.send_signal(signal.SIGSTOP)
-        try:
-            await asyncio.sleep(4.5)
-        finally:
-            cluster.broker.send_signal(signal.SIGCONT)
-        await asyncio.sleep(2.0)  # two lost-node checks after the resume
-        nodes = await _ops(cluster, "/api/nodes")
-        assert {n["node_id"]: n["state"] for n in nodes} == dict.fromkeys(
-            ("node-a", "node-b", "node-c"), "ready"
-        )
-        log = cluster.broker_log.read_text()[offset:]
-        assert "lost: no heartbeat" not in log
-        assert "not lost yet" in log
+        await asyncio.sleep(4.5)
     finally:
-        await cluster.stop()
+        cluster.broker.send_signal(signal.SIGCONT)
+    await asyncio.sleep(2.0)  # two lost-node checks after the resume
+    nodes = await _ops(cluster, "/api/nodes")
+    assert {n["node_id"]: n["state"] for n in nodes} == dict.fromkeys(
+        ("node-a", "node-b", "node-c"), "ready"
+    )
+    log = cluster.broker_log.read_text()[offset:]
+    assert "lost: no heartbeat" not in log
+    assert "not lost yet" in log
 
 
 async def test_lost_nodes_vanished_replicas_and_the_watch_stream(cluster: Cluster) -> None:
