@@ -40,8 +40,8 @@ from runtime.model import DEVICES, OnnxModel
 from runtime.pem import TlsIdentity, read_pem
 from runtime.rpc.auth import BearerToken, require_token
 from runtime.rpc.measurement import measure_calls
-from runtime.rpc.registration import add_servicer
-from runtime.rpc.servicer import InferenceServicer, ServingState
+from runtime.rpc.registration import add_servicer, raw_messages
+from runtime.rpc.servicer import RAW_METHODS, InferenceServicer, ServingState
 from runtime.rpc.status import parse_in_handler
 from runtime.tls import check_listener, listen, server_credentials
 
@@ -153,6 +153,7 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
         # The token is checked first: a refused call's request is never parsed (nor
         # counted); the measurement then includes the parsing.
         [
+            raw_messages(RAW_METHODS),
             parse_in_handler,
             measure_calls(model_metrics),
             require_token(BearerToken(settings.token)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +12,8 @@ from protos.inference import grpc_service_pb2 as pb
 from runtime.datatypes import NUMPY_DTYPES, datatype_from_numpy
 from runtime.errors import InvalidInput, quote
 from runtime.model import RequestTensor, TensorSpec
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 # Which typed-contents field carries each datatype, and the dtype to read it as. FP16 has
 # no typed field in the protocol: it travels as raw contents only.
@@ -64,26 +67,37 @@ def request_tensors(request: pb.ModelInferRequest) -> list[RequestTensor]:
     return tensors
 
 
-def infer_response(
-    request: pb.ModelInferRequest, names: Sequence[str], arrays: Sequence[np.ndarray]
+def response_header(
+    model_name: str, request_id: str, names: Sequence[str], arrays: Sequence[np.ndarray]
 ) -> pb.ModelInferResponse:
-    """A response with every output as raw contents, in the order of `names`."""
-    response = pb.ModelInferResponse(
-        model_name=request.model_name, model_version="1", id=request.id
-    )
+    """A response naming every output (datatype, shape), in the order of `names`, without
+    their contents."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version="1", id=request_id)
     for name, array in zip(names, arrays, strict=True):
-        datatype = datatype_from_numpy(array.dtype)
-        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
-        response.raw_output_contents.append(_raw_bytes(array, datatype))
+        response.outputs.add(
+            name=name, datatype=datatype_from_numpy(array.dtype), shape=array.shape
+        )
     return response
 
 
-def _raw_bytes(array: np.ndarray, datatype: str) -> bytes:
-    if datatype == "BYTES":
+def infer_response(
+    model_name: str, request_id: str, names: Sequence[str], arrays: Sequence[np.ndarray]
+) -> pb.ModelInferResponse:
+    """A response with every output as raw contents, in the order of `names`."""
+    response = response_header(model_name, request_id, names, arrays)
+    response.raw_output_contents.extend(raw_bytes(array) for array in arrays)
+    return response
+
+
+def raw_bytes(array: np.ndarray) -> bytes:
+    """An output's raw contents: little-endian, C order; the protocol's layout for BYTES."""
+    if array.dtype.kind in "OSU":
         # The protocol's raw BYTES layout: each element as a 4-byte little-endian length
         # followed by its bytes.
         items = (v if isinstance(v, bytes) else str(v).encode() for v in array.flat)
         return b"".join(struct.pack("<I", len(item)) + item for item in items)
+    if array.dtype.isnative and _LITTLE_ENDIAN:
+        return array.tobytes()  # C order whatever the array's layout
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 

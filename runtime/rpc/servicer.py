@@ -11,14 +11,16 @@ from concurrent.futures import Executor
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from runtime.errors import ModelNotFound, NotReady, quote
+from runtime.errors import InvalidInput, ModelNotFound, NotReady, quote
 from runtime.metrics import ModelMetrics
 from runtime.model import OnnxModel
 from runtime.rpc import convert
-from runtime.rpc.status import mapped_errors
+from runtime.rpc.plans import Plan, Plans, split_request
+from runtime.rpc.status import UNDECODABLE, mapped_errors
 from runtime.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 SERVER_NAME = "edge-offload-runtime"
 MODEL_VERSION = "1"
 PLATFORM = "onnxruntime_onnx"
+RAW_METHODS = frozenset({"/inference.GRPCInferenceService/ModelInfer"})
+"""Methods the servicer implements on serialized messages (bytes in, bytes out)."""
 
 
 class ServingState:
@@ -82,6 +86,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._executor = executor
         self._compute = metrics.compute
         self._queued = metrics.queued
+        self._plans = Plans()
 
     def _model(self, name: str, version: str) -> OnnxModel:
         if name != self._name or version not in ("", MODEL_VERSION):
@@ -126,22 +131,45 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     @mapped_errors
-    async def ModelInfer(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelInferResponse:
+    async def ModelInfer(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Registered without a (de)serializer (`RAW_METHODS`): a request whose header has a
+        plan skips parsing and response building (`runtime.rpc.plans`); any other takes the
+        full path, which makes the plan for the next one."""
+        split = split_request(raw)
+        if split is not None:
+            plan = self._plans.get(split[0])
+            if plan is not None:
+                feeds = plan.feeds(split[1])
+                if feeds is not None:
+                    model = self._state.accepting()
+                    with self._state.track():
+                        arrays = await self._run(model, feeds, plan.names)
+                    return plan.response(arrays)
+        try:
+            request = pb.ModelInferRequest.FromString(raw)
+        except DecodeError as err:
+            raise InvalidInput(f"ModelInfer: {UNDECODABLE}") from err
         model = self._model(request.model_name, request.model_version)
         with self._state.track():
             feeds = model.prepare(convert.request_tensors(request))
             names = model.output_names([o.name for o in request.outputs])
-            if self._state.inline:
-                started = time.perf_counter()
-                try:
-                    arrays = model.run(feeds, names)
-                finally:
-                    self._compute.observe(time.perf_counter() - started)
-            else:
-                arrays = await self._run_in_worker(model, feeds, names)
-        return convert.infer_response(request, names, arrays)
+            arrays = await self._run(model, feeds, names)
+        if split is not None:
+            self._plans.add(split[0], Plan(request, feeds, names, arrays))
+        return convert.infer_response(
+            request.model_name, request.id, names, arrays
+        ).SerializeToString()
+
+    async def _run(
+        self, model: OnnxModel, feeds: Mapping[str, np.ndarray], names: Sequence[str]
+    ) -> list[np.ndarray]:
+        if not self._state.inline:
+            return await self._run_in_worker(model, feeds, names)
+        started = time.perf_counter()
+        try:
+            return model.run(feeds, names)
+        finally:
+            self._compute.observe(time.perf_counter() - started)
 
     async def _run_in_worker(
         self, model: OnnxModel, feeds: Mapping[str, np.ndarray], names: Sequence[str]

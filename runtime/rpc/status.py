@@ -95,6 +95,9 @@ def error_mapper(table: StatusTable) -> Callable[[F], F]:
 
 
 Parse = Callable[[bytes], Any]
+UNDECODABLE = (
+    "the request is not a valid message (corrupt protobuf, or invalid UTF-8 in a string field)"
+)
 
 
 async def _parsed(parse: Parse, raw: bytes, method: str, context: grpc.aio.ServicerContext) -> Any:
@@ -103,8 +106,7 @@ async def _parsed(parse: Parse, raw: bytes, method: str, context: grpc.aio.Servi
     except DecodeError:
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"{method}: the request is not a valid message "
-            "(corrupt protobuf, or invalid UTF-8 in a string field)",
+            f"{method}: {UNDECODABLE}",
         )
 
 

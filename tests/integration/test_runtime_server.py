@@ -211,6 +211,11 @@ BAD_REQUESTS = {
         "INVALID_ARGUMENT",
         "2 raw_input_contents for 3 inputs",
     ),
+    "raw bytes short": (
+        _mutate(lambda r: r.raw_input_contents.__setitem__(0, bytes(31))),
+        "INVALID_ARGUMENT",
+        "input 'x' has 31 bytes of raw contents; shape [2, 4] of FP32 needs 32",
+    ),
     "raw and typed": (_mutate(_both), "INVALID_ARGUMENT", "use one or the other"),
     "typed count": (
         _mutate(_typed_short),
@@ -242,15 +247,50 @@ BAD_REQUESTS = {
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
-async def test_bad_request_is_refused_and_server_keeps_serving(served, probe_inputs, case) -> None:
+@pytest.mark.parametrize("planned", [False, True], ids=["first", "after-a-good-one"])
+async def test_bad_request_is_refused_and_server_keeps_serving(
+    served, probe_inputs, case, planned: bool
+) -> None:
+    """`planned`: a good request went first, so the server has a plan for its header (the
+    fast path, `runtime.rpc.plans`); a bad request is refused alike either way."""
     build, code, message = case
     _, stub = served
+    if planned:
+        await stub.ModelInfer(raw_request(probe_inputs), metadata=AUTH)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.ModelInfer(build(probe_inputs), metadata=AUTH)
     assert caught.value.code().name == code
     assert message in caught.value.details()
     response = await stub.ModelInfer(raw_request(probe_inputs), metadata=AUTH)
     assert len(response.outputs) == 3
+
+
+async def test_a_repeated_request_shape_is_answered_alike_without_parsing(
+    served, probe_inputs
+) -> None:
+    """The first request of a shape takes the full path and makes a plan; the next ones,
+    other values and ids with the same header or not, take the plan (or the full path) and
+    are answered with what the full path would send, byte for byte."""
+    running, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        rng = np.random.default_rng(7)
+        for step in range(6):
+            inputs = {
+                "x": rng.standard_normal((2, 4)).astype(np.float32),
+                "k": rng.integers(-9, 9, 2),
+                "m": rng.standard_normal((2, 2)).astype(np.float16),
+            }
+            # An odd-length name shifts every raw entry off its alignment.
+            request = infer_request("probe", inputs, request_id="odd" if step % 2 else "ev")
+            raw = await infer(request.SerializeToString(), metadata=AUTH)
+            response = pb.ModelInferResponse.FromString(raw)
+            got = response_arrays(response)
+            assert response.id == request.id and response.model_name == "probe"
+            np.testing.assert_array_equal(got["y"], inputs["x"] * 2)
+            np.testing.assert_array_equal(got["z"], inputs["k"] + 1)
+            np.testing.assert_array_equal(got["h"], inputs["m"])
+            assert raw == response.SerializeToString()
 
 
 @pytest.mark.parametrize(
