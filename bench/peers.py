@@ -10,7 +10,10 @@ so that machine noise falls on all of them alike:
                   same ONNX file with the same ONNX Runtime version and session options as
                   ours, read back from a session our runtime's code opened), as a plain
                   process in a session of its own, as ours is;
-  - ours-process: our runtime (`python -m runtime.server`) as a plain process;
+  - ours-process: our runtime (`python -m runtime.server`) as a plain process, started by
+                  the node daemon's ProcessRuntime;
+  - ours-asyncio: the same on the standard library's event loop (`--event-loop asyncio`),
+                  to show what the default uvloop contributes;
   - ours-docker:  our runtime in its container, through Docker's published port (skipped,
                   with the reason printed, only where no Docker engine answers).
 Figures: p50/p99/p99.9 of one request at a time, overhead over ort's p50 and over echo's
@@ -84,9 +87,9 @@ another process over every contender instead of one."""
 KSERVE_REQUIREMENT = "kserve>=0.21"
 REPORTED_PACKAGES = ("kserve", "onnxruntime", "grpcio", "protobuf", "numpy")
 STAMP = "edge-offload-peers.json"
-SERVERS = ("kserve", "ours-process", "ours-docker")
+SERVERS = ("kserve", "ours-process", "ours-asyncio", "ours-docker")
 CONTENDERS = ("ort", "echo", *SERVERS)
-OURS = ("ours-process", "ours-docker")
+OURS = ("ours-process", "ours-asyncio", "ours-docker")
 DEFAULT_MODELS = ("mlp", "resnet18", "silero_vad")
 MLP_MODELS = ("mlp",)
 CNN_MODELS = ("resnet18", "mobilenetv2")
@@ -270,21 +273,52 @@ async def kserve_server(
     ServerReady and ModelReady say true, and stops it (SIGTERM) on the way out. PeerFailed,
     with its log's tail, when it exits or is not ready within READY_TIMEOUT_S."""
     grpc_port, http_port = _free_ports(2)
-    log = workdir / f"kserve-{name}.log"
+    command = [
+        str(env.python), "-I", str(KSERVE_SCRIPT),
+        "--model_path", str(model_path), "--model_name", name,
+        "--session_options", json.dumps(session),
+        "--grpc_port", str(grpc_port), "--http_port", str(http_port), "--workers", "1",
+    ]  # fmt: skip
+    async with _served("kserve", command, grpc_port, name, workdir, workdir) as endpoint:
+        yield endpoint
+
+
+@contextlib.asynccontextmanager
+async def asyncio_runtime(model_path: Path, name: str, workdir: Path) -> AsyncIterator[str]:
+    """Our runtime on the standard library's event loop (`--event-loop asyncio`), started as
+    ProcessRuntime starts a replica but for that flag: what the default uvloop contributes.
+    Yields its endpoint once ready; PeerFailed like `kserve_server`."""
+    (port,) = _free_ports(1)
+    token = workdir / "asyncio-token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    command = [
+        sys.executable, "-m", "runtime.server", "--model", str(model_path), "--name", name,
+        "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1",
+        "--token-file", str(token), "--warmup-inputs", str(workdir / "inputs.npz"),
+        "--event-loop", "asyncio",
+    ]  # fmt: skip
+    async with _served("ours-asyncio", command, port, name, workdir, _REPO_ROOT) as endpoint:
+        yield endpoint
+
+
+@contextlib.asynccontextmanager
+async def _served(
+    kind: str, command: Sequence[str], port: int, name: str, workdir: Path, cwd: Path
+) -> AsyncIterator[str]:
+    """Run `command` in `cwd` (a server for model `name` on loopback `port`, its log in
+    `workdir`) until the way out."""
+    log = workdir / f"{kind}-{name}.log"
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
-            str(env.python), "-I", str(KSERVE_SCRIPT),
-            "--model_path", str(model_path), "--model_name", name,
-            "--session_options", json.dumps(session),
-            "--grpc_port", str(grpc_port), "--http_port", str(http_port), "--workers", "1",
-            stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
+            *command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
             # Its own session, like ProcessRuntime's replicas: with the kernel's autogroup
             # scheduling a session is a CPU-share group, and a busy machine would otherwise
             # give this server a smaller share than ours.
             start_new_session=True,
         )  # fmt: skip
     try:
-        endpoint = f"127.0.0.1:{grpc_port}"
+        endpoint = f"127.0.0.1:{port}"
 
         async def alive() -> None:
             if process.returncode is not None:
@@ -293,7 +327,7 @@ async def kserve_server(
         try:
             await wait_ready(endpoint, TOKEN, name, READY_TIMEOUT_S, alive=alive)
         except (ReplicaFailed, TimeoutError) as err:
-            raise PeerFailed(f"kserve server for {name}: {err}\n{_log_tail(log)}") from err
+            raise PeerFailed(f"{kind} server for {name}: {err}\n{_log_tail(log)}") from err
         yield endpoint
     finally:
         await uncancellable(_stop_process(process))
@@ -337,6 +371,10 @@ async def bench_model(
         if "kserve" in args.servers:
             servers["kserve"] = await stack.enter_async_context(
                 kserve_server(env, model, name, session, tmp)
+            )
+        if "ours-asyncio" in args.servers:
+            servers["ours-asyncio"] = await stack.enter_async_context(
+                asyncio_runtime(model, name, tmp)
             )
         for kind, runtime in runtimes.items():
             spec = ReplicaSpec(f"bench-peers-{name}-{kind}", model, name, TOKEN,

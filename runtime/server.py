@@ -32,6 +32,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import uvloop
 
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.errors import ModelLoadError
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_INLINE_BELOW_MS = 20.0
+EVENT_LOOPS = ("uvloop", "asyncio")
 DEFAULT_METRICS_PORT = 8002
 """Triton's metrics port, beside its (and our) gRPC port 8001."""
 METRICS_OFF = -1
@@ -85,6 +87,8 @@ class RuntimeSettings:
     servers made in one process (tests, benchmarks) do not contend for a port."""
     tls: TlsIdentity | None = None
     """The certificate and key gRPC serves TLS with; None: plaintext."""
+    event_loop: str = "uvloop"
+    """`main`'s event loop: one of `EVENT_LOOPS`."""
 
 
 @dataclass(slots=True)
@@ -388,6 +392,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ONNX Runtime threads per inference (0: its default)",
     )
     p.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="uvloop",
+        help="uvloop (default): libuv's loop, which took tens of microseconds off each call "
+        "of a small model here (docs/BENCHMARKS.md); asyncio: the standard library's",
+    )
+    p.add_argument(
         "--warmup-inputs",
         type=Path,
         metavar="FILE.npz",
@@ -444,6 +455,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         inline_below_ms=args.inline_below_ms,
         intra_op_threads=args.intra_op_threads,
         warmup_inputs=args.warmup_inputs,
+        event_loop=args.event_loop,
         metrics_port=None if metrics_port == METRICS_OFF else metrics_port,
         tls=tls,
     )
@@ -455,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        logger.info("event loop: %s", settings.event_loop)
+        if settings.event_loop == "uvloop":
+            return uvloop.run(serve(settings))
         return asyncio.run(serve(settings))
     except (OSError, ModelLoadError) as err:
         logger.error("%s", err)

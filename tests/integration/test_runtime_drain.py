@@ -2,7 +2,8 @@
 
 In both ways the runtime runs inferences: in worker threads (the drain waits for the ones
 running) and inline on the event loop (requests gRPC received while an inference held the
-loop are answered UNAVAILABLE, not cut by the stop).
+loop are answered UNAVAILABLE, not cut by the stop); and on both event loops `--event-loop`
+offers.
 """
 
 from __future__ import annotations
@@ -61,12 +62,15 @@ async def _spawn(
     [("0", "worker thread"), ("100000", "inline on the event loop")],
     ids=["threads", "inline"],
 )
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 async def test_sigterm_finishes_accepted_requests(
-    tmp_path: Path, inline_below_ms: str, mode: str
+    tmp_path: Path, inline_below_ms: str, mode: str, event_loop: str
 ) -> None:
     model = modelzoo.model_path("resnet18")
     request = infer_request(model.stem, modelzoo.sample_inputs(model))
-    process, endpoint = await _spawn(tmp_path, model, "--inline-below-ms", inline_below_ms)
+    process, endpoint = await _spawn(
+        tmp_path, model, "--inline-below-ms", inline_below_ms, "--event-loop", event_loop
+    )
     results: list[tuple[float, float, grpc.StatusCode, str]] = []
     signalled = asyncio.Event()
     warmed = asyncio.Event()
@@ -105,6 +109,7 @@ async def test_sigterm_finishes_accepted_requests(
     log = (tmp_path / "runtime.log").read_text()
     assert exit_code == 0, log
     assert mode in log, log
+    assert f"event loop: {event_loop}" in log, log
     failures = [r for r in results if r[2] != grpc.StatusCode.OK]
     # Not accepted, so allowed to fail: refused while draining (UNAVAILABLE), refused by a
     # closed port (UNAVAILABLE), or sent after the signal and cut by gRPC's own shutdown
