@@ -395,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--event-loop",
         choices=EVENT_LOOPS,
         default="uvloop",
-        help="uvloop (default): libuv's loop, which took tens of microseconds off each call "
-        "of a small model here (docs/BENCHMARKS.md); asyncio: the standard library's",
+        help="uvloop (default): libuv's loop, which took about 0.05 ms off each call of a "
+        "small model (docs/BENCHMARKS.md, bench.peers); asyncio: the standard library's",
     )
     p.add_argument(
         "--warmup-inputs",
