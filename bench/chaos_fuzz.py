@@ -29,6 +29,10 @@ INTEGERS_32 = (0, 1, -1, 2, 3, 4, 100, 99999, 2**31 - 1, -(2**31))
 UNSIGNED = (0, 1, 2, 99999, 2**32 - 1)
 STRINGS = ("", "a", HUGE, "\x00\x1b[31mred\x1b[0m\n", "../../../etc/passwd", "é漢字🙂", " a ", "-")
 NOT_UTF8 = b"\xff\xfe\xc3("
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024 - 1024
+"""Longer generated messages are cut to this (into bytes that may not parse): the callers'
+channels send at most 8 MiB, and a longer message would be refused by the client's own gRPC
+(on a stream as INTERNAL, "Internal error from Core") without reaching the server."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +115,8 @@ def random_requests(
 ) -> list[list[bytes]]:
     """Serialized requests for `method`, one list per call (several messages for a client
     stream): `field_calls` with random fields (a third of them with a string that is not
-    UTF-8 appended, which wins over the valid one), then `byte_calls` of random bytes."""
+    UTF-8 appended, which wins over the valid one; each cut to `MAX_MESSAGE_BYTES`), then
+    `byte_calls` of random bytes."""
     request_type = GetMessageClass(method.input_type)
     calls: list[list[bytes]] = []
     for number in range(field_calls):
@@ -122,7 +127,7 @@ def random_requests(
         ]
         if number % 3 == 2:
             messages[0] += _not_utf8(method.input_type, rng)
-        calls.append(messages)
+        calls.append([m[:MAX_MESSAGE_BYTES] for m in messages])
     for _ in range(byte_calls):
         calls.append([rng.randbytes(rng.choice((1, 7, 64, 1024)))])
     return calls
@@ -136,15 +141,24 @@ async def call_raw(
     timeout_s: float,
 ) -> tuple[grpc.StatusCode, str]:
     """One call of `method` with serialized messages (one, or a client stream): its status
-    and details. A server stream is read to its first message (a watch never ends)."""
+    and details. A server stream is read to its first message (a watch never ends).
+
+    A bidirectional stream (one answer per message) gets each message only after the answer
+    to the one before: once the server has ended the stream (refusing a message), a write
+    would fail in the client's own gRPC core ("Internal error from Core", INTERNAL) and hide
+    the status the server gave."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     try:
         if method.client_streaming and method.server_streaming:
-            call = channel.stream_stream(path)(
-                iter(messages), metadata=metadata, timeout=timeout_s
-            )
-            async for _answer in call:  # one per message, then the stream ends
-                pass
+            call = channel.stream_stream(path)(metadata=metadata, timeout=timeout_s)
+            for message in messages:
+                await call.write(message)
+                if await call.read() is grpc.aio.EOF:
+                    break
+            else:
+                await call.done_writing()
+                while await call.read() is not grpc.aio.EOF:
+                    pass
             return await call.code(), await call.details() or ""
         if method.client_streaming:
             await channel.stream_unary(path)(iter(messages), metadata=metadata, timeout=timeout_s)
