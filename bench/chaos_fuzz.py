@@ -20,6 +20,8 @@ import grpc
 from google.protobuf import descriptor
 from google.protobuf.message_factory import GetMessageClass
 
+from runtime.rpc.plans import encode_varint
+
 FD: TypeAlias = descriptor.FieldDescriptor
 
 HUGE = "x" * 100_000
@@ -87,15 +89,6 @@ def _value(f: FD, rng: random.Random, known: Known, depth: int) -> Any:
     raise ValueError(f"no generator for field {f.full_name} of type {kind}")
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
 def _not_utf8(message_type: descriptor.Descriptor, rng: random.Random) -> bytes:
     """One string field of `message_type` holding bytes that are not UTF-8 (the Python API
     cannot build that: it is written by hand, key then length); empty when it has none."""
@@ -103,7 +96,7 @@ def _not_utf8(message_type: descriptor.Descriptor, rng: random.Random) -> bytes:
     if not strings:
         return b""
     number = rng.choice(strings).number
-    return _varint(number << 3 | 2) + _varint(len(NOT_UTF8)) + NOT_UTF8
+    return encode_varint(number << 3 | 2) + encode_varint(len(NOT_UTF8)) + NOT_UTF8
 
 
 def random_requests(

@@ -138,7 +138,7 @@ class Plan:
         parts = [self._header]
         for array in arrays:
             data = convert.raw_bytes(array)
-            parts += (RAW_OUTPUT_TAG, _encode_varint(len(data)), data)
+            parts += (RAW_OUTPUT_TAG, encode_varint(len(data)), data)
         return b"".join(parts)
 
     @staticmethod
@@ -146,7 +146,8 @@ class Plan:
         return tuple((a.dtype, a.shape) for a in arrays)
 
 
-def _encode_varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """`value` (non-negative) as a protobuf varint."""
     out = bytearray()
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
@@ -166,6 +167,11 @@ class Plans:
     def get(self, header: bytes) -> Plan | None:
         return self._plans.get(header)
 
+    @property
+    def full(self) -> bool:
+        """No room for another plan: the caller need not make one."""
+        return len(self._plans) >= self._capacity
+
     def add(self, header: bytes, plan: Plan) -> None:
-        if len(self._plans) < self._capacity:
+        if not self.full:
             self._plans[header] = plan

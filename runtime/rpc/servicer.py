@@ -154,7 +154,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             feeds = model.prepare(convert.request_tensors(request))
             names = model.output_names([o.name for o in request.outputs])
             arrays = await self._run(model, feeds, names)
-        if split is not None:
+        if split is not None and not self._plans.full:
             self._plans.add(split[0], Plan(request, feeds, names, arrays))
         return convert.infer_response(
             request.model_name, request.id, names, arrays

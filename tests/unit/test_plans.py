@@ -113,6 +113,7 @@ def test_plans_keep_at_most_their_capacity() -> None:
     plans = Plans(capacity=2)
     plan, _ = plan_for(request_bytes())
     for header in (b"a", b"b", b"c"):
+        assert plans.full is (header == b"c")
         plans.add(header, plan)
     assert plans.get(b"a") is plan and plans.get(b"b") is plan
     assert plans.get(b"c") is None
