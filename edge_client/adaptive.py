@@ -9,6 +9,14 @@ Policies (`Policy`):
 - ``local``: always the local model.
 - ``remote-then-local``: the replica while it answers; the local model only while it does
   not (a fallback), probing the replica again with backoff.
+
+A probe of the replica while it loses or is down races the local model
+(`Decision.local_reason`): the client runs the request on both at once and answers with the
+first, and the other side's figure is recorded when it comes, not counted as a request. A
+slow or dead link then costs the application nothing when it is probed; a recovered one
+answers first. One race at a time: while a raced probe is out, a probe that falls due waits
+(the winner serves) and a replica short of figures is not sent another. A probe of the local
+model never races: it would run on the device's CPU beside the replica's request.
 - ``fastest`` (the default with a local model): the side whose recent figures are lower.
   A figure is one request's latency as the client measured it: for the replica the whole
   round trip, transfer included; for the local model its compute time. Each side's estimate
@@ -90,6 +98,10 @@ class Reason(enum.StrEnum):
 class Decision:
     target: Target
     reason: Reason
+    local_reason: Reason | None = None
+    """Set on a probe of the replica that races the local model: the reason the local run
+    counts under when its answer is the one the application gets. The caller runs both, and
+    calls `race_over` once the replica's side has ended, whatever its outcome."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,11 +161,15 @@ class OffloadStats:
     """The local model's file name; empty without one."""
     decisions: tuple[DecisionCount, ...]
     """Requests per (side, reason) that succeeded or were answered by the side (a request
-    that fell back counts once, as local/fallback)."""
+    that fell back counts once, as local/fallback; a raced probe once, under the side whose
+    answer the application got)."""
     remote_requests: int
     local_requests: int
     fallbacks: int
     """Requests the replica failed and the local model then served."""
+    raced: int
+    """Probes of the replica raced against the local model (each counted once in
+    `decisions`, under the side whose answer came first)."""
     remote_estimate_ms: float | None
     """Median of the replica's recent round trips; None without figures."""
     local_estimate_ms: float | None
@@ -197,6 +213,8 @@ class OffloadChooser:
         self._retry_at = 0.0
         self._retry_wait_s = self.settings.retry_min_s
         self._down_probe_in_flight = False
+        self._racing = False
+        self._raced = 0
         self._counts: Counter[tuple[Target, Reason]] = Counter()
         self._fallbacks = 0
 
@@ -218,24 +236,31 @@ class OffloadChooser:
         if self.policy == Policy.LOCAL:
             return Decision(Target.LOCAL, Reason.POLICY)
         if self._down:
-            if now >= self._retry_at and not self._down_probe_in_flight:
+            if now >= self._retry_at and not self._down_probe_in_flight and not self._racing:
                 self._down_probe_in_flight = True
-                return Decision(Target.REMOTE, Reason.PROBE)
+                return self._race(Reason.REMOTE_DOWN)
             return Decision(Target.LOCAL, Reason.REMOTE_DOWN)
         if self.policy == Policy.REMOTE_THEN_LOCAL:
             return Decision(Target.REMOTE, Reason.POLICY)
         for target in Target:
-            if len(self._figures[target]) < self.settings.min_figures:
-                # Once compared, a side short of figures lost them to a probe that found them
-                # stale (`_figure`): the request that refills them confirms that probe.
-                return Decision(target, Reason.PROBE if self._compared else Reason.MEASURING)
+            if len(self._figures[target]) >= self.settings.min_figures:
+                continue
+            if not self._compared:
+                return Decision(target, Reason.MEASURING)
+            # Once compared, a side short of figures lost them to a probe that found them
+            # stale (`_figure`): the request that refills them confirms that probe.
+            if target == Target.LOCAL:
+                return Decision(target, Reason.PROBE)
+            if self._racing:
+                return Decision(self._winner, Reason.FASTER)
+            return self._race(Reason.FASTER)
         self._compared = True
         self._update_winner()
         loser = Target.LOCAL if self._winner == Target.REMOTE else Target.REMOTE
         self._since_probe += 1
         if self._last_probe_at is None:
             self._last_probe_at = now
-        if (
+        due = (
             self._confirm
             or self._since_probe > self.settings.probe_every
             or (
@@ -243,12 +268,24 @@ class OffloadChooser:
                 and now - self._last_probe_at >= self.settings.probe_interval_s
                 and self._early_probe_affordable(loser)
             )
-        ):
-            self._confirm = False
-            self._since_probe = 0
-            self._last_probe_at = now
-            return Decision(loser, Reason.PROBE)
-        return Decision(self._winner, Reason.FASTER)
+        )
+        if not due or (loser == Target.REMOTE and self._racing):
+            return Decision(self._winner, Reason.FASTER)
+        self._confirm = False
+        self._since_probe = 0
+        self._last_probe_at = now
+        if loser == Target.REMOTE:
+            return self._race(Reason.FASTER)
+        return Decision(loser, Reason.PROBE)
+
+    def _race(self, local_reason: Reason) -> Decision:
+        self._racing = True
+        self._raced += 1
+        return Decision(Target.REMOTE, Reason.PROBE, local_reason)
+
+    def race_over(self) -> None:
+        """The replica's side of a raced probe ended (answered, failed or abandoned)."""
+        self._racing = False
 
     def _early_probe_affordable(self, loser: Target) -> bool:
         winner = self.estimate(self._winner)
@@ -262,13 +299,15 @@ class OffloadChooser:
         """Whether the replica is down and a probe of it is out now."""
         return self._down and self._down_probe_in_flight
 
-    def remote_succeeded(self, decision: Decision, seconds: float) -> None:
-        """The replica answered a request sent by `decision` in `seconds` (round trip)."""
+    def remote_succeeded(self, decision: Decision, seconds: float, counted: bool = True) -> None:
+        """The replica answered a request sent by `decision` in `seconds` (round trip);
+        `counted` False: a raced probe whose other side answered the application first."""
         self._down = False
         self._down_probe_in_flight = False
         self._retry_wait_s = self.settings.retry_min_s
         self._figure(Target.REMOTE, seconds)
-        self._counts[decision.target, decision.reason] += 1
+        if counted:
+            self._counts[decision.target, decision.reason] += 1
 
     def remote_failed(self, now: float) -> None:
         """A remote attempt failed at `now` (unreachable, refused, deadline, no endpoint):
@@ -287,10 +326,13 @@ class OffloadChooser:
         if self._down:
             self._down_probe_in_flight = False
 
-    def local_succeeded(self, decision: Decision, seconds: float) -> None:
+    def local_succeeded(self, decision: Decision, seconds: float, counted: bool = True) -> None:
         """The local model answered a request sent by `decision` (or by a fallback) in
-        `seconds`; a fallback counts as local/fallback whatever `decision` said."""
+        `seconds`; a fallback counts as local/fallback whatever `decision` said. `counted`
+        False: the local side of a raced probe that the replica answered first."""
         self._figure(Target.LOCAL, seconds)
+        if not counted:
+            return
         if decision.target == Target.REMOTE:
             self._fallbacks += 1
             self._counts[Target.LOCAL, Reason.FALLBACK] += 1
@@ -348,6 +390,7 @@ class OffloadChooser:
             remote_requests=sum(n for (t, _), n in self._counts.items() if t == Target.REMOTE),
             local_requests=sum(n for (t, _), n in self._counts.items() if t == Target.LOCAL),
             fallbacks=self._fallbacks,
+            raced=self._raced,
             remote_estimate_ms=remote * 1000 if remote is not None else None,
             local_estimate_ms=local * 1000 if local is not None else None,
             remote_reachable=not self._down,

@@ -71,6 +71,7 @@ from edge_client.adaptive import (
     OffloadChooser,
     OffloadStats,
     Policy,
+    Reason,
     Target,
     parse_policy,
 )
@@ -202,6 +203,18 @@ def _deployment(message: pb.Deployment) -> Deployment:
     )
 
 
+class _Race:
+    """The two sides of a raced probe: the first to answer is the application's."""
+
+    def __init__(self) -> None:
+        self._claimed = False
+
+    def claim(self) -> bool:
+        """True for the first side to answer, False after."""
+        first, self._claimed = not self._claimed, True
+        return first
+
+
 class _Replica:
     """One epoch's endpoint: its channel, and the calls in flight on it."""
 
@@ -327,7 +340,7 @@ class OffloadClient:
         self._replica: _Replica | None = None
         self._retiring: set[_Replica] = set()
         self._watch_task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         # Replaced by a fresh event each time it is set: a waiter wakes on the next one.
         self._switched = asyncio.Event()
         self._succeeded = asyncio.Event()
@@ -987,6 +1000,9 @@ class OffloadClient:
                 raise InvalidInput(f"inputs cannot be encoded: {err}") from err
         started = time.monotonic()
         decision = self._chooser.choose(started)
+        if decision.local_reason is not None and self._local is not None:
+            local_reason = decision.local_reason
+            return await self._race(decision, local_reason, request, inputs, outputs, started)
         if decision.target == Target.REMOTE:
             fallback = self._chooser.can_fall_back and self._local is not None
             try:
@@ -997,16 +1013,63 @@ class OffloadClient:
                 logger.debug("%s; served by the local model", err)
         return await self._infer_local(decision, inputs, outputs, started)
 
+    async def _race(
+        self,
+        decision: Decision,
+        local_reason: Reason,
+        request: ipb.ModelInferRequest | None,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        started: float,
+    ) -> dict[str, np.ndarray]:
+        """A probe of the replica raced against the local model (`Decision.local_reason`):
+        both run at once and the first answer is the application's. Neither side is
+        cancelled when the other answers: the later one's figure is recorded (uncounted)
+        when it comes; `close` cancels what is left. Raises the local side's error when both
+        fail (the replica's when only it could say why)."""
+        race = _Race()
+        remote = self._racer(self._infer_remote(decision, request, started, True, race))
+        remote.add_done_callback(lambda _: self._chooser.race_over())
+        local_decision = Decision(Target.LOCAL, local_reason)
+        local = self._racer(self._infer_local(local_decision, inputs, outputs, started, race))
+        errors: dict[asyncio.Task[Any], BaseException] = {}
+        pending: set[asyncio.Task[Any]] = {local, remote}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.cancelled():
+                    errors[task] = NotConnected("the client was closed during the call")
+                elif (error := task.exception()) is not None:
+                    errors[task] = error
+                else:
+                    answer: dict[str, np.ndarray] = task.result()
+                    return answer
+        self._observer.record(started, time.monotonic(), ok=False)
+        raise errors.get(local) or errors[remote]
+
+    def _racer(
+        self, coro: Coroutine[Any, Any, dict[str, np.ndarray]]
+    ) -> asyncio.Task[dict[str, np.ndarray]]:
+        """One side of a race, owned by the client (`close` cancels it); its error is the
+        race's to raise, or expected (the losing side of a probe), so it is not logged."""
+        task = asyncio.create_task(coro, name="offload-race")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
     async def _infer_remote(
         self,
         decision: Decision,
         request: ipb.ModelInferRequest | None,
         started: float,
         fallback: bool,
+        race: _Race | None = None,
     ) -> dict[str, np.ndarray]:
         """One request on the replica (and its one retry). With `fallback` a failure the
         local model can serve is raised without being recorded (the local answer will be),
-        and the retry goes only to a newer endpoint that is already there."""
+        and the retry goes only to a newer endpoint that is already there. In a `race` it
+        records nothing the application sees unless its answer comes first."""
         answered = False
         retried = False
         try:
@@ -1049,15 +1112,17 @@ class OffloadClient:
                 self._chooser.remote_abandoned()
             # A request with no deployment to go to was never sent: it is not counted.
             served_locally = fallback and isinstance(err, (*_FALLS_BACK, NotDeployed))
-            if not (served_locally or isinstance(err, NotDeployed)):
+            if not (served_locally or isinstance(err, NotDeployed) or race):
                 self._observer.record(started, time.monotonic(), ok=False, retried=retried)
             raise
         finally:
             if not answered:
                 self._chooser.remote_abandoned()
         finished = time.monotonic()
-        self._chooser.remote_succeeded(decision, finished - started)
-        self._observer.record(started, finished, ok=True, retried=retried)
+        counted = race is None or race.claim()
+        self._chooser.remote_succeeded(decision, finished - started, counted)
+        if counted:
+            self._observer.record(started, finished, ok=True, retried=retried)
         if not replica.answered:
             replica.answered = True
             if replica.migration_id:
@@ -1072,19 +1137,24 @@ class OffloadClient:
         inputs: Mapping[str, np.ndarray],
         outputs: Sequence[str],
         started: float,
+        race: _Race | None = None,
     ) -> dict[str, np.ndarray]:
-        """One request on the local model, in a worker thread."""
+        """One request on the local model, in a worker thread (in a `race`, as
+        `_infer_remote`)."""
         local = self._local
         assert local is not None  # the chooser picks local only with a local model
         begun = time.monotonic()
         try:
             arrays = await asyncio.to_thread(local.run, inputs, outputs)
         except OffloadError:
-            self._observer.record(started, time.monotonic(), ok=False)
+            if race is None:
+                self._observer.record(started, time.monotonic(), ok=False)
             raise
         finished = time.monotonic()
-        self._chooser.local_succeeded(decision, finished - begun)
-        self._observer.record(started, finished, ok=True)
+        counted = race is None or race.claim()
+        self._chooser.local_succeeded(decision, finished - begun, counted)
+        if counted:
+            self._observer.record(started, finished, ok=True)
         self._succeeded.set()
         self._succeeded = asyncio.Event()
         return arrays

@@ -38,8 +38,10 @@ class LocalModel:
 
     @classmethod
     def load(cls, path: Path, threads: int = 0) -> LocalModel:
-        """Load `path` on the CPU (no warm-up: zeros do not suit every model, and the first
-        request's figure is one of several in the estimate). Blocking.
+        """Load `path` on the CPU and warm it up: one inference on zeros, as a replica does
+        (`OnnxModel.warm_up`), so the first request's figure is not ONNX Runtime's lazy
+        set-up, which `fastest` would read as a slow device. A model zeros do not suit loads
+        all the same (logged); its first request pays that set-up. Blocking.
         `threads`: ONNX Runtime's intra-op threads; 0: the CPUs this process may use
         (`usable_cpus`: a container's CPU limit, not the host's core count ONNX Runtime
         would count). InvalidInput when the file is missing or is not a model ONNX Runtime
@@ -51,6 +53,14 @@ class LocalModel:
             model = OnnxModel.load(path, path.stem, device="cpu", intra_op_threads=threads)
         except runtime_errors.ModelLoadError as err:
             raise InvalidInput(f"local model {path} cannot be loaded: {err}") from err
+        try:
+            model.warm_up(timed_runs=0)
+        except runtime_errors.ModelLoadError as err:
+            logger.info(
+                "local model %s not warmed up on zeros (its first request pays the set-up): %s",
+                path.name,
+                err,
+            )
         return cls(model, path)
 
     def run(

@@ -111,7 +111,8 @@ async def test_killing_the_broker_then_the_replicas_node_fails_no_request(
     counts = {(c.target, c.reason): c.requests for c in offload.decisions}
     assert counts[Target.LOCAL, Reason.FALLBACK] >= 1
     assert counts[Target.LOCAL, Reason.REMOTE_DOWN] > 0
-    assert counts[Target.REMOTE, Reason.PROBE] >= 1
+    # The replica came back through probes, each raced against the local model.
+    assert offload.raced >= 1
 
 
 async def test_policies_choose_by_figures_and_local_models_are_checked(
@@ -161,4 +162,8 @@ async def test_policies_choose_by_figures_and_local_models_are_checked(
     counts = {(c.target, c.reason): c.requests for c in offload.decisions}
     assert offload.policy == "fastest" and offload.preferred == Target.LOCAL
     assert counts[Target.REMOTE, Reason.MEASURING] == 2
-    assert counts[Target.LOCAL, Reason.FASTER] > counts.get((Target.REMOTE, Reason.PROBE), 0) > 0
+    # The replica is still probed, each probe raced against the local model: the request
+    # counts once, under the side that answered first (here the local model, nearly always).
+    assert offload.raced > 0
+    assert counts[Target.LOCAL, Reason.FASTER] > counts.get((Target.REMOTE, Reason.PROBE), 0)
+    assert sum(counts.values()) == 60

@@ -20,6 +20,8 @@ from edge_client.adaptive import (
 from edge_client.errors import InvalidInput
 
 REMOTE, LOCAL = Target.REMOTE, Target.LOCAL
+RACED = Decision(REMOTE, Reason.PROBE, local_reason=Reason.FASTER)
+"""A probe of the losing replica, raced against the local model."""
 TIPPING = AdaptiveSettings().window // 2 + 1
 """Slow figures in a row that turn a side's median."""
 
@@ -61,6 +63,8 @@ class Run:
         """One request; `remote_s` None: the replica fails it (and it falls back when the
         policy allows)."""
         decision = self.chooser.choose(self.now)
+        if decision.local_reason is not None:
+            return self.race(decision, decision.local_reason, remote_s, local_s)
         if decision.target == REMOTE:
             if remote_s is not None:
                 self.chooser.remote_succeeded(decision, remote_s)
@@ -71,6 +75,20 @@ class Run:
                 return decision
         self.chooser.local_succeeded(decision, local_s)
         self.now += local_s
+        return decision
+
+    def race(
+        self, decision: Decision, local_reason: Reason, remote_s: float | None, local_s: float
+    ) -> Decision:
+        """A raced probe: both sides run; the first answer is the application's."""
+        remote_first = remote_s is not None and remote_s < local_s
+        if remote_s is None:
+            self.chooser.remote_failed(self.now)
+        else:
+            self.chooser.remote_succeeded(decision, remote_s, counted=remote_first)
+        self.chooser.local_succeeded(Decision(LOCAL, local_reason), local_s, not remote_first)
+        self.chooser.race_over()
+        self.now += remote_s if remote_s is not None and remote_first else local_s
         return decision
 
     def requests(self, n: int, remote_s: float | None, local_s: float) -> list[Decision]:
@@ -119,7 +137,7 @@ def test_only_the_first_figures_of_a_side_are_measuring() -> None:
     decisions = run.requests(10, 0.030, 0.100)
     assert decisions[0] == Decision(LOCAL, Reason.FASTER)
     remote = [d for d in decisions if d.target == REMOTE]
-    assert remote[:2] == [Decision(REMOTE, Reason.PROBE)] * 2
+    assert remote[:2] == [RACED] * 2
     assert Decision(REMOTE, Reason.FASTER) in remote
     counts = {(c.target, c.reason): c.requests for c in run.chooser.summary().decisions}
     assert counts[REMOTE, Reason.MEASURING] == counts[LOCAL, Reason.MEASURING] == 2
@@ -259,23 +277,59 @@ def test_an_unreachable_replica_sends_requests_local_until_a_probe_succeeds(
     assert after and all(d.target == REMOTE for d in after)
     assert run.chooser.summary().remote_reachable
     counts = {(c.target, c.reason): c.requests for c in run.chooser.summary().decisions}
-    assert counts[LOCAL, Reason.FALLBACK] == 2  # the first failure and the failed probe
+    # The first failure fell back; the probes raced the local model, which answered the
+    # failed one (the application never waited for it) and lost to the one that succeeded.
+    assert counts[LOCAL, Reason.FALLBACK] == 1
+    assert counts[LOCAL, Reason.REMOTE_DOWN] == 3 + 1 + 6
     assert counts[REMOTE, Reason.PROBE] == 1
 
 
 def test_one_probe_at_a_time_while_the_replica_is_down() -> None:
     chooser = OffloadChooser(Policy.REMOTE_THEN_LOCAL, AdaptiveSettings(retry_min_s=1.0))
     chooser.remote_failed(0.0)
+    probe = Decision(REMOTE, Reason.PROBE, local_reason=Reason.REMOTE_DOWN)
     assert chooser.choose(0.5) == Decision(LOCAL, Reason.REMOTE_DOWN)
-    assert chooser.choose(1.0) == Decision(REMOTE, Reason.PROBE)
+    assert chooser.choose(1.0) == probe
     assert chooser.probing_down_remote
     # Concurrent requests stay local while the probe is out.
     assert chooser.choose(1.1) == Decision(LOCAL, Reason.REMOTE_DOWN)
-    # A probe that ends with no verdict (cancelled) lets the next request probe.
+    # A probe that ends with no verdict (cancelled) lets the next request probe, once the
+    # race it was in is over.
     chooser.remote_abandoned()
-    assert chooser.choose(1.2) == Decision(REMOTE, Reason.PROBE)
-    chooser.remote_succeeded(Decision(REMOTE, Reason.PROBE), 0.05)
-    assert chooser.choose(1.3) == Decision(REMOTE, Reason.POLICY)
+    assert chooser.choose(1.2) == Decision(LOCAL, Reason.REMOTE_DOWN)
+    chooser.race_over()
+    assert chooser.choose(1.3) == probe
+    chooser.remote_succeeded(probe, 0.05)
+    chooser.race_over()
+    assert chooser.choose(1.4) == Decision(REMOTE, Reason.POLICY)
+
+
+def test_a_probe_of_a_losing_replica_waits_while_a_raced_one_is_out() -> None:
+    """A slow link: the replica's raced probe is still out when the next probe falls due;
+    the winner serves until it ends, then the due probe goes out."""
+    chooser = OffloadChooser(Policy.FASTEST, AdaptiveSettings(probe_every=3, probe_min_requests=1))
+    now = 0.0
+    for _ in range(2):
+        decision = chooser.choose(now)
+        chooser.remote_succeeded(decision, 0.700)
+    for _ in range(2):
+        decision = chooser.choose(now)
+        chooser.local_succeeded(decision, 0.070)
+    decisions = []
+    for _ in range(12):
+        now += 0.07
+        decision = chooser.choose(now)
+        decisions.append(decision)
+        if decision.target == LOCAL:
+            chooser.local_succeeded(decision, 0.070)
+    assert decisions[:3] == [Decision(LOCAL, Reason.FASTER)] * 3
+    assert decisions[3] == RACED
+    assert decisions[4:] == [Decision(LOCAL, Reason.FASTER)] * 8  # the race is still out
+    chooser.remote_succeeded(RACED, 0.700, counted=False)
+    chooser.race_over()
+    assert chooser.choose(now) == RACED  # overdue: at once
+    stats = chooser.summary()
+    assert (stats.remote_requests, stats.preferred) == (2, LOCAL)
 
 
 def test_remote_policy_never_falls_back_but_knows_the_replica_is_down() -> None:

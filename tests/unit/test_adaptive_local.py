@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -76,3 +77,18 @@ def test_local_threads_follow_the_containers_cpu_limit(
     want = cores if expected is None else min(cores, expected)
     assert usable_cpus(tmp_path) == want
     assert usable_cpus(tmp_path / "missing") == cores
+
+
+def test_a_model_zeros_do_not_suit_loads_unwarmed_and_still_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Silero VAD fails on zeros (its sample rate input): warming it up as a replica does
+    fails, which is logged; the model loads and serves real inputs all the same."""
+    caplog.set_level(logging.INFO, logger="edge_client.local")
+    LocalModel.load(modelzoo.model_path("mlp"))
+    assert "not warmed up" not in caplog.text
+    path = modelzoo.model_path("silero_vad")
+    model = LocalModel.load(path, threads=1)
+    assert f"local model {path.name} not warmed up on zeros" in caplog.text
+    outputs = model.run(modelzoo.sample_inputs(path))
+    assert outputs and all(a.size for a in outputs.values())
