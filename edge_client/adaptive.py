@@ -10,13 +10,17 @@ Policies (`Policy`):
 - ``remote-then-local``: the replica while it answers; the local model only while it does
   not (a fallback), probing the replica again with backoff.
 
-A probe of the replica while it loses or is down races the local model
-(`Decision.local_reason`): the client runs the request on both at once and answers with the
-first, and the other side's figure is recorded when it comes, not counted as a request. A
-slow or dead link then costs the application nothing when it is probed; a recovered one
-answers first. One race at a time: while a raced probe is out, a probe that falls due waits
-(the winner serves) and a replica short of figures is not sent another. A probe of the local
-model never races: it would run on the device's CPU beside the replica's request.
+A probe of the replica while it is down, or while its estimate is over `RACE_ABOVE` times
+the local model's (a slow link), races the local model (`Decision.local_reason`): the client
+runs the request on both at once and answers with the first, and the other side's figure is
+recorded when it comes, not counted as a request. A dead or slow link then costs the
+application nothing when it is probed; a recovered one answers first. Only then: on a device
+under a CPU quota the local run slows the replica's request beside it (its client-side
+work), which skews a close comparison (`bench.offload`: a near tie's races took twice either
+side alone; a recovered link's raced probes, slowed so, never beat a 1-CPU device), so a
+replica about as fast as the local model, or faster, is probed alone. One race at a time:
+while a raced probe is out, a probe that falls due waits (the winner serves) and a replica
+short of figures is not sent another. A probe of the local model never races.
 - ``fastest`` (the default with a local model): the side whose recent figures are lower.
   A figure is one request's latency as the client measured it: for the replica the whole
   round trip, transfer included; for the local model its compute time. Each side's estimate
@@ -60,6 +64,9 @@ from edge_client.errors import InvalidInput
 
 RECHECK_AFTER = 3
 """fastest: requests to the new winner before the old one is probed again."""
+RACE_ABOVE = 2.0
+"""A probe of a replica whose estimate is over this many times the local model's races the
+local model (module docstring)."""
 STALE_BELOW = 0.5
 """fastest: a probe under this fraction of the losing side's own estimate means its figures
 are stale (a slow link recovered) even when it does not beat the winner yet."""
@@ -238,7 +245,7 @@ class OffloadChooser:
         if self._down:
             if now >= self._retry_at and not self._down_probe_in_flight and not self._racing:
                 self._down_probe_in_flight = True
-                return self._race(Reason.REMOTE_DOWN)
+                return self._probe_remote(Reason.REMOTE_DOWN)
             return Decision(Target.LOCAL, Reason.REMOTE_DOWN)
         if self.policy == Policy.REMOTE_THEN_LOCAL:
             return Decision(Target.REMOTE, Reason.POLICY)
@@ -253,7 +260,7 @@ class OffloadChooser:
                 return Decision(target, Reason.PROBE)
             if self._racing:
                 return Decision(self._winner, Reason.FASTER)
-            return self._race(Reason.FASTER)
+            return self._probe_remote(Reason.FASTER)
         self._compared = True
         self._update_winner()
         loser = Target.LOCAL if self._winner == Target.REMOTE else Target.REMOTE
@@ -275,10 +282,17 @@ class OffloadChooser:
         self._since_probe = 0
         self._last_probe_at = now
         if loser == Target.REMOTE:
-            return self._race(Reason.FASTER)
+            return self._probe_remote(Reason.FASTER)
         return Decision(loser, Reason.PROBE)
 
-    def _race(self, local_reason: Reason) -> Decision:
+    def _probe_remote(self, local_reason: Reason) -> Decision:
+        """A probe of the replica: raced against the local model while the replica is down
+        or far slower (`RACE_ABOVE`), alone otherwise."""
+        remote = self.estimate(Target.REMOTE)
+        local = self.estimate(Target.LOCAL)
+        slow = remote is not None and local is not None and remote > RACE_ABOVE * local
+        if not (self._down or slow):
+            return Decision(Target.REMOTE, Reason.PROBE)
         self._racing = True
         self._raced += 1
         return Decision(Target.REMOTE, Reason.PROBE, local_reason)

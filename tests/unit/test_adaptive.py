@@ -137,7 +137,9 @@ def test_only_the_first_figures_of_a_side_are_measuring() -> None:
     decisions = run.requests(10, 0.030, 0.100)
     assert decisions[0] == Decision(LOCAL, Reason.FASTER)
     remote = [d for d in decisions if d.target == REMOTE]
-    assert remote[:2] == [RACED] * 2
+    # The replica's stale figures are 5x the local model's: the probe races it; its fast
+    # answer replaces them, so the confirming probe goes alone.
+    assert remote[:2] == [RACED, Decision(REMOTE, Reason.PROBE)]
     assert Decision(REMOTE, Reason.FASTER) in remote
     counts = {(c.target, c.reason): c.requests for c in run.chooser.summary().decisions}
     assert counts[REMOTE, Reason.MEASURING] == counts[LOCAL, Reason.MEASURING] == 2
@@ -302,6 +304,16 @@ def test_one_probe_at_a_time_while_the_replica_is_down() -> None:
     chooser.remote_succeeded(probe, 0.05)
     chooser.race_over()
     assert chooser.choose(1.4) == Decision(REMOTE, Reason.POLICY)
+
+
+def test_a_replica_about_as_fast_as_the_local_model_is_probed_alone() -> None:
+    """A near tie (110 ms against 100): racing would run both on the device's CPU at once
+    and skew the comparison, so the replica's probes go alone; at 3x they race."""
+    run = Run(Policy.FASTEST, probe_every=5, probe_interval_s=1000)
+    near = [d for d in run.requests(40, 0.110, 0.100) if d.target == REMOTE]
+    assert near[2:] and all(d == Decision(REMOTE, Reason.PROBE) for d in near[2:])
+    far = [d for d in run.requests(40, 0.300, 0.100) if d.reason == Reason.PROBE]
+    assert far[-1] == RACED and run.chooser.summary().raced > 0
 
 
 def test_a_probe_of_a_losing_replica_waits_while_a_raced_one_is_out() -> None:
