@@ -18,7 +18,9 @@ application nothing when it is probed; a recovered one answers first. Only then:
 under a CPU quota the local run slows the replica's request beside it (its client-side
 work), which skews a close comparison (`bench.offload`: a near tie's races took twice either
 side alone; a recovered link's raced probes, slowed so, never beat a 1-CPU device), so a
-replica about as fast as the local model, or faster, is probed alone. One race at a time:
+replica about as fast as the local model, or faster, is probed alone; and a raced probe that
+finds the replica's figures stale drops them without taking its own place: the probes
+that follow, alone, measure the replica again. One race at a time:
 while a raced probe is out, a probe that falls due waits (the winner serves) and a replica
 short of figures is not sent another. A probe of the local model never races.
 - ``fastest`` (the default with a local model): the side whose recent figures are lower.
@@ -319,7 +321,7 @@ class OffloadChooser:
         self._down = False
         self._down_probe_in_flight = False
         self._retry_wait_s = self.settings.retry_min_s
-        self._figure(Target.REMOTE, seconds)
+        self._figure(Target.REMOTE, seconds, raced=decision.local_reason is not None)
         if counted:
             self._counts[decision.target, decision.reason] += 1
 
@@ -353,7 +355,7 @@ class OffloadChooser:
         else:
             self._counts[decision.target, decision.reason] += 1
 
-    def _figure(self, target: Target, seconds: float) -> None:
+    def _figure(self, target: Target, seconds: float, raced: bool = False) -> None:
         if self.policy != Policy.FASTEST or target in (self._winner, Target.LOCAL):
             self._figures[target].append(seconds)
             return
@@ -366,6 +368,12 @@ class OffloadChooser:
         changed = own is not None and seconds < own * STALE_BELOW
         if (beats or changed) and not self._confirm:
             self._figures[target].clear()  # the first such probe; keep the next
+            if raced:
+                # Measured beside the local model, on the device's CPU: evidence that the
+                # link changed, but a figure skewed by that run; the probes that follow
+                # (alone) give the new figures.
+                self._confirm = True
+                return
         self._confirm = beats or changed
         self._figures[target].append(seconds)
 

@@ -139,7 +139,7 @@ def test_only_the_first_figures_of_a_side_are_measuring() -> None:
     remote = [d for d in decisions if d.target == REMOTE]
     # The replica's stale figures are 5x the local model's: the probe races it; its fast
     # answer replaces them, so the confirming probe goes alone.
-    assert remote[:2] == [RACED, Decision(REMOTE, Reason.PROBE)]
+    assert remote[:3] == [RACED] + [Decision(REMOTE, Reason.PROBE)] * 2
     assert Decision(REMOTE, Reason.FASTER) in remote
     counts = {(c.target, c.reason): c.requests for c in run.chooser.summary().decisions}
     assert counts[REMOTE, Reason.MEASURING] == counts[LOCAL, Reason.MEASURING] == 2
@@ -314,6 +314,32 @@ def test_a_replica_about_as_fast_as_the_local_model_is_probed_alone() -> None:
     assert near[2:] and all(d == Decision(REMOTE, Reason.PROBE) for d in near[2:])
     far = [d for d in run.requests(40, 0.300, 0.100) if d.reason == Reason.PROBE]
     assert far[-1] == RACED and run.chooser.summary().raced > 0
+
+
+def test_a_raced_probe_that_finds_the_link_recovered_is_not_kept_as_a_figure() -> None:
+    """A 1-CPU device (local 38 ms) after a slow link (700 ms): the raced probe's round trip
+    is 50 ms, slowed by the local run beside it on the device's CPU, against 24 ms alone.
+    It drops the stale figures without replacing them: two probes alone follow, and the
+    replica wins on their figures, which a kept 50 ms would have held back (median 37)."""
+    run = Run(Policy.FASTEST, probe_every=5, probe_interval_s=1000)
+    decisions = run.requests(10, 0.700, 0.038)
+    assert RACED in decisions
+    chooser = run.chooser
+    assert chooser.summary().preferred == LOCAL
+    decision = chooser.choose(run.now)
+    while decision != RACED:
+        chooser.local_succeeded(decision, 0.038)
+        decision = chooser.choose(run.now)
+    chooser.remote_succeeded(decision, 0.050)  # the link recovered; this round trip raced
+    chooser.local_succeeded(Decision(LOCAL, Reason.FASTER), 0.045, counted=False)
+    chooser.race_over()
+    assert chooser.summary().remote_estimate_ms is None
+    for _ in range(2):
+        decision = chooser.choose(run.now)
+        assert decision == Decision(REMOTE, Reason.PROBE)
+        chooser.remote_succeeded(decision, 0.024)
+    assert chooser.choose(run.now) == Decision(REMOTE, Reason.FASTER)
+    assert chooser.summary().remote_estimate_ms == pytest.approx(24)
 
 
 def test_a_probe_of_a_losing_replica_waits_while_a_raced_one_is_out() -> None:
