@@ -991,15 +991,19 @@ class OffloadClient:
         Unavailable when the retry failed too (and nothing falls back), NotDeployed before
         deploy or attach (unless the request runs locally)."""
         self._broker()  # connected?
+        started = time.monotonic()
+        decision = self._chooser.choose(started)
         deployment = self._deployment
         request = None
-        if deployment is not None:
+        if deployment is not None and decision.target == Target.REMOTE:
+            # Only for the replica: the local model takes the arrays as they are.
             try:
                 request = infer_request(deployment.model_name, inputs, outputs)
             except ValueError as err:
+                if decision.local_reason is not None:
+                    self._chooser.race_over()  # this request's race: it never started
+                self._chooser.remote_abandoned()
                 raise InvalidInput(f"inputs cannot be encoded: {err}") from err
-        started = time.monotonic()
-        decision = self._chooser.choose(started)
         if decision.local_reason is not None and self._local is not None:
             local_reason = decision.local_reason
             return await self._race(decision, local_reason, request, inputs, outputs, started)

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 import modelzoo
-from edge_client.adaptive import Reason, Target
+from edge_client.adaptive import AdaptiveSettings, Reason, Target
 from edge_client.client import Deployment, OffloadClient
 from edge_client.errors import InvalidInput, NotDeployed
 from tests.cluster_support import THREE_NODES, Cluster, InferenceLoad, until
@@ -159,6 +159,21 @@ async def test_policies_choose_by_figures_and_local_models_are_checked(
             outputs = await client.infer(inputs)
             np.testing.assert_allclose(outputs["logits"], expected["logits"], rtol=1e-5, atol=1e-6)
         offload = client.stats().offload
+        # Inputs neither side can take are refused on whichever side the request goes to
+        # (a probe every other request here), counted nowhere, and probing goes on: a
+        # refused probe leaves no race open.
+        unencodable = {name: np.zeros(a.shape, np.complex64) for name, a in inputs.items()}
+        raced = client.stats().offload.raced
+        client._chooser.settings = AdaptiveSettings(probe_every=2, probe_min_requests=1)
+        for _ in range(6):
+            with pytest.raises(InvalidInput, match="cannot be encoded"):
+                await client.infer(unencodable)
+        assert client.stats().offload.decisions == offload.decisions
+        assert client.stats().offload.raced > raced
+        raced = client.stats().offload.raced
+        for _ in range(6):
+            await client.infer(inputs)
+        assert client.stats().offload.raced > raced
     counts = {(c.target, c.reason): c.requests for c in offload.decisions}
     assert offload.policy == "fastest" and offload.preferred == Target.LOCAL
     assert counts[Target.REMOTE, Reason.MEASURING] == 2
