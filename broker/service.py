@@ -357,6 +357,20 @@ def replica_id(deployment_id: str, epoch: int) -> str:
 
 
 @dataclass(slots=True)
+class _Reconciliation:
+    """What reconciling a node's report found to do (`Broker._reconcile_plan`)."""
+
+    requeue: list[tuple[str, DeploymentRecord]] = field(default_factory=list)
+    """(replica, deployment): running deployments whose replica is gone or exited."""
+    retire: list[Standby] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    """Replicas nobody claims, past the orphan grace period."""
+
+    def __bool__(self) -> bool:
+        return bool(self.requeue or self.retire or self.stop)
+
+
+@dataclass(slots=True)
 class NodeEntry:
     """A node the broker knows, as of its last registration and heartbeat."""
 
@@ -733,10 +747,14 @@ class Broker:
     def _schedule_reconcile(
         self, node_id: str, replicas: Sequence[tuple[str, ReplicaState]]
     ) -> None:
-        """Reconcile the node with `replicas` in the background: one reconciliation per
-        node at a time; a report arriving meanwhile replaces the one waiting."""
+        """Reconcile the node with `replicas`: at once when that needs no action (the usual
+        heartbeat: no task made), else in the background. One reconciliation per node at a
+        time; a report arriving meanwhile replaces the one waiting."""
         if node_id in self._reconciling:
             self._reconciling[node_id] = replicas
+            return
+        entry = self._nodes.get(node_id)
+        if entry is None or not self._reconcile_plan(entry, replicas):
             return
         self._reconciling[node_id] = None
         self.background(self._reconcile_reported(node_id, replicas), f"reconcile-{node_id}")
@@ -746,19 +764,22 @@ class Broker:
     ) -> None:
         try:
             while replicas is not None and (entry := self._nodes.get(node_id)) is not None:
-                await self._reconcile(entry, replicas)
+                await self._reconcile(entry, self._reconcile_plan(entry, replicas))
                 replicas = self._reconciling.get(node_id)
                 self._reconciling[node_id] = None
         finally:
             self._reconciling.pop(node_id, None)
 
-    async def _reconcile(
+    def _reconcile_plan(
         self, entry: NodeEntry, replicas: Sequence[tuple[str, ReplicaState]]
-    ) -> None:
-        """Compare what the node runs with what the broker expects on it: a deployment whose
-        replica is gone or exited is placed again; a replica nobody claims is stopped after
-        the orphan grace period."""
+    ) -> _Reconciliation:
+        """Compare what the node runs with what the broker expects on it, recording what the
+        report says (the node's replicas, the load attributed to deployments, when a replica
+        nobody claims was first seen) and returning what must be done: deployments whose
+        replica is gone or exited to place again, standbys whose replica is gone to retire,
+        replicas nobody claims past the orphan grace period to stop."""
         node_id = entry.record.node_id
+        plan = _Reconciliation()
         running = {rid for rid, state in replicas if state in LIVE_REPLICA}
         # A heartbeat may have been taken before a switch it is processed after.
         settled_before = time.time() - 2 * self.settings.heartbeat_interval_s
@@ -770,20 +791,14 @@ class Broker:
             if d.state is DeploymentState.RUNNING
         }
         self.load_history.attribute(node_id, {r: d.deployment_id for r, d in expected.items()})
-        for replica, deployment in expected.items():
-            if (
-                replica not in running
-                and deployment.deployment_id not in self._replacing
-                and deployment.deployment_id not in self._busy
-                and deployment.updated_at < settled_before
-            ):
-                logger.warning(
-                    "deployment=%s: its replica %s is not running on node %s; placing it again",
-                    deployment.deployment_id,
-                    replica,
-                    node_id,
-                )
-                await self.requeue(deployment, f"replica lost on node {node_id}")
+        plan.requeue = [
+            (replica, deployment)
+            for replica, deployment in expected.items()
+            if replica not in running
+            and deployment.deployment_id not in self._replacing
+            and deployment.deployment_id not in self._busy
+            and deployment.updated_at < settled_before
+        ]
         # Claimed besides the running ones: replicas starting, and those a move holds (its
         # target before the switch, its source until it stops), however long that takes.
         claimed = {
@@ -791,17 +806,14 @@ class Broker:
             *(replica_id(deployment, epoch) for deployment, epoch in self._holds),
             *(standby.replica for standby in self.standbys() if standby.node_id == node_id),
         }
-        for standby in list(self._standbys.values()):
-            if (
-                standby.node_id == node_id
-                and standby.ready
-                and standby.replica not in running
-                and standby.record.created_at < settled_before
-            ):
-                logger.warning(
-                    "standby %s is not running on node %s; retiring it", standby.replica, node_id
-                )
-                await self.retire_standby(standby, "its replica is gone", "lost")
+        plan.retire = [
+            standby
+            for standby in self._standbys.values()
+            if standby.node_id == node_id
+            and standby.ready
+            and standby.replica not in running
+            and standby.record.created_at < settled_before
+        ]
         now = time.monotonic()
         for replica, _state in replicas:
             if replica in claimed:
@@ -809,12 +821,32 @@ class Broker:
                 continue
             first = self._orphans.setdefault((node_id, replica), now)
             if now - first >= self.settings.orphan_grace_s:
-                logger.warning(
-                    "node=%s replica=%s: no deployment claims it; stopping", node_id, replica
-                )
-                del self._orphans[(node_id, replica)]
-                with contextlib.suppress(NodeUnavailable):
-                    await entry.client.stop_replica(replica, self.settings.stop_grace_ms)
+                plan.stop.append(replica)
+        return plan
+
+    async def _reconcile(self, entry: NodeEntry, plan: _Reconciliation) -> None:
+        """Do what `_reconcile_plan` found: place again, retire, stop."""
+        node_id = entry.record.node_id
+        for replica, deployment in plan.requeue:
+            logger.warning(
+                "deployment=%s: its replica %s is not running on node %s; placing it again",
+                deployment.deployment_id,
+                replica,
+                node_id,
+            )
+            await self.requeue(deployment, f"replica lost on node {node_id}")
+        for standby in plan.retire:
+            logger.warning(
+                "standby %s is not running on node %s; retiring it", standby.replica, node_id
+            )
+            await self.retire_standby(standby, "its replica is gone", "lost")
+        for replica in plan.stop:
+            logger.warning(
+                "node=%s replica=%s: no deployment claims it; stopping", node_id, replica
+            )
+            self._orphans.pop((node_id, replica), None)
+            with contextlib.suppress(NodeUnavailable):
+                await entry.client.stop_replica(replica, self.settings.stop_grace_ms)
 
     async def mark_lost_nodes(self) -> list[str]:
         """Mark nodes silent past the timeout, plus how late this event loop ran lately
