@@ -986,7 +986,9 @@ class OffloadClient:
         endpoint (waiting up to `switch_wait_s` for one when the endpoint has not changed).
         Under `fastest` and `remote-then-local` a request the replica fails (unreachable,
         refused, past its deadline, no endpoint, no deployment yet) is served by the local
-        model at once instead, with no wait. Each remote attempt has the deadline
+        model at once instead, with no wait; a probe of a replica that is down or far slower
+        than the local model runs beside it and the first answer is returned
+        (`edge_client.adaptive`). Each remote attempt has the deadline
         `call_timeout_s`. Raises an OffloadError: InvalidInput for tensors the model refuses,
         Unavailable when the retry failed too (and nothing falls back), NotDeployed before
         deploy or attach (unless the request runs locally)."""
