@@ -23,29 +23,31 @@ finds the replica's figures stale drops them without taking its own place: the p
 that follow, alone, measure the replica again. One race at a time:
 while a raced probe is out, a probe that falls due waits (the winner serves) and a replica
 short of figures is not sent another. A probe of the local model never races.
-- ``fastest`` (the default with a local model): the side whose recent figures are lower.
-  A figure is one request's latency as the client measured it: for the replica the whole
-  round trip, transfer included; for the local model its compute time. Each side's estimate
-  is the median of its last `AdaptiveSettings.window` (9) figures. The side that loses is still
-  sent one request (a probe) every `probe_every` requests, or sooner once
-  `probe_interval_s` has passed and at least `probe_min_requests` went to the winner since
-  the last probe, so that a recovered link or an idle device is noticed. Time alone never
-  makes a probe: a device that sends a request now and then would otherwise send each one
-  to the losing side. Nor does it make an expensive one: an early probe goes out only while
-  its expected extra time (the loser's estimate minus the winner's) is at most
-  `probe_cost_budget` of what the requests since the last probe took at the winner's
-  estimate, so a loser many times slower (a 0.25-CPU device's CNN beside a LAN replica) is
-  probed every `probe_every` requests, not after every pause. A probe of the replica that
-  beats the winner's estimate, or comes in under half the replica's own, replaces its older
-  figures (they describe the link before it changed) and is followed by another at once,
-  until the estimates agree which side is faster. A probe of the local model only adds its
-  figure: under a CPU quota (a container's `--cpus`, a cgroup) a request after a pause runs
-  on a refilled quota, several times faster than the same requests back to back (PP-OCR on
-  a quarter CPU: 21-27 against about 100 ms in `bench.offload`), so one fast local figure
-  says little about the next ones. The winner changes only when the other side is better by
-  `margin` (hysteresis); the old winner is then probed again after `RECHECK_AFTER` requests,
-  so that a short run of slow figures on one side (noise, not a changed link) costs a few
-  requests rather than a probe period.
+- ``fastest`` (the default with a local model): the side whose recent figures are lower. A
+  figure is one request's latency as the client measured it: for the replica the whole round
+  trip, transfer included; for the local model its compute time. Each side's estimate is the
+  median of its last `AdaptiveSettings.window` (9) figures. The side that loses is still
+  sent one request (a probe) every `probe_every` requests, or sooner once `probe_interval_s`
+  has passed and at least `probe_min_requests` went to the winner since the last probe, so
+  that a recovered link or an idle device is noticed. Time alone never makes a probe: a
+  device that sends a request now and then would otherwise send each one to the losing side.
+  Nor does cost: a probe that runs alone goes out only while its expected extra time (the
+  loser's estimate minus the winner's) is at most `probe_cost_budget` (a tenth) of what the
+  requests since the last probe took at the winner's estimate, so exploring costs the
+  application at most about a tenth of its time: a loser k times slower is probed once per
+  (k - 1) / `probe_cost_budget` requests (a 0.25-CPU device's CNN, 7x a LAN replica: once
+  per 60, where every 20 had cost it 30 % of its mean latency). A raced probe costs the
+  application nothing and goes out every `probe_every` requests, so a recovered link is seen
+  as soon as before. A probe of the replica that beats the winner's estimate, or comes in
+  under half the replica's own, replaces its older figures (they describe the link before it
+  changed) and is followed by another at once, until the estimates agree which side is
+  faster. A probe of the local model only adds its figure: under a CPU quota (a container's
+  `--cpus`, a cgroup) a request after a pause runs on a refilled quota, several times faster
+  than the same requests back to back (PP-OCR on a quarter CPU: 21-27 against about 100 ms
+  in `bench.offload`), so one fast local figure says little about the next ones. The winner
+  changes only when the other side is better by `margin` (hysteresis); the old winner is
+  then probed again after `RECHECK_AFTER` requests, so that a short run of slow figures on
+  one side (noise, not a changed link) costs a few requests rather than a probe period.
 
 Reachability: a remote attempt that fails (unreachable, refused, past its deadline, no
 endpoint) marks the replica down; while it is down every request goes to the local model
@@ -124,14 +126,17 @@ class AdaptiveSettings:
     min_figures: int = 2
     """fastest measures each side this many times before comparing."""
     probe_every: int = 20
-    """fastest: at most this many requests between two probes of the losing side."""
+    """fastest: the losing side is probed after this many requests to the winner..."""
     probe_interval_s: float = 3.0
-    """fastest: probe sooner than `probe_every` once this long passed since the last probe..."""
+    """...or sooner once this long passed since the last probe..."""
     probe_min_requests: int = 5
-    """...and at least this many requests went to the winner since..."""
-    probe_cost_budget: float = 0.25
-    """...and the probe's expected extra time is at most this share of those requests' time
-    at the winner's estimate."""
+    """...and at least this many requests went to the winner since; either way only while
+    `probe_cost_budget` allows."""
+    probe_cost_budget: float = 0.1
+    """fastest: a probe that runs alone goes out only while its expected extra time (the
+    loser's estimate minus the winner's) is at most this share of what the requests since
+    the last probe took at the winner's estimate: a loser k times slower than the winner is
+    probed at most once per (k - 1) / `probe_cost_budget` requests."""
     margin: float = 0.05
     """fastest: the other side must be better by this fraction to become the winner."""
     retry_min_s: float = 0.25
@@ -269,14 +274,15 @@ class OffloadChooser:
         self._since_probe += 1
         if self._last_probe_at is None:
             self._last_probe_at = now
-        due = (
-            self._confirm
-            or self._since_probe > self.settings.probe_every
-            or (
-                self._since_probe > self.settings.probe_min_requests
-                and now - self._last_probe_at >= self.settings.probe_interval_s
-                and self._early_probe_affordable(loser)
+        due = self._confirm or (
+            (
+                self._since_probe > self.settings.probe_every
+                or (
+                    self._since_probe > self.settings.probe_min_requests
+                    and now - self._last_probe_at >= self.settings.probe_interval_s
+                )
             )
+            and self._probe_affordable(loser)
         )
         if not due or (loser == Target.REMOTE and self._racing):
             return Decision(self._winner, Reason.FASTER)
@@ -290,10 +296,7 @@ class OffloadChooser:
     def _probe_remote(self, local_reason: Reason) -> Decision:
         """A probe of the replica: raced against the local model while the replica is down
         or far slower (`RACE_ABOVE`), alone otherwise."""
-        remote = self.estimate(Target.REMOTE)
-        local = self.estimate(Target.LOCAL)
-        slow = remote is not None and local is not None and remote > RACE_ABOVE * local
-        if not (self._down or slow):
+        if not (self._down or self._remote_slow()):
             return Decision(Target.REMOTE, Reason.PROBE)
         self._racing = True
         self._raced += 1
@@ -303,7 +306,17 @@ class OffloadChooser:
         """The replica's side of a raced probe ended (answered, failed or abandoned)."""
         self._racing = False
 
-    def _early_probe_affordable(self, loser: Target) -> bool:
+    def _remote_slow(self) -> bool:
+        """Whether the replica's estimate is over `RACE_ABOVE` times the local model's."""
+        remote = self.estimate(Target.REMOTE)
+        local = self.estimate(Target.LOCAL)
+        return remote is not None and local is not None and remote > RACE_ABOVE * local
+
+    def _probe_affordable(self, loser: Target) -> bool:
+        """A raced probe costs the application nothing (the local model answers); one alone
+        only while `probe_cost_budget` allows."""
+        if loser == Target.REMOTE and self._remote_slow():
+            return True
         winner = self.estimate(self._winner)
         losing = self.estimate(loser)
         assert winner is not None and losing is not None

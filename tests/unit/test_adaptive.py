@@ -105,14 +105,14 @@ def test_remote_and_local_policies_never_choose_the_other_side() -> None:
 
 def test_fastest_measures_both_sides_then_takes_the_faster_and_probes_the_other_rarely() -> None:
     run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
-    first = run.requests(4, 0.030, 0.200)
+    first = run.requests(4, 0.030, 0.045)
     assert [(d.target, d.reason) for d in first] == [
         (REMOTE, Reason.MEASURING),
         (REMOTE, Reason.MEASURING),
         (LOCAL, Reason.MEASURING),
         (LOCAL, Reason.MEASURING),
     ]
-    steady = run.requests(55, 0.030, 0.200)
+    steady = run.requests(55, 0.030, 0.045)
     probes = [i for i, d in enumerate(steady) if d.reason == Reason.PROBE]
     assert probes == [10, 21, 32, 43, 54]
     assert all(steady[i].target == LOCAL for i in probes)
@@ -123,7 +123,7 @@ def test_fastest_measures_both_sides_then_takes_the_faster_and_probes_the_other_
     assert stats.preferred == REMOTE
     assert (stats.remote_estimate_ms, stats.local_estimate_ms) == (
         pytest.approx(30),
-        pytest.approx(200),
+        pytest.approx(45),
     )
 
 
@@ -147,20 +147,20 @@ def test_only_the_first_figures_of_a_side_are_measuring() -> None:
 
 def test_fastest_probes_after_an_interval_even_when_requests_are_few() -> None:
     run = Run(Policy.FASTEST, probe_every=1000, probe_interval_s=1.0)
-    run.requests(4, 0.030, 0.200)
-    steady = run.requests(40, 0.030, 0.200)
+    run.requests(4, 0.030, 0.045)
+    steady = run.requests(40, 0.030, 0.045)
     # 1 s at 30 ms a request, counted from the first comparison: one probe, after 34.
     probes = [i for i, d in enumerate(steady) if d.reason == Reason.PROBE]
     assert probes == [34]
 
 
-def sparse_probes(local_s: float) -> list[int]:
+def sparse_probes(local_s: float, n: int = 42) -> list[int]:
     """A device that sends a request every 10 s (the interval has always passed), the replica
     answering in 30 ms and the local model in `local_s`: which requests probe the local side."""
     run = Run(Policy.FASTEST, probe_every=20, probe_interval_s=3.0, probe_min_requests=5)
     run.requests(4, 0.030, local_s)
     decisions = []
-    for _ in range(42):
+    for _ in range(n):
         run.now += 10.0
         decisions.append(run.request(0.030, local_s))
     assert all(d.target == LOCAL for d in decisions if d.reason == Reason.PROBE)
@@ -173,10 +173,35 @@ def test_time_alone_never_sends_a_request_to_the_losing_side() -> None:
     assert sparse_probes(0.036) == [5, 11, 17, 23, 29, 35, 41]
 
 
-def test_an_expensive_loser_is_probed_by_count_not_after_every_pause() -> None:
-    """A loser 6.7x slower (200 ms against 30): an early probe would cost 170 ms against the
-    150 ms five requests took, over `probe_cost_budget`; it waits for `probe_every`."""
-    assert sparse_probes(0.200) == [20, 41]
+def test_an_expensive_loser_is_probed_only_as_often_as_the_budget_pays_for() -> None:
+    """A loser 6.7x slower (200 ms against 30): a probe costs 170 ms more than the winner,
+    which a tenth of 57 requests at 30 ms pays for; neither `probe_every` (20) nor a pause
+    sends one sooner."""
+    assert sparse_probes(0.200, n=120) == [56, 113]
+
+
+def test_probes_of_a_loser_many_times_slower_cost_at_most_the_budget() -> None:
+    """Over a long run, the local probes' extra time beside a LAN replica stays within
+    `probe_cost_budget` of the time the application spent at the winner."""
+    run = Run(Policy.FASTEST)
+    run.requests(4, 0.030, 0.200)
+    steady = run.requests(1000, 0.030, 0.200)
+    probes = sum(d.target == LOCAL for d in steady)
+    assert probes >= 10  # still probed
+    extra = probes * (0.200 - 0.030)
+    assert extra <= run.chooser.settings.probe_cost_budget * (1000 - probes) * 0.030
+
+
+def test_a_raced_probe_of_a_slow_link_is_not_held_back_by_the_budget() -> None:
+    """The link is 7x slower than the local model: its probes race the local model, cost
+    the application nothing, and go out every `probe_every` requests."""
+    run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
+    run.requests(4, 0.700, 0.100)
+    steady = run.requests(60, 0.700, 0.100)
+    probes = [i for i, d in enumerate(steady) if d.target == REMOTE]
+    assert all(steady[i] == RACED for i in probes)
+    # The local model took over at the first comparison: the recheck, then every 11th.
+    assert probes == list(range(RECHECK_AFTER, 60, 11))
 
 
 def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers() -> None:
