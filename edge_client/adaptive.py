@@ -36,18 +36,19 @@ short of figures is not sent another. A probe of the local model never races.
   requests since the last probe took at the winner's estimate, so exploring costs the
   application at most about a tenth of its time: a loser k times slower is probed once per
   (k - 1) / `probe_cost_budget` requests (a 0.25-CPU device's CNN, 7x a LAN replica: once
-  per 60, where every 20 had cost it 30 % of its mean latency). A raced probe costs the
-  application nothing and goes out every `probe_every` requests, so a recovered link is seen
-  as soon as before. A probe of the replica that beats the winner's estimate, or comes in
-  under half the replica's own, replaces its older figures (they describe the link before it
-  changed) and is followed by another at once, until the estimates agree which side is
-  faster. A probe of the local model only adds its figure: under a CPU quota (a container's
-  `--cpus`, a cgroup) a request after a pause runs on a refilled quota, several times faster
-  than the same requests back to back (PP-OCR on a quarter CPU: 21-27 against about 100 ms
-  in `bench.offload`), so one fast local figure says little about the next ones. The winner
-  changes only when the other side is better by `margin` (hysteresis); the old winner is
-  then probed again after `RECHECK_AFTER` requests, so that a short run of slow figures on
-  one side (noise, not a changed link) costs a few requests rather than a probe period.
+  per 60, where one every 20 had added a third of the replica's latency on average). A raced
+  probe costs the application nothing and goes out every `probe_every` requests, so a
+  recovered link is seen as soon as before. A probe of the replica that beats the winner's
+  estimate, or comes in under half the replica's own, replaces its older figures (they
+  describe the link before it changed) and is followed by another at once, until the
+  estimates agree which side is faster. A probe of the local model only adds its figure:
+  under a CPU quota (a container's `--cpus`, a cgroup) a request after a pause runs on a
+  refilled quota, several times faster than the same requests back to back (PP-OCR on a
+  quarter CPU: 21-27 against about 100 ms in `bench.offload`), so one fast local figure says
+  little about the next ones. The winner changes only when the other side is better by
+  `margin` (hysteresis); the old winner is then probed again after `RECHECK_AFTER` requests,
+  so that a short run of slow figures on one side (noise, not a changed link) costs a few
+  requests rather than a probe period.
 
 Reachability: a remote attempt that fails (unreachable, refused, past its deadline, no
 endpoint) marks the replica down; while it is down every request goes to the local model
