@@ -28,12 +28,16 @@ Reported per step:
   per second, the mean time each held the placement lock (cluster read, placement, the
   `starting` write to the store) and so the capacity of that lock, 1 / the mean: the deploy
   decisions the broker could commit per second were nothing else waiting (decisions run one
-  at a time; the rest of a Deploy, the node's start and the `running` write, runs outside
-  the lock);
-- the broker's CPU (cores, from /proc/<pid>/stat over the window), its RSS and peak RSS
-  (VmHWM), the hollow processes' CPU (they share this machine's CPUs with the broker) and
-  how late their event loops wake (lag p99: the part of a heartbeat's round trip that is the
-  hollow side's own), and the machine's load average (other work on it shows there);
+  at a time; the rest of a Deploy, the node's start, runs outside the lock), and every use
+  of that lock (the decisions and the writes that settle them: a replica running, a delete,
+  a move's steps): how often it was taken, the share of the window it was held (near 100 %
+  it, not the CPU, bounds the deploys committed) and how long each user waited for it;
+- the broker's CPU (cores, from /proc/<pid>/stat over the window) and its event loop's
+  thread's (the main thread's: the rest is gRPC's own threads and the state's writer), its
+  RSS and peak RSS (VmHWM), the hollow processes' CPU and the clients' (this process's; all
+  share this machine's CPUs with the broker), how late the hollow processes' event loops wake
+  (lag p99: the part of a heartbeat's round trip that is the hollow side's own), and the
+  machine's load average (other work on it shows there);
 - hollow nodes stopped so far (all steps) by a refusal their broker link does not retry
   (an `offload node` would exit), with the reasons; the broker marks them lost for real, so
   they are not counted as falsely lost;
@@ -243,9 +247,11 @@ class FleetProcess:
 # --- the broker process, from /proc --------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far. OSError when it is gone."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+def cpu_seconds(pid: int, main_thread: bool = False) -> float:
+    """User + system CPU time of a process so far (of its main thread alone: `main_thread`).
+    OSError when it is gone."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
+    fields = stat.read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -373,23 +379,30 @@ async def lost_nodes(http: aiohttp.ClientSession, cluster: LocalCluster) -> list
         return sorted(n["node_id"] for n in await reply.json() if n["state"] == "lost")
 
 
-async def decisions(http: aiohttp.ClientSession, cluster: LocalCluster) -> tuple[float, float]:
-    """(count, seconds in all) of the deploy decisions the broker committed so far, from
-    its `offload_deploy_decision_seconds` histogram: the time each held the placement lock
-    (cluster read, placement, the `starting` write)."""
+LOCK_COUNTERS = (
+    "offload_deploy_decision_seconds_count",
+    "offload_deploy_decision_seconds_sum",
+    "offload_placement_lock_acquisitions_total",
+    "offload_placement_lock_wait_seconds_total",
+    "offload_placement_lock_held_seconds_total",
+)
+"""The broker's counters of its placement lock: the deploy decisions committed so far and
+the seconds they held it (cluster read, placement, the `starting` write), and every use
+of the lock (decisions and the writes that settle them) with the seconds waited and held."""
+
+
+async def lock_counters(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, float]:
+    """`LOCK_COUNTERS` now, from the broker's /metrics (0 for one it does not show)."""
     async with http.get(f"{cluster.ops_url}metrics") as reply:
         reply.raise_for_status()
         text = await reply.text()
     found = {
         sample.name: sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "offload_deploy_decision_seconds"
         for sample in family.samples
+        if sample.name in LOCK_COUNTERS
     }
-    return (
-        found.get("offload_deploy_decision_seconds_count", 0.0),
-        found.get("offload_deploy_decision_seconds_sum", 0.0),
-    )
+    return {name: found.get(name, 0.0) for name in LOCK_COUNTERS}
 
 
 async def run_step(
@@ -418,15 +431,18 @@ async def run_step(
     await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
     hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
     broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
-    decided_before = await decisions(http, cluster)
+    loop_cpu, own_cpu = cpu_seconds(broker_pid, main_thread=True), cpu_seconds(os.getpid())
+    counted_before = await lock_counters(http, cluster)
     started = time.monotonic()
     tally = await run_clients(clients, args.window)
     took = time.monotonic() - started
-    decided_after = await decisions(http, cluster)
-    decided = decided_after[0] - decided_before[0]
-    deciding_s = decided_after[1] - decided_before[1]
+    counted_after = await lock_counters(http, cluster)
+    counted = {name: counted_after[name] - counted_before[name] for name in LOCK_COUNTERS}
+    decided, deciding_s, locked, waited_s, held_s = counted.values()
     broker_cores = (cpu_seconds(broker_pid) - broker_cpu) / took
     hollow_cores = (sum(map(cpu_seconds, hollow_pids)) - hollow_cpu) / took
+    loop_cores = (cpu_seconds(broker_pid, main_thread=True) - loop_cpu) / took
+    own_cores = (cpu_seconds(os.getpid()) - own_cpu) / took
     beats = await asyncio.gather(*(f.ask("heartbeats") for f in fleets))
     statuses: list[FleetStatus] = await asyncio.gather(*(f.ask("status") for f in fleets))
     round_trips = [ms for log, _ in beats for ms in log.round_trips_ms]
@@ -467,15 +483,20 @@ async def run_step(
         "decisions_per_s": round(decided / took, 1),
         "decision_ms_mean": round(deciding_s / decided * 1000, 3) if decided else 0.0,
         "decision_capacity_per_s": round(decided / deciding_s) if deciding_s > 0 else 0,
+        "lock_uses_per_s": round(locked / took, 1),
+        "lock_busy": round(held_s / took, 2),
+        "lock_wait_ms_mean": round(waited_s / locked * 1000, 2) if locked else 0.0,
         "migrations_per_s": round(count["migrate answered"] / took, 1),
         "deletes_per_s": round(count["delete answered"] / took, 1),
         "outcomes": dict(sorted(count.items())),
         "unanswered": dict(sorted(tally.unanswered.items())),
         "replicas_on_nodes": sum(s.replicas for s in statuses),
         "broker_cpu_cores": round(broker_cores, 2),
+        "broker_loop_cpu_cores": round(loop_cores, 2),
         "broker_rss_mib": round(rss, 1),
         "broker_peak_rss_mib": round(peak, 1),
         "hollow_cpu_cores": round(hollow_cores, 2),
+        "clients_cpu_cores": round(own_cores, 2),
         "load_average_1m": round(os.getloadavg()[0], 1),
         "stopped_nodes": len(stopped),
         "stopped_reasons": dict(Counter(stopped.values()).most_common(5)),
@@ -578,10 +599,13 @@ def _print_step(step: Step) -> None:
         f"{f['heartbeat_p99_ms']} ms ({f['heartbeats_per_s']}/s, {f['heartbeats_failed']} "
         f"failed); marked lost {f['marked_lost']}; deploys {f['deploys_per_s']}/s committed "
         f"(p50 {f['deploy_p50_ms']} ms); each decision held the placement lock "
-        f"{f['decision_ms_mean']} ms (capacity {f['decision_capacity_per_s']}/s); broker "
-        f"{f['broker_cpu_cores']} cores, "
-        f"{f['broker_rss_mib']} MiB; hollow loop lag p99 {f['hollow_loop_lag_p99_ms']} ms; "
-        f"load average {f['load_average_1m']}",
+        f"{f['decision_ms_mean']} ms (capacity {f['decision_capacity_per_s']}/s); the lock "
+        f"taken {f['lock_uses_per_s']}/s in all, busy {f['lock_busy']:.0%} of the time, "
+        f"waited for {f['lock_wait_ms_mean']} ms on average; broker "
+        f"{f['broker_cpu_cores']} cores ({f['broker_loop_cpu_cores']} on its event loop's "
+        f"thread), {f['broker_rss_mib']} MiB; hollow nodes {f['hollow_cpu_cores']} cores, "
+        f"loop lag p99 {f['hollow_loop_lag_p99_ms']} ms; clients {f['clients_cpu_cores']} "
+        f"cores; load average {f['load_average_1m']}",
         flush=True,
     )
     print(f"   outcomes: {f['outcomes']}; unanswered: {f['unanswered'] or 'none'}", flush=True)
@@ -591,9 +615,10 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
     header = (
         f"{'nodes':>6} {'hb p50 ms':>9} {'hb p99 ms':>9} {'lost':>5} {'deploys/s':>9} "
         f"{'dep p50 ms':>10} {'dep p99 ms':>10} {'dec ms':>6} {'dec cap/s':>9} "
+        f"{'lock busy':>9} {'lock wait ms':>12} "
         f"{'migr/s':>6} {'del/s':>6} "
-        f"{'broker CPU':>10} {'RSS MiB':>8} {'peak MiB':>8} {'hollow CPU':>10} "
-        f"{'lag p99 ms':>10}"
+        f"{'broker CPU':>10} {'loop CPU':>8} {'RSS MiB':>8} {'peak MiB':>8} "
+        f"{'hollow CPU':>10} {'lag p99 ms':>10} {'client CPU':>10}"
     )
     print(f"\n{header}")
     for step in steps:
@@ -602,11 +627,13 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
             f"{f['nodes']:>6} {f['heartbeat_p50_ms']:>9} {f['heartbeat_p99_ms']:>9} "
             f"{f['marked_lost']:>5} {f['deploys_per_s']:>9} {f['deploy_p50_ms']:>10} "
             f"{f['deploy_p99_ms']:>10} {f['decision_ms_mean']:>6} "
-            f"{f['decision_capacity_per_s']:>9} {f['migrations_per_s']:>6} "
+            f"{f['decision_capacity_per_s']:>9} {f['lock_busy']:>9.0%} "
+            f"{f['lock_wait_ms_mean']:>12} {f['migrations_per_s']:>6} "
             f"{f['deletes_per_s']:>6} "
-            f"{f['broker_cpu_cores']:>10} {f['broker_rss_mib']:>8} "
-            f"{f['broker_peak_rss_mib']:>8} {f['hollow_cpu_cores']:>10} "
-            f"{f['hollow_loop_lag_p99_ms']:>10}"
+            f"{f['broker_cpu_cores']:>10} {f['broker_loop_cpu_cores']:>8} "
+            f"{f['broker_rss_mib']:>8} {f['broker_peak_rss_mib']:>8} "
+            f"{f['hollow_cpu_cores']:>10} {f['hollow_loop_lag_p99_ms']:>10} "
+            f"{f['clients_cpu_cores']:>10}"
             + (f"  saturated: {'; '.join(step.saturated)}" if step.saturated else "")
         )
     for name, rate, what in ANCHORS:

@@ -87,6 +87,7 @@ from broker.state import (
     StorageError,
 )
 from broker.telemetry import LoadHistory, NodeSample, Resize
+from broker.timed_lock import TimedLock
 from common.certs import TlsIdentity
 from common.inventory import Gpu, Inventory, Link, LinkKind
 from common.topology import Topology
@@ -460,7 +461,7 @@ class Broker:
         self._db_executor = ThreadPoolExecutor(1, thread_name_prefix="state")
         self._nodes: dict[str, NodeEntry] = {}
         """The nodes the broker knows; others read them through `nodes`."""
-        self._placing = asyncio.Lock()
+        self._placing = TimedLock(metrics.observe_placement_lock)
         """Held by every decision that reads and changes placement (deploy, place again,
         evict, reserve a move, switch, give up a move): one at a time."""
         self.watchers = _Watchers()

@@ -41,7 +41,12 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         # The broker's own count of decisions: at least one per deploy answered running.
         assert step["decisions_per_s"] >= step["deploys_per_s"] * 0.9, step
         assert step["decision_ms_mean"] > 0 and step["decision_capacity_per_s"] > 0, step
+        # Every decision takes the placement lock, and so do the writes that settle them.
+        assert step["lock_uses_per_s"] > step["decisions_per_s"], step
+        assert 0 < step["lock_busy"] <= 1 and step["lock_wait_ms_mean"] >= 0, step
         assert step["broker_cpu_cores"] > 0, step
+        assert 0 < step["broker_loop_cpu_cores"] <= step["broker_cpu_cores"], step
+        assert step["clients_cpu_cores"] > 0, step
         assert 0 < step["broker_rss_mib"] <= step["broker_peak_rss_mib"], step
     last = result["steps"][-1]
     # The replicas the hollow nodes hold are those of the deployments that run: each
