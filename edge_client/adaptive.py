@@ -46,9 +46,9 @@ short of figures is not sent another. A probe of the local model never races.
   refilled quota, several times faster than the same requests back to back (PP-OCR on a
   quarter CPU: 21-27 against about 100 ms in `bench.offload`), so one fast local figure says
   little about the next ones. The winner changes only when the other side is better by
-  `margin` (hysteresis); the old winner is then probed again after `RECHECK_AFTER` requests,
-  so that a short run of slow figures on one side (noise, not a changed link) costs a few
-  requests rather than a probe period.
+  `margin` (hysteresis); the old winner is then probed again after `RECHECK_AFTER` requests
+  (within the budget, like any probe), so that a short run of slow figures on one side
+  (noise, not a changed link) costs a few requests rather than a probe period.
 
 Reachability: a remote attempt that fails (unreachable, refused, past its deadline, no
 endpoint) marks the replica down; while it is down every request goes to the local model
