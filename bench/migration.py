@@ -65,7 +65,7 @@ from broker.server import BrokerConfig, RunningBroker, start_broker
 from broker.state import MigrationRecord, MigrationState
 from edge_client.observer import DEFAULT_WINDOW_S
 from images.build import ImageBuildError, build_image
-from migration.mechanism import Strategy
+from migration.mechanism import Strategy, phase_at, worst_gap
 from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import GpuSpec
 from node_daemon.server import NodeSettings, start_node
@@ -281,9 +281,7 @@ class Load:
         """The longest gap between successful responses over `[start, end]` as the load saw
         it, as (its start, its end): from the last response by `start` through the first one
         at or after `end` (a gap that straddles either edge counts whole)."""
-        first = max(0, bisect.bisect_right(self.ok_at, start) - 1)
-        last = bisect.bisect_left(self.ok_at, end) + 1
-        return max(itertools.pairwise(self.ok_at[first:last]), key=lambda ab: ab[1] - ab[0])
+        return worst_gap(self.ok_at, start, end)
 
     def worst_gap_ms(self, start: float, end: float) -> float:
         a, b = self.worst_gap(start, end)
@@ -445,21 +443,6 @@ async def migrate_once(
         file=sys.stderr,
     )
     return moved
-
-
-def phase_at(events: dict[str, float], at: float) -> str:
-    """The phase of the migration in which a gap that ended at `at` ended: prep (decision to
-    the target's start; stop-start stops the old replica there), start (the target's start),
-    ready (target ready to the broker's switch), switched (from there to the end: the client
-    switches, the old replica drains and stops), after (a gap that straddles the end)."""
-    end = max(events.get("old_stopped", events["completed"]), events["completed"])
-    bounds = (
-        ("prep", events["target_started"]),
-        ("start", events["target_ready"]),
-        ("ready", events["switched"]),
-        ("switched", end),
-    )
-    return next((phase for phase, until_ in bounds if at <= until_), "after")
 
 
 def host_cpu() -> tuple[int, int]:

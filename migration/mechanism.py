@@ -16,11 +16,13 @@ failover: the source is gone (node lost): start the target and switch.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import enum
+import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,6 +87,35 @@ class Timeline:
 
     def to_json(self) -> str:
         return json.dumps([{"event": e, "at": at} for e, at in self.events])
+
+
+def phase_at(events: Mapping[str, float], at: float) -> str:
+    """The phase of a migration, by its timeline's `events` (name -> time), in which a gap
+    that ended at `at` ended: prep (decision to the target's start; stop-start stops the old
+    replica there), start (the target's start), ready (target ready to the broker's switch),
+    switched (from there to the end: the client switches, the old replica drains and stops),
+    after (a gap that straddles the end)."""
+    end = max(events.get("old_stopped", events["completed"]), events["completed"])
+    bounds = (
+        ("prep", events["target_started"]),
+        ("start", events["target_ready"]),
+        ("ready", events["switched"]),
+        ("switched", end),
+    )
+    return next((phase for phase, until_ in bounds if at <= until_), "after")
+
+
+def worst_gap(answered_at: Sequence[float], start: float, end: float) -> tuple[float, float]:
+    """The longest gap between consecutive answers (`answered_at`, sorted) over `[start,
+    end]`, as (its start, its end): from the last answer by `start` through the first one at
+    or after `end` (a gap that straddles either edge counts whole). ValueError with fewer than
+    two answers there."""
+    first = max(0, bisect.bisect_right(answered_at, start) - 1)
+    last = bisect.bisect_left(answered_at, end) + 1
+    pairs = list(itertools.pairwise(answered_at[first:last]))
+    if not pairs:
+        raise ValueError("fewer than two answers over the span")
+    return max(pairs, key=lambda ab: ab[1] - ab[0])
 
 
 class MigrationHost(Protocol):

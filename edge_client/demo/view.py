@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from edge_client.observer import percentile
+from migration.mechanism import phase_at, worst_gap
 
 RECENT_S = 5.0
 """The window of the live request rate and latency."""
@@ -178,6 +179,28 @@ def move_summary(report: Report) -> str:
     )
 
 
+SPAN_PHASE_EVENTS = frozenset({"target_started", "target_ready", "switched", "completed"})
+"""The timeline events `phase_at` needs (a migration rolled back early lacks some)."""
+
+
+def span_gap_where(answered_at: list[float], timeline: list[dict[str, Any]]) -> str:
+    """Where the longest gap between answers over a migration (its timeline's first to last
+    event) fell, by the answers the demo saw: "135.0 ms, +85 to +220 ms, in start" (times
+    from the decision; the phase as `migration.mechanism.phase_at` names it, when the
+    timeline has its events); "" without two answers over it."""
+    if not timeline:
+        return ""
+    decided, end = timeline[0]["at"], timeline[-1]["at"]
+    try:
+        a, b = worst_gap(answered_at, decided, end)
+    except ValueError:
+        return ""
+    events = {e["event"]: e["at"] for e in timeline}
+    phase = f", in {phase_at(events, b)}" if events.keys() >= SPAN_PHASE_EVENTS else ""
+    since = f"{(a - decided) * 1000:+.0f} to {(b - decided) * 1000:+.0f} ms"
+    return f"{(b - a) * 1000:.1f} ms, {since}{phase}"
+
+
 def longest_gaps_ms(
     answered_at: list[float], windows: list[tuple[float, float]]
 ) -> tuple[float, float]:
@@ -294,7 +317,13 @@ def print_report(console: Console, report: Report) -> None:
             steps = "  ".join(
                 f"{e['event']} +{(e['at'] - start) * 1000:.0f}" for e in m["timeline"]
             )
-            console.print(f"      {steps} (ms)", markup=False, highlight=False)
+            where = span_gap_where(report.load.answered_at, m["timeline"])
+            console.print(
+                f"      {steps} (ms)"
+                + (f"; longest gap between answers: {where}" if where else ""),
+                markup=False,
+                highlight=False,
+            )
     else:
         console.print("\nno migration: the trace never moved the client to a better site")
 

@@ -15,6 +15,7 @@ from edge_client.demo.view import (
     live_view,
     longest_gaps_ms,
     print_report,
+    span_gap_where,
 )
 
 
@@ -173,3 +174,44 @@ def test_a_failed_request_or_migration_fails_the_report() -> None:
     assert report(0, "succeeded").succeeded
     assert not report(1, "succeeded").succeeded
     assert not report(0, "rolled_back").succeeded
+
+
+FULL_TIMELINE = [
+    {"event": event, "at": 100.0 + ms / 1000}
+    for event, ms in (
+        ("decided", 0),
+        ("target_started", 2),
+        ("target_ready", 1800),
+        ("switched", 1805),
+        ("old_stopped", 2300),
+        ("completed", 2300),
+    )
+]
+
+
+def test_the_report_places_each_migrations_longest_gap_in_its_timeline() -> None:
+    """The longest gap between the demo's answers over a migration, from before its decision
+    to after its end (a gap straddling either edge counts whole), and the phase it ended in."""
+    # An answer every 50 ms from 0.1 s before the decision to 0.1 s after the end, but none
+    # from +85 to +220 ms (a 135 ms gap).
+    steady = [100.0 + ms / 1000 for ms in range(-100, 2401, 50) if not 85 < ms < 220]
+    answered = sorted([*steady, 100.085, 100.220])
+    assert span_gap_where(answered, FULL_TIMELINE) == "135.0 ms, +85 to +220 ms, in start"
+    # 2.35 s after the decision: past the old replica's stop, the gap ends "after" it.
+    assert (
+        span_gap_where([101.9, 102.35], FULL_TIMELINE) == "450.0 ms, +1900 to +2350 ms, in after"
+    )
+    # A timeline without the events that name phases (a move rolled back early): no phase.
+    assert span_gap_where(answered, MIGRATION["timeline"]) == "135.0 ms, +85 to +220 ms"
+    assert span_gap_where([99.0], FULL_TIMELINE) == ""
+    assert span_gap_where(answered, []) == ""
+    moved = dataclasses.replace(
+        report(0, "succeeded"), migrations=[{**MIGRATION, "timeline": FULL_TIMELINE}]
+    )
+    moved.load.answered_at = answered
+    console = Console(record=True, width=240, color_system=None)
+    print_report(console, moved)
+    assert (
+        "decided +0  target_started +2  target_ready +1800  switched +1805  old_stopped +2300  "
+        "completed +2300 (ms); longest gap between answers: 135.0 ms, +85 to +220 ms, in start"
+    ) in console.export_text()

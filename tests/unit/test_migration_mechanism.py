@@ -7,7 +7,17 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from migration.mechanism import MigrationPlan, Outcome, Strategy, Timeline, run_migration
+import pytest
+
+from migration.mechanism import (
+    MigrationPlan,
+    Outcome,
+    Strategy,
+    Timeline,
+    phase_at,
+    run_migration,
+    worst_gap,
+)
 
 
 @dataclass
@@ -65,3 +75,28 @@ async def test_without_an_ack_the_drain_timeout_is_the_only_wait() -> None:
     host = RecordingHost(ack=False)
     assert await run_migration(host, plan(grace_s=5.0)) is Outcome.SUCCEEDED
     assert at(host, "stop d-1-1") - at(host, "no ack") < 1.0
+
+
+def test_the_worst_gap_counts_gaps_that_straddle_the_span_whole() -> None:
+    answered = [0.0, 0.5, 1.2, 1.3, 2.0, 4.0]
+    assert worst_gap(answered, 1.0, 1.9) == (0.5, 1.2)  # from the last answer by the start
+    assert worst_gap(answered, 1.25, 1.5) == (1.3, 2.0)  # through the first one after the end
+    assert worst_gap(answered, 2.5, 3.0) == (2.0, 4.0)  # no answer inside: the gap around it
+    with pytest.raises(ValueError, match="fewer than two answers"):
+        worst_gap([1.0], 0.0, 2.0)
+
+
+def test_a_gap_is_placed_in_the_phase_it_ended_in() -> None:
+    events = {
+        "decided": 0.0,
+        "target_started": 0.1,
+        "target_ready": 1.0,
+        "switched": 1.1,
+        "old_stopped": 1.6,
+        "completed": 1.6,
+    }
+    expected = {0.05: "prep", 0.1: "prep", 0.5: "start", 1.05: "ready", 1.5: "switched"}
+    assert {at: phase_at(events, at) for at in expected} == expected
+    assert phase_at(events, 1.7) == "after"
+    # Stop-start stops the old replica before the start: the span ends at `completed`.
+    assert phase_at({**events, "old_stopped": 0.05}, 1.5) == "switched"
