@@ -391,18 +391,27 @@ the seconds they held it (cluster read, placement, the `starting` write), and ev
 of the lock (decisions and the writes that settle them) with the seconds waited and held."""
 
 
-async def lock_counters(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, float]:
-    """`LOCK_COUNTERS` now, from the broker's /metrics (0 for one it does not show)."""
+HELD_BY_USE = "offload_placement_lock_held_seconds_total"
+
+
+async def lock_counters(
+    http: aiohttp.ClientSession, cluster: LocalCluster
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`LOCK_COUNTERS` now, from the broker's /metrics, summed over their labels (0 for one
+    it does not show); and the lock's held seconds by use."""
     async with http.get(f"{cluster.ops_url}metrics") as reply:
         reply.raise_for_status()
         text = await reply.text()
-    found = {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name in LOCK_COUNTERS
-    }
-    return {name: found.get(name, 0.0) for name in LOCK_COUNTERS}
+    found = dict.fromkeys(LOCK_COUNTERS, 0.0)
+    held: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name] += sample.value
+            if sample.name == HELD_BY_USE:
+                use = sample.labels["use"]
+                held[use] = held.get(use, 0.0) + sample.value
+    return found, held
 
 
 async def run_step(
@@ -432,12 +441,13 @@ async def run_step(
     hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
     broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
     loop_cpu, own_cpu = cpu_seconds(broker_pid, main_thread=True), cpu_seconds(os.getpid())
-    counted_before = await lock_counters(http, cluster)
+    counted_before, held_before = await lock_counters(http, cluster)
     started = time.monotonic()
     tally = await run_clients(clients, args.window)
     took = time.monotonic() - started
-    counted_after = await lock_counters(http, cluster)
+    counted_after, held_after = await lock_counters(http, cluster)
     counted = {name: counted_after[name] - counted_before[name] for name in LOCK_COUNTERS}
+    held_by_use = {use: s - held_before.get(use, 0.0) for use, s in held_after.items()}
     decided, deciding_s, locked, waited_s, held_s = counted.values()
     broker_cores = (cpu_seconds(broker_pid) - broker_cpu) / took
     hollow_cores = (sum(map(cpu_seconds, hollow_pids)) - hollow_cpu) / took
@@ -485,6 +495,11 @@ async def run_step(
         "decision_capacity_per_s": round(decided / deciding_s) if deciding_s > 0 else 0,
         "lock_uses_per_s": round(locked / took, 1),
         "lock_busy": round(held_s / took, 2),
+        "lock_busy_by_use": {
+            use: round(seconds / took, 3)
+            for use, seconds in sorted(held_by_use.items(), key=lambda kv: -kv[1])
+            if seconds > 0
+        },
         "lock_wait_ms_mean": round(waited_s / locked * 1000, 2) if locked else 0.0,
         "migrations_per_s": round(count["migrate answered"] / took, 1),
         "deletes_per_s": round(count["delete answered"] / took, 1),
@@ -594,13 +609,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_step(step: Step) -> None:
     f = step.figures
+    by_use = ", ".join(f"{use} {share:.0%}" for use, share in f["lock_busy_by_use"].items())
     print(
         f"   joined in {f['join_s']} s; heartbeats p50 {f['heartbeat_p50_ms']} ms, p99 "
         f"{f['heartbeat_p99_ms']} ms ({f['heartbeats_per_s']}/s, {f['heartbeats_failed']} "
         f"failed); marked lost {f['marked_lost']}; deploys {f['deploys_per_s']}/s committed "
         f"(p50 {f['deploy_p50_ms']} ms); each decision held the placement lock "
         f"{f['decision_ms_mean']} ms (capacity {f['decision_capacity_per_s']}/s); the lock "
-        f"taken {f['lock_uses_per_s']}/s in all, busy {f['lock_busy']:.0%} of the time, "
+        f"taken {f['lock_uses_per_s']}/s in all, busy {f['lock_busy']:.0%} of the time "
+        f"({by_use}), "
         f"waited for {f['lock_wait_ms_mean']} ms on average; broker "
         f"{f['broker_cpu_cores']} cores ({f['broker_loop_cpu_cores']} on its event loop's "
         f"thread), {f['broker_rss_mib']} MiB; hollow nodes {f['hollow_cpu_cores']} cores, "

@@ -463,7 +463,8 @@ class Broker:
         """The nodes the broker knows; others read them through `nodes`."""
         self._placing = TimedLock(metrics.observe_placement_lock)
         """Held by every decision that reads and changes placement (deploy, place again,
-        evict, reserve a move, switch, give up a move): one at a time."""
+        evict, reserve a move, switch, give up a move): one at a time, each naming its use
+        for the lock's metrics."""
         self.watchers = _Watchers()
         self.limits = ClientLimits(settings.quotas)
         """Per-client quotas and the upload and watch-stream slots they allow."""
@@ -555,7 +556,7 @@ class Broker:
         self._stale.update(self._nodes)
         self._deployments.load(await self._db(self._store.list_deployments, states=VISIBLE))
         for starting in self._deployments.select(states=(DeploymentState.STARTING,)):
-            async with self._placing:
+            async with self._placing.use("load"):
                 await self._write_pending(
                     starting.deployment_id, "the broker restarted while its replica was starting"
                 )
@@ -1056,7 +1057,7 @@ class Broker:
 
     async def set_node_state(self, node_id: str, state: NodeState) -> None:
         """An operator's change of a node's state (draining): a decision of its own."""
-        async with self._placing:
+        async with self._placing.use("node state"):
             entry = self._nodes[node_id]
             entry.record = replace(entry.record, state=state)
             self._stale.add(node_id)
@@ -1102,7 +1103,7 @@ class Broker:
         write the deployments it preempts `pending` and the standbys on its GPUs retiring,
         all under the lock. The evicted records (as they were: their replicas are still to be
         stopped) and standbys."""
-        async with self._placing:
+        async with self._placing.use("decide"):
             holding = time.perf_counter()
             if epoch == 1:
                 current = self._deployments.count(client_id, VISIBLE)
@@ -1238,7 +1239,7 @@ class Broker:
             )
         except (NodeUnavailable, ResourceExhausted) as err:
             again = on_failure is DeploymentState.PENDING or not isinstance(err, ReplicaFailed)
-            async with self._placing:
+            async with self._placing.use("start failed"):
                 current = await self._still_starting(record)
                 if current is not None and again:
                     await self._write_pending(record.deployment_id, str(err))
@@ -1257,7 +1258,7 @@ class Broker:
             logger.warning("deployment=%s to be placed again: %s", record.deployment_id, err)
             self._spawn_replace(record.deployment_id)
             return await self._record(record.deployment_id)
-        async with self._placing:
+        async with self._placing.use("running"):
             current = await self._still_starting(record)
             if current is not None:
                 record = await self._update(
@@ -1298,7 +1299,7 @@ class Broker:
         """Take a running deployment off its node (stopping its replica if the node is
         there), mark it pending and place it again; nothing when it changed since `record`
         was read or another decision holds it."""
-        async with self._placing:
+        async with self._placing.use("requeue"):
             now = self._deployments.get(record.deployment_id)
             if (
                 now is None
@@ -1376,7 +1377,7 @@ class Broker:
         priority) on the cluster as it is now. Then the standby is recorded in the store,
         held, and its start begun at background CPU priority (`Standby.task`). None when
         any of that declines (`choose` says why in the log)."""
-        async with self._placing:
+        async with self._placing.use("standby"):
             record = self._deployments.get(deployment_id)
             if not _runs(record) or deployment_id in self._busy or deployment_id in self._standbys:
                 return None
@@ -1462,7 +1463,7 @@ class Broker:
         """Stop `standby` and release it if it is still the deployment's standby (not taken
         by a move, not retired already): whether it was. `outcome` counts it in the metrics
         (lapsed, expired, failed, lost ...)."""
-        async with self._placing:
+        async with self._placing.use("standby retired"):
             if self._standbys.get(standby.deployment_id) is not standby:
                 return False
             del self._standbys[standby.deployment_id]
@@ -1526,7 +1527,7 @@ class Broker:
         `choose` declines. NotFound for a deployment that is not running (or is another
         client's, with `client_id`); Impossible while another move or delete holds it (None
         instead with `if_idle`)."""
-        async with self._placing:
+        async with self._placing.use("move"):
             record = self._deployments.get(deployment_id)
             if not _runs(record) or (client_id is not None and record.client_id != client_id):
                 raise NotFound(f"no running deployment {deployment_id}")
@@ -1665,7 +1666,7 @@ class Broker:
         `release_move`), then push the update to the client's stream, with the time since
         `decided_at` (time.monotonic() of the migration's decision) as its `prepared_ms`."""
         entry = self._nodes[move.target_node]
-        async with self._placing:
+        async with self._placing.use("switch"):
             if hold_source and move.source_node:
                 record = self._deployments.get(move.deployment_id)
                 assert record is not None
@@ -1696,7 +1697,7 @@ class Broker:
         """The move failed with no replica left serving (failover, stop-start): the
         deployment becomes pending and is placed again as soon as something fits. Then
         `release_move`."""
-        async with self._placing:
+        async with self._placing.use("move abandoned"):
             await self._write_pending(move.deployment_id, reason)
             self._release(move)
         self._publish(move.deployment_id)
@@ -1818,7 +1819,7 @@ class Broker:
     async def delete(self, client_id: str, deployment_id: str) -> None:
         """Stop the deployment's replica and delete it. NotFound; Impossible while it is
         being migrated (or deleted already)."""
-        async with self._placing:
+        async with self._placing.use("delete"):
             record = await self.get(client_id, deployment_id)
             self._claim(deployment_id)
             standby = self._standbys.pop(deployment_id, None)
@@ -1829,7 +1830,7 @@ class Broker:
                 await self._stop_standby(standby, "the deployment is deleted", "lapsed")
             if record.state in ACTIVE:
                 await self.stop_replica(record.node_id, replica_id(deployment_id, record.epoch))
-            async with self._placing:
+            async with self._placing.use("deleted"):
                 self._keep(await self._db(self._store.delete_deployment, deployment_id))
         finally:
             self._untake(deployment_id)

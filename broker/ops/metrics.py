@@ -10,11 +10,15 @@ that several brokers (tests) can live in one process. Metric names:
   holds the placement lock: reading the cluster, placing, and committing the result to the
   state store (same buckets). Decisions are taken one at a time, so 1 / its mean is how many
   the broker can commit per second.
-- `offload_placement_lock_wait_seconds_total`, `offload_placement_lock_held_seconds_total`,
-  `offload_placement_lock_acquisitions_total`: counters of the time holders of the
+- `offload_placement_lock_wait_seconds_total{use}`,
+  `offload_placement_lock_held_seconds_total{use}`,
+  `offload_placement_lock_acquisitions_total{use}`: counters of the time holders of the
   placement lock (every decision, and the writes that settle one: a replica running, a
-  delete, a move's steps) waited for it and held it. The rate of the held seconds is the
-  share of time the lock is busy: near 1, it bounds the deploys committed per second.
+  delete, a move's steps) waited for it and held it, by what they used it for (`use`:
+  "decide", "running", "start failed", "delete", "deleted", "requeue", "move", "switch",
+  "move abandoned", "standby", "standby retired", "node state", "load"). The rate of the
+  held seconds, summed over `use`, is the share of time the lock is busy: near 1, it
+  bounds the deploys committed per second; each use's share says which holders fill it.
 - `offload_migration_downtime_seconds`: histogram of the gap clients observed across a
   migration's switch (1 ms .. 10 s).
 - `offload_migration_span_gap_seconds`: histogram of the longest gap clients observed over a
@@ -247,17 +251,21 @@ class BrokerMetrics:
         )
         self._lock_wait = Counter(
             "offload_placement_lock_wait_seconds",
-            "Time holders of the placement lock waited for it.",
+            "Time holders of the placement lock waited for it, by what they used it for.",
+            ["use"],
             registry=self.registry,
         )
         self._lock_held = Counter(
             "offload_placement_lock_held_seconds",
-            "Time the placement lock was held (its rate: the share of time it is busy).",
+            "Time the placement lock was held, by what for (the rate of the sum over uses: "
+            "the share of time it is busy).",
+            ["use"],
             registry=self.registry,
         )
         self._lock_acquisitions = Counter(
             "offload_placement_lock_acquisitions",
-            "Times the placement lock was taken and released.",
+            "Times the placement lock was taken and released, by what for.",
+            ["use"],
             registry=self.registry,
         )
         self._downtime = Histogram(
@@ -371,14 +379,14 @@ class BrokerMetrics:
         _check_seconds("placement time", seconds)
         self._placement.observe(seconds)
 
-    def observe_placement_lock(self, waited_s: float, held_s: float) -> None:
-        """Record one use of the placement lock: how long its holder waited for it and held
-        it. Raises ValueError below 0."""
+    def observe_placement_lock(self, use: str, waited_s: float, held_s: float) -> None:
+        """Record one use of the placement lock: what for, how long its holder waited for
+        it and held it. Raises ValueError below 0."""
         _check_seconds("placement lock wait", waited_s)
         _check_seconds("placement lock hold", held_s)
-        self._lock_wait.inc(waited_s)
-        self._lock_held.inc(held_s)
-        self._lock_acquisitions.inc()
+        self._lock_wait.labels(use=use).inc(waited_s)
+        self._lock_held.labels(use=use).inc(held_s)
+        self._lock_acquisitions.labels(use=use).inc()
 
     def observe_decision(self, seconds: float) -> None:
         """Record one deployment's decision, committed, that held the placement lock for

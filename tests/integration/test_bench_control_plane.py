@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 NODE_STEPS = (12, 30)
 
 
@@ -44,6 +46,10 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         # Every decision takes the placement lock, and so do the writes that settle them.
         assert step["lock_uses_per_s"] > step["decisions_per_s"], step
         assert 0 < step["lock_busy"] <= 1 and step["lock_wait_ms_mean"] >= 0, step
+        # ... each use named: the decisions and the `running` writes among them, adding up.
+        by_use = step["lock_busy_by_use"]
+        assert {"decide", "running"} <= by_use.keys(), step
+        assert sum(by_use.values()) == pytest.approx(step["lock_busy"], abs=0.01), step
         assert step["broker_cpu_cores"] > 0, step
         assert 0 < step["broker_loop_cpu_cores"] <= step["broker_cpu_cores"], step
         assert step["clients_cpu_cores"] > 0, step

@@ -148,8 +148,8 @@ async def test_api_prewarm_lists_the_budget_and_standbys(ops: OpsServer) -> None
 async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     ops.metrics.observe_placement(0.0012)
     ops.metrics.observe_decision(0.0031)
-    ops.metrics.observe_placement_lock(0.25, 0.0031)
-    ops.metrics.observe_placement_lock(0.0, 0.5)
+    ops.metrics.observe_placement_lock("decide", 0.25, 0.0031)
+    ops.metrics.observe_placement_lock("delete", 0.0, 0.5)
     ops.metrics.record_migration("succeeded", "mobility", 0.0425)
     ops.metrics.record_migration("rolled_back", "rebalance", None)
     ops.metrics.count_resize("usage", up=True)
@@ -168,9 +168,11 @@ async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     assert 'offload_placement_seconds_bucket{le="0.001"} 0.0' in text
     assert "offload_deploy_decision_seconds_count 1.0" in text
     assert "offload_deploy_decision_seconds_sum 0.0031" in text
-    assert "offload_placement_lock_acquisitions_total 2.0" in text
-    assert "offload_placement_lock_wait_seconds_total 0.25" in text
-    assert "offload_placement_lock_held_seconds_total 0.5031" in text
+    assert 'offload_placement_lock_acquisitions_total{use="decide"} 1.0' in text
+    assert 'offload_placement_lock_acquisitions_total{use="delete"} 1.0' in text
+    assert 'offload_placement_lock_wait_seconds_total{use="decide"} 0.25' in text
+    assert 'offload_placement_lock_held_seconds_total{use="decide"} 0.0031' in text
+    assert 'offload_placement_lock_held_seconds_total{use="delete"} 0.5' in text
     assert "offload_migration_downtime_seconds_count 1.0" in text
     assert 'offload_migration_downtime_seconds_bucket{le="0.05"} 1.0' in text
     assert "offload_migration_span_gap_seconds_count 1.0" in text

@@ -12,24 +12,19 @@ from broker.timed_lock import TimedLock
 async def test_each_holder_reports_its_wait_and_hold_once_released() -> None:
     uses: list[tuple[str, float, float]] = []
     order: list[str] = []
-    holder = ""
-    lock = TimedLock(lambda waited, held: uses.append((holder, waited, held)))
+    lock = TimedLock(lambda use, waited, held: uses.append((use, waited, held)))
     first_in = asyncio.Event()
     let_go = asyncio.Event()
 
     async def first() -> None:
-        nonlocal holder
-        async with lock:
-            holder = "first"
+        async with lock.use("first"):
             first_in.set()
             await let_go.wait()
             order.append("first out")
 
     async def second() -> None:
-        nonlocal holder
         await first_in.wait()
-        async with lock:
-            holder = "second"
+        async with lock.use("second"):
             order.append("second in")
 
     tasks = [asyncio.create_task(first()), asyncio.create_task(second())]
@@ -46,27 +41,32 @@ async def test_each_holder_reports_its_wait_and_hold_once_released() -> None:
 
 
 async def test_a_holder_that_raises_still_releases_and_reports() -> None:
-    uses: list[tuple[float, float]] = []
-    lock = TimedLock(lambda waited, held: uses.append((waited, held)))
+    uses: list[str] = []
+    lock = TimedLock(lambda use, waited, held: uses.append(use))
     with pytest.raises(RuntimeError):
-        async with lock:
+        async with lock.use("decide"):
             raise RuntimeError("the decision failed")
-    assert len(uses) == 1
-    async with lock:  # free again
+    assert uses == ["decide"]
+    async with lock.use("delete"):  # free again
         pass
-    assert len(uses) == 2
+    assert uses == ["decide", "delete"]
 
 
 async def test_a_waiter_cancelled_in_the_queue_reports_nothing() -> None:
-    uses: list[tuple[float, float]] = []
-    lock = TimedLock(lambda waited, held: uses.append((waited, held)))
-    async with lock:
-        waiter = asyncio.create_task(lock.__aenter__())
+    uses: list[str] = []
+    lock = TimedLock(lambda use, waited, held: uses.append(use))
+
+    async def wait_in_queue() -> None:
+        async with lock.use("waiter"):
+            pass
+
+    async with lock.use("holder"):
+        waiter = asyncio.create_task(wait_in_queue())
         await asyncio.sleep(0)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-    assert len(uses) == 1  # only the holder's use
-    async with lock:  # the cancelled waiter left no hold behind
+    assert uses == ["holder"]  # only the holder's use
+    async with lock.use("next"):  # the cancelled waiter left no hold behind
         pass
-    assert len(uses) == 2
+    assert uses == ["holder", "next"]
