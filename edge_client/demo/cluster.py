@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import random
 import re
 import secrets
 import signal
@@ -65,11 +66,36 @@ class ClusterError(Exception):
     """A process of the cluster did not come up; the message has its log's tail."""
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_PORT = 10_000
+"""`free_port` picks from here up to the ephemeral range (below: many services' usual ports)."""
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now, below the kernel's ephemeral range and not handed
+    out before by this process. Why not port 0's: a process killed and started again on its
+    port (a broker restarted, a node back) must find it free, and while its owner is down
+    the kernel may give a port of the ephemeral range to any outgoing connection on the
+    machine, which the restart then cannot bind (CI met it: a broker restarted on its ops
+    port). OSError when none is found."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32_768  # Linux's default
+    ports = range(FIRST_PORT, max(low, FIRST_PORT + 1_000))
+    for _ in range(1_000):
+        port = random.choice(ports)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free TCP port on loopback in {ports.start}..{ports.stop - 1}")
 
 
 def exit_with_parent() -> None:
