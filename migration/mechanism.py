@@ -89,8 +89,13 @@ class Timeline:
         return json.dumps([{"event": e, "at": at} for e, at in self.events])
 
 
+PHASE_EVENTS = frozenset({"target_started", "target_ready", "switched", "completed"})
+"""The timeline events `phase_at` needs (a migration rolled back early lacks some)."""
+
+
 def phase_at(events: Mapping[str, float], at: float) -> str:
-    """The phase of a migration, by its timeline's `events` (name -> time), in which a gap
+    """The phase of a migration, by its timeline's `events` (name -> time, `PHASE_EVENTS`
+    among them), in which a gap
     that ended at `at` ended: prep (decision to the target's start; stop-start stops the old
     replica there), start (the target's start), ready (target ready to the broker's switch),
     switched (from there to the end: the client switches, the old replica drains and stops),

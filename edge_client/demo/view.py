@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from edge_client.observer import percentile
-from migration.mechanism import phase_at, worst_gap
+from migration.mechanism import PHASE_EVENTS, phase_at, worst_gap
 
 RECENT_S = 5.0
 """The window of the live request rate and latency."""
@@ -179,10 +179,6 @@ def move_summary(report: Report) -> str:
     )
 
 
-SPAN_PHASE_EVENTS = frozenset({"target_started", "target_ready", "switched", "completed"})
-"""The timeline events `phase_at` needs (a migration rolled back early lacks some)."""
-
-
 def span_gap_where(answered_at: list[float], timeline: list[dict[str, Any]]) -> str:
     """Where the longest gap between answers over a migration (its timeline's first to last
     event) fell, by the answers the demo saw: "135.0 ms, +85 to +220 ms, in start" (times
@@ -196,7 +192,7 @@ def span_gap_where(answered_at: list[float], timeline: list[dict[str, Any]]) -> 
     except ValueError:
         return ""
     events = {e["event"]: e["at"] for e in timeline}
-    phase = f", in {phase_at(events, b)}" if events.keys() >= SPAN_PHASE_EVENTS else ""
+    phase = f", in {phase_at(events, b)}" if events.keys() >= PHASE_EVENTS else ""
     since = f"{(a - decided) * 1000:+.0f} to {(b - decided) * 1000:+.0f} ms"
     return f"{(b - a) * 1000:.1f} ms, {since}{phase}"
 
