@@ -1,7 +1,12 @@
 """Adaptive offload: a weak device running the model itself against offloading it.
 
-How it is emulated. The device is a container of the runtime image limited with
-`docker run --cpus N` (CFS quota; `bench.offload_device` runs in it). The link is our own
+How it is emulated. The device is a container of the runtime image limited with a CFS
+quota of N CPUs (`docker run --cpu-quota N*P --cpu-period P`; `bench.offload_device` runs in
+it). The period P is 10 ms, not Docker's default 100 ms (`--cpus`): a device N times slower
+computes steadily at that speed, while a 100 ms period lets it run at full speed for N*100
+ms and then stops it, so a request's time depends on where in the period it falls (under a
+quarter CPU, ResNet-18's 38 ms of compute took about 110 or about 190 ms, never between);
+`--cfs-period-ms 100` gives Docker's default back. The link is our own
 delaying HTTP CONNECT proxy (`bench.link`, in this process), which gRPC in the device goes
 through (`grpc_proxy`): `lan` adds nothing (the device to node path on loopback, plus the
 proxy's relay, under a millisecond per 602 KB request), `slow` adds delay each way and a
@@ -32,7 +37,7 @@ faster than on the device; Neurosurgeon (partitioned DNNs, mobile + server) 3.1x
 average, up to 40.7x, than cloud-only. The target (issue 16) is >= 6x for the CNN on the
 0.25-CPU device.
 
-    python -m bench.offload [--quick] [--json FILE]
+    python -m bench.offload [--quick] [--cfs-period-ms MS] [--json FILE]
 """
 
 from __future__ import annotations
@@ -73,6 +78,10 @@ LINKS = {
 CLUSTER_YAML = "sites: [site-a]\nlinks: []\n"
 CLIENT_ID = "bench-offload"
 API_KEY = f"{CLIENT_ID}.bench-offload-secret-0123456789"
+CFS_PERIOD_MS = 10.0
+"""The device's CFS period (Docker's default is 100 ms)."""
+CFS_MIN_US = 1000
+"""The kernel's smallest CFS period and quota (`cpu.cfs_period_us`, `cpu.cfs_quota_us`)."""
 CAPTURE = "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
 TARGET_SPEEDUP = 6.0
 TARGET_FASTEST = 1.10
@@ -155,9 +164,22 @@ def vars_of(conditions: Conditions) -> tuple[float, float]:
     return (conditions.delay_ms, conditions.rate_mbit)
 
 
+def cpu_limit(cpus: float, period_ms: float) -> list[str]:
+    """`docker run` options for a CFS quota of `cpus` CPUs per `period_ms`."""
+    period_us = round(period_ms * 1000)
+    quota_us = round(cpus * period_us)
+    if period_us < CFS_MIN_US or quota_us < CFS_MIN_US:
+        raise ValueError(
+            f"a CFS period of {period_ms:g} ms gives {cpus:g} CPU a quota of {quota_us} us; "
+            f"the kernel takes at least {CFS_MIN_US} us for both"
+        )
+    return ["--cpu-period", str(period_us), "--cpu-quota", str(quota_us)]
+
+
 async def run_device(
     image: str,
     cpus: float,
+    period_ms: float,
     workdir: Path,
     model: str,
     broker_port: int,
@@ -170,7 +192,7 @@ async def run_device(
     plan_file.write_text(json.dumps(device_plan))
     plan_file.chmod(0o644)
     command = [
-        "docker", "run", "--rm", "--cpus", str(cpus), "--network", "host",
+        "docker", "run", "--rm", *cpu_limit(cpus, period_ms), "--network", "host",
         "--label", "offload.bench=offload",
         "-v", f"{ROOT}:/src:ro", "-v", f"{workdir}:/work:ro",
         "-e", "PYTHONPATH=/src", "-e", f"grpc_proxy=http://127.0.0.1:{link.port}",
@@ -187,7 +209,7 @@ async def run_device(
         stdout, stderr = await process.communicate()
     if process.returncode != 0:
         raise RuntimeError(
-            f"device {model} --cpus {cpus} exited {process.returncode}: "
+            f"device {model} at {cpus:g} CPU exited {process.returncode}: "
             + stderr.decode(errors="replace")[-2000:]
         )
     result: dict[str, Any] = json.loads(stdout.decode().strip().splitlines()[-1])
@@ -249,10 +271,11 @@ def prepare_models(workdir: Path, models: Sequence[str]) -> None:
             (workdir / f"{name}{suffix}").chmod(0o644)
 
 
-async def bench(mode: Mode, image: str) -> dict[str, Any]:
+async def bench(mode: Mode, image: str, period_ms: float) -> dict[str, Any]:
     results: dict[str, Any] = {
         "link": {k: c.describe() for k, c in LINKS.items()},
         "emulation": EMULATION,
+        "cfs_period_ms": period_ms,
         "devices": [],
     }
     with tempfile.TemporaryDirectory(prefix="bench-offload-") as tmp:
@@ -272,11 +295,12 @@ async def bench(mode: Mode, image: str) -> dict[str, Any]:
                         print(f"deployed {name} at {deployment.endpoint}", file=sys.stderr)
                 for cpus in mode.cpus:
                     for name in mode.models:
-                        print(f"device --cpus {cpus} {name} ...", file=sys.stderr, flush=True)
+                        print(f"device {cpus:g} CPU {name} ...", file=sys.stderr, flush=True)
                         switch = name == "resnet18" and cpus in mode.switch_cpus
                         device = await run_device(
                             image,
                             cpus,
+                            period_ms,
                             workdir,
                             name,
                             running.port,
@@ -295,7 +319,8 @@ async def bench(mode: Mode, image: str) -> dict[str, Any]:
 
 
 EMULATION = (
-    "device: a container of the runtime image under `docker run --cpus N` (CFS quota); "
+    "device: a container of the runtime image under a CFS quota of N CPUs "
+    "(`docker run --cpu-quota N*P --cpu-period P`); "
     "link: bench.link, our delaying HTTP CONNECT proxy that gRPC goes through (grpc_proxy), "
     "not tc netem"
 )
@@ -325,8 +350,8 @@ def row(cpus: float, model: str, s: dict[str, Any]) -> str:
     )
 
 
-def preamble(mode: Mode) -> None:
-    print(f"emulation: {EMULATION}")
+def preamble(mode: Mode, period_ms: float) -> None:
+    print(f"emulation: {EMULATION}; CFS period P = {period_ms:g} ms")
     print(f"link lan: {LINKS['lan'].describe()}; slow: {LINKS['slow'].describe()}")
     print(BASELINES)
     print(
@@ -388,8 +413,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="fewer sizes, models, requests")
+    parser.add_argument(
+        "--cfs-period-ms",
+        type=float,
+        default=CFS_PERIOD_MS,
+        metavar="MS",
+        help=f"the device's CFS period (default {CFS_PERIOD_MS:g}; Docker's --cpus uses 100)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    mode = QUICK if args.quick else FULL
+    try:
+        for cpus in mode.cpus:
+            cpu_limit(cpus, args.cfs_period_ms)
+    except ValueError as err:
+        parser.error(str(err))
     if shutil.which("docker") is None:
         print("bench.offload needs Docker: the device is a CPU-limited container", file=sys.stderr)
         return 2
@@ -398,9 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImageBuildError as err:
         print(f"cannot build the runtime image: {err}", file=sys.stderr)
         return 2
-    mode = QUICK if args.quick else FULL
-    preamble(mode)
-    results = asyncio.run(bench(mode, image))
+    preamble(mode, args.cfs_period_ms)
+    results = asyncio.run(bench(mode, image, args.cfs_period_ms))
     results["mode"] = "quick" if args.quick else "full"
     results["cpu_count"] = os.cpu_count()
     report(results)

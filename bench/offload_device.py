@@ -1,5 +1,6 @@
 """The emulated device of `bench.offload`: runs inside a CPU-limited container of the runtime
-image (`docker run --cpus N`), so its local inference gets only that much CPU.
+image (a CFS quota of N CPUs, `bench.offload.cpu_limit`), so its local inference gets only
+that much CPU.
 
 Contenders, all open at once in this one process:
 

@@ -1,0 +1,24 @@
+"""The emulated device's CPU limit in `bench.offload`: a CFS quota over a short period."""
+
+import pytest
+
+from bench.offload import cpu_limit, main
+
+
+def test_a_quarter_cpu_is_a_quarter_of_each_ten_ms_period() -> None:
+    assert cpu_limit(0.25, 10.0) == ["--cpu-period", "10000", "--cpu-quota", "2500"]
+    assert cpu_limit(1.0, 100.0) == ["--cpu-period", "100000", "--cpu-quota", "100000"]
+
+
+def test_a_quota_below_the_kernels_millisecond_is_refused_with_the_figures() -> None:
+    with pytest.raises(ValueError, match=r"quota of 500 us; the kernel takes at least 1000 us"):
+        cpu_limit(0.25, 2.0)
+
+
+def test_the_command_line_refuses_such_a_period_before_building_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--cfs-period-ms", "2"])
+    assert exit_info.value.code == 2
+    assert "quota of 500 us" in capsys.readouterr().err
