@@ -36,7 +36,6 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, TypeGuard, TypeVar
@@ -74,6 +73,7 @@ from broker.quotas import ClientLimits, Quotas, check_deployments, check_model_b
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
+    GroupCommitter,
     MigrationRecord,
     MigrationState,
     ModelRecord,
@@ -458,7 +458,8 @@ class Broker:
         self.settings = settings
         self.metrics = metrics
         self._join_token = join_token
-        self._db_executor = ThreadPoolExecutor(1, thread_name_prefix="state")
+        self._db_executor = GroupCommitter(store, metrics.observe_state_commit)
+        """The store's one thread: the calls queued together commit together."""
         self._nodes: dict[str, NodeEntry] = {}
         """The nodes the broker knows; others read them through `nodes`."""
         self._placing = TimedLock(metrics.observe_placement_lock)
@@ -490,6 +491,9 @@ class Broker:
         self._busy: set[str] = set()
         """Deployments being migrated or deleted: no other move or eviction takes them, and
         reconciliation leaves them alone (their replicas come and go on purpose)."""
+        self._creating: dict[str, int] = {}
+        """Client id -> its first decisions whose `starting` write is not durable yet
+        (`_hold_creation`): its quota counts them."""
         self._holds: dict[tuple[str, int], Hold] = {}
         """(deployment id, epoch) -> GPUs held for that replica beyond the records."""
         self._standbys: dict[str, Standby] = {}
@@ -518,11 +522,23 @@ class Broker:
         return self._deployments.select(states=VISIBLE)
 
     async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn` on the state thread. A StorageError (the store's transaction undone) is
-        StateUnavailable to the caller, its detail (which names the database) logged here."""
-        loop = asyncio.get_running_loop()
+        """`fn` on the state thread, durable when it returns (the calls queued together
+        commit together: `broker.state.group_commit`). A StorageError (the store's
+        transaction undone) is StateUnavailable to the caller, its detail (which names the
+        database) logged here."""
+        return await self._durable(self._db_queued(fn, *args, **kwargs))
+
+    def _db_queued(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        """`fn` queued on the state thread now, behind every call queued before it (so a
+        decision queues its write under the placement lock and awaits it after releasing
+        the lock, and the next decision's writes still land after it); await it with
+        `_durable`."""
+        return asyncio.wrap_future(self._db_executor.submit(fn, *args, **kwargs))
+
+    async def _durable(self, queued: asyncio.Future[T]) -> T:
+        """The outcome of a `_db_queued` call, as `_db` gives it."""
         try:
-            return await loop.run_in_executor(self._db_executor, lambda: fn(*args, **kwargs))
+            return await queued
         except StorageError as err:
             logger.warning("the state store failed: %s", err)
             unavailable = "the broker cannot reach its state store; retry shortly"
@@ -597,7 +613,7 @@ class Broker:
         for deployment_id in list(self.watchers.queues):
             self.watchers.push(deployment_id, None)
         self._keys.close()
-        self._db_executor.shutdown(wait=True)
+        self._db_executor.shutdown()
 
     # --- authentication ------------------------------------------------------------------
 
@@ -1102,11 +1118,17 @@ class Broker:
         """One decision: place the deployment (standbys unseen), write it `starting` there,
         write the deployments it preempts `pending` and the standbys on its GPUs retiring,
         all under the lock. The evicted records (as they were: their replicas are still to be
-        stopped) and standbys."""
+        stopped) and standbys.
+
+        A first decision that evicts nothing queues its write under the lock and awaits it
+        after, its GPUs held meanwhile (`_hold_creation`), so the lock is not held through
+        the commit; the record is the table's once durable, as every record."""
+        creating: asyncio.Future[None] | None = None
         async with self._placing.use("decide"):
             holding = time.perf_counter()
             if epoch == 1:
                 current = self._deployments.count(client_id, VISIBLE)
+                current += self._creating.get(client_id, 0)
                 check_deployments(self.limits.quotas, client_id, current)
             snapshot = self._placement_view()
             largest, largest_node = snapshot.largest()
@@ -1156,7 +1178,9 @@ class Broker:
                 if victim is not None and victim.state in ACTIVE:
                     await self._write_pending(victim_id, f"preempted by {deployment_id}")
                     evicted.append(victim)
-            if epoch == 1:
+            if epoch == 1 and not evicted:
+                creating = self._hold_creation(record, spec)
+            elif epoch == 1:
                 await self._db(self._store.create_deployment, record)
                 self._keep(record)
             else:
@@ -1172,14 +1196,40 @@ class Broker:
                     reason="",
                 )
             self.metrics.observe_decision(time.perf_counter() - holding)
-            logger.info(
-                "deployment=%s placed on node=%s gpus=%s (%s)",
-                deployment_id,
-                decision.node_id,
-                decision.gpus,
-                ", ".join(decision.explanation.deciding) or "only candidate",
-            )
-            return record, evicted
+        if creating is not None:  # a caller cancelled meanwhile leaves it to settle by itself
+            await self._durable(asyncio.shield(creating))
+        # Once the record is in the store (bench.control_plane times decisions by this line).
+        logger.info(
+            "deployment=%s placed on node=%s gpus=%s (%s)",
+            deployment_id,
+            decision.node_id,
+            decision.gpus,
+            ", ".join(decision.explanation.deciding) or "only candidate",
+        )
+        return record, evicted
+
+    def _hold_creation(self, record: DeploymentRecord, spec: DeploySpec) -> asyncio.Future[None]:
+        """Queue a first decision's `starting` write (call under `_placing`) and hold its
+        GPUs until the write settles: the decisions after it, made before it commits, see
+        them taken; nothing else sees the record before the store has it. Then the record
+        takes the hold's place in one step (`_creation_settled`), whoever still awaits it."""
+        assert record.node_id is not None
+        self._hold(
+            (record.deployment_id, record.epoch),
+            Hold(record.node_id, record.gpus, spec.gpu_memory_mib, PriorityClass.CRITICAL),
+        )
+        self._creating[record.client_id] = self._creating.get(record.client_id, 0) + 1
+        queued = self._db_queued(self._store.create_deployment, record)
+        queued.add_done_callback(functools.partial(self._creation_settled, record))
+        return queued
+
+    def _creation_settled(self, record: DeploymentRecord, queued: asyncio.Future[None]) -> None:
+        self._unhold((record.deployment_id, record.epoch))
+        left = self._creating.pop(record.client_id) - 1
+        if left:
+            self._creating[record.client_id] = left
+        if not queued.cancelled() and queued.exception() is None:
+            self._keep(record)
 
     async def _write_pending(self, deployment_id: str, reason: str) -> None:
         """Take a deployment off its node in the store (its GPUs free for the next
@@ -1260,12 +1310,28 @@ class Broker:
             return await self._record(record.deployment_id)
         async with self._placing.use("running"):
             current = await self._still_starting(record)
-            if current is not None:
-                record = await self._update(
-                    record.deployment_id,
+            if current is not None:  # the write queued under the lock, awaited after it
+                running = replace(
+                    current,
                     state=DeploymentState.RUNNING,
                     endpoint=endpoint,
+                    updated_at=time.time(),
                 )
+                written = self._db_queued(
+                    self._store.update_deployment,
+                    record.deployment_id,
+                    at=running.updated_at,
+                    state=running.state,
+                    endpoint=endpoint,
+                )
+        if current is not None:
+            await self._durable(written)
+            # Kept only if nothing changed the deployment meanwhile: what did (a delete, a
+            # lost node) wrote after this write, and its record is the one stored.
+            if self._deployments.get(record.deployment_id) is current:
+                record = self._keep(running)
+            else:
+                current = None
         if current is None:
             logger.warning("deployment=%s was deleted while it started", record.deployment_id)
             await self.stop_replica(record.node_id, replica_id(record.deployment_id, record.epoch))

@@ -7,9 +7,10 @@ that several brokers (tests) can live in one process. Metric names:
   gauges of the current state. The ops app sets them from the `OpsView` at every scrape.
 - `offload_placement_seconds`: histogram of placement decision time (100 us .. 1 s).
 - `offload_deploy_decision_seconds`: histogram of the time each placement of a deployment
-  holds the placement lock: reading the cluster, placing, and committing the result to the
-  state store (same buckets). Decisions are taken one at a time, so 1 / its mean is how many
-  the broker can commit per second.
+  holds the placement lock: reading the cluster, placing, and its writes to the state store
+  (a first deploy that preempts nothing queues its write and awaits it after the lock; same
+  buckets). Decisions are taken one at a time, so 1 / its mean is how many the broker can
+  take per second.
 - `offload_placement_lock_wait_seconds_total{use}`,
   `offload_placement_lock_held_seconds_total{use}`,
   `offload_placement_lock_acquisitions_total{use}`: counters of the time holders of the
@@ -19,6 +20,9 @@ that several brokers (tests) can live in one process. Metric names:
   "move abandoned", "standby", "standby retired", "node state", "load"). The rate of the
   held seconds, summed over `use`, is the share of time the lock is busy: near 1, it
   bounds the deploys committed per second; each use's share says which holders fill it.
+- `offload_state_commits_total`, `offload_state_calls_total`: counters of the state store's
+  commits and of the calls they made durable (the calls queued together on the state thread
+  commit together); their ratio is the calls per commit.
 - `offload_migration_downtime_seconds`: histogram of the gap clients observed across a
   migration's switch (1 ms .. 10 s).
 - `offload_migration_span_gap_seconds`: histogram of the longest gap clients observed over a
@@ -245,7 +249,7 @@ class BrokerMetrics:
         self._decision = Histogram(
             "offload_deploy_decision_seconds",
             "Time one deployment's placement held the placement lock: the cluster read, the "
-            "placement and its commit to the state store.",
+            "placement and its writes to the state store (queued, for a first deploy).",
             buckets=PLACEMENT_BUCKETS_S,
             registry=self.registry,
         )
@@ -266,6 +270,16 @@ class BrokerMetrics:
             "offload_placement_lock_acquisitions",
             "Times the placement lock was taken and released, by what for.",
             ["use"],
+            registry=self.registry,
+        )
+        self._state_commits = Counter(
+            "offload_state_commits",
+            "Commits of the state store (the calls queued together commit together).",
+            registry=self.registry,
+        )
+        self._state_calls = Counter(
+            "offload_state_calls",
+            "Calls of the state store made durable by those commits.",
             registry=self.registry,
         )
         self._downtime = Histogram(
@@ -388,9 +402,17 @@ class BrokerMetrics:
         self._lock_held.labels(use=use).inc(held_s)
         self._lock_acquisitions.labels(use=use).inc()
 
+    def observe_state_commit(self, calls: int) -> None:
+        """Record one commit of the state store that made `calls` calls durable (called on
+        the state thread). Raises ValueError below 1."""
+        if calls < 1:
+            raise ValueError(f"a commit makes at least one call durable, got {calls}")
+        self._state_commits.inc()
+        self._state_calls.inc(calls)
+
     def observe_decision(self, seconds: float) -> None:
-        """Record one deployment's decision, committed, that held the placement lock for
-        `seconds`. Raises ValueError below 0."""
+        """Record one deployment's decision that held the placement lock for `seconds`.
+        Raises ValueError below 0."""
         _check_seconds("decision time", seconds)
         self._decision.observe(seconds)
 

@@ -10,7 +10,8 @@ versioned.
 `store` has the logic, `backend` the seam to a database, `sqlite_backend` and
 `postgres_backend` the adapters (the only `sqlite3` and `psycopg` users), `records` the values
 it keeps, `schema` the migration scripts of both, `api_keys` the key format and its hashing,
-`errors` the exceptions.
+`errors` the exceptions, `group_commit` the thread the broker runs its calls on (the calls
+queued together commit together).
 """
 
 from broker.state.api_keys import new_api_key, parse_api_key, parse_api_keys_file
@@ -21,6 +22,7 @@ from broker.state.errors import (
     StateError,
     StorageError,
 )
+from broker.state.group_commit import GroupCommitter
 from broker.state.records import (
     ClientRecord,
     DeploymentRecord,
@@ -51,6 +53,7 @@ __all__ = [
     "DeploymentRecord",
     "DeploymentState",
     "EventRecord",
+    "GroupCommitter",
     "KeyChanges",
     "Lease",
     "LeaseLost",

@@ -4,7 +4,9 @@ view is the one a rebuild from scratch gives, and the table is what the store ha
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -14,17 +16,25 @@ import pytest
 
 from bench.placement import CAPTURES
 from broker.deployment_table import DeploymentTable
-from broker.errors import ResourceExhausted
+from broker.errors import ResourceExhausted, StateUnavailable
 from broker.model_store import ModelStore
 from broker.network import EdgeNetwork
 from broker.ops.metrics import BrokerMetrics
 from broker.placement import ClusterSnapshot, PriorityClass
+from broker.quotas import ClientLimits, Quotas
 from broker.service import VISIBLE, Broker, BrokerSettings, DeploySpec, Hold
-from broker.state import DeploymentRecord, DeploymentState, ModelRecord, StateStore
+from broker.state import (
+    DeploymentRecord,
+    DeploymentState,
+    ModelRecord,
+    StateStore,
+    StorageError,
+)
 from broker.state.api_keys import new_api_key
 from broker.telemetry import NodeSample
 from edge_client.demo.cluster import CLUSTER_FILE
 from node_daemon.inventory.topo_file import inventory_from_capture
+from tests.cluster_support import until
 from tests.data import TOPOLOGIES
 
 SHA = "ab" * 32
@@ -167,3 +177,72 @@ async def test_the_view_kept_node_by_node_is_the_one_a_rebuild_makes(broker: Bro
     stored = broker._store.list_deployments(states=VISIBLE)
     assert await broker.visible_deployments() == stored
     assert any(n.allocations for n in broker._placement_view())
+
+
+async def one_node(broker: Broker) -> None:
+    inventory = inventory_from_capture(next(TOPOLOGIES.glob("21_*.txt")), CAPTURES["21"])
+    await broker.register_node("n0", "127.0.0.1:1000", "site-a", inventory, ["docker"], [])
+
+
+def block_the_state_thread(broker: Broker) -> threading.Event:
+    """Hold the state thread until the event is set: every store call queues behind."""
+    go = threading.Event()
+    broker._db_queued(go.wait, 10.0)
+    return go
+
+
+def spec(gpus: int = 1) -> DeploySpec:
+    return DeploySpec(model_sha256=SHA, model_name="m", gpus=gpus, site="site-a")
+
+
+async def test_a_decision_holds_its_gpus_until_its_write_is_durable(broker: Broker) -> None:
+    """A first decision leaves the placement lock before its `starting` write commits: the
+    next decision does not take its GPUs, and the record is in the table only once stored."""
+    await one_node(broker)
+    go = block_the_state_thread(broker)
+    first = asyncio.create_task(broker._reserve("d-1", "alice", spec(), epoch=1))
+    second = asyncio.create_task(broker._reserve("d-2", "alice", spec(), epoch=1))
+    # Both decided, neither written: the lock is free.
+    await until(lambda: len(broker._holds) == 2, "both decisions")
+    assert broker._deployments.get("d-1") is None and broker._deployments.get("d-2") is None
+    assert not first.done() and not second.done()
+    held = [hold.gpus for hold in broker._holds.values()]
+    assert not set(held[0]) & set(held[1])
+    go.set()
+    (one, _), (two, _) = await first, await second
+    assert {one.gpus, two.gpus} == set(held)
+    assert broker._deployments.get("d-1") is one and broker._deployments.get("d-2") is two
+    assert broker._store.get_deployment("d-1") == one
+    assert not broker._holds and not broker._creating
+
+
+async def test_a_decision_whose_write_fails_frees_its_gpus_and_leaves_no_record(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await one_node(broker)
+
+    def disk_full(record: DeploymentRecord) -> None:
+        raise StorageError("database or disk is full")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(broker._store, "create_deployment", disk_full)
+        with pytest.raises(StateUnavailable):
+            await broker._reserve("d-1", "alice", spec(), epoch=1)
+    assert broker._deployments.get("d-1") is None and broker._store.get_deployment("d-1") is None
+    assert not broker._holds and not broker._creating
+    largest, _ = broker._placement_view().largest()
+    placed, _ = await broker._reserve("d-2", "alice", spec(gpus=largest), epoch=1)
+    assert len(placed.gpus) == largest  # every GPU free again
+
+
+async def test_decisions_not_yet_written_count_against_the_quota(broker: Broker) -> None:
+    await one_node(broker)
+    broker.limits = ClientLimits(Quotas(deployments=1))
+    go = block_the_state_thread(broker)
+    first = asyncio.create_task(broker._reserve("d-1", "alice", spec(), epoch=1))
+    await until(lambda: bool(broker._holds), "the first decision")
+    with pytest.raises(ResourceExhausted, match="has 1 deployments"):
+        await broker._reserve("d-2", "alice", spec(), epoch=1)
+    go.set()
+    await first
+    assert not broker._creating

@@ -154,6 +154,10 @@ async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     ops.metrics.record_migration("rolled_back", "rebalance", None)
     ops.metrics.count_resize("usage", up=True)
     ops.metrics.observe_span_gap(0.0975)
+    ops.metrics.observe_state_commit(1)
+    ops.metrics.observe_state_commit(5)
+    with pytest.raises(ValueError, match="at least one call"):
+        ops.metrics.observe_state_commit(0)
     async with ops.http.get(f"{ops.base_url}/metrics") as response:
         assert response.status == 200
         assert response.content_type == "text/plain"
@@ -181,6 +185,8 @@ async def test_metrics_exposes_state_and_observations(ops: OpsServer) -> None:
     assert 'offload_migrations_total{outcome="succeeded",trigger="mobility"} 1.0' in text
     assert 'offload_migrations_total{outcome="rolled_back",trigger="rebalance"} 1.0' in text
     assert 'offload_resizes_total{direction="up",policy="usage"} 1.0' in text
+    assert "offload_state_commits_total 2.0" in text
+    assert "offload_state_calls_total 6.0" in text
 
 
 async def test_metrics_show_each_nodes_and_deployments_latest_load(ops: OpsServer) -> None:
