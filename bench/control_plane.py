@@ -14,7 +14,9 @@ answered once the broker has placed it, the node has fetched the model and start
 replica, and the deployment is recorded running), delete (30 %: their oldest deployment) and
 migrate (10 %: a random one of theirs, make-before-break; answered once the move is decided
 and recorded, the move itself runs on in the broker). Between steps nothing is cleaned: the
-deployments stay, as in a cluster that grows.
+deployments stay, as in a cluster that grows. Before the window, a burst: --burst deploys
+(500) asked at once, as kube-scheduler's throughput test creates its pods in a batch, then
+deleted at once.
 
 Reported per step:
 - heartbeat round trip p50/p99/max (ms) as the hollow nodes see it (the broker exposes no
@@ -41,6 +43,11 @@ Reported per step:
 - hollow nodes stopped so far (all steps) by a refusal their broker link does not retry
   (an `offload node` would exit), with the reasons; the broker marks them lost for real, so
   they are not counted as falsely lost;
+- the burst: deploy decisions committed per second (each decision's time from the broker's
+  log line, written once its `starting` record is in the store: the decisions over the time
+  from the first Deploy sent to the last of them; pods bound per second is the figure
+  kube-scheduler's 300 pods/s is, not pods running), each decision's time under the lock,
+  the deploys answered running per second with their latency, and the deletes per second;
 - whether the step is saturated: heartbeat p99 over half the interval, a node marked lost,
   a heartbeat failed, or Deploy throughput under 80 % of the best earlier step's.
 
@@ -55,7 +62,7 @@ nodes, or nothing deployed.
 postgresql:// URL); without it the broker keeps its default SQLite state in its state dir.
 
     python -m bench.control_plane [--quick] [--steps N,N,...] [--window S] [--clients N]
-        [--hollow-processes N] [--sites N] [--state VALUE] [--json FILE]
+        [--burst N] [--hollow-processes N] [--sites N] [--state VALUE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +126,14 @@ MODEL = "mlp"
 LOST_LINE = re.compile(r"node=(\S+) lost: no heartbeat")
 CALL_TIMEOUT_S = 120.0
 LAG_PROBE_S = 0.1
+BURST = 500
+"""Deploys asked at once at each step before the window (`--burst`)."""
+PLACED_LINE = re.compile(
+    r"^(?P<at>\S+ \S+) INFO broker\.service: deployment=(?P<id>\S+) placed on node=", re.M
+)
+"""The broker's log line of a decision committed (`Broker._reserve`)."""
+LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
+"""Its time (`logging`'s asctime, local time)."""
 ANSWER_GRACE_S = 15.0
 """How long past the window the clients wait for their calls still out."""
 
@@ -293,6 +309,28 @@ class Client:
     live: list[str] = field(default_factory=list)
     """Its deployments that run and no move holds, oldest first."""
 
+    async def deploy(self) -> pb.Deployment:
+        """One Deploy of the bench's model, 1 GPU at a random site; its answer."""
+        reply: pb.Deployment = await self.stub.Deploy(
+            pb.DeployRequest(
+                model_sha256=self.sha256,
+                model_name=MODEL,
+                gpus=1,
+                priority=pb.PRIORITY_CLASS_STANDARD,
+                site=self.rng.choice(self.sites),
+            ),
+            metadata=self.metadata,
+            timeout=CALL_TIMEOUT_S,
+        )
+        return reply
+
+    async def delete(self, deployment_id: str) -> None:
+        await self.stub.DeleteDeployment(
+            pb.DeleteDeploymentRequest(deployment_id=deployment_id),
+            metadata=self.metadata,
+            timeout=CALL_TIMEOUT_S,
+        )
+
     async def step(self, tally: Tally) -> None:
         """One operation of the mix (a deploy when there is nothing to delete or move)."""
         operation = self.rng.choices(list(OPERATIONS), list(OPERATIONS.values()))[0]
@@ -302,27 +340,13 @@ class Client:
         started = time.perf_counter()
         try:
             if operation == "deploy":
-                reply = await self.stub.Deploy(
-                    pb.DeployRequest(
-                        model_sha256=self.sha256,
-                        model_name=MODEL,
-                        gpus=1,
-                        priority=pb.PRIORITY_CLASS_STANDARD,
-                        site=self.rng.choice(self.sites),
-                    ),
-                    metadata=self.metadata,
-                    timeout=CALL_TIMEOUT_S,
-                )
+                reply = await self.deploy()
                 outcome = reply.state
                 if reply.state == "running":
                     tally.deploy_ms.append((time.perf_counter() - started) * 1000)
                     self.live.append(reply.deployment_id)
             elif operation == "delete":
-                await self.stub.DeleteDeployment(
-                    pb.DeleteDeploymentRequest(deployment_id=self.live.pop(0)),
-                    metadata=self.metadata,
-                    timeout=CALL_TIMEOUT_S,
-                )
+                await self.delete(self.live.pop(0))
             else:
                 # Left out of `live` from now on: the move runs on after the answer.
                 moved = self.live.pop(self.rng.randrange(len(self.live)))
@@ -358,6 +382,70 @@ async def run_clients(clients: Sequence[Client], window_s: float) -> Tally:
     return tally
 
 
+async def run_burst(
+    clients: Sequence[Client], total: int, http: aiohttp.ClientSession, cluster: LocalCluster
+) -> dict[str, Any]:
+    """`total` deploys asked at once (spread over the clients, all in flight together), as
+    kube-scheduler's throughput test creates its pods in a batch; then the running ones
+    deleted, all at once too. When each decision was committed comes from the broker's log:
+    it writes "deployment=... placed on node=..." once the `starting` record is in the
+    store, with the time (read afterwards from the file: the broker is not asked anything
+    meanwhile). Decided per second is the burst's decisions over the time from the first
+    Deploy sent to the last of them."""
+    loop = asyncio.get_running_loop()
+    log_offset = cluster.log("broker").stat().st_size
+    counted, _ = await lock_counters(http, cluster)
+    answers: list[tuple[Client, pb.Deployment | str, float]] = []
+    started_wall, started = time.time(), loop.time()
+
+    async def one(client: Client) -> None:
+        try:
+            answer: pb.Deployment | str = await client.deploy()
+        except grpc.aio.AioRpcError as err:
+            answer = err.code().name
+        answers.append((client, answer, loop.time() - started))
+
+    await asyncio.gather(*(one(clients[k % len(clients)]) for k in range(total)))
+    after, _ = await lock_counters(http, cluster)
+    log = cluster.log("broker").read_bytes()[log_offset:].decode(errors="replace")
+    ids = {a.deployment_id for _, a, _ in answers if isinstance(a, pb.Deployment)}
+    placed = {
+        match["id"]: datetime.strptime(match["at"], LOG_TIME).timestamp() - started_wall
+        for match in PLACED_LINE.finditer(log)
+        if match["id"] in ids
+    }
+    running = [
+        (c, a, t) for c, a, t in answers if isinstance(a, pb.Deployment) and a.state == "running"
+    ]
+    outcomes = Counter(a.state if isinstance(a, pb.Deployment) else a for _, a, _ in answers)
+    decided_s = max(placed.values(), default=0.0)
+    answered_s = max((t for _, _, t in answers), default=0.0)
+    deleting = loop.time()
+    await asyncio.gather(*(c.delete(a.deployment_id) for c, a, _ in running))
+    deleted_s = loop.time() - deleting
+    latency = (
+        percentiles([t * 1000 for _, _, t in running]) if running else {"p50": 0.0, "p99": 0.0}
+    )
+    decisions = after[DECISIONS] - counted[DECISIONS]
+    held_s = after[DECISIONS_HELD] - counted[DECISIONS_HELD]
+    commits = after[COMMITS] - counted[COMMITS]
+    calls = after[CALLS] - counted[CALLS]
+    return {
+        "burst": total,
+        "burst_decided": len(placed),
+        "burst_decided_s": round(decided_s, 2),
+        "burst_decisions_per_s": round(len(placed) / decided_s, 1) if decided_s > 0 else 0.0,
+        "burst_decision_ms_mean": round(held_s / decisions * 1000, 3) if decisions else 0.0,
+        "burst_state_calls_per_commit": round(calls / commits, 2) if commits else 0.0,
+        "burst_running": len(running),
+        "burst_running_per_s": round(len(running) / answered_s, 1) if answered_s > 0 else 0.0,
+        "burst_deploy_p50_ms": round(latency["p50"], 1),
+        "burst_deploy_p99_ms": round(latency["p99"], 1),
+        "burst_outcomes": dict(sorted(outcomes.items())),
+        "burst_deletes_per_s": round(len(running) / deleted_s, 1) if deleted_s > 0 else 0.0,
+    }
+
+
 # --- one step ------------------------------------------------------------------------------
 
 
@@ -385,13 +473,20 @@ LOCK_COUNTERS = (
     "offload_placement_lock_acquisitions_total",
     "offload_placement_lock_wait_seconds_total",
     "offload_placement_lock_held_seconds_total",
+    "offload_state_commits_total",
+    "offload_state_calls_total",
 )
-"""The broker's counters of its placement lock: the deploy decisions committed so far and
-the seconds they held it (cluster read, placement, the `starting` write), and every use
-of the lock (decisions and the writes that settle them) with the seconds waited and held."""
+"""The broker's counters of its placement lock: the deploy decisions made so far and the
+seconds they held it (cluster read, placement, the `starting` write queued), and every use
+of the lock (decisions and the writes that settle them) with the seconds waited and held;
+and its state store's commits and the calls they made durable."""
 
 
 HELD_BY_USE = "offload_placement_lock_held_seconds_total"
+DECISIONS = "offload_deploy_decision_seconds_count"
+DECISIONS_HELD = "offload_deploy_decision_seconds_sum"
+COMMITS = "offload_state_commits_total"
+CALLS = "offload_state_calls_total"
 
 
 async def lock_counters(
@@ -437,6 +532,7 @@ async def run_step(
             raise answer
     late = [str(answer) for answer in grown if isinstance(answer, TimeoutError)]
     await asyncio.sleep(args.settle)
+    burst = await run_burst(clients, args.burst, http, cluster) if args.burst else {}
     await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
     hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
     broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
@@ -448,7 +544,7 @@ async def run_step(
     counted_after, held_after = await lock_counters(http, cluster)
     counted = {name: counted_after[name] - counted_before[name] for name in LOCK_COUNTERS}
     held_by_use = {use: s - held_before.get(use, 0.0) for use, s in held_after.items()}
-    decided, deciding_s, locked, waited_s, held_s = counted.values()
+    decided, deciding_s, locked, waited_s, held_s, commits, calls = counted.values()
     broker_cores = (cpu_seconds(broker_pid) - broker_cpu) / took
     hollow_cores = (sum(map(cpu_seconds, hollow_pids)) - hollow_cpu) / took
     loop_cores = (cpu_seconds(broker_pid, main_thread=True) - loop_cpu) / took
@@ -501,6 +597,8 @@ async def run_step(
             if seconds > 0
         },
         "lock_wait_ms_mean": round(waited_s / locked * 1000, 2) if locked else 0.0,
+        "state_commits_per_s": round(commits / took, 1),
+        "state_calls_per_commit": round(calls / commits, 2) if commits else 0.0,
         "migrations_per_s": round(count["migrate answered"] / took, 1),
         "deletes_per_s": round(count["delete answered"] / took, 1),
         "outcomes": dict(sorted(count.items())),
@@ -515,6 +613,7 @@ async def run_step(
         "load_average_1m": round(os.getloadavg()[0], 1),
         "stopped_nodes": len(stopped),
         "stopped_reasons": dict(Counter(stopped.values()).most_common(5)),
+        **burst,
     }
     if late:
         step.saturated.append("; ".join(late))
@@ -618,7 +717,8 @@ def _print_step(step: Step) -> None:
         f"{f['decision_ms_mean']} ms (capacity {f['decision_capacity_per_s']}/s); the lock "
         f"taken {f['lock_uses_per_s']}/s in all, busy {f['lock_busy']:.0%} of the time "
         f"({by_use}), "
-        f"waited for {f['lock_wait_ms_mean']} ms on average; broker "
+        f"waited for {f['lock_wait_ms_mean']} ms on average; state commits "
+        f"{f['state_commits_per_s']}/s ({f['state_calls_per_commit']} calls each); broker "
         f"{f['broker_cpu_cores']} cores ({f['broker_loop_cpu_cores']} on its event loop's "
         f"thread), {f['broker_rss_mib']} MiB; hollow nodes {f['hollow_cpu_cores']} cores, "
         f"loop lag p99 {f['hollow_loop_lag_p99_ms']} ms; clients {f['clients_cpu_cores']} "
@@ -626,6 +726,18 @@ def _print_step(step: Step) -> None:
         flush=True,
     )
     print(f"   outcomes: {f['outcomes']}; unanswered: {f['unanswered'] or 'none'}", flush=True)
+    if "burst" in f:
+        print(
+            f"   burst of {f['burst']} deploys at once: {f['burst_decided']} decisions "
+            f"committed in {f['burst_decided_s']} s, {f['burst_decisions_per_s']}/s (each "
+            f"held the lock {f['burst_decision_ms_mean']} ms; "
+            f"{f['burst_state_calls_per_commit']} store calls per commit); "
+            f"{f['burst_running']} running "
+            f"at {f['burst_running_per_s']}/s (p50 {f['burst_deploy_p50_ms']} ms, p99 "
+            f"{f['burst_deploy_p99_ms']} ms); {f['burst_outcomes']}; deleted at "
+            f"{f['burst_deletes_per_s']}/s",
+            flush=True,
+        )
 
 
 def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]:
@@ -653,6 +765,20 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
             f"{f['clients_cpu_cores']:>10}"
             + (f"  saturated: {'; '.join(step.saturated)}" if step.saturated else "")
         )
+    if any("burst" in s.figures for s in steps):
+        print(
+            f"\n{'nodes':>6} {'burst':>6} {'decided/s':>9} {'dec ms':>6} {'running/s':>9} "
+            f"{'dep p50 ms':>10} {'dep p99 ms':>10} {'deleted/s':>9}"
+        )
+        for step in steps:
+            f = step.figures
+            if "burst" in f:
+                print(
+                    f"{f['nodes']:>6} {f['burst']:>6} {f['burst_decisions_per_s']:>9} "
+                    f"{f['burst_decision_ms_mean']:>6} {f['burst_running_per_s']:>9} "
+                    f"{f['burst_deploy_p50_ms']:>10} {f['burst_deploy_p99_ms']:>10} "
+                    f"{f['burst_deletes_per_s']:>9}"
+                )
     for name, rate, what in ANCHORS:
         print(f"{'':>6} {name:<19} {rate:>15.0f} {what}")
     saturated = next((s.nodes for s in steps if s.saturated), None)
@@ -660,7 +786,13 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
     print(
         f"\nSaturation: {f'at {saturated} nodes' if saturated else 'not within these steps'}"
         f"; at {largest.get('nodes', 0)} nodes {largest.get('deploys_per_s', 0)} deploys/s "
-        f"committed (target over {TARGET_RATE:.0f}/s on SQLite), "
+        f"answered running under the mix, "
+        + (
+            f"{largest['burst_decisions_per_s']} deploy decisions/s committed in the burst "
+            if "burst" in largest
+            else ""
+        )
+        + f"(target over {TARGET_RATE:.0f} decisions/s committed on SQLite), "
         f"{sum(s.figures['marked_lost'] for s in steps)} node(s) marked lost"
         f" (state: {args.state or 'SQLite'})"
     )
@@ -725,6 +857,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hollow nodes saturates its core here and its nodes miss heartbeats, which the broker "
         "rightly counts lost)",
     )
+    parser.add_argument(
+        "--burst",
+        type=int,
+        default=BURST,
+        help=f"deploys asked at once at each step before the window, then deleted ({BURST}; "
+        "0: none)",
+    )
     parser.add_argument("--sites", type=int, default=10, help="edge sites (10)")
     parser.add_argument(
         "--state",
@@ -747,10 +886,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         and 1 <= args.clients <= 256
         and 1 <= args.hollow_processes <= 64
         and 1 <= args.sites <= 100
+        and 0 <= args.burst <= 100_000
     ):
         parser.error(
             "--window 0..3600 s, --settle 0..600 s, --clients 1..256, --hollow-processes "
-            "1..64, --sites 1..100"
+            "1..64, --sites 1..100, --burst 0..100000"
         )
     if args.state and not args.state.isprintable():
         parser.error("--state must be printable text")

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 NODE_STEPS = (12, 30)
+BURST = 24
+"""Deploys asked at once at each step: a quarter of the smaller step's GPUs."""
 
 
 def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> None:
@@ -20,12 +22,14 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
     done = subprocess.run(
         [sys.executable, "-m", "bench.control_plane",
          "--steps", ",".join(map(str, NODE_STEPS)), "--window", "4", "--settle", "2",
-         "--clients", "3", "--hollow-processes", "2", "--sites", "3", "--json", str(out)],
+         "--clients", "3", "--hollow-processes", "2", "--sites", "3", "--burst", str(BURST),
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Saturation:" in done.stdout
     assert "kube-scheduler" in done.stdout and "Nomad C1M" in done.stdout
+    assert f"burst of {BURST} deploys at once" in done.stdout
     result = json.loads(out.read_text())
     assert result["state"] == "sqlite"
     assert [s["nodes"] for s in result["steps"]] == list(NODE_STEPS)
@@ -54,6 +58,20 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         assert 0 < step["broker_loop_cpu_cores"] <= step["broker_cpu_cores"], step
         assert step["clients_cpu_cores"] > 0, step
         assert 0 < step["broker_rss_mib"] <= step["broker_peak_rss_mib"], step
+        # The burst: every deploy decided once and answered running, its pace from the
+        # broker's own count of committed decisions; then every one of them deleted.
+        assert step["burst"] == BURST, step
+        assert step["burst_outcomes"] == {"running": BURST}, step
+        assert step["burst_running"] == BURST, step
+        # (a placement of a pending deployment from the window before counts as well)
+        assert step["burst_decided"] >= BURST, step
+        assert step["burst_decided_s"] > 0 and step["burst_decisions_per_s"] > 0, step
+        assert 0 < step["burst_deploy_p50_ms"] <= step["burst_deploy_p99_ms"], step
+        assert step["burst_running_per_s"] > 0 and step["burst_deletes_per_s"] > 0, step
+        assert step["burst_decision_ms_mean"] > 0, step
+        assert step["burst_state_calls_per_commit"] >= 1, step
+        # The store's commits: each makes at least one call durable.
+        assert step["state_commits_per_s"] > 0 and step["state_calls_per_commit"] >= 1, step
     last = result["steps"][-1]
     # The replicas the hollow nodes hold are those of the deployments that run: each
     # committed deploy put one there, each answered delete took one away (migrations may
