@@ -562,10 +562,17 @@ class StateStore:
                 _deployment_params(record),
             )
 
-    def _check_deployment_refs(self, record: DeploymentRecord) -> None:
-        self._require("clients", "client_id", record.client_id, "client")
-        self._require("models", "sha256", record.model_sha256, "model")
-        if record.node_id is not None:
+    def _check_deployment_refs(
+        self, record: DeploymentRecord, before: DeploymentRecord | None = None
+    ) -> None:
+        """Each client, model and node `record` names exists (ConstraintError, by name);
+        with `before`, the record as stored, only those it changes: the database's foreign
+        keys kept the others (a round trip less each, on the state thread's every write)."""
+        if before is None or record.client_id != before.client_id:
+            self._require("clients", "client_id", record.client_id, "client")
+        if before is None or record.model_sha256 != before.model_sha256:
+            self._require("models", "sha256", record.model_sha256, "model")
+        if record.node_id is not None and (before is None or record.node_id != before.node_id):
             self._require("nodes", "node_id", record.node_id, "node")
 
     def update_deployment(
@@ -580,7 +587,7 @@ class StateStore:
         with self.transaction():
             current = self._deployment_to_change(deployment_id)
             updated = self._changed(current, changes, "deployment_id", at)
-            self._check_deployment_refs(updated)
+            self._check_deployment_refs(updated, current)
             self._execute(
                 f"UPDATE deployments SET "
                 f"{_assignments(_DEPLOYMENT_COLUMNS, 'deployment_id')} "
@@ -677,10 +684,16 @@ class StateStore:
                 _migration_params(record),
             )
 
-    def _check_migration_refs(self, record: MigrationRecord) -> None:
-        self._require("deployments", "deployment_id", record.deployment_id, "deployment")
-        self._require("nodes", "node_id", record.source_node, "source node")
-        self._require("nodes", "node_id", record.target_node, "target node")
+    def _check_migration_refs(
+        self, record: MigrationRecord, before: MigrationRecord | None = None
+    ) -> None:
+        """As `_check_deployment_refs`, for a migration's deployment and nodes."""
+        if before is None or record.deployment_id != before.deployment_id:
+            self._require("deployments", "deployment_id", record.deployment_id, "deployment")
+        if before is None or record.source_node != before.source_node:
+            self._require("nodes", "node_id", record.source_node, "source node")
+        if before is None or record.target_node != before.target_node:
+            self._require("nodes", "node_id", record.target_node, "target node")
 
     def update_migration(self, migration_id: str, **changes: Any) -> MigrationRecord:
         """Change the given fields of a migration and set `updated_at` to now; returns it as
@@ -690,7 +703,7 @@ class StateStore:
             if not current:
                 raise KeyError(f"migration {migration_id!r} is unknown")
             updated = self._changed(current[0], changes, "migration_id")
-            self._check_migration_refs(updated)
+            self._check_migration_refs(updated, current[0])
             self._execute(
                 f"UPDATE migrations SET {_assignments(_MIGRATION_COLUMNS, 'migration_id')} "
                 "WHERE migration_id = :migration_id",
