@@ -14,9 +14,9 @@ answered once the broker has placed it, the node has fetched the model and start
 replica, and the deployment is recorded running), delete (30 %: their oldest deployment) and
 migrate (10 %: a random one of theirs, make-before-break; answered once the move is decided
 and recorded, the move itself runs on in the broker). Between steps nothing is cleaned: the
-deployments stay, as in a cluster that grows. Before the window, a burst: --burst deploys
-(500) asked at once, as kube-scheduler's throughput test creates its pods in a batch, then
-deleted at once.
+deployments stay, as in a cluster that grows. Before the window, --bursts (3) bursts:
+--burst deploys (500) asked at once, as kube-scheduler's throughput test creates its pods in
+a batch, then deleted at once; the burst of median pace is reported, with each one's.
 
 Reported per step:
 - heartbeat round trip p50/p99/max (ms) as the hollow nodes see it (the broker exposes no
@@ -62,7 +62,7 @@ nodes, or nothing deployed.
 postgresql:// URL); without it the broker keeps its default SQLite state in its state dir.
 
     python -m bench.control_plane [--quick] [--steps N,N,...] [--window S] [--clients N]
-        [--burst N] [--hollow-processes N] [--sites N] [--state VALUE] [--json FILE]
+        [--burst N] [--bursts N] [--hollow-processes N] [--sites N] [--state VALUE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -128,6 +128,8 @@ CALL_TIMEOUT_S = 120.0
 LAG_PROBE_S = 0.1
 BURST = 500
 """Deploys asked at once at each step before the window (`--burst`)."""
+BURSTS = 3
+"""Bursts at each step (`--bursts`): the one of median pace is reported."""
 PLACED_LINE = re.compile(
     r"^(?P<at>\S+ \S+) INFO broker\.service: deployment=(?P<id>\S+) placed on node=", re.M
 )
@@ -532,7 +534,17 @@ async def run_step(
             raise answer
     late = [str(answer) for answer in grown if isinstance(answer, TimeoutError)]
     await asyncio.sleep(args.settle)
-    burst = await run_burst(clients, args.burst, http, cluster) if args.burst else {}
+    bursts = [
+        await run_burst(clients, args.burst, http, cluster)
+        for _ in range(args.bursts if args.burst else 0)
+    ]
+    # The burst of median pace stands for the step (its figures, one burst's, agree); each
+    # burst's pace is kept beside it: on this shared machine one burst can be far off.
+    ranked = sorted(bursts, key=lambda b: b["burst_decisions_per_s"])
+    burst = {
+        **(ranked[len(ranked) // 2] if ranked else {}),
+        **({"bursts": bursts} if bursts else {}),
+    }
     await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
     hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
     broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
@@ -726,16 +738,16 @@ def _print_step(step: Step) -> None:
         flush=True,
     )
     print(f"   outcomes: {f['outcomes']}; unanswered: {f['unanswered'] or 'none'}", flush=True)
-    if "burst" in f:
+    for b in f.get("bursts", ()):
         print(
-            f"   burst of {f['burst']} deploys at once: {f['burst_decided']} decisions "
-            f"committed in {f['burst_decided_s']} s, {f['burst_decisions_per_s']}/s (each "
-            f"held the lock {f['burst_decision_ms_mean']} ms; "
-            f"{f['burst_state_calls_per_commit']} store calls per commit); "
-            f"{f['burst_running']} running "
-            f"at {f['burst_running_per_s']}/s (p50 {f['burst_deploy_p50_ms']} ms, p99 "
-            f"{f['burst_deploy_p99_ms']} ms); {f['burst_outcomes']}; deleted at "
-            f"{f['burst_deletes_per_s']}/s",
+            f"   burst of {b['burst']} deploys at once: {b['burst_decided']} decisions "
+            f"committed in {b['burst_decided_s']} s, {b['burst_decisions_per_s']}/s (each "
+            f"held the lock {b['burst_decision_ms_mean']} ms; "
+            f"{b['burst_state_calls_per_commit']} store calls per commit); "
+            f"{b['burst_running']} running "
+            f"at {b['burst_running_per_s']}/s (p50 {b['burst_deploy_p50_ms']} ms, p99 "
+            f"{b['burst_deploy_p99_ms']} ms); {b['burst_outcomes']}; deleted at "
+            f"{b['burst_deletes_per_s']}/s",
             flush=True,
         )
 
@@ -767,7 +779,8 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
         )
     if any("burst" in s.figures for s in steps):
         print(
-            f"\n{'nodes':>6} {'burst':>6} {'decided/s':>9} {'dec ms':>6} {'running/s':>9} "
+            f"\nbursts: the one of median decisions/s (each burst's in brackets)\n"
+            f"{'nodes':>6} {'burst':>6} {'decided/s':>9} {'dec ms':>6} {'running/s':>9} "
             f"{'dep p50 ms':>10} {'dep p99 ms':>10} {'deleted/s':>9}"
         )
         for step in steps:
@@ -777,7 +790,9 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
                     f"{f['nodes']:>6} {f['burst']:>6} {f['burst_decisions_per_s']:>9} "
                     f"{f['burst_decision_ms_mean']:>6} {f['burst_running_per_s']:>9} "
                     f"{f['burst_deploy_p50_ms']:>10} {f['burst_deploy_p99_ms']:>10} "
-                    f"{f['burst_deletes_per_s']:>9}"
+                    f"{f['burst_deletes_per_s']:>9}  ("
+                    + ", ".join(str(b["burst_decisions_per_s"]) for b in f["bursts"])
+                    + ")"
                 )
     for name, rate, what in ANCHORS:
         print(f"{'':>6} {name:<19} {rate:>15.0f} {what}")
@@ -864,6 +879,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"deploys asked at once at each step before the window, then deleted ({BURST}; "
         "0: none)",
     )
+    parser.add_argument(
+        "--bursts",
+        type=int,
+        default=BURSTS,
+        help=f"bursts at each step; the one of median pace is reported ({BURSTS})",
+    )
     parser.add_argument("--sites", type=int, default=10, help="edge sites (10)")
     parser.add_argument(
         "--state",
@@ -887,10 +908,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         and 1 <= args.hollow_processes <= 64
         and 1 <= args.sites <= 100
         and 0 <= args.burst <= 100_000
+        and 1 <= args.bursts <= 20
     ):
         parser.error(
             "--window 0..3600 s, --settle 0..600 s, --clients 1..256, --hollow-processes "
-            "1..64, --sites 1..100, --burst 0..100000"
+            "1..64, --sites 1..100, --burst 0..100000, --bursts 1..20"
         )
     if args.state and not args.state.isprintable():
         parser.error("--state must be printable text")

@@ -22,7 +22,8 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
     done = subprocess.run(
         [sys.executable, "-m", "bench.control_plane",
          "--steps", ",".join(map(str, NODE_STEPS)), "--window", "4", "--settle", "2",
-         "--clients", "3", "--hollow-processes", "2", "--sites", "3", "--burst", str(BURST),
+         "--clients", "3", "--hollow-processes", "2", "--sites", "3",
+         "--burst", str(BURST), "--bursts", "2",
          "--json", str(out)],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
     )  # fmt: skip
@@ -61,6 +62,11 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         # The burst: every deploy decided once and answered running, its pace from the
         # broker's own count of committed decisions; then every one of them deleted.
         assert step["burst"] == BURST, step
+        assert len(step["bursts"]) == 2, step
+        # the step's figures are those of one of its bursts
+        assert {k: v for k, v in step.items() if k.startswith("burst_")} in [
+            {k: v for k, v in b.items() if k != "burst"} for b in step["bursts"]
+        ], step
         assert step["burst_outcomes"] == {"running": BURST}, step
         assert step["burst_running"] == BURST, step
         # (a placement of a pending deployment from the window before counts as well)
