@@ -1311,21 +1311,14 @@ class Broker:
         async with self._placing.use("running"):
             current = await self._still_starting(record)
             if current is not None:  # the write queued under the lock, awaited after it
-                running = replace(
-                    current,
-                    state=DeploymentState.RUNNING,
-                    endpoint=endpoint,
-                    updated_at=time.time(),
-                )
                 written = self._db_queued(
                     self._store.update_deployment,
                     record.deployment_id,
-                    at=running.updated_at,
-                    state=running.state,
+                    state=DeploymentState.RUNNING,
                     endpoint=endpoint,
                 )
         if current is not None:
-            await self._durable(written)
+            running = await self._durable(written)
             # Kept only if nothing changed the deployment meanwhile: what did (a delete, a
             # lost node) wrote after this write, and its record is the one stored.
             if self._deployments.get(record.deployment_id) is current:

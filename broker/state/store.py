@@ -575,18 +575,14 @@ class StateStore:
         if record.node_id is not None and (before is None or record.node_id != before.node_id):
             self._require("nodes", "node_id", record.node_id, "node")
 
-    def update_deployment(
-        self, deployment_id: str, *, at: float | None = None, **changes: Any
-    ) -> DeploymentRecord:
-        """Change the given fields of a deployment and set `updated_at` to `at` (default
-        now: a caller that made the changed record already gives its time, so that both
-        are equal); returns the deployment as stored. TypeError for a field that does not
-        exist or cannot change (`deployment_id`, `created_at`, `updated_at`); KeyError for
-        an unknown deployment; ConstraintError for a value the schema refuses (an unknown
-        node, a negative epoch)."""
+    def update_deployment(self, deployment_id: str, **changes: Any) -> DeploymentRecord:
+        """Change the given fields of a deployment and set `updated_at` to now; returns the
+        deployment as stored. TypeError for a field that does not exist or cannot change
+        (`deployment_id`, `created_at`, `updated_at`); KeyError for an unknown deployment;
+        ConstraintError for a value the schema refuses (an unknown node, a negative epoch)."""
         with self.transaction():
             current = self._deployment_to_change(deployment_id)
-            updated = self._changed(current, changes, "deployment_id", at)
+            updated = self._changed(current, changes, "deployment_id")
             self._check_deployment_refs(updated, current)
             self._execute(
                 f"UPDATE deployments SET "
@@ -598,18 +594,14 @@ class StateStore:
             assert stored is not None
             return stored
 
-    def _changed(
-        self, record: _Record, changes: dict[str, Any], key: str, at: float | None = None
-    ) -> _Record:
+    def _changed(self, record: _Record, changes: dict[str, Any], key: str) -> _Record:
         fixed = {key, "created_at", "updated_at"}
         names = {field.name for field in dataclasses.fields(record)}
         if unknown := sorted(changes.keys() - names):
             raise TypeError(f"{type(record).__name__} has no field {', '.join(unknown)}")
         if frozen := sorted(changes.keys() & fixed):
             raise TypeError(f"{', '.join(frozen)} cannot be changed")
-        return dataclasses.replace(
-            record, **changes, updated_at=self._clock() if at is None else at
-        )
+        return dataclasses.replace(record, **changes, updated_at=self._clock())
 
     def _deployment_to_change(self, deployment_id: str) -> DeploymentRecord:
         """Inside a transaction: the deployment, held against other writers until the end.
