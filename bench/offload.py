@@ -82,6 +82,8 @@ CFS_PERIOD_MS = 10.0
 """The device's CFS period (Docker's default is 100 ms)."""
 CFS_MIN_US = 1000
 """The kernel's smallest CFS period and quota (`cpu.cfs_period_us`, `cpu.cfs_quota_us`)."""
+CFS_MAX_PERIOD_US = 1_000_000
+"""The kernel's largest CFS period."""
 CAPTURE = "21_8xV100-sxm2-hybridcube-nv1nv2-1nic-driver440.txt"
 TARGET_SPEEDUP = 6.0
 TARGET_FASTEST = 1.10
@@ -165,13 +167,19 @@ def vars_of(conditions: Conditions) -> tuple[float, float]:
 
 
 def cpu_limit(cpus: float, period_ms: float) -> list[str]:
-    """`docker run` options for a CFS quota of `cpus` CPUs per `period_ms`."""
+    """`docker run` options for a CFS quota of `cpus` CPUs per `period_ms`. ValueError for
+    a period or quota the kernel refuses."""
+    if not CFS_MIN_US <= period_ms * 1000 <= CFS_MAX_PERIOD_US:  # NaN fails too
+        raise ValueError(
+            f"a CFS period of {period_ms:g} ms is outside the kernel's "
+            f"{CFS_MIN_US // 1000}..{CFS_MAX_PERIOD_US // 1000} ms"
+        )
     period_us = round(period_ms * 1000)
     quota_us = round(cpus * period_us)
-    if period_us < CFS_MIN_US or quota_us < CFS_MIN_US:
+    if quota_us < CFS_MIN_US:
         raise ValueError(
             f"a CFS period of {period_ms:g} ms gives {cpus:g} CPU a quota of {quota_us} us; "
-            f"the kernel takes at least {CFS_MIN_US} us for both"
+            f"the kernel takes at least {CFS_MIN_US} us"
         )
     return ["--cpu-period", str(period_us), "--cpu-quota", str(quota_us)]
 

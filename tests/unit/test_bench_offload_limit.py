@@ -15,6 +15,12 @@ def test_a_quota_below_the_kernels_millisecond_is_refused_with_the_figures() -> 
         cpu_limit(0.25, 2.0)
 
 
+@pytest.mark.parametrize("period_ms", [0.5, 1001.0, float("inf"), float("nan"), -10.0])
+def test_a_period_outside_the_kernels_range_is_refused(period_ms: float) -> None:
+    with pytest.raises(ValueError, match=r"outside the kernel's 1\.\.1000 ms"):
+        cpu_limit(1.0, period_ms)
+
+
 def test_the_command_line_refuses_such_a_period_before_building_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
