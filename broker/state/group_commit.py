@@ -62,9 +62,8 @@ class GroupCommitter:
     def __init__(
         self,
         store: StateStore,
-        on_commit: Callable[[int], None] | None = None,
+        on_commit: Callable[[int], None],
         *,
-        name: str = "state",
         max_batch: int = MAX_BATCH,
     ) -> None:
         if max_batch < 1:
@@ -75,7 +74,7 @@ class GroupCommitter:
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._closed = False
         self._closing = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="state", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
@@ -126,7 +125,7 @@ class GroupCommitter:
             call.future.set_exception(err)
             return
         call.future.set_result(result)
-        self._committed(1)
+        self._on_commit(1)
 
     def _together(self, calls: list[_Call]) -> None:
         try:
@@ -147,7 +146,7 @@ class GroupCommitter:
                 call.future.set_result(value)
             else:
                 call.future.set_exception(value)
-        self._committed(len(calls))
+        self._on_commit(len(calls))
 
     def _in_savepoint(self, call: _Call) -> tuple[bool, Any]:
         try:
@@ -157,7 +156,3 @@ class GroupCommitter:
             raise _BatchFailed(str(err)) from err
         except Exception as err:  # the call's own outcome; its savepoint is undone
             return False, err
-
-    def _committed(self, calls: int) -> None:
-        if self._on_commit is not None:
-            self._on_commit(calls)
