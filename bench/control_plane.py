@@ -40,6 +40,8 @@ Reported per step:
   share this machine's CPUs with the broker), how late the hollow processes' event loops wake
   (lag p99: the part of a heartbeat's round trip that is the hollow side's own), and the
   machine's load average (other work on it shows there);
+- how long a /metrics scrape takes at the step's end (the median of three, request to last
+  byte): what a Prometheus server scraping this broker costs it as the cluster grows;
 - hollow nodes stopped so far (all steps) by a refusal their broker link does not retry
   (an `offload node` would exit), with the reasons; the broker marks them lost for real, so
   they are not counted as falsely lost;
@@ -79,6 +81,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -511,6 +514,19 @@ async def lock_counters(
     return found, held
 
 
+SCRAPES = 3
+"""/metrics scrapes timed at the end of each step (their median is reported)."""
+
+
+async def scrape_ms(http: aiohttp.ClientSession, cluster: LocalCluster) -> float:
+    """One /metrics scrape, request to the last byte read, in ms."""
+    started = time.perf_counter()
+    async with http.get(f"{cluster.ops_url}metrics") as reply:
+        reply.raise_for_status()
+        await reply.read()
+    return (time.perf_counter() - started) * 1000
+
+
 async def run_step(
     nodes: int,
     args: argparse.Namespace,
@@ -546,27 +562,31 @@ async def run_step(
         **({"bursts": bursts} if bursts else {}),
     }
     await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
+    counting = time.monotonic()
     hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
+    counted_before, held_before = await lock_counters(http, cluster)
+    # CPU over the window alone (the scrapes around it are not the load's).
     broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
     loop_cpu, own_cpu = cpu_seconds(broker_pid, main_thread=True), cpu_seconds(os.getpid())
-    counted_before, held_before = await lock_counters(http, cluster)
     started = time.monotonic()
     tally = await run_clients(clients, args.window)
     took = time.monotonic() - started
-    counted_after, held_after = await lock_counters(http, cluster)
-    counted = {name: counted_after[name] - counted_before[name] for name in LOCK_COUNTERS}
-    held_by_use = {use: s - held_before.get(use, 0.0) for use, s in held_after.items()}
-    decided, deciding_s, locked, waited_s, held_s, commits, calls = counted.values()
     broker_cores = (cpu_seconds(broker_pid) - broker_cpu) / took
     hollow_cores = (sum(map(cpu_seconds, hollow_pids)) - hollow_cpu) / took
     loop_cores = (cpu_seconds(broker_pid, main_thread=True) - loop_cpu) / took
     own_cores = (cpu_seconds(os.getpid()) - own_cpu) / took
+    counted_after, held_after = await lock_counters(http, cluster)
+    counted = {name: counted_after[name] - counted_before[name] for name in LOCK_COUNTERS}
+    held_by_use = {use: s - held_before.get(use, 0.0) for use, s in held_after.items()}
+    decided, deciding_s, locked, waited_s, held_s, commits, calls = counted.values()
     beats = await asyncio.gather(*(f.ask("heartbeats") for f in fleets))
+    counted_s = time.monotonic() - counting  # the window and the reads around it
     statuses: list[FleetStatus] = await asyncio.gather(*(f.ask("status") for f in fleets))
     round_trips = [ms for log, _ in beats for ms in log.round_trips_ms]
     failed_beats = sum(log.failed for log, _ in beats)
     lag = percentiles([ms for _, lags in beats for ms in lags] or [0.0])
     rss, peak = memory_mib(broker_pid)
+    scrapes = [await scrape_ms(http, cluster) for _ in range(SCRAPES)]
     log = cluster.log("broker").read_bytes()[log_offset:].decode(errors="replace")
     # A node whose link stopped (see `FleetStatus.stopped`) is lost for real.
     stopped = {node: why for status in statuses for node, why in status.stopped}
@@ -588,7 +608,7 @@ async def run_step(
         "heartbeat_p99_ms": round(heartbeat["p99"], 2),
         "heartbeat_max_ms": round(max(round_trips, default=0.0), 2),
         "heartbeats_failed": failed_beats,
-        "heartbeats_per_s": round(heartbeat["n"] / took, 1),
+        "heartbeats_per_s": round(heartbeat["n"] / counted_s, 1),
         "hollow_loop_lag_p50_ms": round(lag["p50"], 1),
         "hollow_loop_lag_p99_ms": round(lag["p99"], 1),
         "marked_lost": len(marked_lost),
@@ -620,6 +640,7 @@ async def run_step(
         "broker_loop_cpu_cores": round(loop_cores, 2),
         "broker_rss_mib": round(rss, 1),
         "broker_peak_rss_mib": round(peak, 1),
+        "metrics_scrape_ms": round(statistics.median(scrapes), 1),
         "hollow_cpu_cores": round(hollow_cores, 2),
         "clients_cpu_cores": round(own_cores, 2),
         "load_average_1m": round(os.getloadavg()[0], 1),
@@ -732,7 +753,8 @@ def _print_step(step: Step) -> None:
         f"waited for {f['lock_wait_ms_mean']} ms on average; state commits "
         f"{f['state_commits_per_s']}/s ({f['state_calls_per_commit']} calls each); broker "
         f"{f['broker_cpu_cores']} cores ({f['broker_loop_cpu_cores']} on its event loop's "
-        f"thread), {f['broker_rss_mib']} MiB; hollow nodes {f['hollow_cpu_cores']} cores, "
+        f"thread), {f['broker_rss_mib']} MiB, a /metrics scrape {f['metrics_scrape_ms']} ms; "
+        f"hollow nodes {f['hollow_cpu_cores']} cores, "
         f"loop lag p99 {f['hollow_loop_lag_p99_ms']} ms; clients {f['clients_cpu_cores']} "
         f"cores; load average {f['load_average_1m']}",
         flush=True,
@@ -758,7 +780,7 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
         f"{'dep p50 ms':>10} {'dep p99 ms':>10} {'dec ms':>6} {'dec cap/s':>9} "
         f"{'lock busy':>9} {'lock wait ms':>12} "
         f"{'migr/s':>6} {'del/s':>6} "
-        f"{'broker CPU':>10} {'loop CPU':>8} {'RSS MiB':>8} {'peak MiB':>8} "
+        f"{'broker CPU':>10} {'loop CPU':>8} {'RSS MiB':>8} {'peak MiB':>8} {'scrape ms':>9} "
         f"{'hollow CPU':>10} {'lag p99 ms':>10} {'client CPU':>10}"
     )
     print(f"\n{header}")
@@ -773,7 +795,8 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
             f"{f['deletes_per_s']:>6} "
             f"{f['broker_cpu_cores']:>10} {f['broker_loop_cpu_cores']:>8} "
             f"{f['broker_rss_mib']:>8} {f['broker_peak_rss_mib']:>8} "
-            f"{f['hollow_cpu_cores']:>10} {f['hollow_loop_lag_p99_ms']:>10} "
+            f"{f['metrics_scrape_ms']:>9} {f['hollow_cpu_cores']:>10} "
+            f"{f['hollow_loop_lag_p99_ms']:>10} "
             f"{f['clients_cpu_cores']:>10}"
             + (f"  saturated: {'; '.join(step.saturated)}" if step.saturated else "")
         )

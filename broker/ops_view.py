@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 from broker.ops import (
+    DeploymentFigures,
     DeploymentInfo,
     DeploymentLoadInfo,
     LoadInfo,
+    MetricFigures,
     MigrationInfo,
+    NodeFigures,
     NodeInfo,
     NodeLoadInfo,
     OffloadInfo,
     PrewarmInfo,
     StandbyInfo,
 )
+from broker.deployment_table import ACTIVE
 from broker.placement import PriorityClass
 from broker.service import Broker, DeploySpec, NodeEntry
 from broker.state import DeploymentRecord, OffloadReportRecord
@@ -71,6 +76,10 @@ def offload_info(report: OffloadReportRecord, now: float) -> OffloadInfo:
     }
 
 
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
 def _point(p: DeploymentPoint) -> list[float | None]:
     replica = p.replica
     requests = replica.requests
@@ -96,7 +105,7 @@ class BrokerOpsView:
     async def nodes(self) -> list[NodeInfo]:
         holders: dict[tuple[str, int], list[str]] = {}
         for record in await self._active():
-            if record.node_id and record.state.value in ("starting", "running"):
+            if record.node_id and record.state in ACTIVE:
                 for index in record.gpus:
                     holders.setdefault((record.node_id, index), []).append(record.deployment_id)
         now = time.monotonic()
@@ -198,6 +207,71 @@ class BrokerOpsView:
                 }
             )
         return {"budget": self._prewarm_budget, "standbys": standbys}
+
+    async def figures(self) -> MetricFigures:
+        broker = self._broker
+        active = await self._active()
+        held = {
+            (record.node_id, index)
+            for record in active
+            if record.node_id and record.state in ACTIVE
+            for index in record.gpus
+        }
+        gpus = [(node, g.index) for node, e in broker.nodes.items() for g in e.inventory.gpus]
+        used = sum(1 for gpu in gpus if gpu in held)
+        visible = {record.deployment_id for record in active}
+        requests: Counter[tuple[str, str, str]] = Counter()
+        reachable: dict[str, bool] = {}
+        for report in await broker.offload_reports():  # the most recent first
+            deployment = report.deployment_id
+            if deployment not in visible:
+                continue
+            for c in report.summary.decisions:
+                requests[deployment, c.target, c.reason] += c.requests
+            reachable.setdefault(deployment, report.summary.remote_reachable)
+        history = broker.load_history
+        load_nodes = {}
+        for node_id in history.node_ids():
+            point = history.latest_point(node_id)
+            if point is None:
+                continue
+            entry = broker.nodes.get(node_id)
+            load_nodes[node_id] = NodeFigures(
+                site=entry.record.site if entry else "",
+                load=point.load,
+                cpu_used_cores=point.cpu_used_cores,
+                cpu_cores=point.cpu_cores,
+                memory_used_bytes=point.memory_used_mib * 1024 * 1024,
+            )
+        load_deployments = {}
+        for record in active:
+            latest = history.latest_replica(record.deployment_id)
+            if latest is None:
+                continue
+            replica = latest.replica
+            served = replica.requests
+            load_deployments[record.deployment_id] = DeploymentFigures(
+                latency_slo_seconds=DeploySpec.from_json(record.request_json).latency_slo_ms
+                / 1000,
+                cpu_used_cores=replica.cpu_used_cores,
+                cpu_limit_cores=replica.cpu_limit_cores or 0.0,
+                request_rate=served.rate_per_s if served else None,
+                failure_rate=served.failure_rate_per_s if served else None,
+                latency_p50_seconds=_seconds(served.latency_p50_ms) if served else None,
+                latency_p99_seconds=_seconds(served.latency_p99_ms) if served else None,
+            )
+        return MetricFigures(
+            nodes=Counter(str(e.record.state) for e in broker.nodes.values()),
+            gpus_free=len(gpus) - used,
+            gpus_used=used,
+            deployments=Counter(str(record.state) for record in active),
+            standbys=len(broker.standbys()),
+            standby_budget=self._prewarm_budget,
+            offload_requests=requests,
+            remote_reachable=reachable,
+            load_nodes=load_nodes,
+            load_deployments=load_deployments,
+        )
 
     async def load(self) -> LoadInfo:
         history = self._broker.load_history

@@ -171,6 +171,10 @@ class LoadHistory:
         latest = self._latest.get(node_id)
         return latest[1] if latest else None
 
+    def latest_point(self, node_id: str) -> NodePoint | None:
+        points = self._nodes.get(node_id)
+        return points[-1] if points else None
+
     def node_points(self, node_id: str) -> list[NodePoint]:
         return list(self._nodes.get(node_id, ()))
 

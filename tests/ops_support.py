@@ -12,15 +12,19 @@ import itertools
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.ops import (
+    DeploymentFigures,
     DeploymentInfo,
     GpuInfo,
     LinkInfo,
     LoadInfo,
+    MetricFigures,
     MigrationInfo,
+    NodeFigures,
     NodeInfo,
     OffloadInfo,
     PrewarmInfo,
@@ -409,6 +413,65 @@ class StaticOpsView:
         self._maybe_fail()
         return copy.deepcopy(self.load_info)
 
+    async def figures(self) -> MetricFigures:
+        self._maybe_fail()
+        return figures_from_views(
+            self.node_list, self.deployment_list, self.prewarm_info, self.load_info
+        )
+
     def _maybe_fail(self) -> None:
         if self.failure is not None:
             raise self.failure
+
+
+def figures_from_views(
+    nodes: list[NodeInfo], deployments: list[DeploymentInfo], prewarm: PrewarmInfo, load: LoadInfo
+) -> MetricFigures:
+    """What `/metrics` shows, read off the dashboard's views: the oracle a broker's own
+    `figures()` (counted without building the views) must agree with."""
+    gpus = [gpu for node in nodes for gpu in node["gpus"]]
+    free = sum(1 for gpu in gpus if gpu["free"])
+    requests: Counter[tuple[str, str, str]] = Counter()
+    reachable: dict[str, bool] = {}
+    for deployment in deployments:
+        sessions = deployment["offload"]
+        for session in sessions:
+            for c in session["decisions"]:
+                requests[deployment["deployment_id"], c["target"], c["reason"]] += c["requests"]
+        if sessions:  # the most recent first
+            reachable[deployment["deployment_id"]] = sessions[0]["remote_reachable"]
+    load_nodes = {
+        n["node_id"]: NodeFigures(
+            site=n["site"],
+            load=n["points"][-1][1],
+            cpu_used_cores=n["points"][-1][2],
+            cpu_cores=n["points"][-1][3],
+            memory_used_bytes=n["points"][-1][4] * 1024 * 1024,
+        )
+        for n in load["nodes"]
+        if n["points"]
+    }
+    load_deployments = {}
+    for d in load["deployments"]:
+        _, rate, p50_ms, p99_ms, cpu_used, cpu_limit, failure_rate = d["points"][-1]
+        load_deployments[d["deployment_id"]] = DeploymentFigures(
+            latency_slo_seconds=d["latency_slo_ms"] / 1000,
+            cpu_used_cores=cpu_used or 0.0,
+            cpu_limit_cores=cpu_limit or 0.0,
+            request_rate=rate,
+            failure_rate=failure_rate,
+            latency_p50_seconds=None if p50_ms is None else p50_ms / 1000,
+            latency_p99_seconds=None if p99_ms is None else p99_ms / 1000,
+        )
+    return MetricFigures(
+        nodes=Counter(node["state"] for node in nodes),
+        gpus_free=free,
+        gpus_used=len(gpus) - free,
+        deployments=Counter(deployment["state"] for deployment in deployments),
+        standbys=len(prewarm["standbys"]),
+        standby_budget=prewarm["budget"],
+        offload_requests=requests,
+        remote_reachable=reachable,
+        load_nodes=load_nodes,
+        load_deployments=load_deployments,
+    )

@@ -7,7 +7,7 @@ broker's read-only snapshot of nodes, deployments and migrations), a `BrokerMetr
 
 from broker.ops.app import create_ops_app, create_standby_app, start_ops_server
 from broker.ops.auth import OpsAuth
-from broker.ops.metrics import BrokerMetrics
+from broker.ops.metrics import BrokerMetrics, DeploymentFigures, MetricFigures, NodeFigures
 from broker.ops.view import (
     DeploymentInfo,
     DeploymentLoadInfo,
@@ -28,12 +28,15 @@ from broker.ops.view import (
 
 __all__ = [
     "BrokerMetrics",
+    "DeploymentFigures",
     "DeploymentInfo",
     "DeploymentLoadInfo",
     "GpuInfo",
     "LinkInfo",
     "LoadInfo",
+    "MetricFigures",
     "MigrationInfo",
+    "NodeFigures",
     "NodeInfo",
     "NodeLoadInfo",
     "OffloadDecisionInfo",

@@ -23,7 +23,6 @@ this server (its Content-Security-Policy says so): the broker host may have no I
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import ssl
@@ -34,8 +33,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from broker.ops.auth import OpsAuth
-from broker.ops.metrics import BrokerMetrics, DeploymentFigures, NodeFigures
-from broker.ops.view import DeploymentInfo, LoadInfo, NodeInfo, OpsView, PrewarmInfo
+from broker.ops.metrics import BrokerMetrics
+from broker.ops.view import OpsView
 
 logger = logging.getLogger(__name__)
 
@@ -229,63 +228,12 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    view = request.app[_VIEW_KEY]
     metrics = request.app[_METRICS_KEY]
-    nodes: list[NodeInfo] = await _call(view.nodes)
-    deployments: list[DeploymentInfo] = await _call(view.deployments)
-    prewarm: PrewarmInfo = await _call(view.prewarm)
-    gpus = [gpu for node in nodes for gpu in node["gpus"]]
-    free = sum(1 for gpu in gpus if gpu["free"])
-    metrics.set_nodes(collections.Counter(node["state"] for node in nodes))
-    metrics.set_gpus(free=free, used=len(gpus) - free)
-    metrics.set_deployments(collections.Counter(d["state"] for d in deployments))
-    metrics.set_standbys(len(prewarm["standbys"]))
-    metrics.set_standby_budget(prewarm["budget"])
-    requests: collections.Counter[tuple[str, str, str]] = collections.Counter()
-    reachable: dict[str, bool] = {}
-    for d in deployments:
-        sessions = d["offload"]
-        for session in sessions:
-            for c in session["decisions"]:
-                requests[d["deployment_id"], c["target"], c["reason"]] += c["requests"]
-        if sessions:  # the most recent first
-            reachable[d["deployment_id"]] = sessions[0]["remote_reachable"]
-    metrics.set_offload(requests, reachable)
-    metrics.set_load(*_load_figures(await _call(view.load)))
+    metrics.set_figures(await _call(request.app[_VIEW_KEY].figures))
     body, content_type = metrics.render()
     return web.Response(
         body=body, headers={"Content-Type": content_type, "Cache-Control": "no-store"}
     )
-
-
-def _load_figures(
-    load: LoadInfo,
-) -> tuple[dict[str, NodeFigures], dict[str, DeploymentFigures]]:
-    """The latest point of each node and deployment, as the live-load gauges show it."""
-    nodes = {
-        n["node_id"]: NodeFigures(
-            site=n["site"],
-            load=n["points"][-1][1],
-            cpu_used_cores=n["points"][-1][2],
-            cpu_cores=n["points"][-1][3],
-            memory_used_bytes=n["points"][-1][4] * 1024 * 1024,
-        )
-        for n in load["nodes"]
-        if n["points"]
-    }
-    deployments = {}
-    for d in load["deployments"]:
-        _, rate, p50_ms, p99_ms, cpu_used, cpu_limit, failure_rate = d["points"][-1]
-        deployments[d["deployment_id"]] = DeploymentFigures(
-            latency_slo_seconds=d["latency_slo_ms"] / 1000,
-            cpu_used_cores=cpu_used or 0.0,
-            cpu_limit_cores=cpu_limit or 0.0,
-            request_rate=rate,
-            failure_rate=failure_rate,
-            latency_p50_seconds=None if p50_ms is None else p50_ms / 1000,
-            latency_p99_seconds=None if p99_ms is None else p99_ms / 1000,
-        )
-    return nodes, deployments
 
 
 async def _api_nodes(request: web.Request) -> web.Response:

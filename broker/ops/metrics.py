@@ -165,6 +165,29 @@ class DeploymentFigures:
     latency_p99_seconds: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class MetricFigures:
+    """What the state gauges and the live-load and offload series show at one scrape
+    (`OpsView.figures`): counted from the broker's state, not from the dashboard's views."""
+
+    nodes: Mapping[str, int]
+    """State -> nodes in it."""
+    gpus_free: int
+    gpus_used: int
+    deployments: Mapping[str, int]
+    """State -> deployments (not deleted) in it."""
+    standbys: int
+    standby_budget: int
+    offload_requests: Mapping[tuple[str, str, str], int]
+    """(deployment, target, reason) -> requests, summed over its sessions' latest reports."""
+    remote_reachable: Mapping[str, bool]
+    """Deployment -> whether its most recently reporting session saw its replica reachable."""
+    load_nodes: Mapping[str, NodeFigures]
+    """Node -> its latest heartbeat's figures."""
+    load_deployments: Mapping[str, DeploymentFigures]
+    """Deployment (not deleted) -> its serving replica's latest figures."""
+
+
 class _LoadCollector(Collector):
     """Live load as last set: gauges built at collect time, so that a deployment that is
     gone, or a figure a node could not read, leaves no series behind."""
@@ -339,6 +362,16 @@ class BrokerMetrics:
         self._seen: dict[str, set[str]] = {"nodes": set(), "deployments": set()}
         self._gpus.labels(state="free").set(0)
         self._gpus.labels(state="used").set(0)
+
+    def set_figures(self, figures: MetricFigures) -> None:
+        """Set every gauge and series a scrape reads from the broker's state."""
+        self.set_nodes(figures.nodes)
+        self.set_gpus(free=figures.gpus_free, used=figures.gpus_used)
+        self.set_deployments(figures.deployments)
+        self.set_standbys(figures.standbys)
+        self.set_standby_budget(figures.standby_budget)
+        self.set_offload(figures.offload_requests, figures.remote_reachable)
+        self.set_load(figures.load_nodes, figures.load_deployments)
 
     def set_nodes(self, counts: Mapping[str, int]) -> None:
         """Set `offload_nodes` to `counts` (state -> number of nodes); missing states read 0."""

@@ -8,7 +8,10 @@ Times are Unix seconds (`float`), durations carry their unit in the key (`_s`, `
 
 from __future__ import annotations
 
-from typing import Protocol, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict
+
+if TYPE_CHECKING:
+    from broker.ops.metrics import MetricFigures
 
 
 class GpuInfo(TypedDict):
@@ -269,4 +272,10 @@ class OpsView(Protocol):
 
     async def load(self) -> LoadInfo:
         """Live load over the history window, and the recent resizes."""
+        ...
+
+    async def figures(self) -> MetricFigures:
+        """What `/metrics` shows of the state now: the same counts and latest figures the
+        views above give, counted without building them (a scrape must stay cheap however
+        large the cluster)."""
         ...

@@ -58,6 +58,7 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         assert step["broker_cpu_cores"] > 0, step
         assert 0 < step["broker_loop_cpu_cores"] <= step["broker_cpu_cores"], step
         assert step["clients_cpu_cores"] > 0, step
+        assert step["metrics_scrape_ms"] > 0, step
         assert 0 < step["broker_rss_mib"] <= step["broker_peak_rss_mib"], step
         # The burst: every deploy decided once and answered running, its pace from the
         # broker's own count of committed decisions; then every one of them deleted.

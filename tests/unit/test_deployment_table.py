@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,27 +16,19 @@ import pytest
 from bench.placement import CAPTURES
 from broker.deployment_table import DeploymentTable
 from broker.errors import ResourceExhausted, StateUnavailable
-from broker.model_store import ModelStore
-from broker.network import EdgeNetwork
-from broker.ops.metrics import BrokerMetrics
 from broker.placement import ClusterSnapshot, PriorityClass
 from broker.quotas import ClientLimits, Quotas
-from broker.service import VISIBLE, Broker, BrokerSettings, DeploySpec, Hold
+from broker.service import VISIBLE, Broker, DeploySpec, Hold
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
-    ModelRecord,
-    StateStore,
     StorageError,
 )
-from broker.state.api_keys import new_api_key
 from broker.telemetry import NodeSample
-from edge_client.demo.cluster import CLUSTER_FILE
 from node_daemon.inventory.topo_file import inventory_from_capture
+from tests.broker_support import SHA, local_broker
 from tests.cluster_support import until
 from tests.data import TOPOLOGIES
-
-SHA = "ab" * 32
 
 
 def record(deployment_id: str, client: str, state: DeploymentState, node: str | None, t: float):
@@ -85,24 +76,8 @@ def test_the_table_indexes_by_client_and_node_and_drops_deleted() -> None:
 
 @pytest.fixture
 async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
-    store = StateStore(tmp_path / "state")
-    store.put_client("alice", new_api_key("alice"))
-    store.put_model(ModelRecord(SHA, "m", 10, time.time()))
-    store.add_model_owner(SHA, "alice")
-    network = EdgeNetwork.from_yaml(CLUSTER_FILE.read_text(), str(CLUSTER_FILE))
-    broker = Broker(
-        store,
-        ModelStore(tmp_path / "models", 1 << 20),
-        network,
-        "join-token",
-        BrokerSettings(),
-        BrokerMetrics(),
-    )
-    try:
-        yield broker
-    finally:
-        await broker.close()
-        store.close()
+    async with local_broker(tmp_path) as running:
+        yield running
 
 
 def from_scratch(broker: Broker) -> dict[str, object]:

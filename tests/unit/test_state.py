@@ -40,9 +40,7 @@ from broker.state import (
     ModelRecord,
     NodeRecord,
     NodeState,
-    OffloadCount,
     OffloadReportRecord,
-    OffloadSummary,
     ResizeRecord,
     SchemaError,
     StandbyRecord,
@@ -54,6 +52,7 @@ from broker.state import (
     parse_api_keys_file,
 )
 from broker.state.schema import MIGRATIONS
+from tests.broker_support import offload_summary
 from tests.pg_support import PostgresServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -901,29 +900,8 @@ def test_a_negative_span_gap_is_refused(populated: StateStore) -> None:
 # -- offload reports ----------------------------------------------------------------------
 
 
-def summary(
-    session: str = "s1", remote: int = 3, local: int = 7, **changes: Any
-) -> OffloadSummary:
-    record = OffloadSummary(
-        session=session,
-        policy="fastest",
-        local_model="mlp.onnx",
-        decisions=(
-            OffloadCount("local", "faster", local),
-            OffloadCount("remote", "probe", remote),
-        ),
-        remote_requests=remote,
-        local_requests=local,
-        fallbacks=0,
-        remote_estimate_ms=12.5,
-        local_estimate_ms=None,
-        remote_reachable=True,
-    )
-    return dataclasses.replace(record, **changes)
-
-
 def report(at: float, deployment_id: str = "d1", **changes: Any) -> OffloadReportRecord:
-    return OffloadReportRecord(deployment_id, "alice", summary(**changes), at)
+    return OffloadReportRecord(deployment_id, "alice", offload_summary(**changes), at)
 
 
 def test_the_latest_offload_report_of_a_session_replaces_the_earlier(
@@ -947,7 +925,7 @@ def test_the_latest_offload_report_of_a_session_replaces_the_earlier(
         report(61.0, "d2", session="s9"),
     ]
     (stored,) = store.list_offload_reports("d2")
-    assert stored.summary.decisions == summary().decisions
+    assert stored.summary.decisions == offload_summary().decisions
     assert store.list_offload_reports("d3") == []
 
 
