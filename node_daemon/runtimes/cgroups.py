@@ -48,6 +48,24 @@ def cgroup_dirs(pid: int, root: Path = ROOT) -> dict[str, Path]:
     return found
 
 
+def unified(root: Path = ROOT) -> bool:
+    """Whether the host mounts cgroup v2 alone (its controllers, `cpu` among them, in the
+    one hierarchy)."""
+    return (root / "cgroup.controllers").exists()
+
+
+def cpu_weight(pid: int, root: Path = ROOT) -> int | None:
+    """`pid`'s cgroup v2 `cpu.weight` (1..10000, default 100); None on a cgroup v1 host
+    (or hybrid: the v2 hierarchy then has no cpu controller) and when it is not readable."""
+    v2 = cgroup_dirs(pid, root).get("")
+    if v2 is None:
+        return None
+    try:
+        return int((v2 / "cpu.weight").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _keyed(path: Path) -> dict[str, int]:
     values = {}
     for line in path.read_text().splitlines():

@@ -15,7 +15,14 @@ A replica started with `background` is created with the lowest CPU weight
 among them) and given the default weight back (`container.update(cpu_shares=1024)`) once
 ready, or after `BACKGROUND_LIMIT_S`, before `start` returns. Its `offload.background` label
 says it was started so: a daemon that adopts a running one gives it the default weight
-again (idempotent), in case the daemon that started it died before it could.
+again (idempotent), in case the daemon that started it died before it could. On a cgroup v2
+host the OCI runtime converts the shares: runc from 1.3.2 (and crun from 1.23) maps 1024 to
+`cpu.weight` 100, the default, but runc before it (Debian 12's 1.1.5, for one) maps it
+to 39, so a raised replica would weigh two fifths of a container never
+lowered or a host service. After the raise the runtime reads the container's `cpu.weight`;
+39 has it ask for 2,598 shares instead, which that formula maps to 100 (Docker then keeps
+that value, so a later `docker update`, a CPU resize, applies it again); another value than
+100 is logged as a warning.
 """
 
 from __future__ import annotations
@@ -66,7 +73,13 @@ CPU_PERIOD_US = 100_000
 BACKGROUND_CPU_SHARES = 2
 """Docker's smallest CPU weight (cgroup v2 cpu.weight 1)."""
 NORMAL_CPU_SHARES = 1024
-"""Docker's default CPU weight (cgroup v2 cpu.weight 100)."""
+"""Docker's default CPU weight (cgroup v2: see the module's docstring)."""
+DEFAULT_CPU_WEIGHT = 100
+"""cgroup v2's default `cpu.weight`."""
+LINEAR_WEIGHT_OF_NORMAL = 39
+"""What runc before 1.3.2 makes of `NORMAL_CPU_SHARES`: 1 + (shares - 2) * 9999 // 262142."""
+LINEAR_SHARES_FOR_DEFAULT = 2598
+"""The shares that formula maps to `DEFAULT_CPU_WEIGHT`."""
 _ENGINE_HINT = (
     "start one with `make docker-engine` (installs and starts Debian's engine, as root) or "
     "`sudo dockerd &`, or point DOCKER_HOST at a running engine"
@@ -123,6 +136,8 @@ class DockerRuntime:
         self.gpu_image = gpu_image
         self.network = network
         self.cpuset = cpuset
+        self.cgroup_root = cgroups.ROOT
+        """Where the cgroup file system is mounted (tests point it elsewhere)."""
         self._client = client
         self._started: dict[str, _Started] = {}
         self._nvidia: bool | None = None
@@ -248,6 +263,30 @@ class DockerRuntime:
             raise ReplicaFailed(
                 f"cannot raise replica {replica_id} from background priority: {err}"
             ) from err
+        if cgroups.unified(self.cgroup_root):
+            await asyncio.to_thread(self._default_weight, replica_id, container)
+
+    def _default_weight(self, replica_id: str, container: Container) -> None:
+        """On cgroup v2: the default `cpu.weight` for a raised replica whatever the OCI
+        runtime's conversion (the module's docstring); a warning when it cannot be had."""
+        try:
+            container.reload()
+            pid = int(container.attrs["State"]["Pid"])
+            weight = cgroups.cpu_weight(pid, self.cgroup_root)
+            if weight == LINEAR_WEIGHT_OF_NORMAL:
+                container.update(cpu_shares=LINEAR_SHARES_FOR_DEFAULT)
+                weight = cgroups.cpu_weight(pid, self.cgroup_root)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as err:
+            logger.warning("replica=%s: cannot check its CPU weight: %s", replica_id, err)
+            return
+        if weight is not None and weight != DEFAULT_CPU_WEIGHT:
+            logger.warning(
+                "replica=%s runs at cgroup v2 cpu.weight %d, not the default %d: the OCI "
+                "runtime converts Docker's CPU shares in a way this daemon does not know",
+                replica_id,
+                weight,
+                DEFAULT_CPU_WEIGHT,
+            )
 
     def _run(self, spec: ReplicaSpec, secrets: Path) -> Container:
         image = self.image

@@ -15,7 +15,11 @@ import modelzoo
 import node_daemon.runtimes.process_runtime
 from images.build import build_image
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, ReplicaSpec
-from node_daemon.runtimes.docker_runtime import BACKGROUND_CPU_SHARES, NORMAL_CPU_SHARES
+from node_daemon.runtimes.docker_runtime import (
+    BACKGROUND_CPU_SHARES,
+    LINEAR_SHARES_FOR_DEFAULT,
+    NORMAL_CPU_SHARES,
+)
 from node_daemon.runtimes.process_runtime import can_leave_background
 from tests.docker_support import require_docker
 
@@ -119,3 +123,65 @@ async def test_a_container_starts_light_and_an_adopting_daemon_raises_one_left_l
         assert cpu_shares(successor, "bg-3") == NORMAL_CPU_SHARES
     finally:
         await successor.close()
+
+
+def fake_cgroup_v2(root: Path) -> Path:
+    """An empty cgroup file system as a v2 host mounts it. This machine is cgroup v1: the
+    engine and the container are real, the weight file `show_weight` writes is not."""
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    return root
+
+
+async def show_weight(runtime: DockerRuntime, replica_id: str, weight: int) -> None:
+    """Once the replica's container runs, give its v2 cgroup (named in its process's
+    `/proc/<pid>/cgroup`, under the runtime's cgroup root) a `cpu.weight` of `weight`."""
+    while True:
+        started = runtime._started.get(replica_id)
+        if started is not None:
+            await asyncio.to_thread(started.container.reload)
+            pid = int(started.container.attrs["State"]["Pid"])
+            if pid:
+                break
+        await asyncio.sleep(0.005)
+    await asyncio.to_thread(_write_weight, runtime.cgroup_root, pid, weight)
+
+
+def _write_weight(root: Path, pid: int, weight: int) -> None:
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    (v2,) = [line.split(":", 2)[2] for line in lines if line.startswith("0::")]
+    own = root / v2.lstrip("/")
+    own.mkdir(parents=True)
+    (own / "cpu.weight").write_text(f"{weight}\n")
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize(
+    ("weight", "shares", "warned"),
+    [
+        # runc before 1.3.2: 1024 shares -> cpu.weight 39; 2,598 maps to the default 100 (the
+        # file here does not change, so the warning follows).
+        (39, LINEAR_SHARES_FOR_DEFAULT, True),
+        # runc from 1.3.2 (or crun from 1.23): 1024 -> 100 already.
+        (100, NORMAL_CPU_SHARES, False),
+        # A conversion this daemon does not know: left as it is, and said.
+        (70, NORMAL_CPU_SHARES, True),
+    ],
+)
+async def test_a_container_raised_on_cgroup_v2_gets_the_default_cpu_weight(
+    docker_runtime: DockerRuntime,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    weight: int,
+    shares: int,
+    warned: bool,
+) -> None:
+    docker_runtime.cgroup_root = fake_cgroup_v2(tmp_path / "cgroup")
+    # The replica takes a second to be ready: its weight file is there long before.
+    await asyncio.gather(
+        docker_runtime.start(spec("bg-4", True)), show_weight(docker_runtime, "bg-4", weight)
+    )
+    assert cpu_shares(docker_runtime, "bg-4") == shares
+    warnings = [r for r in caplog.records if "cpu.weight" in r.getMessage()]
+    assert bool(warnings) == warned, warnings
+    assert all(f"cpu.weight {weight}," in r.getMessage() for r in warnings)
