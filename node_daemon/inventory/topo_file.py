@@ -12,8 +12,11 @@ needed; the `NIC Legend:` block only names NICs.
 
 What it recovers, as real pastes show it:
 
+- Terminal escape sequences are removed first: nvidia-smi underlined the header
+  (`ESC[4m` ... `ESC[0m`) with its output going to a pipe, not a terminal (driver 580 on an
+  H200, `tests/data/topologies/40_*`), so a capture a script saves keeps them.
 - A uniform comment prefix (`#` or `//` before every non-blank line, as scripts print it) is
-  removed first; indentation never matters. Our captures' own `# source:` lines, which only
+  removed; indentation never matters. Our captures' own `# source:` lines, which only
   some lines have, are skipped as any line before the header is.
 - Glued header names (`GPU0GPU1`, `NIC7NIC8`, `mlx5_0CPU`: a lost tab) are split on the
   names a header holds: GPU<n>, NIC<n>, mlx4_<n>, mlx5_<n>, mlx5_bond_<n> and the words of
@@ -203,7 +206,7 @@ class _Capture:
 
     def __init__(self, text: str, source: str) -> None:
         self.source = source
-        self.lines = _strip_comment_prefix(text.split("\n"))
+        self.lines = _strip_comment_prefix(_ESCAPE.sub("", text).split("\n"))
         self.warnings: list[str] = []
 
     def error(self, line: int | None, reason: str) -> TopologyParseError:
@@ -594,6 +597,10 @@ def _describe_cells(columns: tuple[str, ...], values: tuple[str, ...]) -> str:
     if values:
         described += f" then {len(values)} values ({', '.join(values)})"
     return described
+
+
+_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+"""A terminal control sequence (ECMA-48 CSI: SGR underline and reset among them)."""
 
 
 def _strip_comment_prefix(lines: list[str]) -> list[str]:

@@ -35,7 +35,8 @@ from node_daemon.inventory import (
     parse_topology,
 )
 from node_daemon.inventory.assembly import GpuAffinity, GpuDetails, ParsedTopology
-from tests.data import TOPOLOGIES
+from tests import nvml_record
+from tests.data import NVML_RECORDS, TOPOLOGIES
 
 SPEC = GpuSpec(name="A100-SXM4-80GB", memory_mib=81920)
 UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -166,6 +167,10 @@ EXPECTED: dict[str, Expect] = {
     ),
     "39_hpe-dl380a-2xH100pcie-nvlink-bridge-nv12-indented.txt": Expect(
         gpus=2, kinds={"NV12"}, numa=(1, 1), cpu={1: "32-63,96-127"}
+    ),
+    # Its header underlined with terminal escapes, as nvidia-smi printed it to a pipe.
+    "40_h200-1gpu-vm-escape-underlined-header.txt": Expect(
+        gpus=1, kinds=set(), numa=(0,), cpu={0: "0-15"}
     ),
 }
 
@@ -305,7 +310,11 @@ def same_matrix(damaged: ParsedTopology, clean: ParsedTopology) -> None:
     assert damaged.nics == clean.nics
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+SEVERAL_COLUMNS = sorted(name for name, e in EXPECTED.items() if e.gpus + len(e.nics) > 1)
+"""The captures with two link columns or more: the ones a lost separator can glue."""
+
+
+@pytest.mark.parametrize("name", SEVERAL_COLUMNS)
 def test_glued_cells_parse_to_the_clean_matrix(name: str) -> None:
     text = text_of(name)
     glued = glue_last_link_columns(text)
@@ -316,7 +325,7 @@ def test_glued_cells_parse_to_the_clean_matrix(name: str) -> None:
     assert any("split on the known codes" in warning for warning in topology.warnings)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", SEVERAL_COLUMNS)
 def test_glued_header_parses_to_the_clean_matrix(name: str) -> None:
     text = text_of(name)
     glued = glue_header(text)
@@ -815,6 +824,39 @@ def test_nvml_and_capture_agree_on_the_same_machine(
         (g.numa_node, g.cpu_affinity) for g in from_capture.gpus
     ]
     assert from_nvml.warnings == from_capture.warnings == ()
+
+
+def test_a_real_nvml_read_gives_what_the_same_machines_capture_gives() -> None:
+    """NVML's answers on a real H200, recorded there (`python -m tests.nvml_record`), beside
+    that machine's `nvidia-smi topo -m`: both paths give the same GPU, and NVML the rest."""
+    raw = nvml_record.load(NVML_RECORDS / "40_h200-1gpu-vm.json")
+    spec = GpuSpec(name="NVIDIA H200", memory_mib=143771)
+    from_nvml = NvmlInventory(FakeNvml(raw)).read()
+    from_capture = inventory_from_capture(
+        capture("40_h200-1gpu-vm-escape-underlined-header.txt"), spec
+    )
+    assert from_nvml.links == from_capture.links == {}
+    assert (
+        [(g.numa_node, g.cpu_affinity) for g in from_nvml.gpus]
+        == [(g.numa_node, g.cpu_affinity) for g in from_capture.gpus]
+        == [(0, "0-15")]
+    )
+    (gpu,) = from_nvml.gpus
+    assert (gpu.name, gpu.memory_total_mib) == (spec.name, spec.memory_mib)
+    assert (gpu.uuid, gpu.pci_bus_id) == (raw.devices[0].uuid, "00000000:00:06.0")
+    assert gpu.compute_capability == "9.0" and gpu.memory_used_mib == 615
+    assert (from_nvml.driver_version, from_nvml.cuda_version) == ("580.159.04", "13.0")
+    assert from_nvml.warnings == from_capture.warnings == ()
+
+
+def test_terminal_escapes_in_a_capture_are_dropped() -> None:
+    """Any CSI sequence, anywhere: the parse equals the one of the text without them."""
+    plain = text_of("27_2gpu-workstation-phb-no-nvlink.txt")
+    lines = plain.split("\n")
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("GPU0"))
+    lines[header] = "\t\x1b[4m" + lines[header].strip() + "\x1b[0m"
+    lines[header + 1] = "\x1b[1;32m" + lines[header + 1] + "\x1b[K"
+    assert parse_topology("\n".join(lines)) == parse_topology(plain)
 
 
 @pytest.mark.parametrize(
