@@ -15,14 +15,15 @@ A replica started with `background` is created with the lowest CPU weight
 among them) and given the default weight back (`container.update(cpu_shares=1024)`) once
 ready, or after `BACKGROUND_LIMIT_S`, before `start` returns. Its `offload.background` label
 says it was started so: a daemon that adopts a running one gives it the default weight
-again (idempotent), in case the daemon that started it died before it could. On a cgroup v2
-host the OCI runtime converts the shares: runc from 1.3.2 (and crun from 1.23) maps 1024 to
-`cpu.weight` 100, the default, but runc before it (Debian 12's 1.1.5, for one) maps it
-to 39, so a raised replica would weigh two fifths of a container never
-lowered or a host service. After the raise the runtime reads the container's `cpu.weight`;
-39 has it ask for 2,598 shares instead, which that formula maps to 100 (Docker then keeps
-that value, so a later `docker update`, a CPU resize, applies it again); another value than
-100 is logged as a warning.
+again (idempotent), in case the daemon that started it died before it could.
+
+On a cgroup v2 host the OCI runtime converts the shares: runc from 1.3.2 (and crun from
+1.23) maps 1024 to `cpu.weight` 100, the default, but runc before it (Debian 12's 1.1.5, for
+one) maps it to 39, so a raised replica would weigh two fifths of a container never lowered
+or of a host service. After the raise the runtime reads the container's `cpu.weight`: 39
+has it ask for 2,598 shares instead, which that formula maps to 100 (Docker keeps the value,
+so a later `docker update`, a CPU resize, applies it again); another value than 100 is
+logged as a warning.
 """
 
 from __future__ import annotations
