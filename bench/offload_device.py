@@ -16,9 +16,12 @@ Contenders, all open at once in this one process:
 
 The plan's blocks are run in rounds (the order rotated by one each round), so that machine
 noise falls on every contender alike; before each block the link's conditions are set
-through the delaying proxy's control port (`bench.link`), and gRPC reaches the broker and
-the replica only through that proxy (`grpc_proxy` in the environment). Requests are sent one
-at a time, each timed around its call. Then the optional switch run: a fresh ``fastest``
+through the delaying proxy's control port (`bench.link`), once the block before has no
+probe still out (`OffloadClient.probes_settled`: the replica side of a raced probe runs on
+after the application's answer, and a link changed under it would show it a link that no
+device sees), and gRPC reaches the broker and the replica only through that proxy
+(`grpc_proxy` in the environment). Requests are sent one at a time, each timed around its
+call. Then the optional switch run: a fresh ``fastest``
 client through its phases (lan -> slow -> lan), requests in a row.
 
 Prints one JSON line: per contender, the latencies (ms) and where each request ran, in the
@@ -132,6 +135,10 @@ async def run(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
                 await set_link(args.control, *block["conditions"])
                 await asyncio.sleep(SETTLE_S)
                 latencies, targets = await timed(calls[block["contender"]], block["n"])
+                if (contender := clients.get(block["contender"])) is not None:
+                    # A raced probe's replica side may still be on the link: the next
+                    # block's conditions must not change under it (a real link does not).
+                    await contender.probes_settled()
                 figures[block["label"]]["latencies_ms"] += latencies
                 figures[block["label"]]["targets"] += targets
         switch = []

@@ -341,6 +341,8 @@ class OffloadClient:
         self._retiring: set[_Replica] = set()
         self._watch_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._races: set[asyncio.Task[Any]] = set()
+        """The sides of raced probes still running (also in `_tasks`)."""
         # Replaced by a fresh event each time it is set: a waiter wakes on the next one.
         self._switched = asyncio.Event()
         self._succeeded = asyncio.Event()
@@ -403,6 +405,19 @@ class OffloadClient:
         traceback: TracebackType | None,
     ) -> None:
         await self.close()
+
+    async def probes_settled(self) -> int:
+        """Wait until no probe this client sent is still out, and return how many it waited
+        for: the losing side of a raced probe (the replica over a slow link) runs on after
+        the application has its answer, and its figure is recorded when it comes. For a
+        caller that must not change anything under it: a benchmark that changes the
+        emulated link between its blocks, a test that reads the figures."""
+        waited = 0
+        while self._races:
+            out = set(self._races)
+            waited += len(out)
+            await asyncio.wait(out)
+        return waited
 
     @property
     def deployment(self) -> Deployment | None:
@@ -1060,7 +1075,9 @@ class OffloadClient:
         race's to raise, or expected (the losing side of a probe), so it is not logged."""
         task = asyncio.create_task(coro, name="offload-race")
         self._tasks.add(task)
+        self._races.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._races.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 

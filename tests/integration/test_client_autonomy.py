@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 
 import modelzoo
+from bench.link import Conditions, DelayLink
 from edge_client.adaptive import AdaptiveSettings, Decision, Reason, Target
 from edge_client.client import Deployment, OffloadClient
 from edge_client.errors import InvalidInput, NotDeployed
@@ -194,3 +195,35 @@ async def test_policies_choose_by_figures_and_local_models_are_checked(
     assert offload.raced > 0
     assert counts[Target.LOCAL, Reason.FASTER] > counts.get((Target.REMOTE, Reason.PROBE), 0)
     assert sum(counts.values()) == 60
+
+
+async def test_the_replica_side_of_a_raced_probe_is_waited_for(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over a slow link every probe of the replica races the local model: the application
+    has the local answer at once while the replica's side is still out, and
+    `probes_settled` waits for that side (it returns how many it waited for)."""
+    mlp = modelzoo.model_path("mlp")
+    inputs = modelzoo.sample_inputs(mlp)
+    link = DelayLink(Conditions(delay_ms=150.0))
+    await link.start()
+    try:
+        monkeypatch.setenv("grpc_proxy", f"http://127.0.0.1:{link.port}")
+        every_request = AdaptiveSettings(probe_every=1, probe_min_requests=1)
+        async with OffloadClient(
+            cluster.broker_address, cluster.api_keys["bob"], local_model=mlp,
+            adaptive=every_request, offload_report_s=0,
+        ) as client:  # fmt: skip
+            await client.deploy(await client.upload_model(mlp), "mlp", site="site-a")
+            for _ in range(5):  # each side measured twice, then compared: the local model wins
+                await client.infer(inputs)
+            assert client.stats().offload.preferred == Target.LOCAL
+            assert await client.probes_settled() == 0
+            raced = client.stats().offload.raced
+            while client.stats().offload.raced == raced:
+                await client.infer(inputs)
+            # The probe's local side answered; its replica side is 300 ms of link away.
+            assert await client.probes_settled() == 1
+            assert await client.probes_settled() == 0
+    finally:
+        await link.close()
