@@ -6,6 +6,7 @@ import json
 import time
 from collections import Counter
 
+from broker.deployment_table import ACTIVE
 from broker.ops import (
     DeploymentFigures,
     DeploymentInfo,
@@ -20,7 +21,6 @@ from broker.ops import (
     PrewarmInfo,
     StandbyInfo,
 )
-from broker.deployment_table import ACTIVE
 from broker.placement import PriorityClass
 from broker.service import Broker, DeploySpec, NodeEntry
 from broker.state import DeploymentRecord, OffloadReportRecord
