@@ -494,14 +494,25 @@ COMMITS = "offload_state_commits_total"
 CALLS = "offload_state_calls_total"
 
 
+SCRAPES = 3
+"""/metrics scrapes timed at the end of each step (their median is reported)."""
+
+
+async def scrape(http: aiohttp.ClientSession, cluster: LocalCluster) -> tuple[str, float]:
+    """The broker's /metrics page, and how long it took, request to last byte, in ms."""
+    started = time.perf_counter()
+    async with http.get(f"{cluster.ops_url}metrics") as reply:
+        reply.raise_for_status()
+        text = await reply.text()
+    return text, (time.perf_counter() - started) * 1000
+
+
 async def lock_counters(
     http: aiohttp.ClientSession, cluster: LocalCluster
 ) -> tuple[dict[str, float], dict[str, float]]:
     """`LOCK_COUNTERS` now, from the broker's /metrics, summed over their labels (0 for one
     it does not show); and the lock's held seconds by use."""
-    async with http.get(f"{cluster.ops_url}metrics") as reply:
-        reply.raise_for_status()
-        text = await reply.text()
+    text, _ = await scrape(http, cluster)
     found = dict.fromkeys(LOCK_COUNTERS, 0.0)
     held: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -512,19 +523,6 @@ async def lock_counters(
                 use = sample.labels["use"]
                 held[use] = held.get(use, 0.0) + sample.value
     return found, held
-
-
-SCRAPES = 3
-"""/metrics scrapes timed at the end of each step (their median is reported)."""
-
-
-async def scrape_ms(http: aiohttp.ClientSession, cluster: LocalCluster) -> float:
-    """One /metrics scrape, request to the last byte read, in ms."""
-    started = time.perf_counter()
-    async with http.get(f"{cluster.ops_url}metrics") as reply:
-        reply.raise_for_status()
-        await reply.read()
-    return (time.perf_counter() - started) * 1000
 
 
 async def run_step(
@@ -586,7 +584,7 @@ async def run_step(
     failed_beats = sum(log.failed for log, _ in beats)
     lag = percentiles([ms for _, lags in beats for ms in lags] or [0.0])
     rss, peak = memory_mib(broker_pid)
-    scrapes = [await scrape_ms(http, cluster) for _ in range(SCRAPES)]
+    scrapes = [(await scrape(http, cluster))[1] for _ in range(SCRAPES)]
     log = cluster.log("broker").read_bytes()[log_offset:].decode(errors="replace")
     # A node whose link stopped (see `FleetStatus.stopped`) is lost for real.
     stopped = {node: why for status in statuses for node, why in status.stopped}

@@ -76,6 +76,16 @@ def offload_info(report: OffloadReportRecord, now: float) -> OffloadInfo:
     }
 
 
+def _holders(active: list[DeploymentRecord]) -> dict[tuple[str, int], list[str]]:
+    """(node, GPU index) -> the deployments of `active` that hold that GPU."""
+    holders: dict[tuple[str, int], list[str]] = {}
+    for record in active:
+        if record.node_id and record.state in ACTIVE:
+            for index in record.gpus:
+                holders.setdefault((record.node_id, index), []).append(record.deployment_id)
+    return holders
+
+
 def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000
 
@@ -103,11 +113,7 @@ class BrokerOpsView:
         return await self._broker.visible_deployments()
 
     async def nodes(self) -> list[NodeInfo]:
-        holders: dict[tuple[str, int], list[str]] = {}
-        for record in await self._active():
-            if record.node_id and record.state in ACTIVE:
-                for index in record.gpus:
-                    holders.setdefault((record.node_id, index), []).append(record.deployment_id)
+        holders = _holders(await self._active())
         now = time.monotonic()
         nodes: list[NodeInfo] = []
         for node_id in sorted(self._broker.nodes):
@@ -211,12 +217,7 @@ class BrokerOpsView:
     async def figures(self) -> MetricFigures:
         broker = self._broker
         active = await self._active()
-        held = {
-            (record.node_id, index)
-            for record in active
-            if record.node_id and record.state in ACTIVE
-            for index in record.gpus
-        }
+        held = _holders(active)
         gpus = [(node, g.index) for node, e in broker.nodes.items() for g in e.inventory.gpus]
         used = sum(1 for gpu in gpus if gpu in held)
         visible = {record.deployment_id for record in active}
