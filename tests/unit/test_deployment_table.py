@@ -221,3 +221,25 @@ async def test_decisions_not_yet_written_count_against_the_quota(broker: Broker)
     go.set()
     await first
     assert not broker._creating
+
+
+async def test_a_delete_awaits_its_commit_outside_the_placement_lock(broker: Broker) -> None:
+    """While a delete's write waits on the state thread, another decision is taken (the
+    lock is free) and the deployment is still in the table; once durable, it is gone."""
+    await one_node(broker)
+    record, _ = await broker._reserve("d-1", "alice", spec(), epoch=1)
+    async with broker._placing.use("test"):
+        await broker._write_pending(record.deployment_id, "test")  # no replica to stop
+    go = block_the_state_thread(broker)
+    deleting = asyncio.create_task(broker.delete("alice", "d-1"))
+    await until(lambda: broker.is_busy("d-1"), "the delete's claim")
+    await asyncio.sleep(0.05)  # the delete is at its write
+    deciding = asyncio.create_task(broker._reserve("d-2", "alice", spec(), epoch=1))
+    await until(lambda: bool(broker._holds), "a decision beside the delete's write")
+    assert broker._deployments.get("d-1") is not None and not deleting.done()
+    go.set()
+    await deleting
+    await deciding
+    assert broker._deployments.get("d-1") is None
+    stored = broker._store.get_deployment("d-1")
+    assert stored is not None and stored.state is DeploymentState.DELETED
