@@ -12,20 +12,24 @@ Contenders, all open at once in this one process:
     `--threads` intra-op threads, no spinning);
   - ``remote``: an `OffloadClient` with policy ``remote`` and no local model;
   - ``fastest/lan``, ``fastest/slow``: one `OffloadClient` with policy ``fastest`` per link,
-    each keeping its state from one of its blocks to the next.
+    each keeping its state from one of its turns to the next.
 
-The plan's blocks are run in rounds (the order rotated by one each round), so that machine
-noise falls on every contender alike; before each block the link's conditions are set
-through the delaying proxy's control port (`bench.link`), once the block before has no
+The plan's units (`bench.offload.plan`) are run in rounds, the order rotated by one each
+round. A unit runs under one link's conditions, and its members take turns, one request
+each, in an order that changes from turn to turn (`turn`), so that machine noise falls on
+the contenders that are compared alike. Before each unit the link's conditions are set
+through the delaying proxy's control port (`bench.link`), once the unit before has no
 probe still out (`OffloadClient.probes_settled`: the replica side of a raced probe runs on
 after the application's answer, and a link changed under it would show it a link that no
 device sees), and gRPC reaches the broker and the replica only through that proxy
 (`grpc_proxy` in the environment). Requests are sent one at a time, each timed around its
-call. Then the optional switch run: a fresh ``fastest``
-client through its phases (lan -> slow -> lan), requests in a row.
+inference call alone (`OffloadClient.infer`, or the plain session's `run`: the bench's own
+bookkeeping, such as reading where a request ran, is outside the time). Then the optional
+switch run: a fresh ``fastest`` client through its phases (lan -> slow -> lan), requests
+in a row.
 
-Prints one JSON line: per contender, the latencies (ms) and where each request ran, in the
-order sent; the switch run's per phase; the clients' failures.
+Prints one JSON line: per contender, the latencies (ms), where each request ran and whether
+it was a raced probe, in the order sent; the switch run's per phase; the clients' failures.
 
 Imports only what the runtime image has (numpy, onnxruntime, grpcio, protobuf) and the
 repository mounted on PYTHONPATH.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import sys
 import time
@@ -46,14 +51,19 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from edge_client.adaptive import Reason
 from edge_client.client import OffloadClient
 
 SETTLE_S = 0.2
-"""Pause before each block: two CFS periods (100 ms each), so a block does not start in a
-period whose quota the previous one (ORT's spinning threads) spent."""
+"""Pause before each unit: many CFS periods (at most 100 ms each), so a unit does not start
+in a period whose quota the previous one (ORT's spinning threads) spent."""
 
-Call = Callable[[], Awaitable[str]]
-"""One request; returns where it ran ("local" or "remote")."""
+WARMUP_LIMIT = 50
+"""Requests a `fastest` client may take to compare its two sides before the rounds."""
+
+Call = Callable[[], Awaitable[tuple[float, str, bool]]]
+"""One request; returns its inference call's time (seconds), where it ran ("local" or
+"remote") and whether it was a probe of the replica raced against the local model."""
 
 
 async def set_link(control: str, delay_ms: float, rate_mbit: float) -> None:
@@ -68,10 +78,14 @@ async def set_link(control: str, delay_ms: float, rate_mbit: float) -> None:
 
 
 def client_call(client: OffloadClient, inputs: dict[str, np.ndarray]) -> Call:
-    async def call() -> str:
-        before = client.stats().offload.local_requests
+    async def call() -> tuple[float, str, bool]:
+        before = client.stats().offload
+        started = time.perf_counter()
         await client.infer(inputs)
-        return "local" if client.stats().offload.local_requests > before else "remote"
+        seconds = time.perf_counter() - started
+        after = client.stats().offload
+        target = "local" if after.local_requests > before.local_requests else "remote"
+        return seconds, target, after.raced > before.raced
 
     return call
 
@@ -79,21 +93,49 @@ def client_call(client: OffloadClient, inputs: dict[str, np.ndarray]) -> Call:
 def ort_default_call(model: Path, inputs: dict[str, np.ndarray]) -> Call:
     session = ort.InferenceSession(str(model))  # ORT's defaults, on purpose: no options
 
-    async def call() -> str:  # blocks the loop, as a plain user's call would block theirs
+    async def call() -> tuple[float, str, bool]:  # blocks the loop, as a plain user's would
+        started = time.perf_counter()
         session.run(None, inputs)
-        return "local"
+        return time.perf_counter() - started, "local", False
 
     return call
+
+
+def turn(members: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], ...]:
+    """The order of turn `index`: the members' orderings in turn, so that over a whole
+    cycle each member follows each other one, and is first, as often as any (a rotation
+    would keep one order of neighbours: under a CPU quota a request after a remote one,
+    which left the CPU idle, runs on a fuller quota than one after a local one)."""
+    orders = list(itertools.permutations(members))
+    return orders[index % len(orders)]
 
 
 async def timed(call: Call, n: int) -> tuple[list[float], list[str]]:
     latencies, targets = [], []
     for _ in range(n):
-        started = time.perf_counter()
-        target = await call()
-        latencies.append((time.perf_counter() - started) * 1000)
+        seconds, target, _ = await call()
+        latencies.append(seconds * 1000)
         targets.append(target)
     return latencies, targets
+
+
+async def until_compared(client: OffloadClient, call: Call) -> None:
+    """Requests until `fastest` has measured both sides and compared them (a request that
+    is not a measuring one), then until no probe is out: its steady state is what the
+    rounds time; how soon it gets there is the switch run's figure."""
+    for _ in range(WARMUP_LIMIT):
+        before = measuring(client)
+        await call()
+        if measuring(client) == before:
+            break
+    else:
+        raise RuntimeError(f"fastest still measuring after {WARMUP_LIMIT} requests")
+    await client.probes_settled()
+
+
+def measuring(client: OffloadClient) -> int:
+    decisions = client.stats().offload.decisions
+    return sum(d.requests for d in decisions if d.reason == Reason.MEASURING)
 
 
 async def run(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
@@ -125,22 +167,36 @@ async def run(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
         await set_link(args.control, 0.0, 0.0)
         for name in ("ort-default", "local", "remote"):
             await timed(calls[name], plan["warmup"])
-        blocks = plan["blocks"]
+        units = plan["units"]
+        for unit in units:
+            for member in unit["members"]:
+                if member["contender"].startswith("fastest"):
+                    await set_link(args.control, *unit["conditions"])
+                    await until_compared(clients[member["contender"]], calls[member["contender"]])
         figures: dict[str, dict[str, list[Any]]] = {
-            b["label"]: {"latencies_ms": [], "targets": []} for b in blocks
+            m["label"]: {"latencies_ms": [], "targets": [], "raced": []}
+            for u in units
+            for m in u["members"]
         }
         for round_ in range(plan["rounds"]):
-            for i in range(len(blocks)):
-                block = blocks[(i + round_) % len(blocks)]
-                await set_link(args.control, *block["conditions"])
+            for i in range(len(units)):
+                unit = units[(i + round_) % len(units)]
+                await set_link(args.control, *unit["conditions"])
                 await asyncio.sleep(SETTLE_S)
-                latencies, targets = await timed(calls[block["contender"]], block["n"])
-                if (contender := clients.get(block["contender"])) is not None:
-                    # A raced probe's replica side may still be on the link: the next
-                    # block's conditions must not change under it (a real link does not).
-                    await contender.probes_settled()
-                figures[block["label"]]["latencies_ms"] += latencies
-                figures[block["label"]]["targets"] += targets
+                members = unit["members"]
+                for step in range(unit["steps"]):
+                    for member in turn(members, round_ * unit["steps"] + step):
+                        if step >= member.get("steps", unit["steps"]):
+                            continue
+                        seconds, target, raced = await calls[member["contender"]]()
+                        figures[member["label"]]["latencies_ms"].append(seconds * 1000)
+                        figures[member["label"]]["targets"].append(target)
+                        figures[member["label"]]["raced"].append(raced)
+                for member in members:
+                    if (contender := clients.get(member["contender"])) is not None:
+                        # A raced probe's replica side may still be on the link: the next
+                        # unit's conditions must not change under it (a real link does not).
+                        await contender.probes_settled()
         switch = []
         if plan.get("switch"):
             switching = await client("fastest", True)
@@ -162,7 +218,9 @@ def main() -> int:
     parser.add_argument("--inputs", type=Path, required=True, help=".npz of the inputs")
     parser.add_argument("--control", required=True, help="the link's control host:port")
     parser.add_argument("--threads", type=int, default=1, help="our local path's threads")
-    parser.add_argument("--plan", type=Path, required=True, help="JSON: rounds, blocks, switch")
+    parser.add_argument(
+        "--plan", type=Path, required=True, help="JSON: warmup, rounds, units, switch"
+    )
     args = parser.parse_args()
     plan = json.loads(args.plan.read_text())
     print(json.dumps(asyncio.run(run(args, plan))), flush=True)

@@ -1,0 +1,69 @@
+"""`bench.offload`'s plan: the contenders judged against each other take turns, in orders
+that give none of them a better neighbour, and `fastest` is judged against figures from its
+own link's turns."""
+
+from collections import Counter
+from itertools import pairwise
+from typing import Any
+
+from bench.offload import FULL, LINKS, QUICK, plan, summarize, vars_of
+from bench.offload_device import turn
+
+
+def test_over_a_cycle_of_turns_each_member_follows_each_other_one_as_often() -> None:
+    members = [{"label": x} for x in "abc"]
+    follows: Counter[tuple[str, str]] = Counter()
+    first: Counter[str] = Counter()
+    for index in range(6):
+        order = [m["label"] for m in turn(members, index)]
+        assert sorted(order) == ["a", "b", "c"]
+        first[order[0]] += 1
+        follows.update(pairwise(order))
+    assert set(first.values()) == {2}
+    # Each of the six ordered pairs twice: a rotation gives (a, b) four times, (b, a) never.
+    assert len(follows) == 6 and set(follows.values()) == {2}
+
+
+def test_each_fastest_shares_its_links_unit_with_both_sides_and_baselines_run_alone() -> None:
+    for mode in (FULL, QUICK):
+        units = plan(mode, switch=False)["units"]
+        labels = [m["label"] for u in units for m in u["members"]]
+        assert len(labels) == len(set(labels))
+        for link in ("lan", "slow"):
+            (unit,) = (u for u in units if f"fastest/{link}" in [m["label"] for m in u["members"]])
+            assert unit["conditions"] == list(vars_of(LINKS[link]))
+            contenders = {m["contender"] for m in unit["members"]}
+            assert contenders == {"local", "remote", f"fastest/{link}"}
+        for alone in ("ort-default", "local"):
+            (unit,) = (u for u in units if alone in [m["label"] for m in u["members"]])
+            assert len(unit["members"]) == 1
+
+
+def _contender(latencies: list[float], target: str) -> dict[str, Any]:
+    return {"latencies_ms": latencies, "targets": [target] * len(latencies)}
+
+
+def test_fastest_is_judged_against_the_local_figures_of_its_own_links_turns() -> None:
+    device = {
+        "contenders": {
+            "ort-default": _contender([400.0] * 3, "local"),
+            "local": _contender([200.0] * 3, "local"),  # in a row: the speedup's baseline
+            "local/lan": _contender([100.0] * 3, "local"),
+            "local/slow": _contender([120.0] * 3, "local"),
+            "remote/lan": _contender([150.0] * 3, "remote"),
+            "remote/slow": _contender([700.0] * 3, "remote"),
+            "fastest/lan": _contender([105.0] * 3, "local"),
+            "fastest/slow": _contender([126.0] * 3, "local"),
+            "local/lan#2": _contender([110.0] * 3, "local"),
+            "remote/lan#2": _contender([140.0] * 3, "remote"),
+        },
+        "switch": [],
+        "failures": 0,
+    }
+    summary = summarize(device)
+    assert summary["fastest_vs_best_lan"] == 105.0 / 100.0
+    assert summary["fastest_vs_best_slow"] == 126.0 / 120.0
+    assert summary["speedup_vs_ours"] == 200.0 / 150.0
+    # The better side (local, on both links) timed again; none on slow: no second sample.
+    assert summary["same_side_lan"] == 110.0 / 100.0
+    assert summary["same_side_slow"] is None
