@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
+import functools
 import json
 import sys
 import time
@@ -102,12 +102,31 @@ def ort_default_call(model: Path, inputs: dict[str, np.ndarray]) -> Call:
 
 
 def turn(members: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], ...]:
-    """The order of turn `index`: the members' orderings in turn, so that over a whole
-    cycle each member follows each other one, and is first, as often as any (a rotation
-    would keep one order of neighbours: under a CPU quota a request after a remote one,
-    which left the CPU idle, runs on a fuller quota than one after a local one)."""
-    orders = list(itertools.permutations(members))
-    return orders[index % len(orders)]
+    """The order of turn `index`, from a Williams design (`balanced_orders`): over each
+    cycle of its orders every member follows every other one, and is first, equally often
+    (a rotation would keep one order of neighbours: under a CPU quota a request after a
+    remote one, which left the CPU idle, runs on a fuller quota than one after a local
+    one)."""
+    orders = balanced_orders(len(members))
+    return tuple(members[i] for i in orders[index % len(orders)])
+
+
+@functools.cache
+def balanced_orders(n: int) -> tuple[tuple[int, ...], ...]:
+    """A Williams design for `n` members: `n` orders (2n for odd n, each with its mirror),
+    balanced for who comes first and for who follows whom; cycles short enough that a
+    unit's turns (50 in full mode) run through whole ones."""
+    first, low, high = [0], 1, n - 1
+    while low <= high:
+        first.append(low)
+        low += 1
+        if low <= high:
+            first.append(high)
+            high -= 1
+    orders = [tuple((i + shift) % n for i in first) for shift in range(n)]
+    if n % 2:
+        orders += [order[::-1] for order in orders]
+    return tuple(orders)
 
 
 async def timed(call: Call, n: int) -> tuple[list[float], list[str]]:
