@@ -14,10 +14,16 @@ A probe of the replica while it is down, or while its estimate is over `RACE_ABO
 the local model's (a slow link), races the local model (`Decision.local_reason`): the client
 runs the request on both at once and answers with the first, and the other side's figure is
 recorded when it comes, not counted as a request. A dead or slow link then costs the
-application nothing when it is probed; a recovered one answers first. Only then: on a device
-under a CPU quota the local run slows the replica's request beside it (its client-side
-work), which skews a close comparison (`bench.offload`: a near tie's races took twice either
-side alone; a recovered link's raced probes, slowed so, never beat a 1-CPU device), so a
+application little when it is probed; a recovered one answers first. Little, not nothing: on
+a device under a CPU quota the two runs share the CPU. The replica's request, serialized and
+sent beside the local run, slows it (`bench.offload`, slow link: raced local answers a median
+5 % slower than the local model alone, up to 17 % in a cell), so while a slow link stays
+slow its raced probes space out: the time rule's interval (below) doubles at each raced
+probe that finds the link as slow, up to `RACE_BACKOFF_MAX` times `probe_interval_s`, and
+starts over when a probe finds it changed or the winner changes (`probe_every` still
+holds). The local run in turn slows the replica's request (its client-side work), which
+skews a close comparison (`bench.offload`: a near tie's races took twice either side alone;
+a recovered link's raced probes, slowed so, never beat a 1-CPU device), so a
 replica about as fast as the local model, or faster, is probed alone; and a raced probe that
 finds the replica's figures stale drops them without taking its own place: the probes
 that follow, alone, measure the replica again. One race at a time:
@@ -72,6 +78,9 @@ RECHECK_AFTER = 3
 RACE_ABOVE = 2.0
 """A probe of a replica whose estimate is over this many times the local model's races the
 local model (module docstring)."""
+RACE_BACKOFF_MAX = 8
+"""fastest: the time rule's interval for raced probes of a slow link grows up to this many
+times `AdaptiveSettings.probe_interval_s` while they find the link as slow."""
 STALE_BELOW = 0.5
 """fastest: a probe under this fraction of the losing side's own estimate means its figures
 are stale (a slow link recovered) even when it does not beat the winner yet."""
@@ -230,6 +239,7 @@ class OffloadChooser:
         self._down_probe_in_flight = False
         self._racing = False
         self._raced = 0
+        self._race_interval_s = self.settings.probe_interval_s
         self._counts: Counter[tuple[Target, Reason]] = Counter()
         self._fallbacks = 0
 
@@ -275,12 +285,15 @@ class OffloadChooser:
         self._since_probe += 1
         if self._last_probe_at is None:
             self._last_probe_at = now
+        interval = self.settings.probe_interval_s
+        if loser == Target.REMOTE and self._remote_slow():
+            interval = self._race_interval_s
         due = self._confirm or (
             (
                 self._since_probe > self.settings.probe_every
                 or (
                     self._since_probe > self.settings.probe_min_requests
-                    and now - self._last_probe_at >= self.settings.probe_interval_s
+                    and now - self._last_probe_at >= interval
                 )
             )
             and self._probe_affordable(loser)
@@ -380,6 +393,16 @@ class OffloadChooser:
         # period later.
         beats = winner is not None and seconds < winner * (1 - self.settings.margin)
         changed = own is not None and seconds < own * STALE_BELOW
+        if raced:
+            # Still as slow: the next raced probe waits twice as long (by time; the count
+            # rule is unchanged); a changed link starts over.
+            self._race_interval_s = (
+                self.settings.probe_interval_s
+                if beats or changed
+                else min(
+                    self._race_interval_s * 2, RACE_BACKOFF_MAX * self.settings.probe_interval_s
+                )
+            )
         if (beats or changed) and not self._confirm:
             self._figures[target].clear()  # the first such probe; keep the next
             if raced:
@@ -406,6 +429,7 @@ class OffloadChooser:
         # a whole period later, in case a short run of slow figures tipped the medians.
         self._confirm = False
         self._since_probe = max(0, self.settings.probe_every - RECHECK_AFTER)
+        self._race_interval_s = self.settings.probe_interval_s
 
     def summary(self) -> OffloadStats:
         remote = self.estimate(Target.REMOTE)

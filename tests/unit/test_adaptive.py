@@ -204,6 +204,37 @@ def test_a_raced_probe_of_a_slow_link_is_not_held_back_by_the_budget() -> None:
     assert probes == list(range(RECHECK_AFTER, 60, 11))
 
 
+def raced_probes(run: Run, n: int, remote_s: float, local_s: float = 0.125) -> list[int]:
+    """`n` requests, one every 0.5 s (the local model's 125 ms and a pause; times exact in
+    binary): which were
+    probes of the replica raced against the local model."""
+    decisions = []
+    for _ in range(n):
+        run.now += 0.5 - local_s
+        decisions.append(run.request(remote_s, local_s))
+    return [i for i, d in enumerate(decisions) if d == RACED]
+
+
+def test_raced_probes_of_a_link_that_stays_slow_space_out() -> None:
+    """A raced probe slows the local run beside it (both on the device's CPU), so while the
+    link stays 7x slower the time rule's interval doubles at each raced probe (3, 6, 12 s,
+    ...) until `probe_every` is the sooner; a link that recovers and slows again is probed
+    as the first time."""
+    run = Run(Policy.FASTEST, probe_every=20, probe_interval_s=3.0, probe_min_requests=5)
+    run.requests(20, 0.030, 0.125)
+    first = raced_probes(run, 90, 0.875)
+    assert run.chooser.summary().preferred == LOCAL
+    # The recheck after the switch, then 6 s later (12 requests), then every 21st by count,
+    # where a fixed 3 s interval sent one every 6th.
+    gaps = [b - a for a, b in itertools.pairwise(first)]
+    assert gaps[:2] == [12, 21] and set(gaps[2:]) == {21}
+    # Recovered: one raced probe sees it, the probes alone after it confirm it.
+    assert len(raced_probes(run, 60, 0.030)) == 1
+    assert run.chooser.summary().preferred == REMOTE
+    again = raced_probes(run, 90, 0.875)
+    assert [b - a for a, b in itertools.pairwise(again)] == gaps
+
+
 def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers() -> None:
     run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
     run.requests(20, 0.030, 0.200)
