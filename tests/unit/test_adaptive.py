@@ -206,8 +206,7 @@ def test_a_raced_probe_of_a_slow_link_is_not_held_back_by_the_budget() -> None:
 
 def raced_probes(run: Run, n: int, remote_s: float, local_s: float = 0.125) -> list[int]:
     """`n` requests, one every 0.5 s (the local model's 125 ms and a pause; times exact in
-    binary): which were
-    probes of the replica raced against the local model."""
+    binary): which were probes of the replica raced against the local model."""
     decisions = []
     for _ in range(n):
         run.now += 0.5 - local_s
