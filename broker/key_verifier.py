@@ -12,6 +12,13 @@ work never queue behind it (the hash releases the GIL). Three bounds keep it che
   `failure_refill_per_s`; past either, a check is refused with `ResourceExhausted` at once,
   without hashing, so a flood of bogus keys costs the broker almost nothing.
 
+A call spends its address's budget when it starts waiting for a check, not when the check
+fails, and gets it back when the key proves valid: a check under way counts as failed until
+it is known. Charged afterwards, 60 callers from one address each passed a budget of 20 while
+none of their checks had finished yet, and the last of them waited 10 s in the pool's queue
+behind the others (the chaos suite's deploy storm, whose bogus keys must be refused, not time
+out). A call cancelled while it waits (its client's deadline) keeps its budget spent.
+
 Plain asyncio over a blocking `check(api_key) -> client id | None` function (the store's).
 """
 
@@ -89,10 +96,11 @@ class KeyVerifier:
             return client_id
         host = peer_host(peer)
         budget = self._budget(host)
-        if budget is not None and budget.tokens < 1:
+        if budget.tokens < 1:
             wait_s = (1 - budget.tokens) / self._limits.failure_refill_per_s
             raise ResourceExhausted(
-                f"too many failed API key checks from this address; retry in {wait_s:.1f}s"
+                "too many failed or unfinished API key checks from this address; "
+                f"retry in {wait_s:.1f}s"
             )
         generation = self._generation
         future = self._in_flight.get(digest)
@@ -102,11 +110,12 @@ class KeyVerifier:
             future = asyncio.get_running_loop().run_in_executor(self._pool, self._check, api_key)
             self._in_flight[digest] = future
             future.add_done_callback(lambda done: self._done(digest, done))
+        self._spend(host, budget)
         client_id = await asyncio.shield(future)
-        if client_id is None:
-            self._failed(host)
-        elif generation == self._generation:
-            self._verified[digest] = client_id
+        if client_id is not None:
+            budget.tokens = min(self._limits.failure_burst, budget.tokens + 1)
+            if generation == self._generation:
+                self._verified[digest] = client_id
         return client_id
 
     def _done(self, digest: str, future: asyncio.Future[str | None]) -> None:
@@ -123,12 +132,12 @@ class KeyVerifier:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _budget(self, host: str) -> _Budget | None:
-        """`host`'s failure budget, refilled to now; None when it has not failed lately."""
+    def _budget(self, host: str) -> _Budget:
+        """`host`'s failure budget, refilled to now (full for an address not seen lately)."""
+        now = self._clock()
         budget = self._budgets.get(host)
         if budget is None:
-            return None
-        now = self._clock()
+            return _Budget(self._limits.failure_burst, now)
         budget.tokens = min(
             self._limits.failure_burst,
             budget.tokens + (now - budget.at) * self._limits.failure_refill_per_s,
@@ -136,12 +145,15 @@ class KeyVerifier:
         budget.at = now
         return budget
 
-    def _failed(self, host: str) -> None:
-        budget = self._budget(host) or _Budget(self._limits.failure_burst, self._clock())
+    def _spend(self, host: str, budget: _Budget) -> None:
+        """Take one check out of `host`'s budget; it stays remembered (the least recently
+        charged addresses are forgotten past `max_addresses`)."""
         budget.tokens -= 1
         self._budgets[host] = budget
         self._budgets.move_to_end(host)
         while len(self._budgets) > self._limits.max_addresses:
             self._budgets.popitem(last=False)
         if budget.tokens < 1:
-            logger.warning("peer=%s: failed API key checks past its budget; throttled", host)
+            logger.warning(
+                "peer=%s: failed or unfinished API key checks past its budget; throttled", host
+            )

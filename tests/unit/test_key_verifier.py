@@ -80,7 +80,7 @@ async def test_an_address_that_fails_too_often_is_refused_without_a_check(
         assert await verifier.client_for(GOOD, "ipv4:10.0.0.9:1") == "alice"
         for n in range(3):
             assert await verifier.client_for(f"alice.wrong-{n:016}", "ipv4:10.0.0.1:1") is None
-        with pytest.raises(ResourceExhausted, match="failed API key checks from this address"):
+        with pytest.raises(ResourceExhausted, match="API key checks from this address"):
             await verifier.client_for("alice.wrong-again-000000", "ipv4:10.0.0.1:2")
         assert checks.calls["alice.wrong-again-000000"] == 0
         # Other addresses, and keys verified before, are not held back.
@@ -89,6 +89,43 @@ async def test_an_address_that_fails_too_often_is_refused_without_a_check(
         # The budget comes back with time.
         now[0] += 1.0
         assert await verifier.client_for("alice.wrong-again-000000", "ipv4:10.0.0.1:2") is None
+    finally:
+        verifier.close()
+
+
+async def test_an_address_never_has_more_checks_unfinished_than_its_budget(
+    checks: Checks,
+) -> None:
+    """Charged only when a check failed, 10 concurrent bogus keys from one address all
+    queued for the pool before any failed; the budget must bound them while they wait."""
+    now = [0.0]
+    verifier = KeyVerifier(
+        checks, KeyLimits(failure_burst=3, failure_refill_per_s=1.0), clock=lambda: now[0]
+    )
+    try:
+        calls = [
+            asyncio.create_task(verifier.client_for(f"alice.wrong-{n:016}", f"ipv4:10.0.0.1:{n}"))
+            for n in range(10)
+        ]
+        done, waiting = await asyncio.wait(calls, timeout=0.5)
+        assert len(waiting) == 3
+        for call in done:
+            with pytest.raises(ResourceExhausted, match="unfinished API key checks"):
+                call.result()
+        # Another address is not held back by this one's queue.
+        other = asyncio.create_task(verifier.client_for(GOOD, "ipv4:10.0.0.2:1"))
+        await asyncio.sleep(0)
+        checks.release.set()
+        assert await asyncio.gather(*waiting) == [None, None, None]
+        assert await other == "alice"
+        assert sum(checks.calls.values()) == 4
+        # A valid key gives back what its check took: the budget is not spent by it.
+        now[0] += 3.0
+        verifier.forget()  # GOOD is checked again, not served from the cache
+        assert await verifier.client_for(GOOD, "ipv4:10.0.0.1:20") == "alice"
+        assert checks.calls[GOOD] == 2
+        for n in range(3):
+            assert await verifier.client_for(f"bob.wrong-{n:018}", "ipv4:10.0.0.1:21") is None
     finally:
         verifier.close()
 
