@@ -18,17 +18,15 @@ application little when it is probed; a recovered one answers first. Little, not
 a device under a CPU quota the two runs share the CPU. The replica's request, serialized and
 sent beside the local run, slows it (`bench.offload`, slow link: raced local answers a median
 5 % slower than the local model alone, up to 17 % in a cell), so while a slow link stays
-slow its raced probes space out: the time rule's interval (below) doubles at each raced
-probe that finds the link as slow, up to `RACE_BACKOFF_MAX` times `probe_interval_s`, and
-starts over when a probe finds it changed or the winner changes (`probe_every` still
-holds). The local run in turn slows the replica's request (its client-side work), which
-skews a close comparison (`bench.offload`: a near tie's races took twice either side alone;
-a recovered link's raced probes, slowed so, never beat a 1-CPU device), so a
-replica about as fast as the local model, or faster, is probed alone; and a raced probe that
-finds the replica's figures stale drops them without taking its own place: the probes
-that follow, alone, measure the replica again. One race at a time:
-while a raced probe is out, a probe that falls due waits (the winner serves) and a replica
-short of figures is not sent another. A probe of the local model never races.
+slow its raced probes space out, as every probe does (below). The local run in turn slows
+the replica's request (its client-side work), which skews a close comparison
+(`bench.offload`: a near tie's races took twice either side alone; a recovered link's raced
+probes, slowed so, never beat a 1-CPU device), so a replica about as fast as the local
+model, or faster, is probed alone; and a raced probe that finds the replica's figures stale
+drops them without taking its own place: the probes that follow, alone, measure the
+replica again. One race at a time: while a raced probe is out, a probe that falls due waits
+(the winner serves) and a replica short of figures is not sent another. A probe of the
+local model never races.
 - ``fastest`` (the default with a local model): the side whose recent figures are lower. A
   figure is one request's latency as the client measured it: for the replica the whole round
   trip, transfer included; for the local model its compute time. Each side's estimate is the
@@ -43,8 +41,17 @@ short of figures is not sent another. A probe of the local model never races.
   application at most about a tenth of its time: a loser k times slower is probed once per
   (k - 1) / `probe_cost_budget` requests (a 0.25-CPU device's CNN, 7x a LAN replica: once
   per 60, where one every 20 had added a third of the replica's latency on average). A raced
-  probe costs the application nothing and goes out every `probe_every` requests, so a
-  recovered link is seen as soon as before. A probe of the replica that beats the winner's
+  probe costs the application little and goes out every `probe_every` requests, so a
+  recovered link is seen as soon as before. While probes find the losing side as slow as
+  before, they space out: the time rule's interval doubles at each such probe, up to
+  `PROBE_BACKOFF_MAX` times `probe_interval_s`, and starts over when a probe beats the
+  winner (or, for the replica, comes in under half its own figures) or the winner changes;
+  the count rule (`probe_every`) is unchanged, so a changed side is seen within that many
+  requests at worst. A probe of the local model costs more than its own time: under a CPU
+  quota it spends the quota the next requests' client-side work (serializing the replica's
+  request) needed (`bench.offload`, LAN, 0.5 CPU, runs 31-36: `fastest`'s replica requests
+  right after a local probe a median 5 % slower than the replica alone, the others 1 %).
+  A probe of the replica that beats the winner's
   estimate, or comes in under half the replica's own, replaces its older figures (they
   describe the link before it changed) and is followed by another at once, until the
   estimates agree which side is faster. A probe of the local model only adds its figure:
@@ -78,9 +85,9 @@ RECHECK_AFTER = 3
 RACE_ABOVE = 2.0
 """A probe of a replica whose estimate is over this many times the local model's races the
 local model (module docstring)."""
-RACE_BACKOFF_MAX = 8
-"""fastest: the time rule's interval for raced probes of a slow link grows up to this many
-times `AdaptiveSettings.probe_interval_s` while they find the link as slow."""
+PROBE_BACKOFF_MAX = 8
+"""fastest: the time rule's interval grows up to this many times
+`AdaptiveSettings.probe_interval_s` while probes find the losing side as slow as before."""
 STALE_BELOW = 0.5
 """fastest: a probe under this fraction of the losing side's own estimate means its figures
 are stale (a slow link recovered) even when it does not beat the winner yet."""
@@ -239,7 +246,7 @@ class OffloadChooser:
         self._down_probe_in_flight = False
         self._racing = False
         self._raced = 0
-        self._race_interval_s = self.settings.probe_interval_s
+        self._probe_interval_s = self.settings.probe_interval_s
         self._counts: Counter[tuple[Target, Reason]] = Counter()
         self._fallbacks = 0
 
@@ -285,15 +292,12 @@ class OffloadChooser:
         self._since_probe += 1
         if self._last_probe_at is None:
             self._last_probe_at = now
-        interval = self.settings.probe_interval_s
-        if loser == Target.REMOTE and self._remote_slow():
-            interval = self._race_interval_s
         due = self._confirm or (
             (
                 self._since_probe > self.settings.probe_every
                 or (
                     self._since_probe > self.settings.probe_min_requests
-                    and now - self._last_probe_at >= interval
+                    and now - self._last_probe_at >= self._probe_interval_s
                 )
             )
             and self._probe_affordable(loser)
@@ -373,6 +377,10 @@ class OffloadChooser:
         """The local model answered a request sent by `decision` (or by a fallback) in
         `seconds`; a fallback counts as local/fallback whatever `decision` said. `counted`
         False: the local side of a raced probe that the replica answered first."""
+        if decision.target == Target.LOCAL and decision.reason == Reason.PROBE:
+            winner = self.estimate(self._winner)
+            beats = winner is not None and seconds < winner * (1 - self.settings.margin)
+            self._space_probes(changed=beats)
         self._figure(Target.LOCAL, seconds)
         if not counted:
             return
@@ -393,16 +401,7 @@ class OffloadChooser:
         # period later.
         beats = winner is not None and seconds < winner * (1 - self.settings.margin)
         changed = own is not None and seconds < own * STALE_BELOW
-        if raced:
-            # Still as slow: the next raced probe waits twice as long (by time; the count
-            # rule is unchanged); a changed link starts over.
-            self._race_interval_s = (
-                self.settings.probe_interval_s
-                if beats or changed
-                else min(
-                    self._race_interval_s * 2, RACE_BACKOFF_MAX * self.settings.probe_interval_s
-                )
-            )
+        self._space_probes(changed=beats or changed)
         if (beats or changed) and not self._confirm:
             self._figures[target].clear()  # the first such probe; keep the next
             if raced:
@@ -429,7 +428,16 @@ class OffloadChooser:
         # a whole period later, in case a short run of slow figures tipped the medians.
         self._confirm = False
         self._since_probe = max(0, self.settings.probe_every - RECHECK_AFTER)
-        self._race_interval_s = self.settings.probe_interval_s
+        self._probe_interval_s = self.settings.probe_interval_s
+
+    def _space_probes(self, changed: bool) -> None:
+        """A probe of the losing side found it `changed` (the next one goes out on the
+        time rule's first interval again) or as slow as before (twice the interval, up to
+        `PROBE_BACKOFF_MAX` times the first; the count rule is unchanged)."""
+        first = self.settings.probe_interval_s
+        self._probe_interval_s = (
+            first if changed else min(self._probe_interval_s * 2, PROBE_BACKOFF_MAX * first)
+        )
 
     def summary(self) -> OffloadStats:
         remote = self.estimate(Target.REMOTE)

@@ -234,6 +234,35 @@ def test_raced_probes_of_a_link_that_stays_slow_space_out() -> None:
     assert [b - a for a, b in itertools.pairwise(again)] == gaps
 
 
+def local_probes(run: Run, n: int, local_s: float, remote_s: float = 0.125) -> list[int]:
+    """`n` requests, one every 0.5 s: which probed the local model."""
+    decisions = []
+    for _ in range(n):
+        run.now += 0.5 - remote_s
+        decisions.append(run.request(remote_s, local_s))
+    return [i for i, d in enumerate(decisions) if d == Decision(LOCAL, Reason.PROBE)]
+
+
+def test_probes_of_a_local_model_that_stays_slower_space_out() -> None:
+    """Under a CPU quota a local probe also slows the replica's requests after it (their
+    client-side work), so while the local model stays 20 % slower than a winning replica the
+    time rule's interval doubles at each probe; a local model that turns faster (an idle
+    device) is probed at the first interval again and wins."""
+    run = Run(Policy.FASTEST, probe_every=20, probe_interval_s=3.0, probe_min_requests=5)
+    run.requests(4, 0.125, 0.150)
+    assert run.chooser.summary().preferred == REMOTE
+    probes = local_probes(run, 120, 0.150)
+    # 3, 6, 12 s at a request every 0.5 s, then every 21st by count, where a fixed 3 s
+    # interval sent every 7th to the slower side.
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[:2] == [12, 21] and set(gaps[2:]) == {21}, gaps
+    # The device idles: the next probe finds the local model faster, the following ones go
+    # out on the first interval again, and once their figures are a majority it wins.
+    faster = local_probes(run, 60, 0.080)
+    assert [b - a for a, b in itertools.pairwise(faster)][:3] == [7, 7, 7]
+    assert run.chooser.summary().preferred == LOCAL
+
+
 def test_fastest_switches_to_local_when_the_link_slows_and_back_when_it_recovers() -> None:
     run = Run(Policy.FASTEST, probe_every=10, probe_interval_s=1000)
     run.requests(20, 0.030, 0.200)
