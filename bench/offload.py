@@ -37,7 +37,9 @@ own, back to back, as a device computing alone does (`plan`):
     across its turns (its probes of the losing side included), warmed up until it has
     measured and compared both sides;
   - ours and remote again, in the same turns: the better side's second sample over its
-    first is printed beside each fastest ratio, the noise that ratio is read against.
+    first is printed beside each fastest ratio, the noise that ratio is read against;
+    beside it too, the p50 of `fastest`'s own requests that ran on the better side, over
+    that side's: what its choices cost apart from the requests it sent elsewhere.
 
 speedup = local p50 (in a row) / remote p50 on `lan`, against each local baseline.
 fastest/best = fastest p50 / min(ours p50, remote p50), each timed in that link's turns
@@ -276,6 +278,23 @@ def summarize(device: dict[str, Any]) -> dict[str, Any]:
             return None
         return float(figure(again)["p50"] / first["p50"])
 
+    def on_best_side(
+        fastest: str, local: dict[str, Any], remote: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """`fastest`'s requests that ran on the better side: how many, and their p50 over
+        that side's own; None when it sent none there."""
+        side, best = ("local", local) if local["p50"] <= remote["p50"] else ("remote", remote)
+        c = contenders[fastest]
+        there = [ms for ms, t in zip(c["latencies_ms"], c["targets"], strict=True) if t == side]
+        if not there:
+            return None
+        return {
+            "side": side,
+            "requests": len(there),
+            "of": len(c["targets"]),
+            "p50_ratio": statistics.median(there) / best["p50"],
+        }
+
     ort_default, local = figure("ort-default"), figure("local")
     local_lan, local_slow = figure("local/lan"), figure("local/slow")
     remote, remote_slow = figure("remote/lan"), figure("remote/slow")
@@ -295,6 +314,8 @@ def summarize(device: dict[str, Any]) -> dict[str, Any]:
         "fastest_vs_best_slow": fast_slow["p50"] / min(local_slow["p50"], remote_slow["p50"]),
         "same_side_lan": same_side(local_lan, remote, "local/lan#2", "remote/lan#2"),
         "same_side_slow": same_side(local_slow, remote_slow, "local/slow#2", None),
+        "fastest_on_best_lan": on_best_side("fastest/lan", local_lan, remote),
+        "fastest_on_best_slow": on_best_side("fastest/slow", local_slow, remote_slow),
         "failures": device["failures"],
     }
     if phases := device["switch"]:
@@ -431,7 +452,13 @@ def report(results: dict[str, Any]) -> None:
             ratio = d[f"fastest_vs_best_{link}"]
             verdict = "within" if ratio <= TARGET_FASTEST else "OVER"
             again = d[f"same_side_{link}"]
-            noise = "" if again is None else f" (the better side timed again: {again:.3f})"
+            notes = [] if again is None else [f"the better side timed again: {again:.3f}"]
+            if on_best := d.get(f"fastest_on_best_{link}"):
+                notes.append(
+                    f"fastest's {on_best['requests']} of {on_best['of']} on it "
+                    f"({on_best['side']}): {on_best['p50_ratio']:.3f}"
+                )
+            noise = f" ({'; '.join(notes)})" if notes else ""
             print(
                 f"fastest {d['cpus']:>4g} CPU {d['model']:<12} {link:<4}: {ratio:.3f} of the "
                 f"better side, {verdict} {TARGET_FASTEST:.2f}{noise}"

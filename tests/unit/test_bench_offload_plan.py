@@ -73,3 +73,37 @@ def test_fastest_is_judged_against_the_local_figures_of_its_own_links_turns() ->
     # The better side (local, on both links) timed again, over its first sample.
     assert summary["same_side_lan"] == 110.0 / 100.0
     assert summary["same_side_slow"] == 132.0 / 120.0
+    # Every fastest request ran locally, the better side on both links.
+    assert summary["fastest_on_best_lan"] == {
+        "side": "local",
+        "requests": 3,
+        "of": 3,
+        "p50_ratio": 105.0 / 100.0,
+    }
+
+
+def test_fastests_requests_on_the_better_side_are_split_from_its_probes() -> None:
+    """On lan the replica is better; fastest's two local probes (slower) move its p50,
+    its replica requests alone are what its choices cost apart from them."""
+    contenders = {
+        label: _contender([100.0] * 5, "local")
+        for label in ("ort-default", "local", "local/lan", "local/slow", "local/lan#2")
+    }
+    contenders |= {
+        label: _contender([40.0] * 5, "remote")
+        for label in ("remote/lan", "remote/slow", "remote/lan#2", "local/slow#2")
+    }
+    contenders["fastest/lan"] = {
+        "latencies_ms": [42.0, 100.0, 44.0, 100.0, 46.0],
+        "targets": ["remote", "local", "remote", "local", "remote"],
+    }
+    contenders["fastest/slow"] = _contender([100.0] * 5, "local")
+    summary = summarize({"contenders": contenders, "switch": [], "failures": 0})
+    assert summary["fastest_vs_best_lan"] == 46.0 / 40.0
+    assert summary["fastest_on_best_lan"] == {
+        "side": "remote",
+        "requests": 3,
+        "of": 5,
+        "p50_ratio": 44.0 / 40.0,
+    }
+    assert summary["fastest_on_best_slow"] is None  # remote was better there, never used
