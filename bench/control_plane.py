@@ -21,6 +21,9 @@ a batch, then deleted at once; the burst of median pace is reported, with each o
 Reported per step:
 - heartbeat round trip p50/p99/max (ms) as the hollow nodes see it (the broker exposes no
   heartbeat metric), and heartbeats that failed;
+- what the heartbeats alone cost the broker, over the second half of --settle (nothing else
+  asks it anything then): heartbeats answered per second, its CPU cores, and its CPU time
+  per heartbeat in microseconds;
 - nodes falsely marked lost: the broker's "lost" log lines during the step (every hollow node
   heartbeats all along, so every one is false), and the nodes it shows lost (`/api/nodes`);
 - Deploy throughput with the state committed: deployments answered `running` per second,
@@ -525,6 +528,27 @@ async def lock_counters(
     return found, held
 
 
+async def heartbeats_alone(
+    broker_pid: int, fleets: Sequence[FleetProcess], settle_s: float
+) -> dict[str, float]:
+    """Sleep `settle_s`, measuring over its second half what the heartbeats alone cost the
+    broker (nothing else asks it anything then): heartbeats answered per second, the broker's
+    CPU cores, and so its CPU time per heartbeat in microseconds (0 with no heartbeat)."""
+    await asyncio.sleep(settle_s / 2)
+    await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
+    cpu, started = cpu_seconds(broker_pid), time.monotonic()
+    await asyncio.sleep(settle_s / 2)
+    beats = await asyncio.gather(*(f.ask("heartbeats") for f in fleets))
+    took = time.monotonic() - started
+    used = cpu_seconds(broker_pid) - cpu
+    answered = sum(len(log.round_trips_ms) for log, _ in beats)
+    return {
+        "idle_heartbeats_per_s": round(answered / took, 1) if took > 0 else 0.0,
+        "idle_broker_cpu_cores": round(used / took, 3) if took > 0 else 0.0,
+        "broker_us_per_heartbeat": round(used / answered * 1e6, 1) if answered else 0.0,
+    }
+
+
 async def run_step(
     nodes: int,
     args: argparse.Namespace,
@@ -547,7 +571,7 @@ async def run_step(
         if isinstance(answer, BaseException) and not isinstance(answer, TimeoutError):
             raise answer
     late = [str(answer) for answer in grown if isinstance(answer, TimeoutError)]
-    await asyncio.sleep(args.settle)
+    idle = await heartbeats_alone(broker_pid, fleets, args.settle)
     bursts = [
         await run_burst(clients, args.burst, http, cluster)
         for _ in range(args.bursts if args.burst else 0)
@@ -642,6 +666,7 @@ async def run_step(
         "hollow_cpu_cores": round(hollow_cores, 2),
         "clients_cpu_cores": round(own_cores, 2),
         "load_average_1m": round(os.getloadavg()[0], 1),
+        **idle,
         "stopped_nodes": len(stopped),
         "stopped_reasons": dict(Counter(stopped.values()).most_common(5)),
         **burst,
@@ -755,6 +780,12 @@ def _print_step(step: Step) -> None:
         f"hollow nodes {f['hollow_cpu_cores']} cores, "
         f"loop lag p99 {f['hollow_loop_lag_p99_ms']} ms; clients {f['clients_cpu_cores']} "
         f"cores; load average {f['load_average_1m']}",
+        flush=True,
+    )
+    print(
+        f"   heartbeats alone (the settle's second half): {f['idle_heartbeats_per_s']}/s, "
+        f"broker {f['idle_broker_cpu_cores']} cores, {f['broker_us_per_heartbeat']} us of "
+        "its CPU per heartbeat",
         flush=True,
     )
     print(f"   outcomes: {f['outcomes']}; unanswered: {f['unanswered'] or 'none'}", flush=True)

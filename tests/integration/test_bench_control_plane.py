@@ -42,6 +42,14 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         # plenty on a loaded machine; a node that stopped would fall far below it).
         assert step["heartbeats"] >= step["nodes"] * (step["window_s"] // 2), step
         assert 0 < step["heartbeat_p50_ms"] <= step["heartbeat_p99_ms"], step
+        # What the heartbeats alone cost: counted over the settle's second half (1 s here).
+        assert step["idle_heartbeats_per_s"] >= step["nodes"] / 2, step
+        # (a few ms of CPU over a second: the clock's ticks may count none; the cores are
+        # rounded to 3 decimals)
+        per_s = step["idle_heartbeats_per_s"]
+        assert step["broker_us_per_heartbeat"] == pytest.approx(
+            step["idle_broker_cpu_cores"] / per_s * 1e6, rel=0.02, abs=0.0006 / per_s * 1e6
+        ), step
         assert step["deploys_committed"] > 0, step
         assert step["deploys_per_s"] > 0 and step["deploy_p50_ms"] > 0, step
         assert step["outcomes"]["deploy running"] == step["deploys_committed"], step
