@@ -103,6 +103,7 @@ import modelzoo
 from bench.placement import CAPTURES
 from bench.timing import percentiles
 from broker.state.api_keys import new_api_key
+from common import collector
 from edge_client.client import OffloadClient
 from edge_client.demo.cluster import ClusterError, LocalCluster
 from node_daemon.hollow import FleetStatus, HollowFleet
@@ -190,6 +191,8 @@ def fleet_process(config: FleetConfig, conn: multiprocessing.connection.Connecti
 
 async def _serve_fleet(config: FleetConfig, conn: multiprocessing.connection.Connection) -> None:
     inventories = await asyncio.to_thread(hollow_inventories)
+    # Thousands of nodes in one process: the heap of a broker's, the collector's settings too.
+    collector.settle()
     fleet = HollowFleet(
         config.broker, config.join_token, config.root, config.sites, inventories, config.prefix
     )

@@ -72,6 +72,7 @@ from broker.state import (
 )
 from broker.state.permissions import create_private_file
 from broker.state.postgres_backend import SCHEMES
+from common import collector
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
 from migration.policy import Hysteresis, PrewarmSettings
 from migration.rebalance import RebalanceSettings
@@ -434,6 +435,9 @@ async def _serve_leading(
         keys = parse_api_keys_file(text, str(config.api_keys_file))
         config = dataclasses.replace(config, api_keys=keys)
     running = await start_broker(config, leadership)
+    # This process is the broker's alone (`serve` is its entry point): what startup loaded
+    # lives as long as it does; the collector's settings for its large heap.
+    collector.settle()
     broker = running.broker
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGHUP,
