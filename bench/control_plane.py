@@ -100,8 +100,9 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 import modelzoo
+from bench import null_registry
 from bench.placement import CAPTURES
-from bench.timing import percentiles
+from bench.timing import loopback_server, percentiles
 from broker.state.api_keys import new_api_key
 from common import collector
 from edge_client.client import OffloadClient
@@ -531,6 +532,45 @@ async def lock_counters(
     return found, held
 
 
+async def grow(fleets: Sequence[FleetProcess], nodes: int) -> list[str]:
+    """Grow the fleets to `nodes` in all, spread evenly; what each fleet whose nodes did not
+    all register in time said (the step saturates on it)."""
+    shares = [len(range(k, nodes, len(fleets))) for k in range(len(fleets))]
+    grown = await asyncio.gather(
+        *(f.ask("grow", n) for f, n in zip(fleets, shares, strict=True)),
+        return_exceptions=True,
+    )
+    for answer in grown:
+        if isinstance(answer, BaseException) and not isinstance(answer, TimeoutError):
+            raise answer
+    return [str(answer) for answer in grown if isinstance(answer, TimeoutError)]
+
+
+async def heartbeat_floor(
+    nodes: int, args: argparse.Namespace, root: Path, sites: tuple[str, ...]
+) -> dict[str, Any]:
+    """The same hollow nodes, `nodes` of them in --hollow-processes processes, against
+    `bench.null_registry` (a NodeRegistry that parses each heartbeat and answers it, no more):
+    what gRPC and asyncio in Python cost per heartbeat, measured as `heartbeats_alone`
+    measures the broker's."""
+    async with loopback_server(
+        null_registry.__name__,
+        str(round(HEARTBEAT_INTERVAL_S * 1000)),
+        str(round(LOST_AFTER_S * 1000)),
+    ) as (address, process):
+        fleets = [
+            FleetProcess(FleetConfig(address, "no-token", root / "floor", sites, f"f{k}"))
+            for k in range(args.hollow_processes)
+        ]
+        try:
+            late = await grow(fleets, nodes)
+            figures = await heartbeats_alone(process.pid, fleets, args.settle)
+        finally:
+            for fleet in fleets:
+                await fleet.close()
+    return {"nodes": nodes, **figures, **({"late": late} if late else {})}
+
+
 async def heartbeats_alone(
     broker_pid: int, fleets: Sequence[FleetProcess], settle_s: float
 ) -> dict[str, float]:
@@ -563,17 +603,9 @@ async def run_step(
 ) -> Step:
     broker_pid = cluster.processes["broker"].pid
     log_offset = cluster.log("broker").stat().st_size
-    shares = [len(range(k, nodes, len(fleets))) for k in range(len(fleets))]
     joining = time.monotonic()
-    grown = await asyncio.gather(
-        *(f.ask("grow", n) for f, n in zip(fleets, shares, strict=True)),
-        return_exceptions=True,
-    )
+    late = await grow(fleets, nodes)
     joined_s = time.monotonic() - joining
-    for answer in grown:
-        if isinstance(answer, BaseException) and not isinstance(answer, TimeoutError):
-            raise answer
-    late = [str(answer) for answer in grown if isinstance(answer, TimeoutError)]
     idle = await heartbeats_alone(broker_pid, fleets, args.settle)
     bursts = [
         await run_burst(clients, args.burst, http, cluster)
@@ -719,6 +751,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     fleets: list[FleetProcess] = []
     steps: list[Step] = []
+    floor: dict[str, Any] = {}
     try:
         await cluster.start(lambda line: print(line, flush=True))
         join_token = cluster.join_token_file.read_text().strip()
@@ -754,6 +787,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 steps.append(step)
                 best = max(best, step.figures["deploys_per_s"])
                 _print_step(step)
+        for fleet in fleets:
+            await fleet.close()
+        fleets = []
+        await cluster.stop()
+        if args.floor and steps:
+            # With the broker gone: nothing else asks these two cores for anything.
+            print(f"== the heartbeat floor: {steps[-1].nodes} hollow nodes", flush=True)
+            floor = await heartbeat_floor(steps[-1].nodes, args, root, sites)
     finally:
         for fleet in fleets:
             await fleet.close()
@@ -762,7 +803,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"logs and state kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    return summarise(steps, args)
+    return summarise(steps, args, floor)
 
 
 def _print_step(step: Step) -> None:
@@ -806,7 +847,9 @@ def _print_step(step: Step) -> None:
         )
 
 
-def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]:
+def summarise(
+    steps: Sequence[Step], args: argparse.Namespace, floor: dict[str, Any]
+) -> dict[str, Any]:
     header = (
         f"{'nodes':>6} {'hb p50 ms':>9} {'hb p99 ms':>9} {'lost':>5} {'deploys/s':>9} "
         f"{'dep p50 ms':>10} {'dep p99 ms':>10} {'dec ms':>6} {'dec cap/s':>9} "
@@ -851,6 +894,21 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
                 )
     for name, rate, what in ANCHORS:
         print(f"{'':>6} {name:<19} {rate:>15.0f} {what}")
+    if floor:
+        broker = next(s.figures for s in steps if s.nodes == floor["nodes"])
+        ratio = (
+            broker["broker_us_per_heartbeat"] / floor["broker_us_per_heartbeat"]
+            if floor["broker_us_per_heartbeat"]
+            else 0.0
+        )
+        print(
+            f"\nHeartbeats alone at {floor['nodes']} nodes: the broker "
+            f"{broker['broker_us_per_heartbeat']} us of CPU per heartbeat "
+            f"({broker['idle_heartbeats_per_s']}/s, {broker['idle_broker_cpu_cores']} cores); "
+            f"a registry that only parses and answers them (bench.null_registry) "
+            f"{floor['broker_us_per_heartbeat']} us ({floor['idle_heartbeats_per_s']}/s, "
+            f"{floor['idle_broker_cpu_cores']} cores): {ratio:.2f}x the floor"
+        )
     saturated = next((s.nodes for s in steps if s.saturated), None)
     largest = steps[-1].figures if steps else {}
     print(
@@ -875,6 +933,7 @@ def summarise(steps: Sequence[Step], args: argparse.Namespace) -> dict[str, Any]
         "sites": args.sites,
         "window_s": args.window,
         "steps": [s.figures for s in steps],
+        "heartbeat_floor": floor,
         "saturated_at_nodes": saturated,
         "target_deploys_per_s": TARGET_RATE,
         "anchors": [{"name": n, "per_s": r, "what": w} for n, r, w in ANCHORS],
@@ -950,6 +1009,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=15)
     parser.add_argument("--keep", action="store_true", help="keep the logs and state")
+    parser.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the heartbeat floor: after the steps, the largest step's hollow nodes "
+        "against bench.null_registry, which only parses and answers heartbeats (what gRPC "
+        "and asyncio alone cost per heartbeat, beside the broker's)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.quick:

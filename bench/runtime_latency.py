@@ -24,7 +24,6 @@ import functools
 import json
 import os
 import platform
-import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -36,7 +35,7 @@ import onnxruntime as ort
 
 import modelzoo
 from bench import echo_server
-from bench.timing import channel_to, percentiles, timed
+from bench.timing import channel_to, loopback_server, percentiles, timed
 from edge_client.rpc.tensors import infer_request
 from images.build import ImageBuildError, build_image
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, ReplicaSpec, RuntimeUnavailable
@@ -50,20 +49,8 @@ RUNTIMES = ("docker", "docker-host", "process")
 
 @contextlib.asynccontextmanager
 async def echo_endpoint() -> AsyncIterator[str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", echo_server.__name__, str(port_file)
-        )
-        try:
-            for _ in range(500):
-                if port_file.exists() and port_file.read_text():
-                    break
-                await asyncio.sleep(0.01)
-            yield f"127.0.0.1:{port_file.read_text()}"
-        finally:
-            process.send_signal(signal.SIGTERM)
-            await process.wait()
+    async with loopback_server(echo_server.__name__) as (address, _):
+        yield address
 
 
 async def bench_model(

@@ -33,6 +33,11 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
     assert f"burst of {BURST} deploys at once" in done.stdout
     result = json.loads(out.read_text())
     assert result["state"] == "sqlite"
+    # The floor: the largest step's hollow nodes against a registry that only answers them.
+    floor = result["heartbeat_floor"]
+    assert floor["nodes"] == NODE_STEPS[-1] and "late" not in floor, floor
+    assert floor["idle_heartbeats_per_s"] >= NODE_STEPS[-1] / 2, floor
+    assert "x the floor" in done.stdout
     assert [s["nodes"] for s in result["steps"]] == list(NODE_STEPS)
     for step in result["steps"]:
         assert step["registered"] == step["nodes"], step

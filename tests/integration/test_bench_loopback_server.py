@@ -1,0 +1,46 @@
+"""`bench.timing.loopback_server`: the benches' helper servers (`bench.echo_server`,
+`bench.null_registry`) started as processes on a free loopback port, and stopped."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from bench import echo_server, null_registry
+from bench.timing import channel_to, loopback_server
+from protos.offload.v1 import broker_pb2 as pb
+from protos.offload.v1 import broker_pb2_grpc as pb_grpc
+
+
+async def test_the_echo_answers_as_many_bytes_as_asked_and_stops_on_the_way_out() -> None:
+    async with loopback_server(echo_server.__name__) as (address, process):
+        async with channel_to(address) as channel:
+            answer = await channel.unary_unary(echo_server.METHOD)((100).to_bytes(8, "little"))
+        assert len(answer) == 100
+    assert process.returncode is not None
+
+
+async def test_the_null_registry_registers_any_node_and_answers_each_heartbeat() -> None:
+    async with (
+        loopback_server(null_registry.__name__, "1000", "5000") as (address, _),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        stub = pb_grpc.NodeRegistryStub(channel)
+        registered = await stub.Register(pb.RegisterRequest(node_id="n1"), timeout=10)
+        assert (registered.heartbeat_interval_ms, registered.lost_after_ms) == (1000, 5000)
+        call = stub.Heartbeats()
+        for _ in range(3):
+            await call.write(pb.HeartbeatRequest(node_id="n1"))
+            assert await call.read() == pb.HeartbeatResponse()
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.FetchModel(pb.FetchModelRequest(sha256="0" * 64), timeout=10):
+                pass
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_server_that_exits_without_a_port_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="exited with status"):
+        async with loopback_server(null_registry.__name__, "not-a-number", "5000"):
+            pass
