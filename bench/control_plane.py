@@ -23,7 +23,10 @@ Reported per step:
   heartbeat metric), and heartbeats that failed;
 - what the heartbeats alone cost the broker, over the second half of --settle (nothing else
   asks it anything then): heartbeats answered per second, its CPU cores, and its CPU time
-  per heartbeat in microseconds;
+  per heartbeat in microseconds; and, after the last step (the broker stopped), the same
+  figures for the same hollow nodes against `bench.null_registry`, which only parses each
+  heartbeat and answers it: the floor gRPC and asyncio in Python put under any broker's
+  figure (--no-floor skips it);
 - nodes falsely marked lost: the broker's "lost" log lines during the step (every hollow node
   heartbeats all along, so every one is false), and the nodes it shows lost (`/api/nodes`);
 - Deploy throughput with the state committed: deployments answered `running` per second,
@@ -41,7 +44,9 @@ Reported per step:
   thread's (the main thread's: the rest is gRPC's own threads and the state's writer), its
   RSS and peak RSS (VmHWM), the hollow processes' CPU and the clients' (this process's; all
   share this machine's CPUs with the broker), how late the hollow processes' event loops wake
-  (lag p99: the part of a heartbeat's round trip that is the hollow side's own), and the
+  (lag p99 over the window: the part of a heartbeat's round trip that is the hollow side's
+  own; and the most over the whole step, bursts included: a stall of seconds there silences
+  a hollow process's nodes, which the broker then rightly counts lost), and the
   machine's load average (other work on it shows there);
 - how long a /metrics scrape takes at the step's end (the median of three, request to last
   byte): what a Prometheus server scraping this broker costs it as the cluster grows;
@@ -181,9 +186,10 @@ class FleetConfig:
 
 def fleet_process(config: FleetConfig, conn: multiprocessing.connection.Connection) -> None:
     """A hollow process's main: a `HollowFleet` that answers the bench's commands on `conn`
-    (("grow", count), ("heartbeats", None), ("status", None), ("close", None)). Only errors
-    are logged (a node that stops): thousands of nodes' retry and slow-sample warnings would
-    bury the bench's output, and its figures count what they would say."""
+    (("grow", count), ("heartbeats", None), ("status", None), ("worst lag", None),
+    ("close", None)). Only errors are logged (a node that stops): thousands of nodes' retry
+    and slow-sample warnings would bury the bench's output, and its figures count what they
+    would say."""
     logging.basicConfig(
         level=logging.ERROR, format="%(processName)s %(levelname)s %(name)s: %(message)s"
     )
@@ -198,7 +204,8 @@ async def _serve_fleet(config: FleetConfig, conn: multiprocessing.connection.Con
         config.broker, config.join_token, config.root, config.sites, inventories, config.prefix
     )
     lags: list[float] = []
-    lagging = asyncio.create_task(_measure_lag(lags), name="loop-lag")
+    worst = [0.0]
+    lagging = asyncio.create_task(_measure_lag(lags, worst), name="loop-lag")
     try:
         while True:
             command, argument = await asyncio.to_thread(conn.recv)
@@ -214,6 +221,9 @@ async def _serve_fleet(config: FleetConfig, conn: multiprocessing.connection.Con
                 lags.clear()
             elif command == "status":
                 conn.send(fleet.status())
+            elif command == "worst lag":
+                conn.send(worst[0])
+                worst[0] = 0.0
             else:
                 break
     finally:
@@ -222,14 +232,18 @@ async def _serve_fleet(config: FleetConfig, conn: multiprocessing.connection.Con
         conn.send(None)
 
 
-async def _measure_lag(lags: list[float]) -> None:
+async def _measure_lag(lags: list[float], worst: list[float]) -> None:
     """How late the hollow process's event loop wakes from a `LAG_PROBE_S` sleep, in ms,
-    into `lags`: the part of the heartbeat round trips that is the hollow process's own."""
+    into `lags`, and the largest since the bench last asked into `worst[0]`: the part of the
+    heartbeat round trips that is the hollow process's own (a stall of seconds here silences
+    all of its nodes at once)."""
     loop = asyncio.get_running_loop()
     while True:
         asked = loop.time()
         await asyncio.sleep(LAG_PROBE_S)
-        lags.append((loop.time() - asked - LAG_PROBE_S) * 1000)
+        lag = (loop.time() - asked - LAG_PROBE_S) * 1000
+        lags.append(lag)
+        worst[0] = max(worst[0], lag)
 
 
 class FleetProcess:
@@ -606,6 +620,7 @@ async def run_step(
     joining = time.monotonic()
     late = await grow(fleets, nodes)
     joined_s = time.monotonic() - joining
+    await asyncio.gather(*(f.ask("worst lag") for f in fleets))  # from here on
     idle = await heartbeats_alone(broker_pid, fleets, args.settle)
     bursts = [
         await run_burst(clients, args.burst, http, cluster)
@@ -642,6 +657,7 @@ async def run_step(
     round_trips = [ms for log, _ in beats for ms in log.round_trips_ms]
     failed_beats = sum(log.failed for log, _ in beats)
     lag = percentiles([ms for _, lags in beats for ms in lags] or [0.0])
+    worst_lag = max(await asyncio.gather(*(f.ask("worst lag") for f in fleets)))
     rss, peak = memory_mib(broker_pid)
     scrapes = [(await scrape(http, cluster))[1] for _ in range(SCRAPES)]
     log = cluster.log("broker").read_bytes()[log_offset:].decode(errors="replace")
@@ -668,6 +684,7 @@ async def run_step(
         "heartbeats_per_s": round(heartbeat["n"] / counted_s, 1),
         "hollow_loop_lag_p50_ms": round(lag["p50"], 1),
         "hollow_loop_lag_p99_ms": round(lag["p99"], 1),
+        "hollow_loop_lag_max_ms": round(worst_lag, 1),
         "marked_lost": len(marked_lost),
         "marked_lost_nodes": marked_lost[:20],
         "lost_now": len(lost_now),
@@ -822,7 +839,8 @@ def _print_step(step: Step) -> None:
         f"{f['broker_cpu_cores']} cores ({f['broker_loop_cpu_cores']} on its event loop's "
         f"thread), {f['broker_rss_mib']} MiB, a /metrics scrape {f['metrics_scrape_ms']} ms; "
         f"hollow nodes {f['hollow_cpu_cores']} cores, "
-        f"loop lag p99 {f['hollow_loop_lag_p99_ms']} ms; clients {f['clients_cpu_cores']} "
+        f"loop lag p99 {f['hollow_loop_lag_p99_ms']} ms (the most over the whole step, bursts "
+        f"included: {f['hollow_loop_lag_max_ms']} ms); clients {f['clients_cpu_cores']} "
         f"cores; load average {f['load_average_1m']}",
         flush=True,
     )

@@ -47,6 +47,7 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         # plenty on a loaded machine; a node that stopped would fall far below it).
         assert step["heartbeats"] >= step["nodes"] * (step["window_s"] // 2), step
         assert 0 < step["heartbeat_p50_ms"] <= step["heartbeat_p99_ms"], step
+        assert step["hollow_loop_lag_max_ms"] >= step["hollow_loop_lag_p99_ms"], step
         # What the heartbeats alone cost: counted over the settle's second half (1 s here).
         assert step["idle_heartbeats_per_s"] >= step["nodes"] / 2, step
         # (a few ms of CPU over a second: the clock's ticks may count none; the cores are
