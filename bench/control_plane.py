@@ -106,8 +106,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import modelzoo
 from bench import null_registry
+from bench.loopback import loopback_server
 from bench.placement import CAPTURES
-from bench.timing import loopback_server, percentiles
+from bench.timing import percentiles
 from broker.state.api_keys import new_api_key
 from common import collector
 from edge_client.client import OffloadClient

@@ -9,11 +9,12 @@ inference's). No protobuf parsing on either side.
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
 import grpc
+
+from bench.loopback import serve_until_stopped
 
 METHOD = "/bench.Echo/Echo"
 MAX_MESSAGE = 256 * 1024 * 1024
@@ -34,15 +35,7 @@ async def serve(port_file: Path) -> None:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    await asyncio.to_thread(port_file.write_text, str(port))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(0)
+    await serve_until_stopped(server, port_file)
 
 
 if __name__ == "__main__":

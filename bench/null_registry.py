@@ -14,13 +14,13 @@ same hollow nodes against it.
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 
+from bench.loopback import serve_until_stopped
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
@@ -58,15 +58,7 @@ class NullRegistry(pb_grpc.NodeRegistryServicer):
 async def serve(port_file: Path, interval_ms: int, lost_after_ms: int) -> None:
     server = grpc.aio.server()
     pb_grpc.add_NodeRegistryServicer_to_server(NullRegistry(interval_ms, lost_after_ms), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    await asyncio.to_thread(port_file.write_text, str(port))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(0)
+    await serve_until_stopped(server, port_file)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ import onnxruntime as ort
 
 import modelzoo
 from bench import echo_server
-from bench.timing import channel_to, loopback_server, percentiles, timed
+from bench.loopback import loopback_server
+from bench.timing import channel_to, percentiles, timed
 from edge_client.rpc.tensors import infer_request
 from images.build import ImageBuildError, build_image
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, ReplicaSpec, RuntimeUnavailable

@@ -6,15 +6,9 @@ with ours in one process; it imports these from here, as `bench.runtime_latency`
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import signal
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -50,32 +44,3 @@ def channel_to(endpoint: str) -> grpc.aio.Channel:
             ("grpc.max_send_message_length", limit),
         ],
     )
-
-
-@contextlib.asynccontextmanager
-async def loopback_server(
-    module: str, *args: str
-) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
-    """`python -m module PORT_FILE *args` (a server that listens on a free loopback port and
-    writes the port to PORT_FILE: `bench.echo_server`, `bench.null_registry`) as (its
-    address, its process), stopped with SIGTERM on the way out. RuntimeError when it exits
-    or writes no port within 30 s."""
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", module, str(port_file), *args, stdin=asyncio.subprocess.DEVNULL
-        )
-        try:
-            for _ in range(3000):
-                if port_file.exists() and (port := port_file.read_text()):
-                    break
-                if process.returncode is not None:
-                    raise RuntimeError(f"{module} exited with status {process.returncode}")
-                await asyncio.sleep(0.01)
-            else:
-                raise RuntimeError(f"{module} wrote no port within 30 s")
-            yield f"127.0.0.1:{port}", process
-        finally:
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-            await process.wait()

@@ -1,4 +1,4 @@
-"""`bench.timing.loopback_server`: the benches' helper servers (`bench.echo_server`,
+"""`bench.loopback.loopback_server`: the benches' helper servers (`bench.echo_server`,
 `bench.null_registry`) started as processes on a free loopback port, and stopped."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import grpc
 import pytest
 
 from bench import echo_server, null_registry
-from bench.timing import channel_to, loopback_server
+from bench.loopback import loopback_server
+from bench.timing import channel_to
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
