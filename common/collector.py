@@ -3,13 +3,12 @@
 CPython collects its youngest generation every 700 net container allocations. A broker with
 thousands of nodes allocates a few objects per heartbeat and keeps hundreds of thousands
 alive (the nodes, their load history, the deployments); at 2,000 nodes its collector ran
-four times a second and took about 7 % of the event loop's time, and each pass moved
-survivors toward the full collections that walk the whole heap (measured with `gc.callbacks`
-in `bench.control_plane`; docs/BENCHMARKS.md). `settle` raises the first threshold, so the
-young generation is collected less often (each pass is no longer: most young objects are
-already gone by then), and freezes what startup allocated (modules, settings, the state as
-loaded), which the full collections then skip, as `runtime.server` does once its model is
-loaded.
+about four times a second, about 7 % of the wall time, with full passes of 0.3-0.4 s (a probe
+on `gc.callbacks` in the broker while `bench.control_plane` ran; docs/BENCHMARKS.md).
+`settle` raises the first threshold, so the young generation is collected far less often
+(each pass takes longer; all together about a tenth of the time in that probe), and freezes
+what startup allocated (modules, settings, the state as loaded), which the full collections
+then skip, as `runtime.server` does once its model is loaded.
 """
 
 from __future__ import annotations
