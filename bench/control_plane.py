@@ -410,7 +410,12 @@ async def run_clients(clients: Sequence[Client], window_s: float) -> Tally:
 
 
 async def run_burst(
-    clients: Sequence[Client], total: int, http: aiohttp.ClientSession, cluster: LocalCluster
+    clients: Sequence[Client],
+    total: int,
+    http: aiohttp.ClientSession,
+    cluster: LocalCluster,
+    pids: BurstPids,
+    heartbeat_cores: float,
 ) -> dict[str, Any]:
     """`total` deploys asked at once (spread over the clients, all in flight together), as
     kube-scheduler's throughput test creates its pods in a batch; then the running ones
@@ -418,11 +423,16 @@ async def run_burst(
     it writes "deployment=... placed on node=..." once the `starting` record is in the
     store, with the time (read afterwards from the file: the broker is not asked anything
     meanwhile). Decided per second is the burst's decisions over the time from the first
-    Deploy sent to the last of them."""
+    Deploy sent to the last of them.
+
+    CPU from the first Deploy sent to the last answered: the broker's, the hollow nodes' and
+    the clients' cores, and the broker's CPU per deploy beyond its heartbeats
+    (`heartbeat_cores`, measured alone before): what a rate of decisions costs it."""
     loop = asyncio.get_running_loop()
     log_offset = cluster.log("broker").stat().st_size
     counted, _ = await lock_counters(http, cluster)
     answers: list[tuple[Client, pb.Deployment | str, float]] = []
+    cpu_before = pids.cpu_seconds()
     started_wall, started = time.time(), loop.time()
 
     async def one(client: Client) -> None:
@@ -433,6 +443,10 @@ async def run_burst(
         answers.append((client, answer, loop.time() - started))
 
     await asyncio.gather(*(one(clients[k % len(clients)]) for k in range(total)))
+    answering_s = loop.time() - started
+    broker_cpu, hollow_cpu, own_cpu = (
+        now - before for now, before in zip(pids.cpu_seconds(), cpu_before, strict=True)
+    )
     after, _ = await lock_counters(http, cluster)
     log = cluster.log("broker").read_bytes()[log_offset:].decode(errors="replace")
     ids = {a.deployment_id for _, a, _ in answers if isinstance(a, pb.Deployment)}
@@ -470,7 +484,31 @@ async def run_burst(
         "burst_deploy_p99_ms": round(latency["p99"], 1),
         "burst_outcomes": dict(sorted(outcomes.items())),
         "burst_deletes_per_s": round(len(running) / deleted_s, 1) if deleted_s > 0 else 0.0,
+        "burst_broker_cpu_cores": round(broker_cpu / answering_s, 2),
+        "burst_hollow_cpu_cores": round(hollow_cpu / answering_s, 2),
+        "burst_clients_cpu_cores": round(own_cpu / answering_s, 2),
+        "burst_broker_ms_per_deploy": (
+            round((broker_cpu - heartbeat_cores * answering_s) / len(placed) * 1000, 3)
+            if placed
+            else 0.0
+        ),
     }
+
+
+@dataclass(frozen=True)
+class BurstPids:
+    """The processes whose CPU a burst reads: the broker, the hollow processes, this one."""
+
+    broker: int
+    hollow: tuple[int, ...]
+
+    def cpu_seconds(self) -> tuple[float, float, float]:
+        """CPU seconds so far of the broker, of the hollow processes together, of this one."""
+        return (
+            cpu_seconds(self.broker),
+            sum(map(cpu_seconds, self.hollow)),
+            cpu_seconds(os.getpid()),
+        )
 
 
 # --- one step ------------------------------------------------------------------------------
@@ -623,8 +661,10 @@ async def run_step(
     joined_s = time.monotonic() - joining
     await asyncio.gather(*(f.ask("worst lag") for f in fleets))  # from here on
     idle = await heartbeats_alone(broker_pid, fleets, args.settle)
+    hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
+    pids = BurstPids(broker_pid, tuple(hollow_pids))
     bursts = [
-        await run_burst(clients, args.burst, http, cluster)
+        await run_burst(clients, args.burst, http, cluster, pids, idle["idle_broker_cpu_cores"])
         for _ in range(args.bursts if args.burst else 0)
     ]
     # The burst of median pace stands for the step (its figures, one burst's, agree); each
@@ -636,7 +676,6 @@ async def run_step(
     }
     await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
     counting = time.monotonic()
-    hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
     counted_before, held_before = await lock_counters(http, cluster)
     # CPU over the window alone (the scrapes around it are not the load's).
     broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
@@ -861,7 +900,10 @@ def _print_step(step: Step) -> None:
             f"{b['burst_running']} running "
             f"at {b['burst_running_per_s']}/s (p50 {b['burst_deploy_p50_ms']} ms, p99 "
             f"{b['burst_deploy_p99_ms']} ms); {b['burst_outcomes']}; deleted at "
-            f"{b['burst_deletes_per_s']}/s",
+            f"{b['burst_deletes_per_s']}/s; CPU while it was answered: broker "
+            f"{b['burst_broker_cpu_cores']} cores ({b['burst_broker_ms_per_deploy']} ms per "
+            f"deploy beyond its heartbeats), hollow nodes {b['burst_hollow_cpu_cores']}, "
+            f"clients {b['burst_clients_cpu_cores']}",
             flush=True,
         )
 
@@ -928,6 +970,9 @@ def summarise(
             f"{floor['broker_us_per_heartbeat']} us ({floor['idle_heartbeats_per_s']}/s, "
             f"{floor['idle_broker_cpu_cores']} cores): {ratio:.2f}x the floor"
         )
+    for step in steps:
+        if "burst" in step.figures:
+            print(target_cost(step.figures))
     saturated = next((s.nodes for s in steps if s.saturated), None)
     largest = steps[-1].figures if steps else {}
     print(
@@ -957,6 +1002,21 @@ def summarise(
         "target_deploys_per_s": TARGET_RATE,
         "anchors": [{"name": n, "per_s": r, "what": w} for n, r, w in ANCHORS],
     }
+
+
+def target_cost(f: dict[str, Any]) -> str:
+    """What `TARGET_RATE` decisions a second would cost the broker at this step, from the
+    median burst's CPU per deploy and the heartbeats' cores, beside the CPU the machine has
+    and what the nodes and clients took in that burst."""
+    need = f["idle_broker_cpu_cores"] + TARGET_RATE * f["burst_broker_ms_per_deploy"] / 1000
+    others = f["burst_hollow_cpu_cores"] + f["burst_clients_cpu_cores"]
+    return (
+        f"At {f['nodes']} nodes {TARGET_RATE:.0f} decisions/s would take the broker "
+        f"{need:.2f} cores (heartbeats {f['idle_broker_cpu_cores']} + "
+        f"{TARGET_RATE:.0f} x {f['burst_broker_ms_per_deploy']} ms per deploy), on one "
+        f"interpreter; this machine has {os.cpu_count()} cores, of which the hollow nodes and "
+        f"the clients took {others:.2f} in the median burst"
+    )
 
 
 def _steps(text: str) -> tuple[int, ...]:

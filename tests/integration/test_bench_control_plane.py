@@ -38,6 +38,8 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
     assert floor["nodes"] == NODE_STEPS[-1] and "late" not in floor, floor
     assert floor["idle_heartbeats_per_s"] >= NODE_STEPS[-1] / 2, floor
     assert "x the floor" in done.stdout
+    for nodes in NODE_STEPS:  # what the target rate would cost the broker at each step
+        assert f"At {nodes} nodes 300 decisions/s would take the broker" in done.stdout
     assert [s["nodes"] for s in result["steps"]] == list(NODE_STEPS)
     for step in result["steps"]:
         assert step["registered"] == step["nodes"], step
@@ -91,6 +93,9 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         assert step["burst_running_per_s"] > 0 and step["burst_deletes_per_s"] > 0, step
         assert step["burst_decision_ms_mean"] > 0, step
         assert step["burst_state_calls_per_commit"] >= 1, step
+        # The burst's CPU: the broker decided and recorded every deploy; the clients asked.
+        assert step["burst_broker_cpu_cores"] > 0 and step["burst_clients_cpu_cores"] > 0, step
+        assert step["burst_hollow_cpu_cores"] >= 0, step
         # The store's commits: each makes at least one call durable.
         assert step["state_commits_per_s"] > 0 and step["state_calls_per_commit"] >= 1, step
     last = result["steps"][-1]
