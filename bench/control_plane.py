@@ -414,8 +414,8 @@ async def run_burst(
     total: int,
     http: aiohttp.ClientSession,
     cluster: LocalCluster,
-    pids: BurstPids,
-    heartbeat_cores: float,
+    probe: CpuProbe,
+    us_per_heartbeat: float,
 ) -> dict[str, Any]:
     """`total` deploys asked at once (spread over the clients, all in flight together), as
     kube-scheduler's throughput test creates its pods in a batch; then the running ones
@@ -426,13 +426,15 @@ async def run_burst(
     Deploy sent to the last of them.
 
     CPU from the first Deploy sent to the last answered: the broker's, the hollow nodes' and
-    the clients' cores, and the broker's CPU per deploy beyond its heartbeats
-    (`heartbeat_cores`, measured alone before): what a rate of decisions costs it."""
+    the clients' cores, and the broker's CPU per deploy beyond the heartbeats it answered
+    meanwhile (each at `us_per_heartbeat`, measured alone before): what a rate of decisions
+    costs it."""
     loop = asyncio.get_running_loop()
     log_offset = cluster.log("broker").stat().st_size
     counted, _ = await lock_counters(http, cluster)
     answers: list[tuple[Client, pb.Deployment | str, float]] = []
-    cpu_before = pids.cpu_seconds()
+    await probe.heartbeats()  # count from here
+    cpu_before = probe.cpu_seconds()
     started_wall, started = time.time(), loop.time()
 
     async def one(client: Client) -> None:
@@ -445,8 +447,9 @@ async def run_burst(
     await asyncio.gather(*(one(clients[k % len(clients)]) for k in range(total)))
     answering_s = loop.time() - started
     broker_cpu, hollow_cpu, own_cpu = (
-        now - before for now, before in zip(pids.cpu_seconds(), cpu_before, strict=True)
+        now - before for now, before in zip(probe.cpu_seconds(), cpu_before, strict=True)
     )
+    beats = await probe.heartbeats()
     after, _ = await lock_counters(http, cluster)
     log = cluster.log("broker").read_bytes()[log_offset:].decode(errors="replace")
     ids = {a.deployment_id for _, a, _ in answers if isinstance(a, pb.Deployment)}
@@ -487,8 +490,9 @@ async def run_burst(
         "burst_broker_cpu_cores": round(broker_cpu / answering_s, 2),
         "burst_hollow_cpu_cores": round(hollow_cpu / answering_s, 2),
         "burst_clients_cpu_cores": round(own_cpu / answering_s, 2),
+        "burst_heartbeats_per_s": round(beats / answering_s, 1),
         "burst_broker_ms_per_deploy": (
-            round((broker_cpu - heartbeat_cores * answering_s) / len(placed) * 1000, 3)
+            round((broker_cpu - beats * us_per_heartbeat / 1e6) / len(placed) * 1000, 3)
             if placed
             else 0.0
         ),
@@ -496,19 +500,22 @@ async def run_burst(
 
 
 @dataclass(frozen=True)
-class BurstPids:
-    """The processes whose CPU a burst reads: the broker, the hollow processes, this one."""
+class CpuProbe:
+    """What a burst reads: the CPU of the broker, of the hollow processes, of this one, and
+    the heartbeats the hollow nodes had answered."""
 
     broker: int
-    hollow: tuple[int, ...]
+    fleets: Sequence[FleetProcess]
 
     def cpu_seconds(self) -> tuple[float, float, float]:
         """CPU seconds so far of the broker, of the hollow processes together, of this one."""
-        return (
-            cpu_seconds(self.broker),
-            sum(map(cpu_seconds, self.hollow)),
-            cpu_seconds(os.getpid()),
-        )
+        hollow = (f.process.pid for f in self.fleets if f.process.pid is not None)
+        return cpu_seconds(self.broker), sum(map(cpu_seconds, hollow)), cpu_seconds(os.getpid())
+
+    async def heartbeats(self) -> int:
+        """Heartbeats answered since the last ask (of any kind: "heartbeats" resets)."""
+        logs = await asyncio.gather(*(f.ask("heartbeats") for f in self.fleets))
+        return sum(len(log.round_trips_ms) for log, _ in logs)
 
 
 # --- one step ------------------------------------------------------------------------------
@@ -661,10 +668,9 @@ async def run_step(
     joined_s = time.monotonic() - joining
     await asyncio.gather(*(f.ask("worst lag") for f in fleets))  # from here on
     idle = await heartbeats_alone(broker_pid, fleets, args.settle)
-    hollow_pids = [f.process.pid for f in fleets if f.process.pid is not None]
-    pids = BurstPids(broker_pid, tuple(hollow_pids))
+    probe = CpuProbe(broker_pid, fleets)
     bursts = [
-        await run_burst(clients, args.burst, http, cluster, pids, idle["idle_broker_cpu_cores"])
+        await run_burst(clients, args.burst, http, cluster, probe, idle["broker_us_per_heartbeat"])
         for _ in range(args.bursts if args.burst else 0)
     ]
     # The burst of median pace stands for the step (its figures, one burst's, agree); each
@@ -678,15 +684,14 @@ async def run_step(
     counting = time.monotonic()
     counted_before, held_before = await lock_counters(http, cluster)
     # CPU over the window alone (the scrapes around it are not the load's).
-    broker_cpu, hollow_cpu = cpu_seconds(broker_pid), sum(map(cpu_seconds, hollow_pids))
-    loop_cpu, own_cpu = cpu_seconds(broker_pid, main_thread=True), cpu_seconds(os.getpid())
+    cpu_before, loop_cpu = probe.cpu_seconds(), cpu_seconds(broker_pid, main_thread=True)
     started = time.monotonic()
     tally = await run_clients(clients, args.window)
     took = time.monotonic() - started
-    broker_cores = (cpu_seconds(broker_pid) - broker_cpu) / took
-    hollow_cores = (sum(map(cpu_seconds, hollow_pids)) - hollow_cpu) / took
+    broker_cores, hollow_cores, own_cores = (
+        (now - before) / took for now, before in zip(probe.cpu_seconds(), cpu_before, strict=True)
+    )
     loop_cores = (cpu_seconds(broker_pid, main_thread=True) - loop_cpu) / took
-    own_cores = (cpu_seconds(os.getpid()) - own_cpu) / took
     counted_after, held_after = await lock_counters(http, cluster)
     counted = {name: counted_after[name] - counted_before[name] for name in LOCK_COUNTERS}
     held_by_use = {use: s - held_before.get(use, 0.0) for use, s in held_after.items()}
@@ -902,7 +907,8 @@ def _print_step(step: Step) -> None:
             f"{b['burst_deploy_p99_ms']} ms); {b['burst_outcomes']}; deleted at "
             f"{b['burst_deletes_per_s']}/s; CPU while it was answered: broker "
             f"{b['burst_broker_cpu_cores']} cores ({b['burst_broker_ms_per_deploy']} ms per "
-            f"deploy beyond its heartbeats), hollow nodes {b['burst_hollow_cpu_cores']}, "
+            f"deploy beyond the {b['burst_heartbeats_per_s']} heartbeats/s it answered), "
+            f"hollow nodes {b['burst_hollow_cpu_cores']}, "
             f"clients {b['burst_clients_cpu_cores']}",
             flush=True,
         )

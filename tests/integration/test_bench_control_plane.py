@@ -93,9 +93,11 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         assert step["burst_running_per_s"] > 0 and step["burst_deletes_per_s"] > 0, step
         assert step["burst_decision_ms_mean"] > 0, step
         assert step["burst_state_calls_per_commit"] >= 1, step
-        # The burst's CPU: the broker decided and recorded every deploy; the clients asked.
-        assert step["burst_broker_cpu_cores"] > 0 and step["burst_clients_cpu_cores"] > 0, step
-        assert step["burst_hollow_cpu_cores"] >= 0, step
+        # The burst's CPU: the broker decided and recorded every deploy (the others' share
+        # of a short burst may fall between the clock's ticks).
+        assert step["burst_broker_cpu_cores"] > 0, step
+        for figure in ("hollow_cpu_cores", "clients_cpu_cores", "heartbeats_per_s"):
+            assert step[f"burst_{figure}"] >= 0, step
         # The store's commits: each makes at least one call durable.
         assert step["state_commits_per_s"] > 0 and step["state_calls_per_commit"] >= 1, step
     last = result["steps"][-1]
