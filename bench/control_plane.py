@@ -1011,14 +1011,16 @@ def summarise(
 
 
 def target_cost(f: dict[str, Any]) -> str:
-    """What `TARGET_RATE` decisions a second would cost the broker at this step, from the
-    median burst's CPU per deploy and the heartbeats' cores, beside the CPU the machine has
-    and what the nodes and clients took in that burst."""
+    """What carrying `TARGET_RATE` deploys a second through to running would cost the broker
+    at this step: the heartbeats' cores plus that many times the median burst's CPU per
+    deploy (from its arrival to its answer; a decision is a part of it that does not
+    separate from the rest in a burst), beside the CPU the machine has and what the nodes
+    and clients took in that burst."""
     need = f["idle_broker_cpu_cores"] + TARGET_RATE * f["burst_broker_ms_per_deploy"] / 1000
     others = f["burst_hollow_cpu_cores"] + f["burst_clients_cpu_cores"]
     return (
-        f"At {f['nodes']} nodes {TARGET_RATE:.0f} decisions/s would take the broker "
-        f"{need:.2f} cores (heartbeats {f['idle_broker_cpu_cores']} + "
+        f"At {f['nodes']} nodes {TARGET_RATE:.0f} deploys/s carried to running would take "
+        f"the broker {need:.2f} cores (heartbeats {f['idle_broker_cpu_cores']} + "
         f"{TARGET_RATE:.0f} x {f['burst_broker_ms_per_deploy']} ms per deploy), on one "
         f"interpreter; this machine has {os.cpu_count()} cores, of which the hollow nodes and "
         f"the clients took {others:.2f} in the median burst"

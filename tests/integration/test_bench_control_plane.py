@@ -39,7 +39,7 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
     assert floor["idle_heartbeats_per_s"] >= NODE_STEPS[-1] / 2, floor
     assert "x the floor" in done.stdout
     for nodes in NODE_STEPS:  # what the target rate would cost the broker at each step
-        assert f"At {nodes} nodes 300 decisions/s would take the broker" in done.stdout
+        assert f"At {nodes} nodes 300 deploys/s carried to running would take" in done.stdout
     assert [s["nodes"] for s in result["steps"]] == list(NODE_STEPS)
     for step in result["steps"]:
         assert step["registered"] == step["nodes"], step
