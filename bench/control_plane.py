@@ -427,7 +427,7 @@ async def run_burst(
 
     CPU from the first Deploy sent to the last answered: the broker's, the hollow nodes' and
     the clients' cores, and the broker's CPU per deploy beyond the heartbeats it answered
-    meanwhile (each at `us_per_heartbeat`, measured alone before): what a rate of decisions
+    meanwhile (each at `us_per_heartbeat`, measured alone before): what a rate of deploys
     costs it."""
     loop = asyncio.get_running_loop()
     log_offset = cluster.log("broker").stat().st_size
