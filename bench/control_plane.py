@@ -445,7 +445,6 @@ async def run_burst(
         answers.append((client, answer, loop.time() - started))
 
     await asyncio.gather(*(one(clients[k % len(clients)]) for k in range(total)))
-    answering_s = loop.time() - started
     broker_cpu, hollow_cpu, own_cpu = (
         now - before for now, before in zip(probe.cpu_seconds(), cpu_before, strict=True)
     )
@@ -487,10 +486,11 @@ async def run_burst(
         "burst_deploy_p99_ms": round(latency["p99"], 1),
         "burst_outcomes": dict(sorted(outcomes.items())),
         "burst_deletes_per_s": round(len(running) / deleted_s, 1) if deleted_s > 0 else 0.0,
-        "burst_broker_cpu_cores": round(broker_cpu / answering_s, 2),
-        "burst_hollow_cpu_cores": round(hollow_cpu / answering_s, 2),
-        "burst_clients_cpu_cores": round(own_cpu / answering_s, 2),
-        "burst_heartbeats_per_s": round(beats / answering_s, 1),
+        "burst_answered_s": round(answered_s, 3),
+        "burst_broker_cpu_cores": round(broker_cpu / answered_s, 2),
+        "burst_hollow_cpu_cores": round(hollow_cpu / answered_s, 2),
+        "burst_clients_cpu_cores": round(own_cpu / answered_s, 2),
+        "burst_heartbeats_per_s": round(beats / answered_s, 1),
         "burst_broker_ms_per_deploy": (
             round((broker_cpu - beats * us_per_heartbeat / 1e6) / len(placed) * 1000, 3)
             if placed
@@ -624,27 +624,24 @@ async def heartbeat_floor(
         ]
         try:
             late = await grow(fleets, nodes)
-            figures = await heartbeats_alone(process.pid, fleets, args.settle)
+            figures = await heartbeats_alone(CpuProbe(process.pid, fleets), args.settle)
         finally:
             for fleet in fleets:
                 await fleet.close()
     return {"nodes": nodes, **figures, **({"late": late} if late else {})}
 
 
-async def heartbeats_alone(
-    broker_pid: int, fleets: Sequence[FleetProcess], settle_s: float
-) -> dict[str, float]:
+async def heartbeats_alone(probe: CpuProbe, settle_s: float) -> dict[str, float]:
     """Sleep `settle_s`, measuring over its second half what the heartbeats alone cost the
     broker (nothing else asks it anything then): heartbeats answered per second, the broker's
     CPU cores, and so its CPU time per heartbeat in microseconds (0 with no heartbeat)."""
     await asyncio.sleep(settle_s / 2)
-    await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
-    cpu, started = cpu_seconds(broker_pid), time.monotonic()
+    await probe.heartbeats()  # forget the joining
+    cpu, started = cpu_seconds(probe.broker), time.monotonic()
     await asyncio.sleep(settle_s / 2)
-    beats = await asyncio.gather(*(f.ask("heartbeats") for f in fleets))
+    answered = await probe.heartbeats()
     took = time.monotonic() - started
-    used = cpu_seconds(broker_pid) - cpu
-    answered = sum(len(log.round_trips_ms) for log, _ in beats)
+    used = cpu_seconds(probe.broker) - cpu
     return {
         "idle_heartbeats_per_s": round(answered / took, 1) if took > 0 else 0.0,
         "idle_broker_cpu_cores": round(used / took, 3) if took > 0 else 0.0,
@@ -667,8 +664,8 @@ async def run_step(
     late = await grow(fleets, nodes)
     joined_s = time.monotonic() - joining
     await asyncio.gather(*(f.ask("worst lag") for f in fleets))  # from here on
-    idle = await heartbeats_alone(broker_pid, fleets, args.settle)
     probe = CpuProbe(broker_pid, fleets)
+    idle = await heartbeats_alone(probe, args.settle)
     bursts = [
         await run_burst(clients, args.burst, http, cluster, probe, idle["broker_us_per_heartbeat"])
         for _ in range(args.bursts if args.burst else 0)
@@ -680,7 +677,7 @@ async def run_step(
         **(ranked[len(ranked) // 2] if ranked else {}),
         **({"bursts": bursts} if bursts else {}),
     }
-    await asyncio.gather(*(f.ask("heartbeats") for f in fleets))  # forget the joining
+    await probe.heartbeats()  # forget the bursts
     counting = time.monotonic()
     counted_before, held_before = await lock_counters(http, cluster)
     # CPU over the window alone (the scrapes around it are not the load's).

@@ -98,6 +98,21 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         assert step["burst_broker_cpu_cores"] > 0, step
         for figure in ("hollow_cpu_cores", "clients_cpu_cores", "heartbeats_per_s"):
             assert step[f"burst_{figure}"] >= 0, step
+        # Its CPU per deploy is the broker's CPU over the burst less the heartbeats it
+        # answered meanwhile (each at the settle's cost), over the decisions (the cores are
+        # rounded to 2 decimals: that much of the span, spread over the decisions).
+        span, decided = step["burst_answered_s"], step["burst_decided"]
+        beats_cpu = step["burst_heartbeats_per_s"] * span * step["broker_us_per_heartbeat"] / 1e6
+        assert step["burst_broker_ms_per_deploy"] == pytest.approx(
+            (step["burst_broker_cpu_cores"] * span - beats_cpu) / decided * 1000,
+            abs=0.006 * span / decided * 1000,
+        ), step
+        # and the closing line prices the target rate from the same figures
+        need = step["idle_broker_cpu_cores"] + 300 * step["burst_broker_ms_per_deploy"] / 1000
+        assert (
+            f"At {step['nodes']} nodes 300 deploys/s carried to running would take the "
+            f"broker {need:.2f} cores" in done.stdout
+        ), step
         # The store's commits: each makes at least one call durable.
         assert step["state_commits_per_s"] > 0 and step["state_calls_per_commit"] >= 1, step
     last = result["steps"][-1]
