@@ -34,7 +34,7 @@ import numpy as np
 import modelzoo
 from common.certs import TlsIdentity, issue, make_ca, write_new
 from common.content import file_sha256
-from edge_client.client import OffloadClient
+from edge_client.client import Deployment, OffloadClient
 from edge_client.demo.cluster import (
     CLUSTER_FILE,
     DEMO_NODES,
@@ -142,6 +142,13 @@ class Cluster:
 
     def node_log(self, node_id: str) -> Path:
         return self.root / f"{node_id}.log"
+
+    def replica_pid(self, deployment: pb.Deployment | Deployment) -> int:
+        """The pid of the process its node started for `deployment` at its epoch, from the
+        node's replica record (process runtime)."""
+        replicas = self.root / f"{deployment.node_id}-state" / "replicas"
+        record = replicas / f"{deployment.deployment_id}-{deployment.epoch}" / "replica.json"
+        return int(json.loads(record.read_text())["pid"])
 
     async def start_broker(self, *extra: str, ready: str = r"broker listening on") -> None:
         """Start the broker and wait for `ready` in its log (a standby logs "standing by")."""

@@ -5,7 +5,6 @@ node die, and goes back to the replica when they return."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +17,7 @@ import pytest
 import modelzoo
 from bench.link import Conditions, DelayLink
 from edge_client.adaptive import AdaptiveSettings, Decision, Reason, Target
-from edge_client.client import Deployment, OffloadClient
+from edge_client.client import OffloadClient
 from edge_client.errors import InvalidInput, NotDeployed
 from tests.cluster_support import THREE_NODES, Cluster, InferenceLoad, until
 
@@ -37,12 +36,6 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
 async def _until(condition: Callable[[], bool], what: str) -> None:
     """`until`, with the time a loaded machine needs to restart a broker and a node."""
     await until(condition, what, timeout_s=90)
-
-
-def _replica_pid(cluster: Cluster, deployment: Deployment) -> int:
-    state = cluster.root / f"{deployment.node_id}-state" / "replicas"
-    record = state / f"{deployment.deployment_id}-{deployment.epoch}" / "replica.json"
-    return int(json.loads(record.read_text())["pid"])
 
 
 def _reference(model: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -90,7 +83,7 @@ async def test_killing_the_broker_then_the_replicas_node_fails_no_request(
             node_a = cluster.nodes["node-a"]
             node_a.send_signal(signal.SIGKILL)
             node_a.wait()
-            os.kill(_replica_pid(cluster, first), signal.SIGKILL)
+            os.kill(cluster.replica_pid(first), signal.SIGKILL)
             await _until(lambda: _local(client) > 20, "local inference, broker and node down")
             assert not client.stats().offload.remote_reachable
             # Both return: the deployment is placed again and requests go remote again.
