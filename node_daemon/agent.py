@@ -226,8 +226,9 @@ class NodeAgent:
         """Replicas a `stop_replica` call is stopping now."""
         self._starts: dict[str, asyncio.Future[Replica]] = {}
         """The runtime's start of each STARTING replica (`stop_replica` cancels it)."""
-        self.fetch_model: Callable[[str], Awaitable[None]] | None = None
-        """Set when the node has joined a broker: copies a model into the cache."""
+        self.fetch_model: Callable[[str, bool], Awaitable[None]] | None = None
+        """Set when the node has joined a broker: copies a model into the cache (the flag:
+        for a background start, paced)."""
         self.resizer: ResourceManager | None = None
         """Set by the daemon: the node's resource manager (`node_daemon.resources`), which
         the broker link steps at every sample and whose resizes the heartbeat and `Usage`
@@ -301,10 +302,10 @@ class NodeAgent:
         replica_id = request.replica_id
         if replica_id in self._replicas:
             raise AlreadyExists(f"replica {replica_id} already exists on node {self.node_id}")
-        model = await self._cached(request.model_sha256)
+        model = await self._cached(request.model_sha256, request.background_start)
         warmup = None
         if request.warmup_inputs_sha256:
-            warmup = await self._cached(request.warmup_inputs_sha256)
+            warmup = await self._cached(request.warmup_inputs_sha256, request.background_start)
         # Checked again: another start of this replica may have begun while this one waited.
         if replica_id in self._replicas:
             raise AlreadyExists(f"replica {replica_id} already exists on node {self.node_id}")
@@ -399,14 +400,15 @@ class NodeAgent:
             log_tail=f"its start failed and it could not be stopped: {reason}",
         )
 
-    async def _cached(self, sha256: str) -> Path:
-        """The cached file; fetched from the broker first when this node has joined one."""
+    async def _cached(self, sha256: str, background: bool) -> Path:
+        """The cached file; fetched from the broker first when this node has joined one
+        (paced for a `background` start)."""
         try:
             return await asyncio.to_thread(self.cache.path, sha256)
         except ModelNotCached:
             if self.fetch_model is None:
                 raise
-        await self.fetch_model(sha256)
+        await self.fetch_model(sha256, background)
         return await asyncio.to_thread(self.cache.path, sha256)
 
     async def stop_replica(self, replica_id: str, grace_s: float) -> None:

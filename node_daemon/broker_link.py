@@ -67,12 +67,18 @@ class BrokerLink:
         *,
         channel_options: Sequence[tuple[str, object]] = (),
         on_heartbeat: Callable[[float | None], None] | None = None,
+        background_fetch_bytes_per_s: float = 0.0,
     ) -> None:
         """`brokers`: the NodeRegistry address of every broker, as a sequence or "A,B,..."
         (ValueError when one is not host:port); `tls`: the node's certificate (presented) and
         the CA the broker's must chain to; None: plaintext. `channel_options` go to every
         channel the link opens (hollow nodes: a connection of their own); `on_heartbeat` is
-        told each heartbeat's round trip in ms, or None for one that failed."""
+        told each heartbeat's round trip in ms, or None for one that failed;
+        `background_fetch_bytes_per_s`: the average rate a background start's model is
+        fetched at (`fetch_model`), 0 for as fast as it comes."""
+        if background_fetch_bytes_per_s < 0:
+            raise ValueError(f"a negative fetch rate: {background_fetch_bytes_per_s}")
+        self._background_rate = background_fetch_bytes_per_s
         self._channel_options = [
             ("grpc.max_receive_message_length", 8 * 1024 * 1024),
             *channel_options,
@@ -263,16 +269,22 @@ class BrokerLink:
             return npb.UsageResponse(gpus=[convert.gpu(g) for g in self._agent.inventory.gpus])
         return convert.usage(self._usage, self._agent.resizer)
 
-    async def fetch_model(self, sha256: str) -> None:
+    async def fetch_model(self, sha256: str, background: bool = False) -> None:
         """Copy a model from the broker into the node's cache. ModelNotCached when the
-        broker does not have it either."""
+        broker does not have it either. `background` (the model of a replica started at
+        background priority, beside replicas that serve): at the link's background rate,
+        so the copy's work (the broker's reads and sends, this daemon's receive, hash and
+        write) is spread out instead of taking a core from the replicas that serve."""
         upload = self._agent.cache.upload(sha256)
+        pace = Pace(self._background_rate, time.monotonic()) if background else None
         try:
             stream = self._stub.FetchModel(
                 bpb.FetchModelRequest(sha256=sha256), metadata=self._metadata, timeout=300
             )
             async for chunk in stream:
                 await asyncio.to_thread(upload.write, chunk.data)
+                if pace is not None:
+                    await asyncio.sleep(pace.wait_s(len(chunk.data), time.monotonic()))
             await asyncio.to_thread(upload.commit)
         except grpc.aio.AioRpcError as err:
             upload.abort()
@@ -290,7 +302,30 @@ class BrokerLink:
         except BaseException:
             upload.abort()
             raise
-        logger.info("model %s fetched from broker %s", sha256[:12], self.broker)
+        logger.info(
+            "model %s fetched from broker %s%s",
+            sha256[:12],
+            self.broker,
+            f" at {self._background_rate / 1e6:g} MB/s (background)"
+            if pace is not None and self._background_rate
+            else "",
+        )
+
+
+class Pace:
+    """Holds a stream of bytes to `bytes_per_s` on average from `start`: `wait_s` says how
+    long to wait once `count` more bytes have come in at `now`. A rate of 0: never waits."""
+
+    def __init__(self, bytes_per_s: float, start: float) -> None:
+        self._rate = bytes_per_s
+        self._start = start
+        self._bytes = 0
+
+    def wait_s(self, count: int, now: float) -> float:
+        self._bytes += count
+        if not self._rate:
+            return 0.0
+        return max(0.0, self._start + self._bytes / self._rate - now)
 
 
 class HeartbeatStream:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -93,6 +94,9 @@ class NodeSettings:
     broker presents the certificate. None: plaintext."""
     insecure: bool = False
     """Plaintext allowed on an address other hosts can reach (`--insecure`)."""
+    background_fetch_mb_s: float = 0.0
+    """The average rate, in MB/s, a background start's model is fetched from the broker at;
+    0: as fast as it comes."""
 
     @property
     def replica_host(self) -> str:
@@ -232,6 +236,7 @@ async def serve(settings: NodeSettings) -> int:
             agent,
             f"{settings.replica_host}:{port}",
             settings.tls,
+            background_fetch_bytes_per_s=settings.background_fetch_mb_s * 1e6,
         )
         agent.fetch_model = link.fetch_model
     failed = False
@@ -351,11 +356,27 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "what its load is measured against (default: every CPU this process may use)",
     )
     p.add_argument(
+        "--background-fetch-rate",
+        type=float,
+        default=0.0,
+        metavar="MB/S",
+        help="fetch the model of a replica started at background priority (the target of a "
+        "make-before-break migration) at this average rate, so that its copy from the broker "
+        "does not take a core from the replicas serving beside it; 0: as fast as it comes "
+        "(default 0)",
+    )
+    p.add_argument(
         "--stop-replicas-on-exit",
         action="store_true",
         help="stop replicas when the daemon exits (default: they keep serving)",
     )
     p.set_defaults(func=_main)
+
+
+def _fetch_rate(mb_s: float) -> float:
+    if not math.isfinite(mb_s) or mb_s < 0:
+        raise ValueError(f"--background-fetch-rate {mb_s!r}: give MB/s, 0 or more")
+    return mb_s
 
 
 def _read_token(path: Path, flag: str) -> str:
@@ -423,6 +444,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         resize_policy=args.resize_policy,
         tls=tls,
         insecure=args.insecure,
+        background_fetch_mb_s=_fetch_rate(args.background_fetch_rate),
     )
 
 

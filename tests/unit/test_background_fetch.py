@@ -1,0 +1,112 @@
+"""A background start's model is fetched at the node's background rate (`Pace`,
+`BrokerLink.fetch_model`), and the rate's flag is checked."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from edge_client.cli import build_parser
+from node_daemon.agent import NodeAgent
+from node_daemon.broker_link import BrokerLink, Pace
+from node_daemon.inventory import GpuSpec, inventory_from_capture
+from node_daemon.model_cache import ModelCache
+from node_daemon.runtimes.null_runtime import NullRuntime
+from node_daemon.server import settings_from_args
+from protos.offload.v1 import broker_pb2 as bpb
+from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
+from protos.offload.v1 import node_pb2 as npb
+from tests.data import TOPOLOGIES
+
+CHUNK = 256 * 1024
+
+
+def test_pace_waits_until_the_bytes_so_far_fit_the_rate() -> None:
+    pace = Pace(1_000_000, start=100.0)
+    assert pace.wait_s(250_000, now=100.05) == pytest.approx(0.20)  # due at 100.25
+    assert pace.wait_s(250_000, now=100.25) == pytest.approx(0.25)  # due at 100.5
+    # Behind the rate (a slow chunk): no wait, and no credit carried past it either.
+    assert pace.wait_s(250_000, now=101.0) == 0.0
+    assert pace.wait_s(500_000, now=101.0) == pytest.approx(0.25)  # 1.25 MB due at 101.25
+
+
+def test_a_pace_at_rate_zero_never_waits() -> None:
+    pace = Pace(0.0, start=0.0)
+    assert pace.wait_s(10**9, now=0.0) == 0.0
+
+
+class Models(bpb_grpc.NodeRegistryServicer):
+    """A broker's FetchModel over one model, in CHUNK-sized pieces."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.sha256 = hashlib.sha256(data).hexdigest()
+
+    async def FetchModel(
+        self, request: bpb.FetchModelRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[npb.ModelChunk]:
+        if request.sha256 != self.sha256:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such model")
+        for at in range(0, len(self.data), CHUNK):
+            yield npb.ModelChunk(data=self.data[at : at + CHUNK])
+
+
+@pytest.mark.parametrize("background", [True, False])
+async def test_a_fetched_model_is_whole_and_the_log_says_when_it_was_paced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, background: bool
+) -> None:
+    models = Models(bytes(range(256)) * (5 * CHUNK // 256 + 7))
+    server = grpc.aio.server()
+    bpb_grpc.add_NodeRegistryServicer_to_server(models, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    inventory = inventory_from_capture(
+        next(TOPOLOGIES.glob("12_*.txt")), GpuSpec("A100-SXM4-40GB", 40960)
+    )
+    cache = ModelCache(tmp_path / "models")
+    agent = NodeAgent("n1", "site-a", inventory, NullRuntime(), cache)
+    link = BrokerLink(
+        f"127.0.0.1:{port}",
+        "join-token",
+        agent,
+        "127.0.0.1:2",
+        background_fetch_bytes_per_s=20e6,
+    )
+    try:
+        with caplog.at_level(logging.INFO, logger="node_daemon.broker_link"):
+            await link.fetch_model(models.sha256, background)
+    finally:
+        await link.close()
+        await server.stop(None)
+    assert cache.path(models.sha256).read_bytes() == models.data
+    fetched = [r.getMessage() for r in caplog.records if "fetched from broker" in r.getMessage()]
+    assert len(fetched) == 1
+    assert fetched[0].endswith(" at 20 MB/s (background)") == background
+
+
+def test_a_negative_rate_is_refused() -> None:
+    with pytest.raises(ValueError, match="negative fetch rate"):
+        BrokerLink("127.0.0.1:1", "t", None, "127.0.0.1:2", background_fetch_bytes_per_s=-1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "accepted"), [("25", 25.0), ("0", 0.0), ("-3", None), ("nan", None)]
+)
+def test_the_background_fetch_rate_flag(
+    tmp_path: Path, value: str, accepted: float | None
+) -> None:
+    flags = [
+        "node", "--listen", "127.0.0.1:0", "--site", "site-a",
+        "--state-dir", str(tmp_path), "--background-fetch-rate", value,
+    ]  # fmt: skip
+    args = build_parser().parse_args(flags)
+    if accepted is None:
+        with pytest.raises(ValueError, match=f"--background-fetch-rate {value}"):
+            settings_from_args(args)
+    else:
+        assert settings_from_args(args).background_fetch_mb_s == accepted
