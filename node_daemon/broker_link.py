@@ -51,6 +51,8 @@ RETRYABLE = (
 )
 CALL_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 5.0
+FETCH_TIMEOUT_S = 300.0
+"""A model fetch's deadline; a paced one has the largest model's time at its rate on top."""
 HEARTBEAT_TIMEOUT_MIN_S = 2.0
 STALL_HEARTBEATS = 10
 """With one broker, heartbeats unanswered before the stream is given up (`_answer_deadline`)."""
@@ -277,9 +279,12 @@ class BrokerLink:
         write) is spread out instead of taking a core from the replicas that serve."""
         upload = self._agent.cache.upload(sha256)
         pace = Pace(self._background_rate, time.monotonic()) if background else None
+        timeout = FETCH_TIMEOUT_S
+        if pace is not None and self._background_rate:  # the largest model, paced, fits too
+            timeout += self._agent.cache.max_bytes / self._background_rate
         try:
             stream = self._stub.FetchModel(
-                bpb.FetchModelRequest(sha256=sha256), metadata=self._metadata, timeout=300
+                bpb.FetchModelRequest(sha256=sha256), metadata=self._metadata, timeout=timeout
             )
             async for chunk in stream:
                 await asyncio.to_thread(upload.write, chunk.data)

@@ -34,6 +34,10 @@ from edge_client.demo.trace import DEFAULT_TRACE, TraceError, load_trace
 
 QUICK_DWELL_FACTOR = 0.25
 QUICK_MIN_DWELL_S = 1.5
+BACKGROUND_FETCH_MB_S = 25.0
+"""The demo's nodes' `--background-fetch-rate`: the three sites share this machine's CPUs,
+so a target's model fetch at full speed takes them from the replica serving the client
+(docs/BENCHMARKS.md, the demo)."""
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -83,6 +87,16 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "report shows which moves were pre-warmed and the time from each move to the first "
         "answer at the new site",
     )
+    parser.add_argument(
+        "--background-fetch-rate",
+        type=float,
+        default=BACKGROUND_FETCH_MB_S,
+        metavar="MB/S",
+        help="each node's --background-fetch-rate: a migration's target node fetches the "
+        "model from the broker at this average rate, so that the copy does not take the "
+        "CPU from the replica serving the client on the same machine; 0: as fast as it comes "
+        f"(default {BACKGROUND_FETCH_MB_S:g})",
+    )
     parser.add_argument("--model", default="resnet18", choices=modelzoo.ALL)
     parser.add_argument(
         "--runtime",
@@ -113,6 +127,10 @@ def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
         raise ValueError(f"--time-scale must be in (0, 100], got {args.time_scale:g}")
     if not 0 <= args.prewarm <= 64:
         raise ValueError(f"--prewarm must be 0 to 64 standby replicas, got {args.prewarm}")
+    if not 0 <= args.background_fetch_rate <= 100_000:  # also refuses nan
+        raise ValueError(
+            f"--background-fetch-rate must be 0 to 100000 MB/s, got {args.background_fetch_rate:g}"
+        )
     sites = load_cluster_network(CLUSTER_FILE).sites
     trace = load_trace(args.trace, sites, args.vehicle)
     factor = args.time_scale * (QUICK_DWELL_FACTOR if args.quick else 1.0)
@@ -127,6 +145,7 @@ def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
         keep=args.keep,
         live=console.is_terminal and not args.plain,
         prewarm=args.prewarm,
+        background_fetch_mb_s=args.background_fetch_rate,
     )
 
 

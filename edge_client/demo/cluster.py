@@ -181,16 +181,19 @@ class LocalCluster:
         broker_flags: Sequence[str] = (),
         client_id: str = "demo",
         more_api_keys: Sequence[str] = (),
+        node_flags: Sequence[str] = (),
     ) -> None:
         """`runtime` is "docker" or "process" (each node's `--runtime`); `image` the runtime
         image of Docker replicas; `broker_flags` more `offload broker` flags; `more_api_keys`
-        keys of other clients the broker accepts beside `client_id`'s."""
+        keys of other clients the broker accepts beside `client_id`'s; `node_flags` more
+        `offload node` flags for every node (before each plan's own)."""
         self.root = root
         self.runtime = runtime
         self.image = image
         self.nodes = tuple(nodes)
         self.cluster_file = cluster_file
         self.broker_flags = tuple(broker_flags)
+        self.node_flags = tuple(node_flags)
         self.client_id = client_id
         self.more_api_keys = tuple(more_api_keys)
         self.broker_port = free_port()
@@ -281,6 +284,7 @@ class LocalCluster:
             "--join-token-file", str(self.join_token_file),
             "--stop-replicas-on-exit",
             *(["--image", self.image] if self.image else []),
+            *self.node_flags,
             *plan.flags,
         ]  # fmt: skip
         await self._start(plan.node_id, command, r"registered with broker")

@@ -77,6 +77,9 @@ class DemoOptions:
     """Draw the live view (a terminal); otherwise print a status line now and then."""
     prewarm: int = 0
     """The broker's standby budget (`--prewarm-budget`); 0: no pre-warm."""
+    background_fetch_mb_s: float = 0.0
+    """Each node's `--background-fetch-rate`: a migration's target fetches its model at
+    this rate (MB/s); 0: as fast as it comes."""
 
 
 class DemoFailed(Exception):
@@ -134,6 +137,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         image=image,
         broker_flags=(*BROKER_FLAGS, "--prewarm-budget", str(options.prewarm)),
         more_api_keys=(new_api_key(TRAFFIC_CLIENT),) if options.prewarm else (),
+        node_flags=("--background-fetch-rate", f"{options.background_fetch_mb_s:g}"),
     )
     deployments: list[str] = []
     failed = True

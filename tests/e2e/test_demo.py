@@ -162,10 +162,15 @@ def test_keep_leaves_the_dashboard_up_until_ctrl_c() -> None:
     with urllib.request.urlopen(request, timeout=10) as response:
         body = response.read().decode()
     assert '"state": "running"' in body and '"node_id": "node-a"' in body, body
+    node_b = (cluster_folder(output) / "node-b.log").read_text()
     demo.send_signal(signal.SIGINT)
     rest, _ = demo.communicate(timeout=120)
     assert demo.returncode == 0, output + rest  # the report's result, not 130
     assert_nothing_left(output + rest, None)
+    # The first migration's target fetched the model at the demo's background rate.
+    assert re.search(r"model \w+ fetched from broker \S+ at 25 MB/s \(background\)", node_b), (
+        node_b
+    )
 
 
 def test_a_killed_demo_takes_its_cluster_with_it() -> None:
@@ -190,6 +195,10 @@ def test_a_killed_demo_takes_its_cluster_with_it() -> None:
         (["--trace", "/nonexistent/trace.yaml"], "cannot read the trace /nonexistent/trace.yaml"),
         (["--time-scale", "0"], "--time-scale must be in (0, 100], got 0"),
         (["--prewarm", "-1"], "--prewarm must be 0 to 64 standby replicas, got -1"),
+        (
+            ["--background-fetch-rate", "nan"],
+            "--background-fetch-rate must be 0 to 100000 MB/s, got nan",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(args: list[str], message: str) -> None:

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from edge_client.cli import build_parser
+from node_daemon import broker_link
 from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink, Pace
 from node_daemon.inventory import GpuSpec, inventory_from_capture
@@ -56,11 +57,10 @@ class Models(bpb_grpc.NodeRegistryServicer):
             yield npb.ModelChunk(data=self.data[at : at + CHUNK])
 
 
-@pytest.mark.parametrize("background", [True, False])
-async def test_a_fetched_model_is_whole_and_the_log_says_when_it_was_paced(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, background: bool
-) -> None:
-    models = Models(bytes(range(256)) * (5 * CHUNK // 256 + 7))
+async def fetch(
+    tmp_path: Path, models: Models, rate: float, background: bool, max_bytes: int = 2**30
+) -> ModelCache:
+    """`models`' one model fetched by a node's link at background rate `rate` (bytes/s)."""
     server = grpc.aio.server()
     bpb_grpc.add_NodeRegistryServicer_to_server(models, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -68,25 +68,45 @@ async def test_a_fetched_model_is_whole_and_the_log_says_when_it_was_paced(
     inventory = inventory_from_capture(
         next(TOPOLOGIES.glob("12_*.txt")), GpuSpec("A100-SXM4-40GB", 40960)
     )
-    cache = ModelCache(tmp_path / "models")
+    cache = ModelCache(tmp_path / "models", max_bytes)
     agent = NodeAgent("n1", "site-a", inventory, NullRuntime(), cache)
     link = BrokerLink(
         f"127.0.0.1:{port}",
         "join-token",
         agent,
         "127.0.0.1:2",
-        background_fetch_bytes_per_s=20e6,
+        background_fetch_bytes_per_s=rate,
     )
     try:
-        with caplog.at_level(logging.INFO, logger="node_daemon.broker_link"):
-            await link.fetch_model(models.sha256, background)
+        await link.fetch_model(models.sha256, background)
     finally:
         await link.close()
         await server.stop(None)
+    return cache
+
+
+@pytest.mark.parametrize("background", [True, False])
+async def test_a_fetched_model_is_whole_and_the_log_says_when_it_was_paced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, background: bool
+) -> None:
+    models = Models(bytes(range(256)) * (5 * CHUNK // 256 + 7))
+    with caplog.at_level(logging.INFO, logger="node_daemon.broker_link"):
+        cache = await fetch(tmp_path, models, 20e6, background)
     assert cache.path(models.sha256).read_bytes() == models.data
     fetched = [r.getMessage() for r in caplog.records if "fetched from broker" in r.getMessage()]
     assert len(fetched) == 1
     assert fetched[0].endswith(" at 20 MB/s (background)") == background
+
+
+async def test_a_paced_fetch_has_the_time_its_rate_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fetch's deadline grows by the largest model's time at the rate: 1.3 MB at 2 MB/s
+    takes 0.65 s, past a 0.3 s base deadline, within 0.3 s + 4 MB / 2 MB/s."""
+    monkeypatch.setattr(broker_link, "FETCH_TIMEOUT_S", 0.3)
+    models = Models(bytes(range(256)) * (5 * CHUNK // 256))
+    cache = await fetch(tmp_path, models, 2e6, background=True, max_bytes=4_000_000)
+    assert cache.path(models.sha256).read_bytes() == models.data
 
 
 def test_a_negative_rate_is_refused() -> None:
