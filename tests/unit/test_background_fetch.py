@@ -13,16 +13,13 @@ import pytest
 
 from edge_client.cli import build_parser
 from node_daemon import broker_link
-from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink, Pace
-from node_daemon.inventory import GpuSpec, inventory_from_capture
 from node_daemon.model_cache import ModelCache
-from node_daemon.runtimes.null_runtime import NullRuntime
 from node_daemon.server import settings_from_args
 from protos.offload.v1 import broker_pb2 as bpb
 from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
 from protos.offload.v1 import node_pb2 as npb
-from tests.data import TOPOLOGIES
+from tests.unit.test_broker_link import null_node, serve
 
 CHUNK = 256 * 1024
 
@@ -61,19 +58,12 @@ async def fetch(
     tmp_path: Path, models: Models, rate: float, background: bool, max_bytes: int = 2**30
 ) -> ModelCache:
     """`models`' one model fetched by a node's link at background rate `rate` (bytes/s)."""
-    server = grpc.aio.server()
-    bpb_grpc.add_NodeRegistryServicer_to_server(models, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    inventory = inventory_from_capture(
-        next(TOPOLOGIES.glob("12_*.txt")), GpuSpec("A100-SXM4-40GB", 40960)
-    )
+    server, port = await serve(models)
     cache = ModelCache(tmp_path / "models", max_bytes)
-    agent = NodeAgent("n1", "site-a", inventory, NullRuntime(), cache)
     link = BrokerLink(
         f"127.0.0.1:{port}",
         "join-token",
-        agent,
+        null_node(cache),
         "127.0.0.1:2",
         background_fetch_bytes_per_s=rate,
     )

@@ -30,12 +30,8 @@ async def test_a_fetch_on_a_closed_link_is_a_model_not_cached_and_leaves_nothing
     """A start that needs a model while the daemon closes its link (it is stopping) gets
     the node's own error (NOT_FOUND to the broker, which places the deployment again), not
     gRPC's UsageError (which reached the broker as INTERNAL), and no partial upload."""
-    inventory = inventory_from_capture(
-        next(TOPOLOGIES.glob("12_*.txt")), GpuSpec("A100-SXM4-40GB", 40960)
-    )
     cache = ModelCache(tmp_path / "models")
-    agent = NodeAgent("n1", "site-a", inventory, NullRuntime(), cache)
-    link = BrokerLink("127.0.0.1:1", "join-token", agent, "127.0.0.1:2")
+    link = BrokerLink("127.0.0.1:1", "join-token", null_node(cache), "127.0.0.1:2")
     await link.close()
     with pytest.raises(ModelNotCached, match="this node is leaving the broker"):
         await link.fetch_model("ab" * 32)
@@ -117,18 +113,29 @@ class Registry(bpb_grpc.NodeRegistryServicer):
             receiving.cancel()
 
 
-async def run_link(
-    tmp_path: Path, registry: Registry, done: Callable[[], bool]
-) -> list[float | None]:
-    """A node's link against `registry` until `done()`; the round trips it reported."""
+async def serve(registry: bpb_grpc.NodeRegistryServicer) -> tuple[grpc.aio.Server, int]:
+    """`registry` on a started gRPC server on loopback, and its port."""
     server = grpc.aio.server()
     bpb_grpc.add_NodeRegistryServicer_to_server(registry, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    return server, port
+
+
+def null_node(cache: ModelCache) -> NodeAgent:
+    """Node n1 at site-a: a DGX A100's GPUs, the null runtime, `cache`."""
     inventory = inventory_from_capture(
         next(TOPOLOGIES.glob("12_*.txt")), GpuSpec("A100-SXM4-40GB", 40960)
     )
-    agent = NodeAgent("n1", "site-a", inventory, NullRuntime(), ModelCache(tmp_path / "m"))
+    return NodeAgent("n1", "site-a", inventory, NullRuntime(), cache)
+
+
+async def run_link(
+    tmp_path: Path, registry: Registry, done: Callable[[], bool]
+) -> list[float | None]:
+    """A node's link against `registry` until `done()`; the round trips it reported."""
+    server, port = await serve(registry)
+    agent = null_node(ModelCache(tmp_path / "m"))
     beats: list[float | None] = []
     link = BrokerLink(
         f"127.0.0.1:{port}", "join-token", agent, "127.0.0.1:2", on_heartbeat=beats.append
