@@ -28,7 +28,7 @@ def test_pace_waits_until_the_bytes_so_far_fit_the_rate() -> None:
     pace = Pace(1_000_000, start=100.0)
     assert pace.wait_s(250_000, now=100.05) == pytest.approx(0.20)  # due at 100.25
     assert pace.wait_s(250_000, now=100.25) == pytest.approx(0.25)  # due at 100.5
-    # Behind the rate (a slow chunk): no wait, and no credit carried past it either.
+    # Behind the rate (a slow chunk): no wait until the bytes are back within it.
     assert pace.wait_s(250_000, now=101.0) == 0.0
     assert pace.wait_s(500_000, now=101.0) == pytest.approx(0.25)  # 1.25 MB due at 101.25
 
