@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -267,7 +268,10 @@ async def test_a_resize_and_its_reason_reach_explain_and_metrics(
             assert not stream.failed
         assert grow.policy == "usage" and grow.cpus_before == pytest.approx(0.5, abs=0.01)
         assert 0.5 < grow.cpus_after <= 1.5
-        assert "throttled" in grow.reason and "critical" in grow.reason, grow.reason
+        # Grown because its quota throttled it, or because it used all of it (a loaded
+        # machine may give it too little CPU to be throttled): the policy says which.
+        assert re.match(r"(throttled \d+%|used [\d.]+ cores) ", grow.reason), grow.reason
+        assert "critical" in grow.reason, grow.reason
         shrink = (await wait_for(lambda: resizes(grown=False), "a resize down"))[-1]
         assert 0.25 <= shrink.cpus_after < shrink.cpus_before
         assert "used" in shrink.reason, shrink.reason
