@@ -278,10 +278,11 @@ class BrokerLink:
         so the copy's work (the broker's reads and sends, this daemon's receive, hash and
         write) is spread out instead of taking a core from the replicas that serve."""
         upload = self._agent.cache.upload(sha256)
-        pace = Pace(self._background_rate, time.monotonic()) if background else None
+        pace = None
         timeout = FETCH_TIMEOUT_S
-        if pace is not None and self._background_rate:  # the largest model, paced, fits too
-            timeout += self._agent.cache.max_bytes / self._background_rate
+        if background and self._background_rate:
+            pace = Pace(self._background_rate, time.monotonic())
+            timeout += self._agent.cache.max_bytes / self._background_rate  # the largest, paced
         try:
             stream = self._stub.FetchModel(
                 bpb.FetchModelRequest(sha256=sha256), metadata=self._metadata, timeout=timeout
@@ -311,15 +312,13 @@ class BrokerLink:
             "model %s fetched from broker %s%s",
             sha256[:12],
             self.broker,
-            f" at {self._background_rate / 1e6:g} MB/s (background)"
-            if pace is not None and self._background_rate
-            else "",
+            f" at {self._background_rate / 1e6:g} MB/s (background)" if pace else "",
         )
 
 
 class Pace:
-    """Holds a stream of bytes to `bytes_per_s` on average from `start`: `wait_s` says how
-    long to wait once `count` more bytes have come in at `now`. A rate of 0: never waits."""
+    """Holds a stream of bytes to `bytes_per_s` (> 0) on average from `start`: `wait_s` says
+    how long to wait once `count` more bytes have come in at `now`."""
 
     def __init__(self, bytes_per_s: float, start: float) -> None:
         self._rate = bytes_per_s
@@ -328,8 +327,6 @@ class Pace:
 
     def wait_s(self, count: int, now: float) -> float:
         self._bytes += count
-        if not self._rate:
-            return 0.0
         return max(0.0, self._start + self._bytes / self._rate - now)
 
 
