@@ -65,7 +65,7 @@ from broker.server import BrokerConfig, RunningBroker, start_broker
 from broker.state import MigrationRecord, MigrationState
 from edge_client.observer import DEFAULT_WINDOW_S
 from images.build import ImageBuildError, build_image
-from migration.mechanism import Strategy, phase_at, worst_gap
+from migration.mechanism import Strategy, phase_at, span_allowance_ms, worst_gap
 from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import GpuSpec
 from node_daemon.server import NodeSettings, start_node
@@ -111,11 +111,6 @@ ENDED = (MigrationState.COMPLETED, MigrationState.ROLLED_BACK, MigrationState.FA
 ANCHOR_MS = 5000.0
 """AVEC: under 5 s downtime for stateless migration."""
 TARGET_GAP_P99_MS = 50.0
-SPAN_EXCESS_MS = {"mlp": 10.0}
-"""Issue 12: make-before-break's worst gap over the whole span may exceed the same load's
-quiet p99 by at most this much (p99), per model ..."""
-SPAN_EXCESS_FRACTION = 0.25
-"""... and by at most this fraction of the quiet p99 for the other models."""
 SETTLE_REQUESTS = 20
 """Successful requests the load completes before the first and after each migration."""
 STEP_TIMEOUT_S = 120.0
@@ -494,14 +489,6 @@ def summary(runs: list[dict]) -> dict:
             for phase in ("start", "switch", "drain", "total")
         },
     }
-
-
-def span_allowance_ms(model: str, quiet_p99_ms: float) -> float:
-    """How far make-before-break's worst gap over the whole span may exceed the quiet p99
-    (issue 12): 10 ms for the MLP, a quarter of the quiet p99 for the heavier models."""
-    if model in SPAN_EXCESS_MS:
-        return SPAN_EXCESS_MS[model]
-    return SPAN_EXCESS_FRACTION * quiet_p99_ms
 
 
 def verdict(result: dict) -> dict[str, dict[str, object]]:

@@ -123,6 +123,23 @@ def worst_gap(answered_at: Sequence[float], start: float, end: float) -> tuple[f
     return max(pairs, key=lambda ab: ab[1] - ab[0])
 
 
+SPAN_EXCESS_MS = {"mlp": 10.0}
+"""Issue 12: make-before-break's worst gap over the whole span may exceed the same load's
+gap with no migration by at most this much, per model ..."""
+SPAN_EXCESS_FRACTION = 0.25
+"""... and by at most this fraction of it for the other models."""
+
+
+def span_allowance_ms(model: str, quiet_ms: float) -> float:
+    """How far a migration's worst gap over its whole span may exceed the same load's gap
+    with no migration, `quiet_ms` (issue 12): 10 ms for the MLP, a quarter of `quiet_ms` for
+    the heavier models. `bench.migration` holds the p99s of many migrations to it, the demo
+    the worst of its few."""
+    if model in SPAN_EXCESS_MS:
+        return SPAN_EXCESS_MS[model]
+    return SPAN_EXCESS_FRACTION * quiet_ms
+
+
 class MigrationHost(Protocol):
     async def start_target(self, plan: MigrationPlan) -> str:
         """Start the replica of `plan.epoch` on the target; its endpoint once ready.

@@ -258,6 +258,7 @@ async def _offload(
         return Report(
             runtime=runtime,
             model=f"{options.model} ({size_mb:.1f} MB, sha256 {sha[:12]})",
+            model_name=options.model,
             trace=f"{trace.name} ({options.trace_file}): "
             + " → ".join(f"{w.site} {w.dwell_s:g}s" for w in trace.waypoints),
             seconds=time.monotonic() - started,

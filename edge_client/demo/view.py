@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from edge_client.observer import percentile
-from migration.mechanism import PHASE_EVENTS, phase_at, worst_gap
+from migration.mechanism import PHASE_EVENTS, phase_at, span_allowance_ms, worst_gap
 
 RECENT_S = 5.0
 """The window of the live request rate and latency."""
@@ -211,10 +211,25 @@ def longest_gaps_ms(
     return outside * 1000, inside * 1000
 
 
+def span_bound(model: str, outside_ms: float, inside_ms: float) -> str:
+    """Whether the longest gap during a migration is within `span_allowance_ms` of the
+    longest between migrations, the demo's stand-in for the same load's gap with none."""
+    excess = inside_ms - outside_ms
+    allowed = span_allowance_ms(model, outside_ms)
+    verdict = "within it" if excess <= allowed else "over it"
+    return (
+        f"during a migration {excess:+.1f} ms over the longest gap between them, "
+        f"{allowed:.1f} ms allowed: {verdict}"
+    )
+
+
 @dataclass
 class Report:
     runtime: str
     model: str
+    """The model's name, size and digest, as the report shows them."""
+    model_name: str
+    """The zoo's name for it (`mlp`, `resnet18`, ...): the span bound depends on it."""
     trace: str
     seconds: float
     load: LoadStats
@@ -277,6 +292,8 @@ def print_report(console: Console, report: Report) -> None:
         f"longest {outside:.1f} ms between migrations, {inside:.1f} ms during one "
         f"(a request every {report.period_ms:g} ms)",
     )
+    if windows and outside:
+        summary.add_row("span bound", span_bound(report.model_name, outside, inside))
     succeeded = sum(m["outcome"] == "succeeded" for m in report.migrations)
     summary.add_row("migrations", f"{len(report.migrations)}, {succeeded} succeeded")
     summary.add_row("moves", move_summary(report))

@@ -72,6 +72,12 @@ def assert_report(output: str, runtime: str) -> None:
     migrations = re.search(r"^migrations\s+(\d+), (\d+) succeeded", output, re.M)
     assert migrations and migrations.group(1) == migrations.group(2), output
     assert int(migrations.group(1)) >= 2, output
+    assert re.search(
+        r"^span bound\s+during a migration [+-][\d.]+ ms over the longest gap between them, "
+        r"[\d.]+ ms allowed: (within|over) it\s*$",
+        output,
+        re.M,
+    ), output
     # Each migration: its route, its timeline and the downtime the client saw.
     moves = re.findall(
         r"(m-[0-9a-f]+) mobility (node-\w) → (node-\w) make-before-break: succeeded, took \d+ "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from edge_client.demo.view import (
     live_view,
     longest_gaps_ms,
     print_report,
+    span_bound,
     span_gap_where,
 )
 
@@ -105,7 +107,8 @@ def report(failed: int, outcome: str) -> Report:
     load.failed = failed
     return Report(
         runtime="docker",
-        model="resnet18",
+        model="resnet18 (46.7 MB, sha256 fe2ef7e45652)",
+        model_name="resnet18",
         trace="commute",
         seconds=12.0,
         load=load,
@@ -168,6 +171,41 @@ def test_gaps_are_split_by_the_migration_windows() -> None:
     assert longest_gaps_ms(answered, [(0.2, 0.25)]) == pytest.approx((650, 200))
     assert longest_gaps_ms(answered, []) == pytest.approx((650, 0))
     assert longest_gaps_ms([], [(0, 1)]) == (0, 0)
+
+
+def test_the_span_bound_is_a_quarter_of_the_quiet_gap_or_10_ms_for_the_mlp() -> None:
+    assert span_bound("resnet18", 80.0, 100.0).endswith("20.0 ms allowed: within it")
+    assert span_bound("resnet18", 80.0, 100.5) == (
+        "during a migration +20.5 ms over the longest gap between them, 20.0 ms allowed: over it"
+    )
+    assert span_bound("mlp", 80.0, 90.0).endswith(
+        "+10.0 ms over the longest gap between them, 10.0 ms allowed: within it"
+    )
+    assert span_bound("mlp", 80.0, 90.5).endswith("over it")
+    assert span_bound("mobilenetv2", 80.0, 60.0).startswith("during a migration -20.0 ms")
+
+
+def test_the_report_says_whether_its_migrations_kept_the_span_bound() -> None:
+    load = LoadStats()
+    # Answers every 50 ms but for one 70 ms gap before m-1 (its timeline: 100.0 to 100.75)
+    # and one 90 ms gap during it.
+    gaps = [0.05] * 5 + [0.07] + [0.05] * 14 + [0.09] + [0.05] * 20
+    load.answered_at = list(itertools.accumulate(gaps, initial=99.0))
+    console = Console(record=True, width=200, color_system=None)
+    print_report(console, dataclasses.replace(report(0, "succeeded"), load=load))
+    text = console.export_text()
+    assert "answer gaps  longest 70.0 ms between migrations, 90.0 ms during one" in text
+    assert (
+        "span bound   during a migration +20.0 ms over the longest gap between them, "
+        "17.5 ms allowed: over it"
+    ) in text
+    assert "span bound" not in export(dataclasses.replace(report(0, "succeeded"), migrations=[]))
+
+
+def export(r: Report) -> str:
+    console = Console(record=True, width=200, color_system=None)
+    print_report(console, r)
+    return console.export_text()
 
 
 def test_a_failed_request_or_migration_fails_the_report() -> None:
