@@ -46,6 +46,7 @@ from node_daemon.model_cache import DEFAULT_MAX_BYTES, ModelCache
 from node_daemon.resources import POLICIES, ResourceManager
 from node_daemon.rpc.servicer import NodeAgentServicer
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, Runtime, RuntimeUnavailable
+from node_daemon.runtimes.cgroup_limits import MAX_SHARES, REPLICAS_PARENT
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 from runtime.rpc.auth import TokenAuthInterceptor
 from runtime.rpc.status import MalformedRequests
@@ -97,6 +98,9 @@ class NodeSettings:
     background_fetch_mb_s: float = 0.0
     """The average rate, in MB/s, a background start's model is fetched from the broker at;
     0: as fast as it comes."""
+    replica_shares: int = 0
+    """Docker: the CPU weight of the cgroup all replicas' containers are created in (v1
+    `cpu.shares` units); 0: the engine's default group."""
 
     @property
     def replica_host(self) -> str:
@@ -126,12 +130,16 @@ def connect_runtime(settings: NodeSettings, inventory: Inventory) -> Runtime:
             gpu_image = runtime_image_tag("cuda")
         try:
             try:
-                return DockerRuntime.connect(image, settings.network, gpu_image, cpuset)
+                return DockerRuntime.connect(
+                    image, settings.network, gpu_image, cpuset, settings.replica_shares
+                )
             except RuntimeUnavailable:
                 if gpu_image is None:
                     raise
                 logger.warning("no %s image here: GPU replicas will run %s", gpu_image, image)
-                return DockerRuntime.connect(image, settings.network, cpuset=cpuset)
+                return DockerRuntime.connect(
+                    image, settings.network, cpuset=cpuset, replica_shares=settings.replica_shares
+                )
         except RuntimeUnavailable as err:
             if settings.runtime == "docker":
                 raise
@@ -366,11 +374,31 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "(default 0)",
     )
     p.add_argument(
+        "--replica-cpu-shares",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Docker runtime: create the replicas' containers in a cgroup of their own, "
+        f"/{REPLICAS_PARENT}, that weighs N (cgroup v1 cpu.shares; a thread of the root "
+        "cgroup weighs 1024) against the host's daemons, so that the engine's and this "
+        "daemon's work on a replica's start does not take the CPU from the replicas serving; "
+        "needs root and the engine's cgroupfs driver on this host; 0: the engine's default "
+        "group (default 0)",
+    )
+    p.add_argument(
         "--stop-replicas-on-exit",
         action="store_true",
         help="stop replicas when the daemon exits (default: they keep serving)",
     )
     p.set_defaults(func=_main)
+
+
+def _replica_shares(shares: int, runtime: str) -> int:
+    if shares and not 2 <= shares <= MAX_SHARES:
+        raise ValueError(f"--replica-cpu-shares {shares}: give 2 to {MAX_SHARES}, or 0")
+    if shares and runtime == "process":
+        raise ValueError("--replica-cpu-shares weighs Docker containers, not --runtime process")
+    return shares
 
 
 def _fetch_rate(mb_s: float) -> float:
@@ -445,6 +473,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         tls=tls,
         insecure=args.insecure,
         background_fetch_mb_s=_fetch_rate(args.background_fetch_rate),
+        replica_shares=_replica_shares(args.replica_cpu_shares, args.runtime),
     )
 
 

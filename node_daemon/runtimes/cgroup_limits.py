@@ -16,6 +16,9 @@ Runtime's pools included), and the threads it starts later are created inside. T
 is found again from `/proc/<pid>/cgroup` (a daemon restarted finds the cgroup of a replica
 it adopts) and removed once the process has exited (`remove_group`). Every call is blocking
 file I/O on cgroupfs (microseconds); none waits on anything else.
+
+`weigh_replicas` is the Docker runtime's: a top-level cgroup with a CPU weight, for the
+engine to create the replicas' containers in (`--replica-cpu-shares`).
 """
 
 from __future__ import annotations
@@ -140,3 +143,47 @@ def remove_group(group: Path) -> bool:
     except OSError:  # a process still in it (exiting), or not ours to remove
         return False
     return True
+
+
+REPLICAS_PARENT = "edge-offload-replicas"
+"""The Docker runtime's cgroup parent for replicas when the node weighs them
+(`weigh_replicas`): a child of the hierarchy's root, beside Docker's own `docker`."""
+MAX_SHARES = 262_144
+"""cgroup v1's largest `cpu.shares`."""
+
+
+def shares_to_weight(shares: int) -> int:
+    """cgroup v2's `cpu.weight` that weighs against the default 100 as `shares` (v1) weigh
+    against the default 1024."""
+    return min(10_000, max(1, round(shares * 100 / 1024)))
+
+
+def weigh_replicas(shares: int, root: Path = ROOT) -> Path:
+    """Create (or find) the top-level cgroup `REPLICAS_PARENT` with this CPU weight, in v1
+    `cpu.shares` units (v2: `shares_to_weight`), and return its `cpu` directory. Containers
+    created under it compete as one group with that weight against the host's other
+    top-level entities: each of the root cgroup's runnable threads (dockerd, containerd,
+    the node and broker daemons when they run there) weighs 1024, as does Docker's own
+    `docker` group, all of whose containers share it. Idempotent; the cgroup is left in
+    place (it outlives any one daemon). CgroupUnavailable when it cannot be written."""
+    if not 2 <= shares <= MAX_SHARES:
+        raise ValueError(f"CPU shares must be 2 to {MAX_SHARES}, got {shares!r:.12}")
+    try:
+        if (root / "cpu" / "cpu.shares").exists():  # v1
+            group = root / "cpu" / REPLICAS_PARENT
+            group.mkdir(exist_ok=True)
+            (group / "cpu.shares").write_text(str(shares))
+            return group
+        if _v2_has_cpu(root):
+            _enable_cpu(root)
+            group = root / REPLICAS_PARENT
+            group.mkdir(exist_ok=True)
+            (group / "cpu.weight").write_text(str(shares_to_weight(shares)))
+            return group
+    except OSError as err:
+        raise CgroupUnavailable(
+            f"cannot weigh the replicas' cgroup ({err.strerror or err}: "
+            f"{str(err.filename)[:120]}); run the node as root on the engine's host with a "
+            "writable cgroupfs"
+        ) from err
+    raise CgroupUnavailable("no cgroup CPU controller at the hierarchy's root to weigh with")

@@ -45,7 +45,7 @@ import docker.types
 import requests.exceptions
 from docker.models.containers import Container
 
-from node_daemon.runtimes import cgroups
+from node_daemon.runtimes import cgroup_limits, cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
     LABEL_PREFIX,
@@ -106,6 +106,24 @@ def connect_docker() -> docker.DockerClient:
     return client
 
 
+def _weighed_parent(client: docker.DockerClient, shares: int) -> str:
+    """The cgroup parent for containers that weigh `shares` together (`weigh_replicas`).
+    RuntimeUnavailable when the engine's cgroup driver is not cgroupfs (systemd's wants a
+    slice, which systemd manages) or the cgroup cannot be written."""
+    driver = client.info().get("CgroupDriver")
+    if driver != "cgroupfs":
+        raise RuntimeUnavailable(
+            f"a CPU weight for the replicas needs the engine's cgroupfs cgroup driver; this "
+            f"engine uses {str(driver)[:40]!r}"
+        )
+    try:
+        group = cgroup_limits.weigh_replicas(shares)
+    except cgroup_limits.CgroupUnavailable as err:
+        raise RuntimeUnavailable(str(err)) from err
+    logger.info("replicas' containers go in cgroup %s, CPU weight %d shares", group, shares)
+    return f"/{cgroup_limits.REPLICAS_PARENT}"
+
+
 @dataclass(slots=True)
 class _Started:
     container: Container
@@ -123,6 +141,7 @@ class DockerRuntime:
         network: str = "bridge",
         gpu_image: str | None = None,
         cpuset: str = "",
+        cgroup_parent: str = "",
     ) -> None:
         """`network`: "bridge" publishes the container's port 8001 on the replica's host
         address (a port Docker picks); "host" shares the node's network namespace and the
@@ -130,13 +149,16 @@ class DockerRuntime:
         (see docs/BENCHMARKS.md for what that saves), no network isolation.
         `gpu_image` (the cuda variant) runs replicas that get GPUs, when the engine has the
         NVIDIA runtime; otherwise they run `image` on the CPU, and a warning says so.
-        `cpuset`: the CPUs every replica runs on ("0-3,8"; empty: any)."""
+        `cpuset`: the CPUs every replica runs on ("0-3,8"; empty: any). `cgroup_parent`:
+        the cgroup the engine creates each container under (empty: the engine's default,
+        `docker`); `connect` makes it with `replica_shares`."""
         if network not in NETWORKS:
             raise ValueError(f"unknown network {network!r}; use one of {', '.join(NETWORKS)}")
         self.image = image
         self.gpu_image = gpu_image
         self.network = network
         self.cpuset = cpuset
+        self.cgroup_parent = cgroup_parent
         self.cgroup_root = cgroups.ROOT
         """Where the cgroup file system is mounted (tests point it elsewhere)."""
         self._client = client
@@ -146,19 +168,31 @@ class DockerRuntime:
 
     @classmethod
     def connect(
-        cls, image: str, network: str = "bridge", gpu_image: str | None = None, cpuset: str = ""
+        cls,
+        image: str,
+        network: str = "bridge",
+        gpu_image: str | None = None,
+        cpuset: str = "",
+        replica_shares: int = 0,
     ) -> DockerRuntime:
-        """Blocking. RuntimeUnavailable when there is no engine or no such image."""
+        """Blocking. RuntimeUnavailable when there is no engine or no such image, or when
+        `replica_shares` (a CPU weight for all replicas together, v1 `cpu.shares` units; 0:
+        none, the engine's `docker` group) cannot be had: the engine must use the cgroupfs
+        driver and run on this host, the daemon as root."""
         client = connect_docker()
-        for tag in filter(None, (image, gpu_image)):
-            try:
-                client.images.get(tag)
-            except docker.errors.ImageNotFound as err:
-                client.close()
-                raise RuntimeUnavailable(
-                    f"image {tag} is not built here; build it with `offload image build`"
-                ) from err
-        return cls(image, client, network, gpu_image, cpuset)
+        try:
+            for tag in filter(None, (image, gpu_image)):
+                try:
+                    client.images.get(tag)
+                except docker.errors.ImageNotFound as err:
+                    raise RuntimeUnavailable(
+                        f"image {tag} is not built here; build it with `offload image build`"
+                    ) from err
+            cgroup_parent = _weighed_parent(client, replica_shares) if replica_shares else ""
+        except RuntimeUnavailable:
+            client.close()
+            raise
+        return cls(image, client, network, gpu_image, cpuset, cgroup_parent)
 
     def _engine_has_nvidia(self) -> bool:
         if self._nvidia is None:
@@ -355,6 +389,8 @@ class DockerRuntime:
             kwargs |= {"mem_limit": f"{spec.memory_mib}m", "memswap_limit": f"{spec.memory_mib}m"}
         if self.cpuset:
             kwargs["cpuset_cpus"] = self.cpuset
+        if self.cgroup_parent:
+            kwargs["cgroup_parent"] = self.cgroup_parent
         name = f"offload-{spec.replica_id}"
         try:
             return self._client.containers.run(

@@ -14,7 +14,8 @@ import pytest
 import modelzoo
 import node_daemon.runtimes.process_runtime
 from images.build import build_image
-from node_daemon.runtimes import DockerRuntime, ProcessRuntime, ReplicaSpec
+from node_daemon.runtimes import DockerRuntime, ProcessRuntime, ReplicaSpec, cgroups
+from node_daemon.runtimes.cgroup_limits import REPLICAS_PARENT, shares_to_weight
 from node_daemon.runtimes.docker_runtime import (
     BACKGROUND_CPU_SHARES,
     LINEAR_SHARES_FOR_DEFAULT,
@@ -185,3 +186,32 @@ async def test_a_container_raised_on_cgroup_v2_gets_the_default_cpu_weight(
     warnings = [r for r in caplog.records if "cpu.weight" in r.getMessage()]
     assert bool(warnings) == warned, warnings
     assert all(f"cpu.weight {weight}," in r.getMessage() for r in warnings)
+
+
+@pytest.mark.docker
+@pytest.mark.skipif(os.geteuid() != 0, reason="weighing a top-level cgroup needs root")
+async def test_weighed_replicas_run_in_a_cgroup_of_their_own_at_that_weight() -> None:
+    require_docker().close()
+    image = build_image("cpu", progress=lambda _line: None)
+    v1 = (cgroups.ROOT / "cpu" / "cpu.shares").exists()
+    weight_file = (
+        cgroups.ROOT / "cpu" / REPLICAS_PARENT / "cpu.shares"
+        if v1
+        else cgroups.ROOT / REPLICAS_PARENT / "cpu.weight"
+    )
+    before = weight_file.read_text() if weight_file.exists() else None
+    runtime = DockerRuntime.connect(image, replica_shares=3000)
+    try:
+        assert weight_file.read_text().strip() == str(3000 if v1 else shares_to_weight(3000))
+        await runtime.start(spec("w-1", True))
+        # The background start's low weight is among the replicas, and raised at ready.
+        assert cpu_shares(runtime, "w-1") == NORMAL_CPU_SHARES  # (reloads the attributes)
+        container = runtime._started["w-1"].container
+        assert container.attrs["HostConfig"]["CgroupParent"] == f"/{REPLICAS_PARENT}"
+        pid = int(container.attrs["State"]["Pid"])
+        own = cgroups.cgroup_dirs(pid).get("cpu" if v1 else "")
+        assert own is not None and own.parent == weight_file.parent, own
+    finally:
+        await runtime.close()
+        if before is not None:  # the weight the demo or an earlier run gave it
+            weight_file.write_text(before)

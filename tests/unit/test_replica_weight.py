@@ -1,0 +1,87 @@
+"""The Docker runtime's replicas' cgroup and its CPU weight (`weigh_replicas`) on fake cgroup
+file systems laid out as v1 and v2 hosts mount them, and the node's flag for it. The real
+engine's use of it is in tests/integration/test_runtime_priority.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edge_client.cli import build_parser
+from node_daemon.runtimes.cgroup_limits import (
+    REPLICAS_PARENT,
+    CgroupUnavailable,
+    shares_to_weight,
+    weigh_replicas,
+)
+from node_daemon.server import settings_from_args
+
+
+def test_v1_writes_the_shares_of_a_cgroup_beside_dockers(tmp_path: Path) -> None:
+    (tmp_path / "cpu" / "docker").mkdir(parents=True)
+    (tmp_path / "cpu" / "cpu.shares").write_text("1024\n")
+    group = weigh_replicas(4096, tmp_path)
+    assert group == tmp_path / "cpu" / REPLICAS_PARENT
+    assert (group / "cpu.shares").read_text() == "4096"
+    # Again, with another weight: the same cgroup, the new weight.
+    assert weigh_replicas(2048, tmp_path) == group
+    assert (group / "cpu.shares").read_text() == "2048"
+
+
+def test_v2_enables_cpu_below_the_root_and_writes_the_weight(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("memory\n")
+    group = weigh_replicas(4096, tmp_path)
+    assert group == tmp_path / REPLICAS_PARENT
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu"
+    assert (group / "cpu.weight").read_text() == "400"
+
+
+@pytest.mark.parametrize(
+    ("shares", "weight"), [(2, 1), (1024, 100), (4096, 400), (2598, 254), (262_144, 10_000)]
+)
+def test_shares_weigh_against_the_v2_default_as_against_1024(shares: int, weight: int) -> None:
+    assert shares_to_weight(shares) == weight
+
+
+def test_a_host_without_a_cpu_controller_or_writable_root_says_why(tmp_path: Path) -> None:
+    with pytest.raises(CgroupUnavailable, match="no cgroup CPU controller"):
+        weigh_replicas(4096, tmp_path)
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.shares").write_text("1024\n")
+    (tmp_path / "cpu" / REPLICAS_PARENT).write_text("a file where the cgroup goes\n")
+    with pytest.raises(CgroupUnavailable, match="cannot weigh the replicas' cgroup"):
+        weigh_replicas(4096, tmp_path)
+
+
+@pytest.mark.parametrize("shares", [0, 1, 262_145, -5])
+def test_shares_out_of_the_kernels_range_are_refused(tmp_path: Path, shares: int) -> None:
+    with pytest.raises(ValueError, match=f"got {shares}"):
+        weigh_replicas(shares, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("value", "runtime", "refused"),
+    [
+        ("4096", "docker", None),
+        ("0", "process", None),
+        ("1", "docker", "give 2 to 262144, or 0"),
+        ("300000", "auto", "give 2 to 262144, or 0"),
+        ("4096", "process", "not --runtime process"),
+    ],
+)
+def test_the_replica_cpu_shares_flag(
+    tmp_path: Path, value: str, runtime: str, refused: str | None
+) -> None:
+    flags = [
+        "node", "--listen", "127.0.0.1:0", "--site", "site-a", "--state-dir", str(tmp_path),
+        "--runtime", runtime, "--replica-cpu-shares", value,
+    ]  # fmt: skip
+    args = build_parser().parse_args(flags)
+    if refused is not None:
+        with pytest.raises(ValueError, match=f"--replica-cpu-shares.*{refused}"):
+            settings_from_args(args)
+    else:
+        assert settings_from_args(args).replica_shares == int(value)
