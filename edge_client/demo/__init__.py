@@ -31,6 +31,7 @@ from broker.network import load_cluster_network
 from edge_client.demo.cluster import CLUSTER_FILE
 from edge_client.demo.run import DemoFailed, DemoOptions, install_stop_signals, run_demo
 from edge_client.demo.trace import DEFAULT_TRACE, TraceError, load_trace
+from node_daemon.runtimes.cgroup_limits import MAX_SHARES
 
 QUICK_DWELL_FACTOR = 0.25
 QUICK_MIN_DWELL_S = 1.5
@@ -38,6 +39,10 @@ BACKGROUND_FETCH_MB_S = 25.0
 """The demo's nodes' `--background-fetch-rate`: the three sites share this machine's CPUs,
 so a target's model fetch at full speed takes them from the replica serving the client
 (docs/BENCHMARKS.md, the demo)."""
+REPLICA_CPU_SHARES = 4096
+"""The demo's nodes' `--replica-cpu-shares` (Docker runtime): the replicas' cgroup weighs as
+four of the root cgroup's threads, so the engine's work on a migration target's container
+does not take the CPU from the replica serving the client (docs/BENCHMARKS.md, the demo)."""
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -97,6 +102,17 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "CPU from the replica serving the client on the same machine; 0: as fast as it comes "
         f"(default {BACKGROUND_FETCH_MB_S:g})",
     )
+    parser.add_argument(
+        "--replica-cpu-shares",
+        type=int,
+        default=REPLICA_CPU_SHARES,
+        metavar="N",
+        help="each node's --replica-cpu-shares (Docker runtime, as root, with the engine's "
+        "cgroupfs driver; otherwise the demo says why it does without): the replicas' "
+        "containers weigh N against the engine's and the daemons' threads (1024 each), so "
+        "a migration target's container start does not take the CPU from the replica serving "
+        f"the client; 0: the engine's default group (default {REPLICA_CPU_SHARES})",
+    )
     parser.add_argument("--model", default="resnet18", choices=modelzoo.ALL)
     parser.add_argument(
         "--runtime",
@@ -131,6 +147,10 @@ def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
         raise ValueError(
             f"--background-fetch-rate must be 0 to 100000 MB/s, got {args.background_fetch_rate:g}"
         )
+    if args.replica_cpu_shares and not 2 <= args.replica_cpu_shares <= MAX_SHARES:
+        raise ValueError(
+            f"--replica-cpu-shares must be 0 or 2 to {MAX_SHARES}, got {args.replica_cpu_shares}"
+        )
     sites = load_cluster_network(CLUSTER_FILE).sites
     trace = load_trace(args.trace, sites, args.vehicle)
     factor = args.time_scale * (QUICK_DWELL_FACTOR if args.quick else 1.0)
@@ -146,6 +166,7 @@ def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
         live=console.is_terminal and not args.plain,
         prewarm=args.prewarm,
         background_fetch_mb_s=args.background_fetch_rate,
+        replica_shares=args.replica_cpu_shares,
     )
 
 

@@ -80,6 +80,8 @@ class DemoOptions:
     background_fetch_mb_s: float = 0.0
     """Each node's `--background-fetch-rate`: a migration's target fetches its model at
     this rate (MB/s); 0: as fast as it comes."""
+    replica_shares: int = 0
+    """Each node's `--replica-cpu-shares` (Docker, where it can be had); 0: none."""
 
 
 class DemoFailed(Exception):
@@ -122,6 +124,19 @@ def pick_runtime(choice: str, say: Callable[[str], None]) -> tuple[str, str]:
         return "process", ""
 
 
+def weigh_flags(runtime: str, image: str, shares: int, say: Callable[[str], None]) -> list[str]:
+    """The nodes' `--replica-cpu-shares`: `shares` when the Docker runtime can weigh its
+    replicas' cgroup here (root, the engine's cgroupfs driver), else none, saying why."""
+    if runtime != "docker" or not shares:
+        return []
+    try:
+        DockerRuntime.connect(image, replica_shares=shares)
+    except RuntimeUnavailable as err:
+        say(f"replicas at the engine's default CPU weight: {err}")
+        return []
+    return ["--replica-cpu-shares", str(shares)]
+
+
 async def run_demo(options: DemoOptions, console: Console) -> int:
     """Run the demo; 0 when every request succeeded and every migration too, else 1."""
     narrator = Narrator(console)
@@ -129,6 +144,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     say(f"model: building or loading {options.model!r} from the model zoo")
     model = await asyncio.to_thread(modelzoo.model_path, options.model)
     runtime, image = await asyncio.to_thread(pick_runtime, options.runtime, say)
+    weighed = await asyncio.to_thread(weigh_flags, runtime, image, options.replica_shares, say)
     root = Path(tempfile.mkdtemp(prefix="offload-demo-"))
     say(f"runtime: {runtime}; cluster folder {root} (removed at the end)")
     cluster = LocalCluster(
@@ -137,7 +153,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         image=image,
         broker_flags=(*BROKER_FLAGS, "--prewarm-budget", str(options.prewarm)),
         more_api_keys=(new_api_key(TRAFFIC_CLIENT),) if options.prewarm else (),
-        node_flags=("--background-fetch-rate", f"{options.background_fetch_mb_s:g}"),
+        node_flags=("--background-fetch-rate", f"{options.background_fetch_mb_s:g}", *weighed),
     )
     deployments: list[str] = []
     failed = True
