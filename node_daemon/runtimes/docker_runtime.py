@@ -110,7 +110,10 @@ def _weighed_parent(client: docker.DockerClient, shares: int) -> str:
     """The cgroup parent for containers that weigh `shares` together (`weigh_replicas`).
     RuntimeUnavailable when the engine's cgroup driver is not cgroupfs (systemd's wants a
     slice, which systemd manages) or the cgroup cannot be written."""
-    driver = client.info().get("CgroupDriver")
+    try:
+        driver = client.info().get("CgroupDriver")
+    except (docker.errors.APIError, requests.exceptions.RequestException) as err:
+        raise RuntimeUnavailable(f"cannot read the engine's cgroup driver: {err}") from err
     if driver != "cgroupfs":
         raise RuntimeUnavailable(
             f"a CPU weight for the replicas needs the engine's cgroupfs cgroup driver; this "

@@ -5,16 +5,20 @@ engine's use of it is in tests/integration/test_runtime_priority.py."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import docker.errors
 import pytest
 
 from edge_client.cli import build_parser
+from node_daemon.runtimes.base import RuntimeUnavailable
 from node_daemon.runtimes.cgroup_limits import (
     REPLICAS_PARENT,
     CgroupUnavailable,
     shares_to_weight,
     weigh_replicas,
 )
+from node_daemon.runtimes.docker_runtime import _weighed_parent
 from node_daemon.server import settings_from_args
 
 
@@ -85,3 +89,29 @@ def test_the_replica_cpu_shares_flag(
             settings_from_args(args)
     else:
         assert settings_from_args(args).replica_shares == int(value)
+
+
+class Engine:
+    """What `_weighed_parent` asks of the engine: its info."""
+
+    def __init__(self, info: dict[str, Any] | Exception) -> None:
+        self._info = info
+
+    def info(self) -> dict[str, Any]:
+        if isinstance(self._info, Exception):
+            raise self._info
+        return self._info
+
+
+@pytest.mark.parametrize(
+    ("engine", "why"),
+    [
+        (Engine({"CgroupDriver": "systemd"}), "needs the engine's cgroupfs cgroup driver; this "
+         "engine uses 'systemd'"),
+        (Engine(docker.errors.APIError("500 Server Error")), "cannot read the engine's cgroup "
+         "driver: 500 Server Error"),
+    ],
+)  # fmt: skip
+def test_an_engine_that_cannot_weigh_is_refused_with_the_reason(engine: Engine, why: str) -> None:
+    with pytest.raises(RuntimeUnavailable, match=why):
+        _weighed_parent(engine, 4096)  # type: ignore[arg-type]
