@@ -208,8 +208,11 @@ async def test_a_hot_node_is_relieved_by_one_rebalance_that_is_not_undone(
             await wait_for(lambda: len(cheap.ok) > settled_at + 5, "answers")
             assert hot.failed == cheap.failed == []
         # Now node-a2 carries the load and node-a idles: moving it back would look right
-        # to the policy but for the cooldown.
-        async with loaded(alice, await alice.get(best_effort.deployment_id)) as cheap:
+        # to the policy but for the cooldown. Two closed loops: with one alone, CI's two
+        # shared cores never showed node-a2 at the 0.6 the policy calls hot for 3 s in a
+        # minute.
+        moved = await alice.get(best_effort.deployment_id)
+        async with loaded(alice, moved) as cheap, loaded(alice, moved) as cheap_too:
 
             async def hot_a2() -> bool:
                 points = await node_points(cluster, "node-a2")
@@ -227,7 +230,7 @@ async def test_a_hot_node_is_relieved_by_one_rebalance_that_is_not_undone(
 
             await wait_for(said_why, "the policy's verdict on node-a2", timeout_s=60)
             assert len(await migrations(alice, best_effort.deployment_id)) == 1
-            assert cheap.failed == []
+            assert cheap.failed == cheap_too.failed == []
 
 
 @pytest.fixture
