@@ -12,8 +12,11 @@ from pathlib import Path
 
 def test_the_bench_rebalances_only_when_on_and_nothing_fails(tmp_path: Path) -> None:
     out = tmp_path / "rebalance.json"
+    # 0.45 of a CPU each, 0.9 of node-hot's together, against the policy's hot at 0.7: the
+    # rate comes from a latency measured on this shared machine, and at the default (0.8
+    # together) a CI run saw no move in the whole window, likely a margin too thin.
     done = subprocess.run(
-        [sys.executable, "-m", "bench.rebalance", "--quick", "--window", "20",
+        [sys.executable, "-m", "bench.rebalance", "--quick", "--load", "0.45",
          "--json", str(out)],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
     )  # fmt: skip
