@@ -47,6 +47,7 @@ from edge_client.demo.view import LoadStats, Report, Snapshot, live_view, print_
 from edge_client.errors import OffloadError
 from images.build import ImageBuildError, build_image
 from node_daemon.runtimes import DockerRuntime, RuntimeUnavailable
+from node_daemon.runtimes.docker_runtime import connect_docker, weighed_parent
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
@@ -124,13 +125,14 @@ def pick_runtime(choice: str, say: Callable[[str], None]) -> tuple[str, str]:
         return "process", ""
 
 
-def weigh_flags(runtime: str, image: str, shares: int, say: Callable[[str], None]) -> list[str]:
+def weigh_flags(runtime: str, shares: int, say: Callable[[str], None]) -> list[str]:
     """The nodes' `--replica-cpu-shares`: `shares` when the Docker runtime can weigh its
     replicas' cgroup here (root, the engine's cgroupfs driver), else none, saying why."""
     if runtime != "docker" or not shares:
         return []
     try:
-        DockerRuntime.connect(image, replica_shares=shares)
+        with contextlib.closing(connect_docker()) as client:
+            weighed_parent(client, shares)
     except RuntimeUnavailable as err:
         say(f"replicas at the engine's default CPU weight: {err}")
         return []
@@ -144,7 +146,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     say(f"model: building or loading {options.model!r} from the model zoo")
     model = await asyncio.to_thread(modelzoo.model_path, options.model)
     runtime, image = await asyncio.to_thread(pick_runtime, options.runtime, say)
-    weighed = await asyncio.to_thread(weigh_flags, runtime, image, options.replica_shares, say)
+    weighed = await asyncio.to_thread(weigh_flags, runtime, options.replica_shares, say)
     root = Path(tempfile.mkdtemp(prefix="offload-demo-"))
     say(f"runtime: {runtime}; cluster folder {root} (removed at the end)")
     cluster = LocalCluster(

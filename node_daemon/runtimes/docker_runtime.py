@@ -106,7 +106,7 @@ def connect_docker() -> docker.DockerClient:
     return client
 
 
-def _weighed_parent(client: docker.DockerClient, shares: int) -> str:
+def weighed_parent(client: docker.DockerClient, shares: int) -> str:
     """The cgroup parent for containers that weigh `shares` together (`weigh_replicas`).
     RuntimeUnavailable when the engine's cgroup driver is not cgroupfs (systemd's wants a
     slice, which systemd manages) or the cgroup cannot be written."""
@@ -191,7 +191,7 @@ class DockerRuntime:
                     raise RuntimeUnavailable(
                         f"image {tag} is not built here; build it with `offload image build`"
                     ) from err
-            cgroup_parent = _weighed_parent(client, replica_shares) if replica_shares else ""
+            cgroup_parent = weighed_parent(client, replica_shares) if replica_shares else ""
         except RuntimeUnavailable:
             client.close()
             raise

@@ -11,6 +11,7 @@ import docker.errors
 import pytest
 
 from edge_client.cli import build_parser
+from edge_client.demo import run as demo_run
 from node_daemon.runtimes.base import RuntimeUnavailable
 from node_daemon.runtimes.cgroup_limits import (
     REPLICAS_PARENT,
@@ -18,7 +19,7 @@ from node_daemon.runtimes.cgroup_limits import (
     shares_to_weight,
     weigh_replicas,
 )
-from node_daemon.runtimes.docker_runtime import _weighed_parent
+from node_daemon.runtimes.docker_runtime import weighed_parent
 from node_daemon.server import settings_from_args
 
 
@@ -92,7 +93,7 @@ def test_the_replica_cpu_shares_flag(
 
 
 class Engine:
-    """What `_weighed_parent` asks of the engine: its info."""
+    """What `weighed_parent` asks of the engine: its info."""
 
     def __init__(self, info: dict[str, Any] | Exception) -> None:
         self._info = info
@@ -101,6 +102,9 @@ class Engine:
         if isinstance(self._info, Exception):
             raise self._info
         return self._info
+
+    def close(self) -> None:
+        self.closed = True
 
 
 @pytest.mark.parametrize(
@@ -114,4 +118,21 @@ class Engine:
 )  # fmt: skip
 def test_an_engine_that_cannot_weigh_is_refused_with_the_reason(engine: Engine, why: str) -> None:
     with pytest.raises(RuntimeUnavailable, match=why):
-        _weighed_parent(engine, 4096)  # type: ignore[arg-type]
+        weighed_parent(engine, 4096)  # type: ignore[arg-type]
+
+
+def test_the_demo_runs_unweighed_where_the_engine_cannot_weigh_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine({"CgroupDriver": "systemd"})
+    monkeypatch.setattr(demo_run, "connect_docker", lambda: engine)
+    said: list[str] = []
+    assert demo_run.weigh_flags("docker", 4096, said.append) == []
+    assert said == [
+        "replicas at the engine's default CPU weight: a CPU weight for the replicas needs the "
+        "engine's cgroupfs cgroup driver; this engine uses 'systemd'"
+    ]
+    assert engine.closed
+    assert demo_run.weigh_flags("process", 4096, said.append) == []
+    assert demo_run.weigh_flags("docker", 0, said.append) == []
+    assert len(said) == 1
