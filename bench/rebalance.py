@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -162,10 +163,24 @@ async def run_arm(
             arm.migrations = await _migrations(
                 cluster, arm.name, [s.deployment for s in arm.series]
             )
+            if rebalance and not arm.migrations:
+                print(f"   no move in the window: {_last_verdict(cluster.log('broker'))}")
     finally:
         await cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
     return arm
+
+
+def _last_verdict(log: Path) -> str:
+    """The broker's last logged rebalance verdict (it logs one only about hot nodes)."""
+    lines = log.read_text(errors="replace").splitlines()
+    starts = [i for i, line in enumerate(lines) if "rebalance: " in line]
+    if not starts:
+        return "the broker never found a node hot (see REBALANCE_FLAGS)"
+    verdict = [lines[starts[-1]].split("rebalance: ", 1)[1]]
+    details = itertools.takewhile(lambda line: line.startswith("  "), lines[starts[-1] + 1 :])
+    verdict += [line.strip() for line in details]
+    return "\n     ".join(verdict)
 
 
 def _threads() -> list[int]:

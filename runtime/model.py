@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -124,11 +125,17 @@ class OnnxModel:
         per 20 µs inference on 2 cores, 370 µs without spinning, in an ad-hoc A/B: docs/
         BENCHMARKS.md, "Our runtime beside KServe's ModelServer"), which a node with several
         replicas and its clients pay in latency.
+
+        `intra_op_threads` 0 means one per CPU this process may run on (its affinity: a
+        node's `--cpuset`, a container's cpuset), always set explicitly. Left to choose,
+        ONNX Runtime starts one per physical core of the machine and pins each to its core,
+        outside the CPUs the process was given: a process replica of a node pinned to CPU 0
+        computed on CPU 1 too, beside the other node's work. The quota is not counted: the
+        node's resource manager changes it while the replica runs.
         """
         providers = choose_providers(device, gpu_mem_limit_mib)
         options = ort.SessionOptions()
-        if intra_op_threads > 0:
-            options.intra_op_num_threads = intra_op_threads
+        options.intra_op_num_threads = intra_op_threads or len(os.sched_getaffinity(0))
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         try:

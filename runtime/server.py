@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 import time
@@ -194,27 +195,27 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
     """Load and warm up the model, choose how to run it from its measured compute time, then
     turn ready. ModelLoadError when loading or the warm-up fails.
 
-    The choices, each logged: a model that computes in under `SINGLE_THREAD_BELOW_MS` with
-    ONNX Runtime's default threads (and no --intra-op-threads) is loaded again with one
-    thread and keeps the faster of the two (a tiny model gains nothing from a thread pool
-    and pays for waking it); a model within --inline-below-ms runs inline.
+    The choices, each logged: without --intra-op-threads a model gets one intra-op thread
+    per CPU this process may run on (`OnnxModel.load`); if that is more than one and it
+    computes in under `SINGLE_THREAD_BELOW_MS`, it is loaded again with one thread and keeps
+    the faster of the two (a tiny model gains nothing from a thread pool and pays for waking
+    it); a model within --inline-below-ms runs inline.
     """
     started = time.monotonic()
     warmup_inputs = _read_warmup_inputs(settings.warmup_inputs)
-    model, compute_ms = await asyncio.to_thread(
-        _load_warm, settings, settings.intra_op_threads, warmup_inputs
-    )
-    threads = "default"
-    if settings.intra_op_threads == 0 and compute_ms < SINGLE_THREAD_BELOW_MS:
+    threads = settings.intra_op_threads or len(os.sched_getaffinity(0))
+    model, compute_ms = await asyncio.to_thread(_load_warm, settings, threads, warmup_inputs)
+    if settings.intra_op_threads == 0 and threads > 1 and compute_ms < SINGLE_THREAD_BELOW_MS:
         single, single_ms = await asyncio.to_thread(_load_warm, settings, 1, warmup_inputs)
         logger.info(
-            "model=%s compute %.3f ms with the default threads, %.3f ms with one",
+            "model=%s compute %.3f ms with %d threads (one per CPU), %.3f ms with one",
             settings.name,
             compute_ms,
+            threads,
             single_ms,
         )
         if single_ms <= compute_ms:
-            model, compute_ms, threads = single, single_ms, "1"
+            model, compute_ms, threads = single, single_ms, 1
     running.state.inline = compute_ms <= settings.inline_below_ms
     running.state.compute_s = compute_ms / 1000
     # What is alive now (modules, the session) lives as long as the process: keep it out of
@@ -223,11 +224,11 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
     gc.freeze()
     running.state.model = model
     logger.info(
-        "model=%s ready provider=%s intra-op threads %s (load and warm-up %.2fs); "
+        "model=%s ready provider=%s intra-op threads %d (load and warm-up %.2fs); "
         "compute %.2f ms: %s",
         settings.name,
         model.provider,
-        settings.intra_op_threads or threads,
+        threads,
         time.monotonic() - started,
         compute_ms,
         f"runs inline on the event loop (at most --inline-below-ms {settings.inline_below_ms:g})"
@@ -389,7 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--intra-op-threads",
         type=_positive(int),
         default=0,
-        help="ONNX Runtime threads per inference (0: its default)",
+        help="ONNX Runtime threads per inference (0: one per CPU this process may run on, "
+        "its affinity; ONNX Runtime's own default would pin threads to every core of the "
+        "machine)",
     )
     p.add_argument(
         "--event-loop",

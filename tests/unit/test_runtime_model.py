@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import onnxruntime as ort
@@ -28,6 +31,32 @@ def test_auto_without_cuda_build_is_cpu_and_cuda_is_refused() -> None:
 def test_unknown_device_is_refused() -> None:
     with pytest.raises(ModelLoadError, match="unknown device 'tpu'"):
         choose_providers("tpu")
+
+
+# Each thread's CPUs, printed by a fresh interpreter that loads `path` (ONNX Runtime's thread
+# pool is per process, so this runs in one of its own).
+_THREAD_CPUS = """
+import os, sys
+from pathlib import Path
+from runtime.model import OnnxModel
+model = OnnxModel.load(Path(sys.argv[1]), "probe", device="cpu")
+print(sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_onnx_runtime_threads_stay_on_the_cpus_the_process_was_given(probe_model: Path) -> None:
+    # Started on the first CPU, as a node's `--cpuset` starts its process replicas: left to
+    # size its own pool, ONNX Runtime pinned a thread to the machine's second core.
+    cpu = min(os.sched_getaffinity(0))
+    done = subprocess.run(
+        [sys.executable, "-c", _THREAD_CPUS, str(probe_model)],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"[({cpu},)]"
 
 
 def test_load_logs_the_provider(probe_model: Path, caplog: pytest.LogCaptureFixture) -> None:
