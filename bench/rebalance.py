@@ -292,15 +292,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="one round, a 30 s window")
+    parser.add_argument(
+        "--quick", action="store_true", help="one round and a 30 s window, unless given"
+    )
     parser.add_argument(
         "--model",
         default="ppocr_rec",
-        help="a model zoo model (ppocr_rec: the pretrained OCR recognizer, 11 ms of compute "
-        "for a 184 KB input, so the clients cost this machine little beside it)",
+        help="a model zoo model (ppocr_rec: the pretrained OCR recognizer, whose 184 KB "
+        "input costs the clients little beside its compute)",
     )
     parser.add_argument("--runtime", choices=("auto", "process", "docker"), default="process")
-    parser.add_argument("--window", type=float, default=60.0, help="seconds of load (60)")
+    parser.add_argument("--window", type=float, help="seconds of load (60; 30 with --quick)")
     parser.add_argument(
         "--slo-x", type=float, default=2.0, help="SLO = this x the median alone (2)"
     )
@@ -310,11 +312,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.4,
         help="each deployment's offered load, in CPUs: its rate = this / the median alone (0.4)",
     )
-    parser.add_argument("--rounds", type=int, default=2, help="off/on pairs (2)")
+    parser.add_argument("--rounds", type=int, help="off/on pairs (2; 1 with --quick)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.window = 1, 30.0
+    if args.window is None:
+        args.window = 30.0 if args.quick else 60.0
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
     if args.window <= 0 or args.slo_x <= 1 or args.rounds < 1 or not 0 < args.load < 1:
         parser.error("--window > 0, --slo-x > 1, --rounds at least 1, 0 < --load < 1")
     cpus = sorted(os.sched_getaffinity(0))

@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.rebalance import _last_verdict
+import pytest
+
+from bench.rebalance import _last_verdict, main
 
 
 def test_the_bench_rebalances_only_when_on_and_nothing_fails(tmp_path: Path) -> None:
@@ -60,3 +62,12 @@ def test_an_arm_without_a_move_says_the_brokers_last_verdict(tmp_path: Path) -> 
     assert _last_verdict(log) == (
         "node node-hot is hot; no move: second\n     node-idle: load 0.35 over 0.30"
     )
+
+
+def test_quick_keeps_the_window_and_rounds_given(capsys: pytest.CaptureFixture[str]) -> None:
+    # --quick only picks the defaults: an explicit flag is checked, not overridden.
+    for flags in (["--window", "0"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["--quick", *flags])
+        assert exited.value.code == 2
+        assert "--window > 0, --slo-x > 1, --rounds at least 1" in capsys.readouterr().err
