@@ -46,8 +46,8 @@ from edge_client.demo.trace import Trace
 from edge_client.demo.view import LoadStats, Report, Snapshot, live_view, print_report
 from edge_client.errors import OffloadError
 from images.build import ImageBuildError, build_image
-from node_daemon.runtimes import DockerRuntime, RuntimeUnavailable
-from node_daemon.runtimes.docker_runtime import connect_docker, weighed_parent
+from node_daemon.runtimes import RuntimeUnavailable
+from node_daemon.runtimes.docker_runtime import connect_docker, require_images, weighed_parent
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
@@ -112,7 +112,8 @@ def pick_runtime(choice: str, say: Callable[[str], None]) -> tuple[str, str]:
         return "process", ""
     try:
         image = build_image("cpu", progress=lambda line: say(f"image: {line}"))
-        DockerRuntime.connect(image)
+        with contextlib.closing(connect_docker()) as client:
+            require_images(client, [image])
         return "docker", image
     except (ImageBuildError, RuntimeUnavailable) as err:
         if choice == "docker":

@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +104,17 @@ def connect_docker() -> docker.DockerClient:
         client.close()
         raise RuntimeUnavailable(f"no Docker engine is reachable ({err}); {_ENGINE_HINT}") from err
     return client
+
+
+def require_images(client: docker.DockerClient, tags: Iterable[str]) -> None:
+    """RuntimeUnavailable naming the first of `tags` the engine does not have."""
+    for tag in tags:
+        try:
+            client.images.get(tag)
+        except docker.errors.ImageNotFound as err:
+            raise RuntimeUnavailable(
+                f"image {tag} is not built here; build it with `offload image build`"
+            ) from err
 
 
 def weighed_parent(client: docker.DockerClient, shares: int) -> str:
@@ -184,13 +195,7 @@ class DockerRuntime:
         driver and run on this host, the daemon as root."""
         client = connect_docker()
         try:
-            for tag in filter(None, (image, gpu_image)):
-                try:
-                    client.images.get(tag)
-                except docker.errors.ImageNotFound as err:
-                    raise RuntimeUnavailable(
-                        f"image {tag} is not built here; build it with `offload image build`"
-                    ) from err
+            require_images(client, filter(None, (image, gpu_image)))
             cgroup_parent = weighed_parent(client, replica_shares) if replica_shares else ""
         except RuntimeUnavailable:
             client.close()

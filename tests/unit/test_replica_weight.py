@@ -1,6 +1,7 @@
 """The Docker runtime's replicas' cgroup and its CPU weight (`weigh_replicas`) on fake cgroup
-file systems laid out as v1 and v2 hosts mount them, and the node's flag for it. The real
-engine's use of it is in tests/integration/test_runtime_priority.py."""
+file systems laid out as v1 and v2 hosts mount them, the node's flag for it, and the demo's
+probes of the engine. The real engine's use of it is in
+tests/integration/test_runtime_priority.py."""
 
 from __future__ import annotations
 
@@ -107,6 +108,18 @@ class Engine:
         self.closed = True
 
 
+class Images:
+    """An engine's images: `have` only."""
+
+    def __init__(self, *have: str) -> None:
+        self._have = have
+
+    def get(self, tag: str) -> str:
+        if tag not in self._have:
+            raise docker.errors.ImageNotFound(f"No such image: {tag}")
+        return tag
+
+
 @pytest.mark.parametrize(
     ("engine", "why"),
     [
@@ -136,3 +149,29 @@ def test_the_demo_runs_unweighed_where_the_engine_cannot_weigh_and_says_why(
     assert demo_run.weigh_flags("process", 4096, said.append) == []
     assert demo_run.weigh_flags("docker", 0, said.append) == []
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("choice", ["auto", "docker"])
+def test_the_demos_engine_probe_closes_its_client_and_names_a_missing_image(
+    monkeypatch: pytest.MonkeyPatch, choice: str
+) -> None:
+    engines: list[Engine] = []
+
+    def engine_with(*have: str) -> Engine:
+        engine = Engine({})
+        engine.images = Images(*have)  # type: ignore[attr-defined]
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(demo_run, "build_image", lambda flavour, progress: "offload/rt:1")
+    monkeypatch.setattr(demo_run, "connect_docker", lambda: engine_with("offload/rt:1"))
+    said: list[str] = []
+    assert demo_run.pick_runtime(choice, said.append) == ("docker", "offload/rt:1")
+    monkeypatch.setattr(demo_run, "connect_docker", lambda: engine_with())
+    if choice == "docker":
+        with pytest.raises(demo_run.DemoFailed, match="--runtime docker: image offload/rt:1 is"):
+            demo_run.pick_runtime(choice, said.append)
+    else:
+        assert demo_run.pick_runtime(choice, said.append) == ("process", "")
+        assert said[0].startswith("Docker is not usable here (image offload/rt:1 is not built")
+    assert [engine.closed for engine in engines] == [True, True]
