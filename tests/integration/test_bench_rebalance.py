@@ -16,13 +16,12 @@ from bench.rebalance import _last_verdict, main
 
 def test_the_bench_rebalances_only_when_on_and_nothing_fails(tmp_path: Path) -> None:
     out = tmp_path / "rebalance.json"
-    # 0.45 of a CPU each, 0.9 of node-hot's together, against the policy's hot at 0.7 for
-    # 3 s: the rate comes from a latency measured on this shared machine, so keep a margin.
-    # (Two CI runs saw no move at all; the cause was elsewhere: ONNX Runtime pinned a thread
-    # of each of node-hot's replicas to node-idle's CPU, fixed in `OnnxModel.load`.)
+    # The bench's default load, 0.4 of a CPU each by the model's compute time: 0.8 of
+    # node-hot's CPU together, against the policy's hot at 0.7. (Measured against the
+    # latency alone, as the bench did before, the offered load fell short of 0.7 on a slow
+    # CI host, even at 0.45 each.)
     done = subprocess.run(
-        [sys.executable, "-m", "bench.rebalance", "--quick", "--load", "0.45",
-         "--json", str(out)],
+        [sys.executable, "-m", "bench.rebalance", "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
