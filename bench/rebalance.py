@@ -17,11 +17,11 @@ loop (at a fixed rate, whether or not earlier ones have been answered, as indepe
 devices do) for --window seconds, each at --load / the compute time: together 2 x --load of
 node-hot's one CPU (0.8 by default), each --load (0.4) of a CPU once apart. Open loop
 because a closed loop slows down with its server and hides the queueing an overloaded node
-causes. The clients (this process,
-every thread) run on node-idle's CPU while they send: on a 2-core machine they must share
-one, and this one counts against rebalancing (the moved deployment shares its CPU with
-them). With rebalancing on, the policy moves one of them to node-idle (make-before-break)
-once node-hot's load has stayed high; off, both share node-hot to the end.
+causes. The clients (this process, every thread) run on node-idle's CPU while they send:
+on a 2-core machine they must share one, and this one counts against rebalancing (the moved
+deployment shares its CPU with them). With rebalancing on, the policy moves one of them to
+node-idle (make-before-break) once node-hot's load has stayed high; off, both share node-hot
+to the end.
 
 The figures, per arm and deployment: requests, p50 and p99 latency, SLO attainment (the share
 of requests answered within the SLO, over the whole window: the time before the move counts
@@ -142,7 +142,9 @@ async def run_arm(
             await task
             if calibration is None:
                 median_ms = statistics.median(alone.latencies_ms[5:] or [1e9])
-                compute_ms = await asyncio.to_thread(compute_alone_ms, model, int(args.cpus[0]))
+                compute_ms = await asyncio.to_thread(
+                    compute_alone_ms, model, inputs, int(args.cpus[0])
+                )
                 print(
                     f"   alone: median latency {median_ms:.1f} ms, compute on one CPU "
                     f"{compute_ms:.1f} ms",
@@ -182,7 +184,7 @@ async def run_arm(
     return arm
 
 
-def compute_alone_ms(model: Path, cpu: int) -> float:
+def compute_alone_ms(model: Path, inputs: dict[str, np.ndarray], cpu: int) -> float:
     """The model's compute time in ms on `cpu` alone, in this thread, as a replica of a node
     with that one CPU runs it (one intra-op thread): the median of up to 40 inferences in 3
     s (a vCPU of this shared machine changes speed from minute to minute). Blocking."""
@@ -190,7 +192,7 @@ def compute_alone_ms(model: Path, cpu: int) -> float:
     os.sched_setaffinity(0, {cpu})  # this thread only
     try:
         loaded = OnnxModel.load(model, model.stem, device="cpu", intra_op_threads=1)
-        return loaded.warm_up(modelzoo.sample_inputs(model), timed_runs=40, budget_s=3.0)
+        return loaded.warm_up(inputs, timed_runs=40, budget_s=3.0)
     finally:
         os.sched_setaffinity(0, before)
 

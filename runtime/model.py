@@ -108,6 +108,8 @@ class OnnxModel:
         than one input axis carries: the only ones `prepare` must compare."""
         self._output_names = tuple(s.name for s in self.outputs)
         self.provider: str = session.get_providers()[0]
+        self.intra_op_threads: int = session.get_session_options().intra_op_num_threads
+        """ONNX Runtime's threads per inference (`load` always sets it)."""
 
     @classmethod
     def load(

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
 import sys
 import time
@@ -203,8 +202,10 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
     """
     started = time.monotonic()
     warmup_inputs = _read_warmup_inputs(settings.warmup_inputs)
-    threads = settings.intra_op_threads or len(os.sched_getaffinity(0))
-    model, compute_ms = await asyncio.to_thread(_load_warm, settings, threads, warmup_inputs)
+    model, compute_ms = await asyncio.to_thread(
+        _load_warm, settings, settings.intra_op_threads, warmup_inputs
+    )
+    threads = model.intra_op_threads
     if settings.intra_op_threads == 0 and threads > 1 and compute_ms < SINGLE_THREAD_BELOW_MS:
         single, single_ms = await asyncio.to_thread(_load_warm, settings, 1, warmup_inputs)
         logger.info(

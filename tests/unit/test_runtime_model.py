@@ -59,6 +59,12 @@ def test_onnx_runtime_threads_stay_on_the_cpus_the_process_was_given(probe_model
     assert done.stdout.strip() == f"[({cpu},)]"
 
 
+def test_the_thread_count_is_one_per_allowed_cpu_unless_given(probe_model: Path) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    assert OnnxModel.load(probe_model, "probe", device="cpu").intra_op_threads == cpus
+    assert OnnxModel.load(probe_model, "probe", "cpu", intra_op_threads=3).intra_op_threads == 3
+
+
 def test_load_logs_the_provider(probe_model: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="runtime.model"):
         model = OnnxModel.load(probe_model, "probe", device="cpu")
