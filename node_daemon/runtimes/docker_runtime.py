@@ -17,6 +17,14 @@ ready, or after `BACKGROUND_LIMIT_S`, before `start` returns. Its `offload.backg
 says it was started so: a daemon that adopts a running one gives it the default weight
 again (idempotent), in case the daemon that started it died before it could.
 
+A replica being stopped is put back at that lowest weight first (`stop`). The broker stops
+a replica once its deployment no longer routes to it (a migration's source after the switch,
+the client's ack and the straggler grace; a deleted deployment's), so its drain and exit
+(the interpreter's, ONNX Runtime's teardown) yield the CPU to the replicas that serve; a
+call still in flight finishes at that weight, later only where the CPU is contended. The
+engine's own work on the stop (network, mounts) runs outside the container's cgroup and is
+not lowered.
+
 On a cgroup v2 host the OCI runtime converts the shares: runc from 1.3.2 (and crun from
 1.23) maps 1024 to `cpu.weight` 100, the default, but runc before it (Debian 12's 1.1.5, for
 one) maps it to 39, so a raised replica would weigh two fifths of a container never lowered
@@ -621,6 +629,10 @@ class DockerRuntime:
     @staticmethod
     def _stop(container: Container, grace_s: float) -> int | None:
         try:
+            # Lowered first: its drain and exit yield the CPU to the replicas that serve.
+            # A refusal is no reason not to stop it (NotFound: the stop below says so).
+            with contextlib.suppress(docker.errors.APIError):
+                container.update(cpu_shares=BACKGROUND_CPU_SHARES)
             container.stop(timeout=max(0, round(grace_s)))
             code = container.wait(timeout=grace_s + 30)["StatusCode"]
             container.remove(force=True)

@@ -23,7 +23,10 @@ created later, inherit it. Once ready (or after `BACKGROUND_LIMIT_S`) every thre
 back to SCHED_OTHER, before `start` returns and so before the replica record carries an
 endpoint: an adopted replica with an endpoint was raised, and one without is stopped.
 Leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of 20; a daemon with neither
-starts every replica at normal priority (and says so once).
+starts every replica at normal priority (and says so once). A replica being stopped is put
+at SCHED_IDLE before its SIGTERM (entering it needs no capability): the broker stops a
+replica once its deployment no longer routes to it (a migration's source after the switch;
+a deleted deployment's), so its drain and exit yield the CPU to the replicas that serve.
 """
 
 from __future__ import annotations
@@ -528,6 +531,9 @@ class ProcessRuntime:
         if replica_id in self._cgroups:
             groups.add(self._cgroups[replica_id])
         if running.alive():
+            # Lowered first: its drain and exit yield the CPU to the replicas that serve.
+            with contextlib.suppress(PermissionError):
+                set_background(running.pid, True)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(running.pid, signal.SIGTERM)
             if not await self._wait_exit(running, grace_s + 5.0):

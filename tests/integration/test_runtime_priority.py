@@ -1,11 +1,13 @@
 """A replica started at background priority (a migration's target) runs there until it is
-ready and at normal priority from then on, whatever the runtime, and a daemon that adopts
-one its predecessor left low raises it (issue 12)."""
+ready and at normal priority from then on, whatever the runtime; a daemon that adopts one
+its predecessor left low raises it; and a replica being stopped (a migration's source, once
+the client has moved) is lowered before its drain (issue 12)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -84,6 +86,28 @@ async def test_a_process_replica_not_ready_in_time_is_raised_anyway(
         replica = await runtime.start(spec("bg-2", True))
         assert policies(int(replica.ref)) == {os.SCHED_OTHER}
         assert "not ready after 0s at background priority: raising it" in caplog.text
+    finally:
+        await runtime.close()
+
+
+async def test_a_process_replica_being_stopped_yields_the_cpu_before_its_drain(
+    tmp_path: Path,
+) -> None:
+    runtime = ProcessRuntime(workdir=tmp_path)
+    try:
+        replica = await runtime.start(spec("old-1", False))
+        pid = int(replica.ref)
+        assert policies(pid) == {os.SCHED_OTHER}
+        # Held, so that its SIGTERM handler (the drain) waits until the policies are read.
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopping = asyncio.create_task(runtime.stop("old-1", grace_s=10.0))
+            await asyncio.sleep(0)  # stop's first step: lowered, then signalled
+            assert not stopping.done()
+            assert policies(pid) == {os.SCHED_IDLE}
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert await stopping == 0  # drained and exited of itself, not killed
     finally:
         await runtime.close()
 
@@ -215,3 +239,25 @@ async def test_weighed_replicas_run_in_a_cgroup_of_their_own_at_that_weight() ->
         await runtime.close()
         if before is not None:  # the weight the demo or an earlier run gave it
             weight_file.write_text(before)
+
+
+@pytest.mark.docker
+async def test_a_container_being_stopped_is_lowered_before_its_drain(
+    docker_runtime: DockerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await docker_runtime.start(spec("old-2", False))
+    assert cpu_shares(docker_runtime, "old-2") == 0  # the engine's default weight
+    container = docker_runtime._started["old-2"].container
+    real_stop = container.stop
+    at_stop: list[int] = []
+
+    def stop(**kwargs: object) -> None:
+        """The engine's own record of the container's weight when its stop (SIGTERM,
+        the drain) begins."""
+        container.reload()
+        at_stop.append(int(container.attrs["HostConfig"]["CpuShares"]))
+        real_stop(**kwargs)
+
+    monkeypatch.setattr(container, "stop", stop)
+    assert await docker_runtime.stop("old-2") == 0
+    assert at_stop == [BACKGROUND_CPU_SHARES]
