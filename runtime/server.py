@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 import time
@@ -51,10 +52,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_INLINE_BELOW_MS = 20.0
 EVENT_LOOPS = ("uvloop", "asyncio")
+PIN_CHOICES = ("small", "never")
 DEFAULT_METRICS_PORT = 8002
 """Triton's metrics port, beside its (and our) gRPC port 8001."""
 METRICS_OFF = -1
 SINGLE_THREAD_BELOW_MS = 1.0
+PIN_LOOP_BELOW_MS = 1.0
+"""An inline model that computes in less than this gets its loop's thread pinned (with
+`pin_event_loop`): its call is short enough for the cache misses of a core change to be a
+large part of it; a longer one's is not, and a pinned thread cannot leave a busy core."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,11 @@ class RuntimeSettings:
     """The certificate and key gRPC serves TLS with; None: plaintext."""
     event_loop: str = "uvloop"
     """`main`'s event loop: one of `EVENT_LOOPS`."""
+    pin_event_loop: bool = False
+    """Pin the event loop's thread to one CPU when the model runs inline and computes in
+    under `PIN_LOOP_BELOW_MS` (`pin_this_thread`).
+    The command line's default is True; this one is False so that a server made in another
+    program's loop (tests, benchmarks) leaves that program's thread where it was."""
 
 
 @dataclass(slots=True)
@@ -198,7 +209,9 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
     per CPU this process may run on (`OnnxModel.load`); if that is more than one and it
     computes in under `SINGLE_THREAD_BELOW_MS`, it is loaded again with one thread and keeps
     the faster of the two (a tiny model gains nothing from a thread pool and pays for waking
-    it); a model within --inline-below-ms runs inline.
+    it); a model within --inline-below-ms runs inline, and with `pin_event_loop` one under
+    `PIN_LOOP_BELOW_MS` has the loop's thread, which then runs its inferences, pinned to one
+    CPU.
     """
     started = time.monotonic()
     warmup_inputs = _read_warmup_inputs(settings.warmup_inputs)
@@ -219,6 +232,8 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
             model, compute_ms, threads = single, single_ms, 1
     running.state.inline = compute_ms <= settings.inline_below_ms
     running.state.compute_s = compute_ms / 1000
+    if settings.pin_event_loop and running.state.inline:
+        _pin_inline_loop(settings.name, compute_ms)
     # What is alive now (modules, the session) lives as long as the process: keep it out of
     # the collector's full passes, which otherwise take milliseconds in the middle of a call.
     gc.collect()
@@ -237,6 +252,41 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
         else f"runs in {settings.concurrency} worker thread(s) "
         f"(over --inline-below-ms {settings.inline_below_ms:g})",
     )
+
+
+def pin_this_thread() -> int | None:
+    """Pin the calling thread to one of the CPUs the process may run on, chosen by its pid
+    so that replicas started together spread over them; that CPU, or None when the process
+    has only one. Threads started before keep their CPUs (ONNX Runtime's pool, gRPC's); ones
+    the calling thread starts later inherit the pin.
+
+    Why: a small model run inline computes in tens of microseconds when its weights are in
+    the core's cache, and several times that after the loop's thread wakes on the other
+    core, where they are not (docs/BENCHMARKS.md, "Our runtime beside KServe's ModelServer").
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    cpu = cpus[os.getpid() % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
+def _pin_inline_loop(name: str, compute_ms: float) -> None:
+    """Pin the calling thread, the loop's, which runs model `name`'s inferences inline, if
+    the model computes in under `PIN_LOOP_BELOW_MS`; log what was done and why."""
+    small = compute_ms < PIN_LOOP_BELOW_MS
+    pinned = pin_this_thread() if small else None
+    if pinned is not None:
+        why = (
+            f"pinned to CPU {pinned} (it runs the inferences: the model's weights stay in "
+            "one core's cache between calls)"
+        )
+    elif small:
+        why = "not pinned: this process may run on one CPU only"
+    else:
+        why = f"not pinned: the model computes in over {PIN_LOOP_BELOW_MS:g} ms"
+    logger.info("model=%s event loop %s", name, why)
 
 
 def _load_warm(
@@ -403,6 +453,15 @@ def build_parser() -> argparse.ArgumentParser:
         "small model (docs/BENCHMARKS.md, bench.peers); asyncio: the standard library's",
     )
     p.add_argument(
+        "--pin-event-loop",
+        choices=PIN_CHOICES,
+        default="small",
+        help="small (default): when the model runs inline and computes in under "
+        f"{PIN_LOOP_BELOW_MS:g} ms, pin the event loop's thread to one CPU of this process's "
+        "affinity, so the model's weights stay in that core's cache between calls "
+        "(docs/BENCHMARKS.md); never: leave every thread to the scheduler",
+    )
+    p.add_argument(
         "--warmup-inputs",
         type=Path,
         metavar="FILE.npz",
@@ -460,6 +519,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         intra_op_threads=args.intra_op_threads,
         warmup_inputs=args.warmup_inputs,
         event_loop=args.event_loop,
+        pin_event_loop=args.pin_event_loop == "small",
         metrics_port=None if metrics_port == METRICS_OFF else metrics_port,
         tls=tls,
     )

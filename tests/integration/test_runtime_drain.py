@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -20,41 +19,8 @@ import pytest
 
 import modelzoo
 from edge_client.rpc.tensors import infer_request
-from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-
-TOKEN = "drain-test-token"
-AUTH = (("authorization", f"Bearer {TOKEN}"),)
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-async def _spawn(
-    tmp_path: Path, model: Path, *flags: str
-) -> tuple[asyncio.subprocess.Process, str]:
-    """`python -m runtime.server` on a free port; returns once its model is ready."""
-    token = tmp_path / "token"
-    token.write_text(TOKEN)
-    log = tmp_path / "runtime.log"
-    with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "runtime.server", "--model", str(model), "--name", model.stem,
-            "--host", "127.0.0.1", "--port", "0", "--token-file", str(token), *flags,
-            stdout=out, stderr=out, cwd=REPO_ROOT,
-        )  # fmt: skip
-    for _ in range(600):
-        if match := re.search(r"listening on (\S+:\d+)", log.read_text()):
-            endpoint = match.group(1)
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError(f"the runtime did not listen:\n{log.read_text()}")
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        for _ in range(600):
-            if (await stub.ServerReady(pb.ServerReadyRequest(), metadata=AUTH)).ready:
-                return process, endpoint
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"the runtime did not turn ready:\n{log.read_text()}")
+from tests.runtime_support import AUTH, spawn_runtime
 
 
 @pytest.mark.parametrize(
@@ -68,7 +34,7 @@ async def test_sigterm_finishes_accepted_requests(
 ) -> None:
     model = modelzoo.model_path("resnet18")
     request = infer_request(model.stem, modelzoo.sample_inputs(model))
-    process, endpoint = await _spawn(
+    process, endpoint = await spawn_runtime(
         tmp_path, model, "--inline-below-ms", inline_below_ms, "--event-loop", event_loop
     )
     results: list[tuple[float, float, grpc.StatusCode, str]] = []
