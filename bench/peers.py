@@ -60,8 +60,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import aiohttp
 import numpy as np
 import onnxruntime as ort
+from prometheus_client.parser import text_string_to_metric_families
 
 import modelzoo
 from bench.runtime_latency import TOKEN, echo_endpoint
@@ -92,6 +94,8 @@ CONTENDERS = ("ort", "echo", *SERVERS)
 OURS = ("ours-process", "ours-asyncio", "ours-docker")
 DEFAULT_MODELS = ("mlp", "resnet18", "silero_vad")
 MLP_MODELS = ("mlp",)
+COMPUTE_HISTOGRAM = "offload_runtime_compute_duration_seconds"
+"""Our runtime's histogram of ONNX Runtime's run alone (`runtime.metrics`)."""
 CNN_MODELS = ("resnet18", "mobilenetv2")
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -376,12 +380,14 @@ async def bench_model(
             servers["ours-asyncio"] = await stack.enter_async_context(
                 asyncio_runtime(model, name, tmp)
             )
+        metrics: dict[str, str] = {}
         for kind, runtime in runtimes.items():
             spec = ReplicaSpec(f"bench-peers-{name}-{kind}", model, name, TOKEN,
                                {"node": "bench"}, warmup_inputs=tmp / "inputs.npz")  # fmt: skip
             replica = await runtime.start(spec)
             stack.push_async_callback(runtime.stop, replica.replica_id, 5)
             servers[kind] = replica.endpoint
+            metrics[kind] = replica.metrics_endpoint
         throughput = name in args.throughput_models
         spec_json = {
             "model": name,
@@ -399,10 +405,34 @@ async def bench_model(
             "throughput_rounds": args.throughput_rounds,
         }
         figures = await run_client(spec_json, tmp)
+        compute = {kind: await compute_in_server_ms(endpoint, name)
+                   for kind, endpoint in metrics.items() if endpoint}  # fmt: skip
     result: dict[str, Any] = {"model": name, "session_options": session, **figures}
+    result["compute_in_server_ms"] = compute
     result["overhead"] = overheads(figures["latency"])
     result["verdicts"] = verdicts(name, figures["latency"], figures["block_p50s"])
     return result
+
+
+async def compute_in_server_ms(metrics_endpoint: str, model: str) -> float:
+    """The mean time of ONNX Runtime's run per call inside one of our replicas over this run
+    (its `offload_runtime_compute_duration_seconds` histogram: every call it answered, the
+    warm-up not counted), in ms; 0.0 when it has answered none."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://{metrics_endpoint}/metrics") as response,
+    ):
+        response.raise_for_status()
+        text = await response.text()
+    sums = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == COMPUTE_HISTOGRAM
+        for sample in family.samples
+        if sample.labels.get("model") == model
+    }
+    count = sums.get(f"{COMPUTE_HISTOGRAM}_count", 0.0)
+    return sums.get(f"{COMPUTE_HISTOGRAM}_sum", 0.0) / count * 1000 if count else 0.0
 
 
 def overheads(latency: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -496,6 +526,15 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
             print(
                 f"{kind:<13} {f['p50']:8.2f} {f['p99']:8.2f} {f['p99.9']:8.2f} "
                 f"{over_ort:>8} {over_echo:>9} {ratio:>12}"
+            )
+        if r["compute_in_server_ms"]:
+            inside = ", ".join(
+                f"{kind} {ms:.3f}" for kind, ms in r["compute_in_server_ms"].items()
+            )
+            print(
+                f"ONNX Runtime's run inside our replicas, mean per call (their compute "
+                f"histograms): {inside} ms; ort here, back to back: p50 "
+                f"{r['latency']['ort']['p50']:.3f} ms"
             )
         if r.get("throughput"):
             ns = list(r["throughput"])

@@ -52,6 +52,11 @@ def test_every_contender_answers_like_ort_and_lands_in_the_table(tmp_path: Path)
         rows = [line for line in lines if re.match(rf"{contender} +[0-9]", line)]
         assert len(rows) == 2, done.stdout  # latency, throughput
     assert {target["target"] for target in mlp["verdicts"]["ours-process"]} == {"a", "c"}
+    # ONNX Runtime's run inside each replica, read from its own compute histogram.
+    inside = mlp["compute_in_server_ms"]
+    assert set(inside) == {"ours-process", "ours-docker"}
+    assert all(0 < ms < mlp["latency"][kind]["p50"] for kind, ms in inside.items()), inside
+    assert any(line.startswith("ONNX Runtime's run inside our replicas") for line in lines)
     assert any(line.split()[:2] == ["mlp", "ours-docker"] for line in lines)
 
 
