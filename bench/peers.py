@@ -17,9 +17,10 @@ so that machine noise falls on all of them alike:
   - ours-docker:  our runtime in its container, through Docker's published port (skipped,
                   with the reason printed, only where no Docker engine answers).
 Figures: p50/p99/p99.9 of one request at a time, overhead over ort's p50 and over echo's
-("target minus echo"), p99 over ort's p99; then requests/s and p50/p99 with N concurrent
-closed-loop clients (one channel per server shared by the N loops of the client process;
-ort's N loops call session.run from N threads).
+("target minus echo"), p99 over ort's p99; ONNX Runtime's run inside each of our replicas
+(the mean of its compute histogram over the run) beside ort's p50; then requests/s and
+p50/p99 with N concurrent closed-loop clients (one channel per server shared by the N loops
+of the client process; ort's N loops call session.run from N threads).
 
 Verdicts against the issue's targets, computed from the same run and printed, not asserted:
 (a) MLP: our p50 overhead over echo at most half of KServe's; (b) CNN (resnet18): our p50
