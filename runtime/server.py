@@ -97,9 +97,9 @@ class RuntimeSettings:
     """`main`'s event loop: one of `EVENT_LOOPS`."""
     pin_event_loop: bool = False
     """Pin the event loop's thread to one CPU when the model runs inline and computes in
-    under `PIN_LOOP_BELOW_MS` (`pin_this_thread`).
-    The command line's default is True; this one is False so that a server made in another
-    program's loop (tests, benchmarks) leaves that program's thread where it was."""
+    under `PIN_LOOP_BELOW_MS` (`pin_this_thread`). The command line's default is True; this
+    one is False so that a server made in another program's loop (tests, benchmarks) leaves
+    that program's thread where it was."""
 
 
 @dataclass(slots=True)
@@ -260,9 +260,11 @@ def pin_this_thread() -> int | None:
     has only one. Threads started before keep their CPUs (ONNX Runtime's pool, gRPC's); ones
     the calling thread starts later inherit the pin.
 
-    Why: a small model run inline computes in tens of microseconds when its weights are in
-    the core's cache, and several times that after the loop's thread wakes on the other
-    core, where they are not (docs/BENCHMARKS.md, "Our runtime beside KServe's ModelServer").
+    Why: the MLP of `bench.peers` computes in tens of microseconds back to back, and several
+    times that inside a server whose loop's thread sleeps between calls and wakes on either
+    core; with that thread pinned, a call took about 0.1 ms less (docs/BENCHMARKS.md, "Our
+    runtime beside KServe's ModelServer"), likely because that core's cache still holds
+    what the last call touched.
     """
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -279,13 +281,13 @@ def _pin_inline_loop(name: str, compute_ms: float) -> None:
     pinned = pin_this_thread() if small else None
     if pinned is not None:
         why = (
-            f"pinned to CPU {pinned} (it runs the inferences: the model's weights stay in "
-            "one core's cache between calls)"
+            f"pinned to CPU {pinned} (it runs the inferences: one core's cache keeps what "
+            "the last call touched)"
         )
     elif small:
         why = "not pinned: this process may run on one CPU only"
     else:
-        why = f"not pinned: the model computes in over {PIN_LOOP_BELOW_MS:g} ms"
+        why = f"not pinned: the model computes in {PIN_LOOP_BELOW_MS:g} ms or more"
     logger.info("model=%s event loop %s", name, why)
 
 
@@ -458,8 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="small",
         help="small (default): when the model runs inline and computes in under "
         f"{PIN_LOOP_BELOW_MS:g} ms, pin the event loop's thread to one CPU of this process's "
-        "affinity, so the model's weights stay in that core's cache between calls "
-        "(docs/BENCHMARKS.md); never: leave every thread to the scheduler",
+        "affinity, so that core's cache keeps what the last call touched (about 0.1 ms a "
+        "call of a small model here; docs/BENCHMARKS.md); never: leave every thread to the "
+        "scheduler",
     )
     p.add_argument(
         "--warmup-inputs",
