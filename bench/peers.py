@@ -2,7 +2,8 @@
 
 For each model, every contender answers the same request from the same client process
 (`bench.peers_client`: tritonclient.grpc.aio, raw FP32 inputs), timed in alternating blocks
-so that machine noise falls on all of them alike:
+of about 0.25 s each (at least 10 blocks; a slow model's blocks hold fewer calls) so that
+machine noise falls on all of them alike:
   - ort:          session.run in the client process (the floor: the model's own cost);
   - echo:         the request's bytes over a raw grpc.aio echo (bench/echo_server.py), the
                   floor of moving the payload over loopback gRPC;
@@ -84,8 +85,14 @@ from node_daemon.runtimes.docker_runtime import connect_docker
 from runtime.model import OnnxModel
 
 ROUNDS = 10
-"""Alternating latency blocks per contender: more, shorter blocks spread a load spike from
-another process over every contender instead of one."""
+"""Alternating latency blocks per contender, at least: more, shorter blocks spread a load
+spike from another process over every contender instead of one."""
+BLOCK_S = 0.25
+"""About how long one contender's block lasts: a slow model gets more, shorter blocks than
+ROUNDS (ResNet-18: about 9 calls a block, not 100), so a drift of this machine's speed over
+seconds falls on every contender alike; with 10 blocks of 3 s, two alternating pairs of the
+same code gave the CNN's two servers p50s 0.35 and 1.33 ms apart, with 100 blocks 0.03 and
+0.00 ms (docs/BENCHMARKS.md)."""
 
 KSERVE_REQUIREMENT = "kserve>=0.21"
 REPORTED_PACKAGES = ("kserve", "onnxruntime", "grpcio", "protobuf", "numpy")
@@ -400,7 +407,8 @@ async def bench_model(
             "servers": servers,
             "reference": "ours-process",
             "iterations": args.iterations,
-            "rounds": ROUNDS,
+            "min_rounds": ROUNDS,
+            "block_s": BLOCK_S,
             "clients": args.clients if throughput else [],
             "seconds": args.seconds,
             "throughput_rounds": args.throughput_rounds,
@@ -512,8 +520,8 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
         response = responses.get("ours-process", max(responses.values(), default=0))
         print(
             f"\n{r['model']}: request {r['request_bytes'] / 1000:.1f} KB, response "
-            f"{response / 1000:.1f} KB; {args.iterations} calls per contender in {ROUNDS} "
-            "alternating blocks; ms"
+            f"{response / 1000:.1f} KB; {r['latency']['ort']['n']} calls per contender in "
+            f"{r['rounds']} alternating blocks; ms"
         )
         print(
             f"{'contender':<13} {'p50':>8} {'p99':>8} {'p99.9':>8} {'p50-ort':>8} "
@@ -607,7 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="servers to measure beside ort and echo (default: all)",
     )  # fmt: skip
     parser.add_argument(
-        "--iterations", type=int, help="timed calls per contender and model (100 quick, 1000)"
+        "--iterations",
+        type=int,
+        help="timed calls per contender and model (100 quick, 1000; rounded down to whole blocks)",
     )
     parser.add_argument(
         "--clients", nargs="*", type=int, default=[1, 4, 16], metavar="N",

@@ -38,7 +38,7 @@ from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import np_to_triton_dtype
 
 from bench import echo_server
-from bench.timing import channel_to, percentiles, timed
+from bench.timing import block_calls, channel_to, percentiles, timed
 
 Call = Callable[[], Awaitable[object]]
 WARMUP = 3
@@ -117,9 +117,11 @@ def _check_outputs(server: str, expected: dict[str, np.ndarray], result: Any) ->
 async def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Check every server's outputs against in-process ORT, then time every contender.
 
-    Latency: `iterations` calls each, one at a time, in `rounds` alternating blocks (ort,
-    echo, each server). Throughput, when `clients` is not empty: for each N, N closed loops
-    per contender for `seconds` x `throughput_rounds`, alternating likewise.
+    Latency: `iterations` calls each, one at a time, in alternating blocks (ort, echo, each
+    server) of about `block_s` each, at least `min_rounds` of them (`timing.block_calls`, from
+    in-process ORT's time for one run: a lower bound of a call's). Throughput, when
+    `clients` is not empty: for each N, N closed loops per contender for `seconds` x
+    `throughput_rounds`, alternating likewise.
     """
     model = spec["model"]
     with np.load(spec["inputs"], allow_pickle=False) as archive:
@@ -129,6 +131,9 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
     )
     output_names = [o.name for o in session.get_outputs()]
     expected = dict(zip(output_names, session.run(None, feeds), strict=True))
+    started = time.perf_counter()
+    session.run(None, feeds)
+    run_s = time.perf_counter() - started
     inputs = _triton_inputs(feeds)
     headers = {"authorization": f"Bearer {spec['token']}"}
     request = _get_inference_request(
@@ -167,8 +172,9 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
         samples: dict[str, list[float]] = {kind: [] for kind in calls}
         block_p50s: dict[str, list[float]] = {kind: [] for kind in calls}
-        per_block = max(1, spec["iterations"] // spec["rounds"])
-        for _ in range(spec["rounds"]):
+        per_block = block_calls(spec["iterations"], spec["min_rounds"], spec["block_s"], run_s)
+        figures["rounds"] = rounds = spec["iterations"] // per_block
+        for _ in range(rounds):
             for kind, call in calls.items():
                 block = await timed(call, warmup=WARMUP, n=per_block)
                 samples[kind] += block

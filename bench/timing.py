@@ -35,6 +35,16 @@ async def timed(call: Callable[[], Awaitable[object]], warmup: int, n: int) -> l
     return samples
 
 
+def block_calls(iterations: int, min_blocks: int, block_s: float, call_s: float) -> int:
+    """Calls per alternating block: as many as take about `block_s` at `call_s` a call, so a
+    slow model's contenders alternate as often in time as a fast one's (this machine's noise
+    drifts over seconds, and a block that outlasts a drift gives it to one contender alone),
+    and never fewer than `min_blocks` blocks; at least one call."""
+    if call_s <= 0:
+        return max(1, iterations // min_blocks)
+    return max(1, min(iterations // min_blocks, round(block_s / call_s)))
+
+
 def channel_to(endpoint: str) -> grpc.aio.Channel:
     limit = echo_server.MAX_MESSAGE
     return grpc.aio.insecure_channel(
