@@ -119,9 +119,9 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     Latency: `iterations` calls each, one at a time, in alternating blocks (ort, echo, each
     server) of about `block_s` each, at least `min_rounds` of them (`timing.block_calls`, from
-    in-process ORT's time for one run: a lower bound of a call's). Throughput, when
-    `clients` is not empty: for each N, N closed loops per contender for `seconds` x
-    `throughput_rounds`, alternating likewise.
+    in-process ORT's time for one run, the median of 3: a lower bound of a call's).
+    Throughput, when `clients` is not empty: for each N, N closed loops per contender for
+    `seconds` x `throughput_rounds`, alternating likewise.
     """
     model = spec["model"]
     with np.load(spec["inputs"], allow_pickle=False) as archive:
@@ -131,9 +131,7 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
     )
     output_names = [o.name for o in session.get_outputs()]
     expected = dict(zip(output_names, session.run(None, feeds), strict=True))
-    started = time.perf_counter()
-    session.run(None, feeds)
-    run_s = time.perf_counter() - started
+    run_s = statistics.median(_run_seconds(session, feeds) for _ in range(3))
     inputs = _triton_inputs(feeds)
     headers = {"authorization": f"Bearer {spec['token']}"}
     request = _get_inference_request(
@@ -201,6 +199,12 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
         await echo.close()
         pool.shutdown(wait=False, cancel_futures=True)
     return figures
+
+
+def _run_seconds(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> float:
+    started = time.perf_counter()
+    session.run(None, feeds)
+    return time.perf_counter() - started
 
 
 def _merge(blocks: list[tuple[int, float, list[float]]]) -> dict[str, float]:
