@@ -37,7 +37,7 @@ in it: kserve>=0.21, onnxruntime pinned to this environment's version, numpy.
 --quick (`make bench`): 100 calls per contender and model, throughput for mlp and resnet18
 in 2 x 0.5 s blocks: about a minute on a 2-core machine once the virtualenv exists (the
 first run adds its install). The full mode: 1,000 calls, throughput for every model in
-3 x 2 s blocks: about 7 minutes.
+3 x 2 s blocks: about 10 minutes (9.5 to 11 in four runs on 2026-11-29).
 """
 
 from __future__ import annotations
