@@ -50,11 +50,7 @@ from runtime.tls import check_listener, listen, server_credentials
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-DEFAULT_INLINE_BELOW_MS = 100.0
-"""A CNN of 20-45 ms (ResNet-18 on 2 vCPUs, by the hour) runs inline too: its p50 beside
-KServe's (which runs `predict` on its loop) was 0.5-2.3 ms lower inline than in a worker
-thread in four alternating pairs of `bench.peers` (docs/BENCHMARKS.md); the cost is that a
-health check or a drain signal waits for at most one inference, under 0.1 s."""
+DEFAULT_INLINE_BELOW_MS = 20.0
 EVENT_LOOPS = ("uvloop", "asyncio")
 PIN_CHOICES = ("small", "never")
 DEFAULT_METRICS_PORT = 8002
