@@ -40,9 +40,7 @@ def block_calls(iterations: int, min_blocks: int, block_s: float, call_s: float)
     slow model's contenders alternate as often in time as a fast one's (this machine's noise
     drifts over seconds, and a block that outlasts a drift gives it to one contender alone),
     and never fewer than `min_blocks` blocks; at least one call."""
-    if call_s <= 0:
-        return max(1, iterations // min_blocks)
-    return max(1, min(iterations // min_blocks, round(block_s / call_s)))
+    return max(1, min(iterations // min_blocks, round(block_s / max(call_s, 1e-9))))
 
 
 def channel_to(endpoint: str) -> grpc.aio.Channel:
