@@ -547,7 +547,11 @@ class OffloadClient:
         site: str,
     ) -> Deployment:
         """Deploy an uploaded model for a client at `site`; returns once the replica is
-        ready, and follows it from then on. `priority` is "best-effort", "standard" or
+        ready, and follows it from then on. When the first start fails for a reason that is
+        not the replica's (its node lost or unreachable mid-start), the broker answers the
+        deployment pending and places it again: this waits for that placement too, and
+        returns the deployment still pending only when `deploy_timeout_s` ran out first
+        (it stays followed). `priority` is "best-effort", "standard" or
         "critical"; `gpu_memory_mib` is per GPU (0: whole GPUs). Not retried (a retry could
         place a second deployment): it waits for an unreachable broker within
         `deploy_timeout_s`. NotFound when the model was not uploaded; ResourceExhausted when
@@ -574,18 +578,61 @@ class OffloadClient:
             cpus_max=cpus_max,
             site=site,
         )
+        give_up = time.monotonic() + self._deploy_timeout_s
         reply = await self._deploy_once(request, f"deploy {model_name}")
         deployment = _deployment(reply)
+        await self._follow(deployment)
+        if not deployment.endpoint:
+            deployment = await self._placed_again(deployment, reply.reason, give_up)
         logger.info(
-            "deployment=%s epoch=%d running at %s on node=%s",
+            "deployment=%s epoch=%d %s at %s on node=%s",
             deployment.deployment_id,
             deployment.epoch,
-            deployment.endpoint,
-            deployment.node_id,
+            deployment.state,
+            deployment.endpoint or "-",
+            deployment.node_id or "-",
         )
-        await self._follow(deployment)
         await self._offload_to(deployment)
         return deployment
+
+    async def _placed_again(
+        self, deployment: Deployment, reason: str, give_up: float
+    ) -> Deployment:
+        """The followed `deployment`, answered pending, once its watch switched to a replica
+        (read back from the broker), or as it is at `give_up` (monotonic)."""
+        logger.warning(
+            "deployment=%s is %s (%s): the broker places it again; waiting up to %.0f s",
+            deployment.deployment_id,
+            deployment.state,
+            reason,
+            max(0.0, give_up - time.monotonic()),
+        )
+        while self._replica is None:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                current = self._deployment
+                assert current is not None
+                return current
+            switched = self._switched
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await switched.wait()
+        placed = await self._get_deployment(deployment.deployment_id)
+        current = self._deployment
+        if current is not None and current.epoch == placed.epoch:
+            self._deployment = placed  # the node's name, which a switch does not carry
+        return placed
+
+    async def _get_deployment(self, deployment_id: str) -> Deployment:
+        reply = await self._retrying(
+            f"get deployment {deployment_id}",
+            lambda stub: stub.GetDeployment(
+                pb.GetDeploymentRequest(deployment_id=deployment_id),
+                metadata=self._metadata,
+                timeout=self._call_timeout_s,
+            ),
+        )
+        return _deployment(reply)
 
     async def _deploy_once(self, request: pb.DeployRequest, action: str) -> pb.Deployment:
         """Send `request` to the leading broker once: it goes only over a connected channel
@@ -627,15 +674,7 @@ class OffloadClient:
     async def attach(self, deployment_id: str) -> Deployment:
         """Follow an existing deployment of this client (as deploy does for a new one).
         NotFound when there is none (or it is another client's)."""
-        reply = await self._retrying(
-            f"get deployment {deployment_id}",
-            lambda stub: stub.GetDeployment(
-                pb.GetDeploymentRequest(deployment_id=deployment_id),
-                metadata=self._metadata,
-                timeout=self._call_timeout_s,
-            ),
-        )
-        deployment = _deployment(reply)
+        deployment = await self._get_deployment(deployment_id)
         await self._follow(deployment)
         await self._offload_to(deployment)
         return deployment

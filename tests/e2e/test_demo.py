@@ -34,6 +34,26 @@ def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     )
 
 
+def failed_run(done: subprocess.CompletedProcess[str]) -> str:
+    """What a failed demo printed, and the warnings and errors of the cluster logs it kept
+    (the folder is removed: the message carries what CI needs to tell why)."""
+    text = done.stdout + done.stderr
+    match = re.search(r"logs of the broker and the nodes are kept in (\S+)", text)
+    if not match:
+        return text
+    kept = Path(match.group(1))
+    for log in sorted(kept.glob("*.log")):
+        lines = [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if " WARNING " in line or " ERROR " in line
+        ]
+        text += f"\n--- {log.name}: {len(lines)} warning/error lines, the last 40 ---\n"
+        text += "\n".join(lines[-40:])
+    shutil.rmtree(kept, ignore_errors=True)
+    return text
+
+
 def cluster_folder(output: str) -> Path:
     match = re.search(r"cluster folder (\S+) \(removed at the end\)", output)
     assert match, output
@@ -100,14 +120,14 @@ def assert_report(output: str, runtime: str) -> None:
 def test_quick_demo_migrates_with_no_failed_request_in_containers() -> None:
     require_docker().close()
     done = run_demo("--quick")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, failed_run(done)
     assert_report(done.stdout, "docker")
     assert_nothing_left(done.stdout, deployment_id(done.stdout))
 
 
 def test_without_docker_the_demo_says_so_and_runs_processes() -> None:
     done = run_demo("--quick", env=NO_DOCKER)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, failed_run(done)
     assert "Docker is not usable here" in done.stdout
     assert "`make docker-engine` installs and starts Debian's engine" in done.stdout
     assert_report(done.stdout, "process")
@@ -229,7 +249,7 @@ def test_the_prewarm_mode_drives_a_generated_trace_and_reports_its_hits() -> Non
         "--runtime", "process", "--trace", str(trace), "--prewarm", "--time-scale", "0.1",
         "--model", "mlp", "--plain",
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, failed_run(done)
     out = done.stdout
     assert_nothing_left(out, None)
     # The city's traffic first: the trace's three other vehicles, so the broker knows the road.

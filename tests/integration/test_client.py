@@ -24,7 +24,14 @@ from edge_client.errors import (
     Unavailable,
 )
 from protos.offload.v1 import broker_pb2 as pb
-from tests.cluster_support import THREE_NODES, Cluster, InferenceLoad, free_port, until
+from tests.cluster_support import (
+    THREE_NODES,
+    Cluster,
+    InferenceLoad,
+    free_port,
+    until,
+    wait_for_log,
+)
 
 
 @pytest.fixture
@@ -82,6 +89,34 @@ async def test_upload_deploy_infer_gives_onnxruntime_outputs_and_errors_map(
     async with OffloadClient(cluster.broker_address, "alice.wrong-secret-0123456789") as client:
         with pytest.raises(Unauthenticated, match="API key"):
             await client.attach(deployment.deployment_id)
+
+
+async def test_a_deploy_whose_first_start_is_lost_returns_once_placed_again(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """node-a's daemon SIGKILLed while the replica starts: the broker answers the deploy
+    pending (see test_broker_faults), and the client's deploy waits for the placement after
+    it, so the first request finds a replica (CI's demo once failed its first two)."""
+    caplog.set_level(logging.INFO, logger="edge_client.client")
+    model = modelzoo.model_path("mlp")
+    inputs = modelzoo.sample_inputs(model)
+    async with OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as client:
+        sha = await client.upload_model(model)
+        offset = cluster.node_log("node-a").stat().st_size
+        call = asyncio.create_task(client.deploy(sha, "mlp", gpus=1, site="site-a"))
+        await wait_for_log(cluster.node_log("node-a"), r"replica=d-\w+-1 starting", after=offset)
+        cluster.nodes["node-a"].send_signal(signal.SIGKILL)
+        cluster.nodes["node-a"].wait()
+        deployment = await call
+        assert "the broker places it again" in caplog.text
+        assert deployment.state == "running" and deployment.epoch > 1, deployment
+        assert deployment.endpoint and deployment.node_id in {"node-b", "node-c"}, deployment
+        assert client.deployment == deployment
+        outputs = await client.infer(inputs)
+        expected = _reference(model, inputs)
+        for name, array in expected.items():
+            np.testing.assert_allclose(outputs[name], array, rtol=1e-5, atol=1e-6)
+        assert client.stats().failures == 0
 
 
 async def test_inference_outlives_a_broker_restart_and_follows_a_replaced_replica(
