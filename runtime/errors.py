@@ -6,6 +6,7 @@ Hierarchy::
     ├── InvalidInput          a tensor or request field does not match the model
     ├── ModelNotFound         the request names a model or version this server does not serve
     ├── NotReady              the model is loading, warming up, or the server is draining
+    ├── TooLate               the call's deadline leaves less than the model's compute time
     ├── InferenceFailed       ONNX Runtime failed while running valid inputs
     └── ModelLoadError        the model file cannot be loaded or warmed up (start-up only)
 
@@ -81,6 +82,11 @@ class ModelNotFound(RuntimeServerError):
 
 class NotReady(RuntimeServerError):
     """The server cannot take this request now; retrying elsewhere or later may succeed."""
+
+
+class TooLate(RuntimeServerError):
+    """The call's deadline leaves less time than the model takes to compute: an answer
+    would come after the caller stopped waiting, so it is not computed."""
 
 
 class InferenceFailed(RuntimeServerError):

@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from runtime.errors import InvalidInput, ModelNotFound, NotReady, quote
+from runtime.errors import InvalidInput, ModelNotFound, NotReady, TooLate, quote
 from runtime.metrics import ModelMetrics
 from runtime.model import OnnxModel
 from runtime.rpc import convert
@@ -143,7 +143,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if feeds is not None:
                     model = self._state.accepting()
                     with self._state.track():
-                        arrays = await self._run(model, feeds, plan.names)
+                        arrays = await self._run(model, feeds, plan.names, context)
                     return plan.response(arrays)
         try:
             request = pb.ModelInferRequest.FromString(raw)
@@ -153,7 +153,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         with self._state.track():
             feeds = model.prepare(convert.request_tensors(request))
             names = model.output_names([o.name for o in request.outputs])
-            arrays = await self._run(model, feeds, names)
+            arrays = await self._run(model, feeds, names, context)
         if split is not None and not self._plans.full:
             self._plans.add(split[0], Plan(request, feeds, names, arrays))
         return convert.infer_response(
@@ -161,10 +161,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         ).SerializeToString()
 
     async def _run(
-        self, model: OnnxModel, feeds: Mapping[str, np.ndarray], names: Sequence[str]
+        self,
+        model: OnnxModel,
+        feeds: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        context: grpc.aio.ServicerContext,
     ) -> list[np.ndarray]:
+        """The outputs `names` of `model` on `feeds`, inline or in a worker thread. Inline,
+        a call whose deadline leaves less than the model's measured compute time is TooLate
+        (DEADLINE_EXCEEDED) and not computed: under overload the loop would otherwise spend
+        itself on answers nobody waits for, and the calls behind them would expire too."""
         if not self._state.inline:
             return await self._run_in_worker(model, feeds, names)
+        left = context.time_remaining()
+        if left is not None and left < self._state.compute_s:
+            raise TooLate(
+                f"ModelInfer: {max(left, 0) * 1000:.1f} ms left of the call's deadline, under "
+                f"the model's compute time ({self._state.compute_s * 1000:.1f} ms); not computed"
+            )
         started = time.perf_counter()
         try:
             return model.run(feeds, names)

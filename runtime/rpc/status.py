@@ -33,6 +33,7 @@ from runtime.errors import (
     ModelLoadError,
     ModelNotFound,
     NotReady,
+    TooLate,
     client_text,
 )
 
@@ -204,6 +205,7 @@ STATUS_TABLE: StatusTable = (
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (ModelNotFound, grpc.StatusCode.NOT_FOUND),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (TooLate, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (InferenceFailed, grpc.StatusCode.INTERNAL),
 )

@@ -258,3 +258,36 @@ def test_metrics_port_flag_refuses_bad_ports(tmp_path: Path, probe_model: Path, 
             ["--model", str(probe_model), "--token-file", str(token), "--metrics-port", bad]
         )
     assert exited.value.code == 2
+
+
+async def too_late(call: Awaitable[object]) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as late:
+        await call
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    details = late.value.details() or ""
+    assert "under the model's compute time (10000.0 ms); not computed" in details, details
+
+
+async def test_an_inline_call_whose_deadline_is_too_short_is_not_computed(
+    serve, probe_inputs
+) -> None:
+    """Inline, a call whose deadline leaves less than the model's compute time is answered
+    DEADLINE_EXCEEDED without running the model: under overload, computing answers nobody
+    waits for would only make the calls behind them late too. The compute time is set to
+    10 s here, so the verdict does not hang on this machine's speed."""
+    running = await serve(inline_below_ms=1e6)
+    assert running.state.inline
+    running.state.compute_s = 10.0
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    request = infer_request(MODEL, probe_inputs)
+    try:
+        await too_late(stub.ModelInfer(request, metadata=AUTH, timeout=5))  # the full path
+        await stub.ModelInfer(request, metadata=AUTH)  # no deadline: computed, and planned
+        await too_late(stub.ModelInfer(request, metadata=AUTH, timeout=5))  # the planned path
+        await stub.ModelInfer(request, metadata=AUTH, timeout=30)  # time enough
+    finally:
+        await channel.close()
+    samples = await scrape(running)
+    assert value(samples, "offload_runtime_compute_duration_seconds_count") == 2
+    assert failures(samples) == {"DEADLINE_EXCEEDED": 2}
