@@ -579,7 +579,7 @@ class OffloadClient:
             site=site,
         )
         give_up = time.monotonic() + self._deploy_timeout_s
-        reply = await self._deploy_once(request, f"deploy {model_name}")
+        reply = await self._deploy_once(request, f"deploy {model_name}", give_up)
         deployment = _deployment(reply)
         await self._follow(deployment)
         if not deployment.endpoint:
@@ -607,18 +607,14 @@ class OffloadClient:
             reason,
             max(0.0, give_up - time.monotonic()),
         )
-        while self._replica is None:
-            left = give_up - time.monotonic()
-            if left <= 0:
-                current = self._deployment
-                assert current is not None
-                return current
-            switched = self._switched
+        if self._replica is None:  # a switch sets it, and nothing but `_follow` unsets it
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await switched.wait()
+                async with asyncio.timeout(max(0.0, give_up - time.monotonic())):
+                    await self._switched.wait()
+        if self._replica is None:
+            return self._deployment or deployment
         placed = await self._get_deployment(deployment.deployment_id)
-        current = self._deployment
+        current = self._deployment  # after the call: a later switch is kept
         if current is not None and current.epoch == placed.epoch:
             self._deployment = placed  # the node's name, which a switch does not carry
         return placed
@@ -634,12 +630,14 @@ class OffloadClient:
         )
         return _deployment(reply)
 
-    async def _deploy_once(self, request: pb.DeployRequest, action: str) -> pb.Deployment:
+    async def _deploy_once(
+        self, request: pb.DeployRequest, action: str, give_up: float
+    ) -> pb.Deployment:
         """Send `request` to the leading broker once: it goes only over a connected channel
         (a broker that cannot be reached within `BROKER_CONNECT_S`, when there are several,
         is passed over for the next), and is sent again only when a standby refused it (it
-        did nothing). Any other failure is raised mapped: the deploy may have been placed."""
-        give_up = time.monotonic() + self._deploy_timeout_s
+        did nothing), until `give_up` (monotonic). Any other failure is raised mapped: the
+        deploy may have been placed."""
         several = len(self._brokers.all) > 1
         while True:
             left = give_up - time.monotonic()
