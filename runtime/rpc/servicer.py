@@ -167,37 +167,48 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         names: Sequence[str],
         context: grpc.aio.ServicerContext,
     ) -> list[np.ndarray]:
-        """The outputs `names` of `model` on `feeds`, inline or in a worker thread. Inline,
-        a call whose deadline leaves less than the model's measured compute time is TooLate
-        (DEADLINE_EXCEEDED) and not computed: under overload the loop would otherwise spend
+        """The outputs `names` of `model` on `feeds`, inline or in a worker thread. A call
+        whose deadline leaves less than the model's measured compute time when it would start
+        computing (at once inline; when a thread takes it otherwise) is TooLate
+        (DEADLINE_EXCEEDED) and not computed: under overload the server would otherwise spend
         itself on answers nobody waits for, and the calls behind them would expire too."""
-        if not self._state.inline:
-            return await self._run_in_worker(model, feeds, names)
         left = context.time_remaining()
-        if left is not None and left < self._state.compute_s:
-            raise TooLate(
-                f"ModelInfer: {max(left, 0) * 1000:.1f} ms left of the call's deadline, under "
-                f"the model's compute time ({self._state.compute_s * 1000:.1f} ms); not computed"
-            )
+        if not self._state.inline:
+            deadline = None if left is None else time.monotonic() + left
+            return await self._run_in_worker(model, feeds, names, deadline)
+        self._check_in_time(left)
         started = time.perf_counter()
         try:
             return model.run(feeds, names)
         finally:
             self._compute.observe(time.perf_counter() - started)
 
+    def _check_in_time(self, left: float | None) -> None:
+        """TooLate when `left` seconds (None: no deadline) are under the compute time."""
+        if left is not None and left < self._state.compute_s:
+            raise TooLate(
+                f"ModelInfer: {max(left, 0) * 1000:.1f} ms left of the call's deadline, under "
+                f"the model's compute time ({self._state.compute_s * 1000:.1f} ms); not computed"
+            )
+
     async def _run_in_worker(
-        self, model: OnnxModel, feeds: Mapping[str, np.ndarray], names: Sequence[str]
+        self,
+        model: OnnxModel,
+        feeds: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        deadline: float | None,
     ) -> list[np.ndarray]:
         """`model.run` in a worker thread, counted as queued until a thread takes it.
 
         The executor's queue is where calls wait for the concurrency limit (its thread
         count). A call that never reaches a thread (cancelled by its client, or by the
         executor's shutdown at a drain) is taken off the count here; one that did, by the
-        thread: a concurrent future that was not cancelled has run or will run.
+        thread: a concurrent future that was not cancelled has run or will run. `deadline`
+        (`time.monotonic()`, None for none) is checked when the thread takes the call.
         """
         self._queued.inc()
         try:
-            future = self._executor.submit(self._run_queued, model, feeds, names)
+            future = self._executor.submit(self._run_queued, model, feeds, names, deadline)
         except BaseException:
             self._queued.dec()
             raise
@@ -208,10 +219,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 self._queued.dec()
 
     def _run_queued(
-        self, model: OnnxModel, feeds: Mapping[str, np.ndarray], names: Sequence[str]
+        self,
+        model: OnnxModel,
+        feeds: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        deadline: float | None,
     ) -> list[np.ndarray]:
-        """In the worker thread: no longer queued; run, timed."""
+        """In the worker thread: no longer queued; TooLate if too little of the deadline is
+        left (the wait for a thread may have used it up); else run, timed."""
         self._queued.dec()
+        self._check_in_time(None if deadline is None else deadline - time.monotonic())
         started = time.perf_counter()
         try:
             return model.run(feeds, names)

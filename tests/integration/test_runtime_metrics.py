@@ -260,23 +260,25 @@ def test_metrics_port_flag_refuses_bad_ports(tmp_path: Path, probe_model: Path, 
     assert exited.value.code == 2
 
 
-async def too_late(call: Awaitable[object]) -> None:
+async def too_late(call: Awaitable[object], compute_ms: str = "10000.0") -> None:
     with pytest.raises(grpc.aio.AioRpcError) as late:
         await call
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     details = late.value.details() or ""
-    assert "under the model's compute time (10000.0 ms); not computed" in details, details
+    assert f"under the model's compute time ({compute_ms} ms); not computed" in details, details
 
 
-async def test_an_inline_call_whose_deadline_is_too_short_is_not_computed(
-    serve, probe_inputs
+@pytest.mark.parametrize("inline_below_ms", [1e6, 0], ids=["inline", "worker-thread"])
+async def test_a_call_whose_deadline_is_too_short_is_not_computed(
+    serve, probe_inputs, inline_below_ms
 ) -> None:
-    """Inline, a call whose deadline leaves less than the model's compute time is answered
-    DEADLINE_EXCEEDED without running the model: under overload, computing answers nobody
-    waits for would only make the calls behind them late too. The compute time is set to
-    10 s here, so the verdict does not hang on this machine's speed."""
-    running = await serve(inline_below_ms=1e6)
-    assert running.state.inline
+    """A call whose deadline leaves less than the model's compute time is answered
+    DEADLINE_EXCEEDED without running the model, inline or in a worker thread: under
+    overload, computing answers nobody waits for would only make the calls behind them late
+    too. The compute time is set to 10 s here, so the verdict does not hang on this
+    machine's speed."""
+    running = await serve(inline_below_ms=inline_below_ms)
+    assert running.state.inline == (inline_below_ms > 0)
     running.state.compute_s = 10.0
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -291,3 +293,39 @@ async def test_an_inline_call_whose_deadline_is_too_short_is_not_computed(
     samples = await scrape(running)
     assert value(samples, "offload_runtime_compute_duration_seconds_count") == 2
     assert failures(samples) == {"DEADLINE_EXCEEDED": 2}
+    assert value(samples, "offload_runtime_queued") == 0
+
+
+async def test_a_queued_call_is_checked_against_its_deadline_when_a_thread_takes_it(
+    serve, probe_inputs
+) -> None:
+    """The wait for a worker thread can use up a call's deadline, so the check runs when a
+    thread takes the call, not when it is queued: a call queued with time enough for the
+    model as measured then is not computed if, once a thread is free, what is left is under
+    the compute time (raised here while it waits, so the verdict does not hang on how long
+    the wait takes)."""
+    running = await serve(inline_below_ms=0, concurrency=1)
+    release = threading.Event()
+    blocker = running.executor.submit(release.wait)  # holds the only worker thread
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    try:
+        call = asyncio.ensure_future(
+            stub.ModelInfer(infer_request(MODEL, probe_inputs), metadata=AUTH, timeout=30)
+        )
+
+        async def queued() -> bool:
+            return value(await scrape(running), "offload_runtime_queued") == 1
+
+        await until(queued, "the call to wait for the worker thread")
+        running.state.compute_s = 60.0
+        release.set()
+        await too_late(call, "60000.0")
+    finally:
+        release.set()
+        blocker.result()
+        await channel.close()
+    samples = await scrape(running)
+    assert value(samples, "offload_runtime_compute_duration_seconds_count") == 0
+    assert value(samples, "offload_runtime_queued") == 0
+    assert failures(samples) == {"DEADLINE_EXCEEDED": 1}
