@@ -1,9 +1,16 @@
 """A raw grpc.aio echo on loopback: the cost of moving a payload through gRPC, no more.
 
-Run as `python -m bench.echo_server PORT_FILE`; it listens on a free loopback port, writes
-the port to PORT_FILE, and answers `/bench.Echo/Echo` with as many bytes as the first 8
-bytes of the request ask for (so a request and a response can differ in size, like an
-inference's). No protobuf parsing on either side.
+Run as `python -m bench.echo_server PORT_FILE [RESPONSE_FILE]`; it listens on a free
+loopback port, writes the port to PORT_FILE, and answers `/bench.Echo/Echo` with as many
+bytes as the first 8 bytes of the request ask for (so a request and a response can differ in
+size, like an inference's). No protobuf parsing on either side.
+
+With RESPONSE_FILE it also answers the Open Inference Protocol's ModelInfer
+(`FLOOR_METHOD`) with that file's bytes, whatever the request: a serialized
+ModelInferResponse, so that a real client (tritonclient) can call it like a model server.
+That is the floor of a KServe-v2 server in Python: the client's own work and the call's
+metadata included, the server's parsing, checks and inference left out (`bench.peers`'s
+`floor` contender).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import grpc
 from bench.loopback import serve_until_stopped
 
 METHOD = "/bench.Echo/Echo"
+FLOOR_SERVICE = "inference.GRPCInferenceService"
+FLOOR_METHOD = f"/{FLOOR_SERVICE}/ModelInfer"
 MAX_MESSAGE = 256 * 1024 * 1024
 
 
@@ -24,7 +33,8 @@ async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     return bytes(int.from_bytes(request[:8], "little"))
 
 
-async def serve(port_file: Path) -> None:
+async def serve(port_file: Path, response: bytes | None = None) -> None:
+    """Serve the echo, and ModelInfer answered with `response` when given."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -32,11 +42,19 @@ async def serve(port_file: Path) -> None:
         ]
     )
     handler = grpc.unary_unary_rpc_method_handler(_echo)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
-    )
+    handlers = [grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})]
+    if response is not None:
+        answer_bytes = response
+
+        async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return answer_bytes
+
+        floor = grpc.unary_unary_rpc_method_handler(answer)
+        handlers.append(grpc.method_handlers_generic_handler(FLOOR_SERVICE, {"ModelInfer": floor}))
+    server.add_generic_rpc_handlers(handlers)
     await serve_until_stopped(server, port_file)
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(Path(sys.argv[1])))
+    floor = Path(sys.argv[2]).read_bytes() if len(sys.argv) > 2 else None
+    asyncio.run(serve(Path(sys.argv[1]), floor))

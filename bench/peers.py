@@ -7,6 +7,11 @@ machine noise falls on all of them alike:
   - ort:          session.run in the client process (the floor: the model's own cost);
   - echo:         the request's bytes over a raw grpc.aio echo (bench/echo_server.py), the
                   floor of moving the payload over loopback gRPC;
+  - floor:        ModelInfer answered by the same echo server with the bytes our process
+                  replica answered this request with, whatever the request: the floor of a
+                  KServe-v2 server in Python, tritonclient's own work and the call's
+                  metadata included, nothing parsed, checked or computed (measured with
+                  ours-process);
   - kserve:       KServe's ModelServer (bench/peers_kserve.py: a `kserve.Model` running the
                   same ONNX file with the same ONNX Runtime version and session options as
                   ours, read back from a session our runtime's code opened), as a plain
@@ -63,12 +68,16 @@ from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
+import grpc
 import numpy as np
 import onnxruntime as ort
 from prometheus_client.parser import text_string_to_metric_families
 
 import modelzoo
+from bench import echo_server
+from bench.loopback import loopback_server
 from bench.runtime_latency import TOKEN, echo_endpoint
+from edge_client.rpc.tensors import infer_request
 from images import build as images_build
 from images.build import ImageBuildError, build_image
 from modelzoo.cache import atomic_write, cache_root
@@ -98,7 +107,7 @@ KSERVE_REQUIREMENT = "kserve>=0.21"
 REPORTED_PACKAGES = ("kserve", "onnxruntime", "grpcio", "protobuf", "numpy")
 STAMP = "edge-offload-peers.json"
 SERVERS = ("kserve", "ours-process", "ours-asyncio", "ours-docker")
-CONTENDERS = ("ort", "echo", *SERVERS)
+CONTENDERS = ("ort", "echo", "floor", *SERVERS)
 OURS = ("ours-process", "ours-asyncio", "ours-docker")
 DEFAULT_MODELS = ("mlp", "resnet18", "silero_vad")
 MLP_MODELS = ("mlp",)
@@ -396,6 +405,10 @@ async def bench_model(
             stack.push_async_callback(runtime.stop, replica.replica_id, 5)
             servers[kind] = replica.endpoint
             metrics[kind] = replica.metrics_endpoint
+        if "ours-process" in servers:
+            servers["floor"] = await stack.enter_async_context(
+                floor_server(servers["ours-process"], name, inputs, tmp)
+            )
         throughput = name in args.throughput_models
         spec_json = {
             "model": name,
@@ -421,6 +434,30 @@ async def bench_model(
     result["overhead"] = overheads(figures["latency"])
     result["verdicts"] = verdicts(name, figures["latency"], figures["block_p50s"])
     return result
+
+
+@contextlib.asynccontextmanager
+async def floor_server(
+    reference: str, name: str, inputs: dict[str, np.ndarray], tmp: Path
+) -> AsyncIterator[str]:
+    """The `floor` contender's address: `bench.echo_server` answering ModelInfer with the
+    bytes the server at `reference` (our process replica) answers `inputs` with, asked once
+    here. PeerFailed when that call fails."""
+    request = infer_request(name, inputs).SerializeToString()
+    try:
+        async with grpc.aio.insecure_channel(reference) as channel:
+            call = channel.unary_unary(echo_server.FLOOR_METHOD)
+            auth = (("authorization", f"Bearer {TOKEN}"),)
+            response = await call(request, metadata=auth, timeout=READY_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        raise PeerFailed(
+            f"{name}: our replica at {reference} did not answer the floor's request: "
+            f"{err.code().name} {err.details()}"
+        ) from err
+    path = tmp / "floor-response.bin"
+    await asyncio.to_thread(path.write_bytes, response)
+    async with loopback_server(echo_server.__name__, str(path)) as (address, _):
+        yield address
 
 
 async def compute_in_server_ms(metrics_endpoint: str, model: str) -> float:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -19,6 +21,21 @@ async def test_the_echo_answers_as_many_bytes_as_asked_and_stops_on_the_way_out(
             answer = await channel.unary_unary(echo_server.METHOD)((100).to_bytes(8, "little"))
         assert len(answer) == 100
     assert process.returncode is not None
+
+
+async def test_with_a_response_file_the_echo_answers_model_infer_with_it(tmp_path: Path) -> None:
+    """The floor of `bench.peers`: any ModelInfer request gets the file's bytes back, and the
+    echo still answers beside it."""
+    response = tmp_path / "response.bin"
+    response.write_bytes(b"\x0a\x03mlp" + bytes(range(40)))
+    async with (
+        loopback_server(echo_server.__name__, str(response)) as (address, _),
+        channel_to(address) as channel,
+    ):
+        infer = channel.unary_unary(echo_server.FLOOR_METHOD)
+        assert await infer(b"any request") == response.read_bytes()
+        assert await infer(b"") == response.read_bytes()
+        assert len(await channel.unary_unary(echo_server.METHOD)((7).to_bytes(8, "little"))) == 7
 
 
 async def test_the_null_registry_registers_any_node_and_answers_each_heartbeat() -> None:
