@@ -4,9 +4,9 @@ For each model, every contender answers the same request from the same client pr
 (`bench.peers_client`: tritonclient.grpc.aio, raw FP32 inputs), timed in alternating blocks
 of about 0.25 s each (at least 10 blocks; a slow model's blocks hold fewer calls) so that
 machine noise falls on all of them alike:
-  - ort:          session.run in the client process (the floor: the model's own cost);
+  - ort:          session.run in the client process (the model's own cost);
   - echo:         the request's bytes over a raw grpc.aio echo (bench/echo_server.py), the
-                  floor of moving the payload over loopback gRPC;
+                  cost of moving the payload over loopback gRPC;
   - floor:        ModelInfer answered by the same echo server with the bytes our process
                   replica answered this request with, whatever the request: the floor of a
                   KServe-v2 server in Python, tritonclient's own work and the call's
