@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -167,37 +168,46 @@ async def test_each_answered_call_moves_the_metrics_once(
     assert probe_model.name not in text
 
 
-async def test_calls_waiting_for_a_worker_are_queued(serve, probe_inputs) -> None:
-    running = await serve(inline_below_ms=0, concurrency=1)
-    assert not running.state.inline
+@contextlib.contextmanager
+def worker_held(running: RunningServer) -> Iterator[threading.Event]:
+    """Hold the server's worker thread (its only one: concurrency 1) until the event is set,
+    at the latest on the way out."""
     release = threading.Event()
-    blocker = running.executor.submit(release.wait)  # holds the only worker thread
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    request = infer_request(MODEL, probe_inputs)
+    blocker = running.executor.submit(release.wait)
     try:
-        calls = [asyncio.ensure_future(stub.ModelInfer(request, metadata=AUTH)) for _ in range(3)]
-        # Its deadline passes while it waits: the server cancels it before a thread takes it.
-        expiring = asyncio.ensure_future(stub.ModelInfer(request, metadata=AUTH, timeout=1.0))
-
-        async def waiting(count: int) -> bool:
-            samples = await scrape(running)
-            return (
-                value(samples, "offload_runtime_queued") == count
-                and value(samples, "offload_runtime_in_flight") == count
-            )
-
-        await until(lambda: waiting(4), "4 calls queued")
-        with pytest.raises(grpc.aio.AioRpcError) as expired:
-            await expiring
-        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        await until(lambda: waiting(3), "the expired call to leave the queue")
-        release.set()
-        await asyncio.gather(*calls)
+        yield release
     finally:
         release.set()
         blocker.result()
-        await channel.close()
+
+
+async def test_calls_waiting_for_a_worker_are_queued(serve, probe_inputs) -> None:
+    running = await serve(inline_below_ms=0, concurrency=1)
+    assert not running.state.inline
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    request = infer_request(MODEL, probe_inputs)
+    async with channel:
+        with worker_held(running) as release:
+            infer = stub.ModelInfer
+            calls = [asyncio.ensure_future(infer(request, metadata=AUTH)) for _ in range(3)]
+            # Its deadline passes while it waits: the server cancels it before a thread takes it.
+            expiring = asyncio.ensure_future(stub.ModelInfer(request, metadata=AUTH, timeout=1.0))
+
+            async def waiting(count: int) -> bool:
+                samples = await scrape(running)
+                return (
+                    value(samples, "offload_runtime_queued") == count
+                    and value(samples, "offload_runtime_in_flight") == count
+                )
+
+            await until(lambda: waiting(4), "4 calls queued")
+            with pytest.raises(grpc.aio.AioRpcError) as expired:
+                await expiring
+            assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await until(lambda: waiting(3), "the expired call to leave the queue")
+            release.set()
+            await asyncio.gather(*calls)
 
     samples = await scrape(running)
     assert value(samples, "offload_runtime_queued") == 0
@@ -305,26 +315,21 @@ async def test_a_queued_call_is_checked_against_its_deadline_when_a_thread_takes
     the compute time (raised here while it waits, so the verdict does not hang on how long
     the wait takes)."""
     running = await serve(inline_below_ms=0, concurrency=1)
-    release = threading.Event()
-    blocker = running.executor.submit(release.wait)  # holds the only worker thread
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    try:
-        call = asyncio.ensure_future(
-            stub.ModelInfer(infer_request(MODEL, probe_inputs), metadata=AUTH, timeout=30)
-        )
+    async with channel:
+        with worker_held(running) as release:
+            call = asyncio.ensure_future(
+                stub.ModelInfer(infer_request(MODEL, probe_inputs), metadata=AUTH, timeout=30)
+            )
 
-        async def queued() -> bool:
-            return value(await scrape(running), "offload_runtime_queued") == 1
+            async def queued() -> bool:
+                return value(await scrape(running), "offload_runtime_queued") == 1
 
-        await until(queued, "the call to wait for the worker thread")
-        running.state.compute_s = 60.0
-        release.set()
-        await too_late(call, "60000.0")
-    finally:
-        release.set()
-        blocker.result()
-        await channel.close()
+            await until(queued, "the call to wait for the worker thread")
+            running.state.compute_s = 60.0
+            release.set()
+            await too_late(call, "60000.0")
     samples = await scrape(running)
     assert value(samples, "offload_runtime_compute_duration_seconds_count") == 0
     assert value(samples, "offload_runtime_queued") == 0
