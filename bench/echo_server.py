@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -33,6 +34,15 @@ async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     return bytes(int.from_bytes(request[:8], "little"))
 
 
+def _answering(response: bytes) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    """A handler that answers any request with `response`."""
+
+    async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return response
+
+    return answer
+
+
 async def serve(port_file: Path, response: bytes | None = None) -> None:
     """Serve the echo, and ModelInfer answered with `response` when given."""
     server = grpc.aio.server(
@@ -44,12 +54,7 @@ async def serve(port_file: Path, response: bytes | None = None) -> None:
     handler = grpc.unary_unary_rpc_method_handler(_echo)
     handlers = [grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})]
     if response is not None:
-        answer_bytes = response
-
-        async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            return answer_bytes
-
-        floor = grpc.unary_unary_rpc_method_handler(answer)
+        floor = grpc.unary_unary_rpc_method_handler(_answering(response))
         handlers.append(grpc.method_handlers_generic_handler(FLOOR_SERVICE, {"ModelInfer": floor}))
     server.add_generic_rpc_handlers(handlers)
     await serve_until_stopped(server, port_file)
