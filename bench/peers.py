@@ -41,8 +41,11 @@ in it: kserve>=0.21, onnxruntime pinned to this environment's version, numpy.
 
 --quick (`make bench`): 100 calls per contender and model, throughput for mlp and resnet18
 in 2 x 0.5 s blocks: about a minute on a 2-core machine once the virtualenv exists (the
-first run adds its install). The full mode: 1,000 calls, throughput for every model in
-3 x 2 s blocks: about 10 minutes (9.5 to 11 in four runs on 2026-11-29).
+first run adds its install). The full mode: per model, as many calls as take about 10 s at
+a call's least time (ORT's run plus the echo's), from 1,000 to 10,000 (the MLP and
+silero_vad 10,000, ResNet-18 1,000), so that every model's p99 is drawn from seconds of
+this machine's noise, not one; throughput for every model in 3 x 2 s blocks: about 12
+minutes.
 """
 
 from __future__ import annotations
@@ -102,6 +105,13 @@ ROUNDS (ResNet-18: about 9 calls a block, not 100), so a drift of this machine's
 seconds falls on every contender alike; with 10 blocks of 3 s, two alternating pairs of the
 same code gave the CNN's two servers p50s 0.35 and 1.33 ms apart, with 100 blocks 0.03 and
 0.00 ms (docs/BENCHMARKS.md)."""
+
+SAMPLE = {"seconds": 10.0, "least": 1000, "most": 10_000}
+"""Timed calls per contender and model in the full mode (`timing.sample_calls`): about 10 s
+of calls, 1,000 at least. With 1,000 the MLP's p99 was the worst hundredth of about a
+second and swung with one stall: three runs in a row on 2026-12-02 gave ours-process 2.34,
+3.17, 8.24 ms against KServe's 3.94, 3.06, 6.47, and the floor, which does less than
+either, 8.46 in the third (docs/BENCHMARKS.md)."""
 
 KSERVE_REQUIREMENT = "kserve>=0.21"
 REPORTED_PACKAGES = ("kserve", "onnxruntime", "grpcio", "protobuf", "numpy")
@@ -420,6 +430,7 @@ async def bench_model(
             "servers": servers,
             "reference": "ours-process",
             "iterations": args.iterations,
+            "sample": SAMPLE,
             "min_rounds": ROUNDS,
             "block_s": BLOCK_S,
             "clients": args.clients if throughput else [],
@@ -654,7 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--iterations",
         type=int,
-        help="timed calls per contender and model (100 quick, 1000; rounded down to whole blocks)",
+        help="timed calls per contender and model (100 quick; default: about 10 s of calls, "
+        "1000 to 10000, from the model's least call time; rounded down to whole blocks)",
     )
     parser.add_argument(
         "--clients", nargs="*", type=int, default=[1, 4, 16], metavar="N",
@@ -674,9 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.iterations is None:
-        args.iterations = 100 if args.quick else 1000
-    if args.iterations < ROUNDS * 2:
+    if args.iterations is None and args.quick:
+        args.iterations = 100
+    if args.iterations is not None and args.iterations < ROUNDS * 2:
         parser.error(f"--iterations must be at least {ROUNDS * 2}")
     if args.seconds is None:
         args.seconds = 0.5 if args.quick else 2.0

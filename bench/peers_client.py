@@ -38,7 +38,7 @@ from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import np_to_triton_dtype
 
 from bench import echo_server
-from bench.timing import block_calls, channel_to, percentiles, timed
+from bench.timing import block_calls, channel_to, percentiles, sample_calls, timed
 
 Call = Callable[[], Awaitable[object]]
 WARMUP = 3
@@ -117,9 +117,11 @@ def _check_outputs(server: str, expected: dict[str, np.ndarray], result: Any) ->
 async def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Check every server's outputs against in-process ORT, then time every contender.
 
-    Latency: `iterations` calls each, one at a time, in alternating blocks (ort, echo, each
-    server) of about `block_s` each, at least `min_rounds` of them (`timing.block_calls`, from
-    in-process ORT's time for one run, the median of 3: a lower bound of a call's).
+    Latency: `iterations` calls each (when null, `timing.sample_calls` with `sample`'s
+    bounds), one at a time, in alternating blocks (ort, echo, each server) of about
+    `block_s` each, at least `min_rounds` of them (`timing.block_calls`). Both from a lower
+    bound of a call's time: in-process ORT's run (the median of 3) plus the echo's p50 over
+    20 calls.
     Throughput, when `clients` is not empty: for each N, N closed loops per contender for
     `seconds` x `throughput_rounds`, alternating likewise.
     """
@@ -168,10 +170,14 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
         for server, client in clients.items():
             calls[server] = functools.partial(client.infer, model, inputs, headers=headers)
 
+        # A call costs at least the model's run and the payload's trip: the estimate that
+        # sizes the blocks and, when no count is asked for, the sample.
+        call_s = run_s + statistics.median(await timed(calls["echo"], WARMUP, n=20)) / 1000
+        iterations = spec["iterations"] or sample_calls(call_s, **spec["sample"])
         samples: dict[str, list[float]] = {kind: [] for kind in calls}
         block_p50s: dict[str, list[float]] = {kind: [] for kind in calls}
-        per_block = block_calls(spec["iterations"], spec["min_rounds"], spec["block_s"], run_s)
-        figures["rounds"] = rounds = spec["iterations"] // per_block
+        per_block = block_calls(iterations, spec["min_rounds"], spec["block_s"], call_s)
+        figures["rounds"] = rounds = iterations // per_block
         for _ in range(rounds):
             for kind, call in calls.items():
                 block = await timed(call, warmup=WARMUP, n=per_block)

@@ -35,6 +35,14 @@ async def timed(call: Callable[[], Awaitable[object]], warmup: int, n: int) -> l
     return samples
 
 
+def sample_calls(call_s: float, seconds: float, least: int, most: int) -> int:
+    """Timed calls per contender when none are asked for: as many as take about `seconds`
+    at `call_s` a call, never fewer than `least` nor more than `most`. A p99 is the worst
+    hundredth of the samples: 1,000 calls of a 1 ms model span about a second, so one stall
+    of this machine decides it; ResNet-18's 1,000 span about 20 s."""
+    return max(least, min(most, round(seconds / max(call_s, 1e-9))))
+
+
 def block_calls(iterations: int, min_blocks: int, block_s: float, call_s: float) -> int:
     """Calls per alternating block: as many as take about `block_s` at `call_s` a call, so a
     slow model's contenders alternate as often in time as a fast one's (this machine's noise

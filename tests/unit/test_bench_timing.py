@@ -1,10 +1,11 @@
-"""`bench.timing.block_calls`: how many calls one contender's alternating block holds."""
+"""`bench.timing`: how many calls one contender's alternating block holds (`block_calls`),
+and how many it is timed for when no count is asked for (`sample_calls`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.timing import block_calls
+from bench.timing import block_calls, sample_calls
 
 
 def test_a_slow_model_gets_short_blocks_of_about_the_asked_duration() -> None:
@@ -23,3 +24,20 @@ def test_a_fast_model_keeps_the_fewest_blocks() -> None:
 def test_a_block_holds_at_least_one_call(call_s: float) -> None:
     assert block_calls(1000, 10, 0.25, call_s) >= 1
     assert block_calls(5, 10, 0.25, call_s) == 1
+
+
+def test_a_fast_model_is_timed_for_about_the_asked_seconds_up_to_the_most() -> None:
+    # The MLP's least call (ORT 0.04 ms + echo 0.6 ms): 10 s would be 15,625 calls.
+    assert sample_calls(0.00064, 10.0, 1000, 10_000) == 10_000
+    # A 2 ms call, within the bounds: 10 s of them.
+    assert sample_calls(0.002, 10.0, 1000, 10_000) == 5000
+
+
+def test_a_slow_model_keeps_the_least_calls() -> None:
+    # ResNet-18 at 21 ms: 476 calls would fill 10 s; 1,000 still, as the issue measured.
+    assert sample_calls(0.021, 10.0, 1000, 10_000) == 1000
+
+
+@pytest.mark.parametrize("call_s", [0.0, -1.0], ids=["zero", "negative"])
+def test_a_call_time_of_zero_or_less_gives_the_most(call_s: float) -> None:
+    assert sample_calls(call_s, 10.0, 1000, 10_000) == 10_000
