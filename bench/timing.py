@@ -39,7 +39,8 @@ def sample_calls(call_s: float, seconds: float, least: int, most: int) -> int:
     """Timed calls per contender when none are asked for: as many as take about `seconds`
     at `call_s` a call, never fewer than `least` nor more than `most`. A p99 is the worst
     hundredth of the samples: 1,000 calls of a 1 ms model span about a second, so one stall
-    of this machine decides it; ResNet-18's 1,000 span about 20 s."""
+    of this machine decides it; ResNet-18's 1,000 span about 20 s. `least` wins over a
+    smaller `most`."""
     return max(least, min(most, round(seconds / max(call_s, 1e-9))))
 
 
@@ -48,7 +49,7 @@ def block_calls(iterations: int, min_blocks: int, block_s: float, call_s: float)
     slow model's contenders alternate as often in time as a fast one's (this machine's noise
     drifts over seconds, and a block that outlasts a drift gives it to one contender alone),
     and never fewer than `min_blocks` blocks; at least one call."""
-    return max(1, min(iterations // min_blocks, round(block_s / max(call_s, 1e-9))))
+    return sample_calls(call_s, block_s, 1, iterations // min_blocks)
 
 
 def channel_to(endpoint: str) -> grpc.aio.Channel:
