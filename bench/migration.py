@@ -418,6 +418,9 @@ async def migrate_once(
         "span_gap_reported_ms": record.span_gap_ms,
         "span_gap_ms": span_gap,
         "worst_gap_phase": phase_at(events, worst[1]),
+        # Where it fell: its start and end, and the timeline's events, in ms from the decision.
+        "worst_gap_at_ms": [(worst[0] - begin) * 1000, (worst[1] - begin) * 1000],
+        "events_ms": {event: (at - begin) * 1000 for event, at in events.items()},
         "span_s": span_s,
         "quiet_gap_ms": load.worst_gap_ms(quiet, quiet + span_s),
         "failed": load.failed - failed_before,
@@ -430,7 +433,9 @@ async def migrate_once(
     }
     print(
         f"  {deployment_id} {arm.name:<14} -> {target}: gap {moved['gap_ms']:8.1f} ms, "
-        f"span gap {span_gap:8.1f} ms in {moved['worst_gap_phase']:<8} (reported "
+        f"span gap {span_gap:8.1f} ms in {moved['worst_gap_phase']:<8} "
+        f"({moved['worst_gap_at_ms'][0]:.0f} to {moved['worst_gap_at_ms'][1]:.0f} ms from the "
+        f"decision; switched at {moved['events_ms']['switched']:.0f}; reported "
         f"{_ms(record.span_gap_ms)}, quiet {moved['quiet_gap_ms']:.1f}) over {span_s:.2f} s, "
         f"{moved['failed']} failed, total {moved['phases_ms']['total']:7.1f} ms; bench cpu "
         f"{moved['bench_cpu_pct']['span']:.0f}%/{moved['bench_cpu_pct']['quiet']:.0f}%, host "
