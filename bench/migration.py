@@ -307,8 +307,8 @@ async def finished_record(
     raise TimeoutError(f"migration {migration_id}: no observation within {STEP_TIMEOUT_S:.0f} s")
 
 
-def phases_ms(timeline_json: str) -> dict[str, float]:
-    at = {e["event"]: float(e["at"]) for e in json.loads(timeline_json)}
+def phases_ms(at: dict[str, float]) -> dict[str, float]:
+    """The server timeline's phases, from its events (name -> time in seconds)."""
     # Make-before-break stops the old replica after the switch; stop-start before anything.
     drain_from = "switched" if at["old_stopped"] > at["switched"] else "decided"
     spans = {
@@ -425,7 +425,7 @@ async def migrate_once(
         "quiet_gap_ms": load.worst_gap_ms(quiet, quiet + span_s),
         "failed": load.failed - failed_before,
         "failed_in_window": record.failed_requests,
-        "phases_ms": phases_ms(record.timeline_json),
+        "phases_ms": phases_ms(events),
         # Where the CPUs went: this process (broker and nodes) and the host's busy share,
         # over the migration (to its record) and over the quiet window.
         "bench_cpu_pct": {"span": 100 * cpu_span / span_s, "quiet": 100 * cpu_quiet / span_s},
