@@ -15,13 +15,21 @@ pid and then its endpoint, so a daemon killed between any two steps leaves a fol
 one finds: a replica that never became ready (no endpoint) is stopped and removed then, its
 process found by its pid or, killed before the pid was written, by its token path.
 
-A replica started with `background` runs at SCHED_IDLE until it is ready. Scheduling policy
-is per thread on Linux, and a new thread takes its creator's: every thread of the process
-(`/proc/PID/task`) is lowered right after the spawn, before the interpreter has started any
-(and again once it listens, for any that raced the first pass), so ONNX Runtime's pools,
-created later, inherit it. Once ready (or after `BACKGROUND_LIMIT_S`) every thread is put
-back to SCHED_OTHER, before `start` returns and so before the replica record carries an
-endpoint: an adopted replica with an endpoint was raised, and one without is stopped.
+A replica is spawned through util-linux's `taskset` (its node's `cpuset`) and, started with
+`background`, `chrt --idle`: each sets itself and execs the next, so the interpreter's first
+instruction already runs on its CPUs and at its priority, with the pid the spawn returned.
+Without them a replica would run on the daemon's CPUs at normal priority until the daemon
+pinned and lowered it after the spawn, its interpreter starting meanwhile, perhaps on the
+CPU of a replica that serves. Where they are missing (said once) that is what happens.
+Scheduling policy and affinity are per thread on Linux, and a new thread takes its
+creator's, so ONNX Runtime's pools, created later, inherit both; every thread of the
+process (`/proc/PID/task`) is set again right after the spawn and once it listens, which
+changes nothing after the launchers and is all there is without them.
+
+A replica started with `background` runs at SCHED_IDLE until it is ready. Once ready (or
+after `BACKGROUND_LIMIT_S`) every thread is put back to SCHED_OTHER, before `start` returns
+and so before the replica record carries an endpoint: an adopted replica with an endpoint
+was raised, and one without is stopped.
 Leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of 20; a daemon with neither
 starts every replica at normal priority (and says so once). A replica being stopped is put
 at SCHED_IDLE before its SIGTERM (entering it needs no capability): the broker stops a
@@ -254,6 +262,9 @@ class ProcessRuntime:
         self._background = can_leave_background()
         self._warned_background = False
         self._warned_cgroup = False
+        self._taskset = shutil.which("taskset")
+        self._chrt = shutil.which("chrt")
+        self._warned_launcher = False
 
     async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica:
         """Start the replica and return once it is ready. ReplicaFailed (with its log tail)
@@ -322,6 +333,7 @@ class ProcessRuntime:
         tls_files = write_tls_files(spec, workdir)
         _write_record(workdir, None, "", spec.labels)
         command = [
+            *self._launcher(spec.background),
             sys.executable, "-m", "runtime.server",
             "--model", str(spec.model_path), "--name", spec.model_name,
             "--host", spec.host, "--port", "0", "--metrics-port", "0",
@@ -343,6 +355,32 @@ class ProcessRuntime:
         replica = Replica(spec.replica_id, "", self.name, str(process.pid), dict(spec.labels))
         self._running[spec.replica_id] = _Running(replica, workdir, process)
         _write_record(workdir, process.pid, "", spec.labels)
+
+    def _launcher(self, background: bool) -> list[str]:
+        """The commands that put the replica on its CPUs and, for a `background` start, at
+        SCHED_IDLE before its interpreter starts (see the module docstring); each execs the
+        next. Empty when there is nothing to set, or nothing here to set it with."""
+        launcher = []
+        missing = []
+        if self._cpuset:
+            if self._taskset is None:
+                missing.append("taskset")
+            else:
+                cpus = ",".join(str(cpu) for cpu in sorted(self._cpuset))
+                launcher += [self._taskset, "--cpu-list", cpus]
+        if background and self._background:
+            if self._chrt is None:
+                missing.append("chrt")
+            else:
+                launcher += [self._chrt, "--idle", "0"]
+        if missing and not self._warned_launcher:
+            self._warned_launcher = True
+            logger.warning(
+                "no %s on PATH (util-linux): replicas run on this daemon's CPUs at normal "
+                "priority until it has spawned them",
+                " or ".join(missing),
+            )
+        return launcher
 
     async def _discard(self, replica_id: str, workdir: Path) -> None:
         """After a failed start: stop the process if one was started, else drop the folder.

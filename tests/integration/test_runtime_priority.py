@@ -6,10 +6,12 @@ the client has moved) is lowered before its drain (issue 12)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,6 +76,51 @@ async def test_a_process_replica_starts_idle_and_serves_at_normal_priority(
         assert policies(int(normal.ref)) == {os.SCHED_OTHER}
     finally:
         await runtime.close()
+
+
+FIRST_LOOK = """
+import json, os
+with open(os.environ["FIRST_LOOK_FILE"], "a") as out:
+    out.write(json.dumps([sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0)]) + "\\n")
+"""
+
+
+@needs_cap
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin to 1")
+async def test_a_process_replica_runs_pinned_and_idle_from_its_first_instruction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A `sitecustomize` on the replica's PYTHONPATH runs as its interpreter starts, before
+    # anything of ours: it sees the CPUs and the policy the spawn gave it. The daemon is
+    # held up right after each spawn (a busy loop, a loaded host), so whatever it sets
+    # once the spawn has returned comes too late for that first look.
+    spawn = asyncio.create_subprocess_exec
+
+    async def held_up(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        process = await spawn(*args, **kwargs)
+        await asyncio.sleep(1.0)
+        return process
+
+    monkeypatch.setattr(
+        node_daemon.runtimes.process_runtime.asyncio, "create_subprocess_exec", held_up
+    )
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FIRST_LOOK)
+    looks = tmp_path / "first-look.jsonl"
+    monkeypatch.setenv("FIRST_LOOK_FILE", str(looks))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+    )
+    cpu = max(os.sched_getaffinity(0))
+    runtime = ProcessRuntime(workdir=tmp_path / "replicas", cpuset=frozenset({cpu}))
+    try:
+        await runtime.start(spec("pin-bg", True))
+        await runtime.start(spec("pin-fg", False))
+    finally:
+        await runtime.close()
+    first = [json.loads(line) for line in looks.read_text().splitlines()]
+    assert first == [[[cpu], os.SCHED_IDLE], [[cpu], os.SCHED_OTHER]]
 
 
 @needs_cap
