@@ -1,0 +1,51 @@
+"""`bench.private_net`: a bench's own network namespace, its loopback at an Ethernet MTU,
+and `bench.migration` running in one unless told otherwise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import migration, private_net
+
+REPORT = (
+    "import json; from bench import private_net; "
+    "print(json.dumps({**private_net.network_description(), 'inside': private_net.inside()}))"
+)
+
+
+@pytest.mark.skipif(
+    private_net.unavailable_reason() is not None,
+    reason=f"a private network namespace {private_net.unavailable_reason()}",
+)
+def test_the_wrapped_command_has_a_loopback_with_an_ethernet_mtu_and_the_hosts_is_left() -> None:
+    host_before = private_net.network_description()
+    wrapped = private_net.private_network_argv([sys.executable, "-c", REPORT])
+    assert wrapped is not None
+    done = subprocess.run(wrapped, capture_output=True, text=True, timeout=60, check=True)
+    seen = json.loads(done.stdout)
+    assert seen["loopback_mtu"] == private_net.ETHERNET_MTU == 1500
+    assert seen["private_namespace"] is True and seen["inside"] is True
+    assert private_net.network_description() == host_before
+    assert host_before["private_namespace"] is False
+
+
+def test_without_root_there_is_no_private_namespace_and_it_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(private_net.os, "geteuid", lambda: 1000)
+    assert private_net.unavailable_reason() == "needs root"
+    assert private_net.private_network_argv(["true"]) is None
+
+
+def test_the_migration_bench_refuses_a_private_network_it_cannot_have(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(private_net, "unavailable_reason", lambda: "needs root")
+    with pytest.raises(SystemExit) as exited:
+        migration.main(["--network", "private", "--runtime", "process", "--quick"])
+    assert exited.value.code == 2
+    assert "--network private: needs root" in capsys.readouterr().err
