@@ -58,7 +58,6 @@ import os
 import platform
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -761,9 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The same run in a namespace of its own, its runtime settled.
             own = list(sys.argv[1:] if argv is None else argv)
             command = [sys.executable, "-m", "bench.migration", *own, "--runtime", runtime]
-            wrapped = private_net.private_network_argv(command)
-            assert wrapped is not None
-            return subprocess.call(wrapped)
+            return private_net.run_in_private_network(command)
         if args.network == "private":
             parser.error(f"--network private: {cannot}")
         network_why = f"no private one: {cannot}"

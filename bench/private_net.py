@@ -15,6 +15,7 @@ run on this machine outside containers: a Docker replica's published port lives 
 host's namespace.
 
     private_network_argv(command) -> the command wrapped (None when it cannot be)
+    run_in_private_network(command) -> its exit status, signals handled
     network_description() -> the loopback this process talks over (MTU, congestion control)
 """
 
@@ -23,8 +24,10 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import struct
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,6 +57,27 @@ def private_network_argv(command: Sequence[str]) -> list[str] | None:
     assert unshare is not None and ip is not None
     script = f'{ip} link set lo mtu {ETHERNET_MTU} up && {INSIDE_ENV}={ETHERNET_MTU} exec "$@"'
     return [unshare, "--net", "--", "sh", "-c", script, "sh", *command]
+
+
+def run_in_private_network(command: Sequence[str]) -> int:
+    """Run `command` as `private_network_argv` wraps it and wait for it; its exit status.
+    RuntimeError when it cannot be (`unavailable_reason`). A SIGTERM to this process is
+    passed on to it; a SIGINT is not, since Ctrl-C reaches the whole process group, the
+    command too, and the command stops itself: this process waits for that rather than
+    leave what the command started behind."""
+    wrapped = private_network_argv(command)
+    if wrapped is None:
+        raise RuntimeError(f"no private network namespace: {unavailable_reason()}")
+    # `unshare` and `sh` exec the command, so the child is the command itself.
+    child = subprocess.Popen(wrapped)
+    # Only now: an ignored SIGINT would be inherited across exec.
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+    try:
+        return child.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGTERM, previous_term)
 
 
 def inside() -> bool:
