@@ -35,7 +35,7 @@ With `--pin-nodes` each node's replicas run on half of this machine's CPUs (`off
 --cpuset`): two sites that do not share cores, as two machines do not.
 
 Everything talks over loopback. Unless `--network host` (or where it cannot: not root, no
-`unshare`, Docker replicas), the run happens in a network namespace of its own whose
+`unshare` or `ip`, Docker replicas), the run happens in a network namespace of its own whose
 loopback has an Ethernet MTU, 1500, as a device's link to a node has: over this machine's
 loopback (MTU 65536, BBR congestion control) 602 KB requests stalled now and then, up to
 170 ms, in quiet windows and spans alike, and not at MTU 1500 (`bench.private_net`). The

@@ -14,7 +14,7 @@ runs in a network namespace of its own (`unshare --net`) with its loopback at
 run on this machine outside containers: a Docker replica's published port lives in the
 host's namespace.
 
-    private_network_argv(command) -> the command wrapped (None when it cannot be)
+    private_network_argv(command) -> the command wrapped (RuntimeError when it cannot be)
     run_in_private_network(command) -> its exit status, signals handled
     network_description() -> the loopback this process talks over (MTU, congestion control)
 """
@@ -47,12 +47,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def private_network_argv(command: Sequence[str]) -> list[str] | None:
+def private_network_argv(command: Sequence[str]) -> list[str]:
     """`command` wrapped to run in a new network namespace whose loopback is up with MTU
-    `ETHERNET_MTU` (its environment says so: `INSIDE_ENV`); None where
+    `ETHERNET_MTU` (its environment says so: `INSIDE_ENV`). RuntimeError where
     `unavailable_reason` says it cannot be."""
-    if unavailable_reason() is not None:
-        return None
+    cannot = unavailable_reason()
+    if cannot is not None:
+        raise RuntimeError(f"no private network namespace: {cannot}")
     unshare, ip = shutil.which("unshare"), shutil.which("ip")
     assert unshare is not None and ip is not None
     script = f'{ip} link set lo mtu {ETHERNET_MTU} up && {INSIDE_ENV}={ETHERNET_MTU} exec "$@"'
@@ -60,14 +61,12 @@ def private_network_argv(command: Sequence[str]) -> list[str] | None:
 
 
 def run_in_private_network(command: Sequence[str]) -> int:
-    """Run `command` as `private_network_argv` wraps it and wait for it; its exit status.
-    RuntimeError when it cannot be (`unavailable_reason`). A SIGTERM to this process is
+    """Run `command` as `private_network_argv` wraps it (RuntimeError when it cannot be)
+    and wait for it; its exit status. A SIGTERM to this process is
     passed on to it; a SIGINT is not, since Ctrl-C reaches the whole process group, the
     command too, and the command stops itself: this process waits for that rather than
     leave what the command started behind."""
     wrapped = private_network_argv(command)
-    if wrapped is None:
-        raise RuntimeError(f"no private network namespace: {unavailable_reason()}")
     # `unshare` and `sh` exec the command, so the child is the command itself.
     child = subprocess.Popen(wrapped)
     # Only now: an ignored SIGINT would be inherited across exec.

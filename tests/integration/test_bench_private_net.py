@@ -41,7 +41,6 @@ needs_namespace = pytest.mark.skipif(
 def test_the_wrapped_command_has_a_loopback_with_an_ethernet_mtu_and_the_hosts_is_left() -> None:
     host_before = private_net.network_description()
     wrapped = private_net.private_network_argv([sys.executable, "-c", REPORT])
-    assert wrapped is not None
     done = subprocess.run(wrapped, capture_output=True, text=True, timeout=60, check=True)
     seen = json.loads(done.stdout)
     assert seen["loopback_mtu"] == private_net.ETHERNET_MTU == 1500
@@ -55,7 +54,8 @@ def test_without_root_there_is_no_private_namespace_and_it_says_why(
 ) -> None:
     monkeypatch.setattr(private_net.os, "geteuid", lambda: 1000)
     assert private_net.unavailable_reason() == "needs root"
-    assert private_net.private_network_argv(["true"]) is None
+    with pytest.raises(RuntimeError, match="no private network namespace: needs root"):
+        private_net.private_network_argv(["true"])
 
 
 def test_the_migration_bench_refuses_a_private_network_it_cannot_have(
@@ -66,6 +66,28 @@ def test_the_migration_bench_refuses_a_private_network_it_cannot_have(
         migration.main(["--network", "private", "--runtime", "process", "--quick"])
     assert exited.value.code == 2
     assert "--network private: needs root" in capsys.readouterr().err
+
+
+def test_the_migration_bench_runs_itself_again_in_a_namespace_with_its_runtime_settled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a namespace can be had, the bench does not run here: the same arguments,
+    `--runtime` added, go to `run_in_private_network`, whose exit status it returns."""
+    commands: list[list[str]] = []
+
+    def run_in_private_network(command: list[str]) -> int:
+        commands.append(command)
+        return 3
+
+    monkeypatch.setattr(private_net, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(private_net, "inside", lambda: False)
+    monkeypatch.setattr(private_net, "run_in_private_network", run_in_private_network)
+    assert migration.main(["--quick", "--runtime", "process", "--models", "mlp"]) == 3
+    [command] = commands
+    assert command[1:] == [
+        "-m", "bench.migration", "--quick", "--runtime", "process", "--models", "mlp",
+        "--runtime", "process",
+    ]  # fmt: skip
 
 
 def _parent_with_child_ready() -> subprocess.Popen[str]:
