@@ -88,3 +88,47 @@ def test_a_crashed_upload_leaves_nothing_after_restart(tmp_path: Path) -> None:
     ModelCache(tmp_path / "models")
     assert leftovers(cache) == []
     pending.abort()  # (only closes this test's file handle: the file is gone already)
+
+
+def counting_hashes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every file the cache hashes from disk from now on."""
+    import node_daemon.model_cache as model_cache
+
+    hashed: list[Path] = []
+    real = model_cache.file_sha256
+
+    def counted(path: Path, *args: int) -> str:
+        hashed.append(path)
+        return real(path, *args)
+
+    monkeypatch.setattr(model_cache, "file_sha256", counted)
+    return hashed
+
+
+def test_an_upload_is_not_read_again_before_its_first_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = ModelCache(tmp_path / "models")
+    hashed = counting_hashes(monkeypatch)
+    upload(cache, SHA, [CONTENT])
+    assert cache.path(SHA).read_bytes() == CONTENT
+    assert hashed == []  # hashed as it was written
+    (cache.root / SHA).write_bytes(CONTENT[:-1] + b"!")
+    with pytest.raises(ModelNotCached, match="damaged and has been removed"):
+        cache.path(SHA)
+    assert hashed == [cache.root / SHA]
+
+
+def test_a_deduplicated_upload_does_not_vouch_for_the_file_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restarted node's cache has files it has not checked: the same bytes uploaded again
+    # (deduplicated, not written) say nothing about the file already there.
+    upload(ModelCache(tmp_path / "models"), SHA, [CONTENT])
+    (tmp_path / "models" / SHA).write_bytes(CONTENT[:-1] + b"!")
+    cache = ModelCache(tmp_path / "models")
+    hashed = counting_hashes(monkeypatch)
+    assert upload(cache, SHA, [CONTENT]).deduplicated
+    with pytest.raises(ModelNotCached, match="damaged and has been removed"):
+        cache.path(SHA)
+    assert len(hashed) == 1
