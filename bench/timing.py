@@ -19,9 +19,19 @@ def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
     ordered = sorted(samples_ms)
     return {
         "p50": statistics.median(ordered),
-        "p99": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+        "p99": ordered[_p99_index(len(ordered))],
         "n": len(ordered),
     }
+
+
+def _p99_index(n: int) -> int:
+    return min(n - 1, round(0.99 * (n - 1)))
+
+
+def p99_is_the_maximum(n: int) -> bool:
+    """Whether `percentiles`' p99 of `n` samples is their largest: up to 51 it is, so a
+    single sample sets it."""
+    return _p99_index(n) == n - 1
 
 
 async def timed(call: Callable[[], Awaitable[object]], warmup: int, n: int) -> list[float]:

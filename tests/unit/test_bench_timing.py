@@ -1,11 +1,12 @@
 """`bench.timing`: how many calls one contender's alternating block holds (`block_calls`),
-and how many it is timed for when no count is asked for (`sample_calls`)."""
+how many it is timed for when no count is asked for (`sample_calls`), and when a p99 is the
+largest sample (`p99_is_the_maximum`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.timing import block_calls, sample_calls
+from bench.timing import block_calls, p99_is_the_maximum, percentiles, sample_calls
 
 
 def test_a_slow_model_gets_short_blocks_of_about_the_asked_duration() -> None:
@@ -41,3 +42,17 @@ def test_a_slow_model_keeps_the_least_calls() -> None:
 @pytest.mark.parametrize("call_s", [0.0, -1.0], ids=["zero", "negative"])
 def test_a_call_time_of_zero_or_less_gives_the_most(call_s: float) -> None:
     assert sample_calls(call_s, 10.0, 1000, 10_000) == 10_000
+
+
+@pytest.mark.parametrize("n", [1, 10, 20, 30, 51])
+def test_a_p99_of_up_to_51_samples_is_their_maximum(n: int) -> None:
+    samples = [float(i) for i in range(n)]
+    assert p99_is_the_maximum(n)
+    assert percentiles(samples)["p99"] == max(samples)
+
+
+@pytest.mark.parametrize("n", [52, 60, 100])
+def test_a_p99_of_more_than_51_leaves_the_largest_out(n: int) -> None:
+    samples = [float(i) for i in range(n)]
+    assert not p99_is_the_maximum(n)
+    assert percentiles(samples)["p99"] == n - 2  # the second largest
