@@ -28,6 +28,7 @@ import onnxruntime
 from bench import (
     control_plane,
     gpu_allocation,
+    loopback_stall,
     migration,
     mobility,
     offload,
@@ -46,6 +47,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "gpu_allocation": gpu_allocation.main,
     "placement": placement.main,
     "migration": migration.main,
+    "loopback_stall": loopback_stall.main,
     "mobility": mobility.main,
     "prewarm": prewarm.main,
     "resize": resize.main,

@@ -3,7 +3,9 @@
 Run as `python -m bench.echo_server PORT_FILE [RESPONSE_FILE]`; it listens on a free
 loopback port, writes the port to PORT_FILE, and answers `/bench.Echo/Echo` with as many
 bytes as the first 8 bytes of the request ask for (so a request and a response can differ in
-size, like an inference's). No protobuf parsing on either side.
+size, like an inference's). No protobuf parsing on either side. `/bench.Echo/EchoAfter`
+answers the same after waiting as many microseconds as the next 8 bytes ask for, as a
+server computing that long would (`bench.loopback_stall`).
 
 With RESPONSE_FILE it also answers the Open Inference Protocol's ModelInfer
 (`FLOOR_METHOD`) with that file's bytes, whatever the request: a serialized
@@ -25,6 +27,7 @@ import grpc
 from bench.loopback import serve_until_stopped
 
 METHOD = "/bench.Echo/Echo"
+AFTER_METHOD = "/bench.Echo/EchoAfter"
 FLOOR_SERVICE = "inference.GRPCInferenceService"
 FLOOR_METHOD = f"/{FLOOR_SERVICE}/ModelInfer"
 MAX_MESSAGE = 256 * 1024 * 1024
@@ -32,6 +35,11 @@ MAX_MESSAGE = 256 * 1024 * 1024
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     return bytes(int.from_bytes(request[:8], "little"))
+
+
+async def _echo_after(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    await asyncio.sleep(int.from_bytes(request[8:16], "little") / 1e6)
+    return await _echo(request, context)
 
 
 def _answering(response: bytes) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
@@ -51,8 +59,11 @@ async def serve(port_file: Path, response: bytes | None = None) -> None:
             ("grpc.max_send_message_length", MAX_MESSAGE),
         ]
     )
-    handler = grpc.unary_unary_rpc_method_handler(_echo)
-    handlers = [grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})]
+    echoes = {
+        "Echo": grpc.unary_unary_rpc_method_handler(_echo),
+        "EchoAfter": grpc.unary_unary_rpc_method_handler(_echo_after),
+    }
+    handlers = [grpc.method_handlers_generic_handler("bench.Echo", echoes)]
     if response is not None:
         floor = grpc.unary_unary_rpc_method_handler(_answering(response))
         handlers.append(grpc.method_handlers_generic_handler(FLOOR_SERVICE, {"ModelInfer": floor}))

@@ -23,6 +23,19 @@ async def test_the_echo_answers_as_many_bytes_as_asked_and_stops_on_the_way_out(
     assert process.returncode is not None
 
 
+async def test_echo_after_answers_as_many_bytes_as_asked_after_the_wait_it_is_told() -> None:
+    """`bench.loopback_stall`'s call: 8 bytes of answer size, 8 of microseconds to wait, then
+    the payload. A wait of 0 answers as the plain echo does."""
+    async with (
+        loopback_server(echo_server.__name__) as (address, _),
+        channel_to(address) as channel,
+    ):
+        after = channel.unary_unary(echo_server.AFTER_METHOD)
+        waited = (4000).to_bytes(8, "little") + (20_000).to_bytes(8, "little") + bytes(1000)
+        assert len(await after(waited)) == 4000
+        assert len(await after((9).to_bytes(8, "little") + bytes(8))) == 9
+
+
 async def test_with_a_response_file_the_echo_answers_model_infer_with_it(tmp_path: Path) -> None:
     """The floor of `bench.peers`: any ModelInfer request gets the file's bytes back, and the
     echo still answers beside it."""
