@@ -77,7 +77,7 @@ from images.build import ImageBuildError, build_image
 from migration.mechanism import Strategy, phase_at, span_allowance_ms, worst_gap
 from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import GpuSpec
-from node_daemon.server import NodeSettings, start_node
+from node_daemon.server import NodeSettings, split_cpus, start_node
 from tests.data import TOPOLOGIES
 
 NODES = (
@@ -552,11 +552,10 @@ def node_cpusets(pin: bool) -> list[frozenset[int]]:
     first); else none. Two sites are two machines: their replicas never share a core."""
     if not pin:
         return []
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = os.sched_getaffinity(0)
     if len(cpus) < 2:
         raise ValueError(f"--pin-nodes needs at least 2 CPUs, this process may use {len(cpus)}")
-    half = len(cpus) // 2
-    return [frozenset(cpus[:half]), frozenset(cpus[half:])]
+    return split_cpus(cpus, 2)
 
 
 def pick_runtime(requested: str | None) -> tuple[str, str]:

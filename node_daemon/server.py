@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -475,6 +475,22 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         background_fetch_mb_s=_fetch_rate(args.background_fetch_rate),
         replica_shares=_replica_shares(args.replica_cpu_shares, args.runtime),
     )
+
+
+def split_cpus(cpus: Iterable[int], parts: int) -> list[frozenset[int]]:
+    """`cpus` in `parts` runs of consecutive CPUs, lowest first, as even as possible (the
+    first runs one larger): the CPUs of nodes that must not share cores, as separate
+    machines do not, on one host. ValueError when there are fewer CPUs than parts."""
+    ordered = sorted(set(cpus))
+    if parts < 1 or len(ordered) < parts:
+        raise ValueError(f"{len(ordered)} CPU(s) cannot be split in {parts}")
+    size, larger = divmod(len(ordered), parts)
+    runs, start = [], 0
+    for index in range(parts):
+        end = start + size + (index < larger)
+        runs.append(frozenset(ordered[start:end]))
+        start = end
+    return runs
 
 
 def parse_cpuset(text: str) -> frozenset[int]:

@@ -113,6 +113,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "a migration target's container start does not take the CPU from the replica serving "
         f"the client; 0: the engine's default group (default {REPLICA_CPU_SHARES})",
     )
+    parser.add_argument(
+        "--share-cpus",
+        action="store_true",
+        help="run every site's node on every CPU; by default, where this machine has a CPU "
+        "per site (three), each site gets CPUs of its own, as separate machines would, so a "
+        "migration's target does not start on the CPUs serving the client",
+    )
     parser.add_argument("--model", default="resnet18", choices=modelzoo.ALL)
     parser.add_argument(
         "--runtime",
@@ -167,6 +174,7 @@ def _options(args: argparse.Namespace, console: Console) -> DemoOptions:
         prewarm=args.prewarm,
         background_fetch_mb_s=args.background_fetch_rate,
         replica_shares=args.replica_cpu_shares,
+        share_cpus=args.share_cpus,
     )
 
 

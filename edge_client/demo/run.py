@@ -22,12 +22,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,14 @@ from rich.live import Live
 import modelzoo
 from broker.state import new_api_key
 from edge_client.client import OffloadClient
-from edge_client.demo.cluster import ClusterError, LocalCluster
+from edge_client.demo.cluster import DEMO_NODES, ClusterError, LocalCluster, NodePlan
 from edge_client.demo.trace import Trace
 from edge_client.demo.view import LoadStats, Report, Snapshot, live_view, print_report
 from edge_client.errors import OffloadError
 from images.build import ImageBuildError, build_image
 from node_daemon.runtimes import RuntimeUnavailable
 from node_daemon.runtimes.docker_runtime import connect_docker, require_images, weighed_parent
+from node_daemon.server import split_cpus
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
@@ -83,6 +85,8 @@ class DemoOptions:
     this rate (MB/s); 0: as fast as it comes."""
     replica_shares: int = 0
     """Each node's `--replica-cpu-shares` (Docker, where it can be had); 0: none."""
+    share_cpus: bool = False
+    """Every node on every CPU, even where each could have CPUs of its own."""
 
 
 class DemoFailed(Exception):
@@ -140,6 +144,34 @@ def weigh_flags(runtime: str, shares: int, say: Callable[[str], None]) -> list[s
     return ["--replica-cpu-shares", str(shares)]
 
 
+def site_plans(
+    plans: Sequence[NodePlan], cpus: Iterable[int], share: bool
+) -> tuple[tuple[NodePlan, ...], str]:
+    """The demo's nodes, each on CPUs of its own (`offload node --cpuset`, a run of `cpus`)
+    where there is at least one per node and not `share`, and a line that says which. Each
+    node is a site, and sites are separate machines: a migration's target then starts on
+    CPUs the replica serving the client does not run on, as it would between machines. A
+    node's replica gets one ONNX Runtime thread per CPU it has."""
+    cpus = sorted(set(cpus))
+    if share:
+        return tuple(plans), f"every site on all {len(cpus)} CPUs (--share-cpus)"
+    if len(cpus) < len(plans):
+        return tuple(plans), (
+            f"the {len(plans)} sites share {len(cpus)} CPU(s): a migration's target starts "
+            f"on the CPUs serving the client (a CPU of its own per site needs {len(plans)})"
+        )
+    runs = split_cpus(cpus, len(plans))
+    pinned = tuple(
+        replace(plan, flags=(*plan.flags, "--cpuset", ",".join(map(str, sorted(run)))))
+        for plan, run in zip(plans, runs, strict=True)
+    )
+    owned = ", ".join(
+        f"{plan.node_id} {','.join(map(str, sorted(run)))}"
+        for plan, run in zip(plans, runs, strict=True)
+    )
+    return pinned, f"each site on CPUs of its own, as separate machines: {owned}"
+
+
 async def run_demo(options: DemoOptions, console: Console) -> int:
     """Run the demo; 0 when every request succeeded and every migration too, else 1."""
     narrator = Narrator(console)
@@ -148,6 +180,8 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     model = await asyncio.to_thread(modelzoo.model_path, options.model)
     runtime, image = await asyncio.to_thread(pick_runtime, options.runtime, say)
     weighed = await asyncio.to_thread(weigh_flags, runtime, options.replica_shares, say)
+    nodes, cpus = site_plans(DEMO_NODES, os.sched_getaffinity(0), options.share_cpus)
+    say(f"CPUs: {cpus}")
     root = Path(tempfile.mkdtemp(prefix="offload-demo-"))
     say(f"runtime: {runtime}; cluster folder {root} (removed at the end)")
     cluster = LocalCluster(
@@ -156,6 +190,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         image=image,
         broker_flags=(*BROKER_FLAGS, "--prewarm-budget", str(options.prewarm)),
         more_api_keys=(new_api_key(TRAFFIC_CLIENT),) if options.prewarm else (),
+        nodes=nodes,
         node_flags=("--background-fetch-rate", f"{options.background_fetch_mb_s:g}", *weighed),
     )
     deployments: list[str] = []
@@ -163,6 +198,7 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
     try:
         await cluster.start(say)
         report = await _offload(options, cluster, model, runtime, narrator, deployments)
+        report.cpus = cpus
         print_report(console, report)
         failed = not report.succeeded
         if options.keep:

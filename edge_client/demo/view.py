@@ -250,6 +250,8 @@ class Report:
     the new replica."""
     prewarm: int = 0
     """The broker's standby budget; 0: pre-warm off."""
+    cpus: str = ""
+    """Which CPUs the sites' nodes run on (`site_plans`)."""
 
     @property
     def succeeded(self) -> bool:
@@ -266,6 +268,8 @@ def print_report(console: Console, report: Report) -> None:
     console.rule("report")
     summary = Table.grid(padding=(0, 2))
     summary.add_row("runtime", report.runtime)
+    if report.cpus:
+        summary.add_row("CPUs", report.cpus)
     summary.add_row("model", report.model)
     summary.add_row("trace", report.trace)
     summary.add_row("ran for", f"{report.seconds:.1f} s")

@@ -12,7 +12,7 @@ import pytest
 
 from common.certs import issue, make_ca, write_new
 from edge_client.cli import build_parser
-from node_daemon.server import settings_from_args
+from node_daemon.server import settings_from_args, split_cpus
 
 
 def settings(*argv: str) -> object:
@@ -55,6 +55,20 @@ def test_a_cpuset_is_a_list_of_cpus_this_process_may_use() -> None:
             settings(*base, "--cpuset", bad)
     with pytest.raises(ValueError, match="names CPUs this process may not use: \\[4096\\]"):
         settings(*base, "--cpuset", "4096")
+
+
+def test_cpus_split_in_runs_of_consecutive_cpus_the_first_ones_larger() -> None:
+    assert split_cpus([3, 1, 2, 0], 2) == [frozenset({0, 1}), frozenset({2, 3})]
+    assert split_cpus(range(8), 3) == [
+        frozenset({0, 1, 2}),
+        frozenset({3, 4, 5}),
+        frozenset({6, 7}),
+    ]
+    assert split_cpus([4, 9, 6], 3) == [frozenset({4}), frozenset({6}), frozenset({9})]
+    with pytest.raises(ValueError, match="2 CPU\\(s\\) cannot be split in 3"):
+        split_cpus([0, 1], 3)
+    with pytest.raises(ValueError, match="cannot be split in 0"):
+        split_cpus([0, 1], 0)
 
 
 def test_a_resize_policy_needs_a_broker(tmp_path: Path) -> None:
