@@ -141,17 +141,25 @@ def _block(network: str, args: argparse.Namespace) -> dict[str, Any]:
     ]  # fmt: skip
     if network == "private":
         command = private_net.private_network_argv(command)
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=args.block_seconds + 120,
-    )
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=args.block_seconds + 120,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the {network} block did not end within its time") from None
     if done.returncode != 0:
         tail = done.stderr.strip()[-600:]
         raise RuntimeError(f"the {network} block exited with status {done.returncode}: {tail}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(
+            f"the {network} block printed no figures: {done.stdout[-200:]!r}"
+        ) from None
     return result
 
 

@@ -94,3 +94,22 @@ def test_the_verdict_gives_both_networks_counts() -> None:
     )
     quiet = loopback_stall.verdict({**host, "stalls": 0}, private)
     assert quiet.startswith("stalls: none in either network (0 of 11,316")
+
+
+@pytest.mark.parametrize(
+    ("completed", "says"),
+    [
+        (subprocess.CompletedProcess([], 0, "", ""), "the host block printed no figures: ''"),
+        (subprocess.CompletedProcess([], 3, "", "boom"), "exited with status 3: boom"),
+    ],
+)
+def test_a_block_that_fails_ends_the_run_with_what_it_said(
+    completed: subprocess.CompletedProcess[str],
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(private_net, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(loopback_stall.subprocess, "run", lambda *a, **k: completed)
+    assert loopback_stall.main(["--quick"]) == 1
+    assert says in capsys.readouterr().err
