@@ -41,6 +41,9 @@ loopback (MTU 65536, BBR congestion control) 602 KB requests stalled now and the
 170 ms, in quiet windows and spans alike, and not at MTU 1500 (`bench.private_net`). The
 report's `network:` line says which loopback the run had.
 
+Ctrl-C or SIGTERM stops the run: the replicas it started and its load client are stopped
+first, then it exits with status 130.
+
     python -m bench.migration [--quick] [--json FILE] [--runtime docker|process]
         [--targets alternate|background|foreground] [--pin-nodes]
         [--network auto|private|host]
@@ -72,6 +75,7 @@ from bench import private_net
 from bench.timing import p99_is_the_maximum, percentiles
 from broker.server import BrokerConfig, RunningBroker, start_broker
 from broker.state import MigrationRecord, MigrationState
+from edge_client.demo.run import install_stop_signals
 from edge_client.observer import DEFAULT_WINDOW_S
 from images.build import ImageBuildError, build_image
 from migration.mechanism import Strategy, phase_at, span_allowance_ms, worst_gap
@@ -547,6 +551,17 @@ async def run(args: argparse.Namespace, runtime: str) -> list[dict]:
     return results
 
 
+async def _stoppable(args: argparse.Namespace, runtime: str) -> list[dict] | None:
+    """`run`, cancelled by the first SIGINT or SIGTERM so that it stops the replicas it
+    started (they run in sessions of their own) and its load client; None then."""
+    task = asyncio.create_task(run(args, runtime))
+    install_stop_signals(task, lambda message: print(message, file=sys.stderr, flush=True))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return None
+
+
 def node_cpusets(pin: bool) -> list[frozenset[int]]:
     """With `pin`, this process's CPUs split in two halves, one per node (site-a takes the
     first); else none. Two sites are two machines: their replicas never share a core."""
@@ -792,7 +807,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--network private: {cannot}")
         network_why = f"no private one: {cannot}"
     network = {**private_net.network_description(), "why": network_why}
-    results = asyncio.run(run(args, runtime))
+    results = asyncio.run(_stoppable(args, runtime))
+    if results is None:
+        return 130
     print_report(results, runtime, why, network, args)
     if args.json:
         machine = {

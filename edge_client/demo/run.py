@@ -523,9 +523,9 @@ class _BrokerCalls:
         raise DemoFailed(f"migration {migration_id} did not finish in {MIGRATION_TIMEOUT_S:.0f}s")
 
 
-def install_stop_signals(task: asyncio.Task[int], say: Callable[[str], None]) -> None:
-    """The first Ctrl-C (or SIGTERM) cancels the demo, whose `finally` stops the cluster;
-    a second one only says that this is under way."""
+def install_stop_signals(task: asyncio.Task[Any], say: Callable[[str], None]) -> None:
+    """The first Ctrl-C (or SIGTERM) cancels `task` (the demo, or `bench.migration`'s run),
+    whose `finally` stops the cluster; a second one only says that this is under way."""
     loop = asyncio.get_running_loop()
 
     def first(signum: int) -> None:
