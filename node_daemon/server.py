@@ -122,7 +122,7 @@ def read_inventory(settings: NodeSettings) -> Inventory:
 
 def connect_runtime(settings: NodeSettings, inventory: Inventory) -> Runtime:
     """Blocking. RuntimeUnavailable when `--runtime docker` cannot be had."""
-    cpuset = ",".join(str(c) for c in sorted(settings.cpuset))
+    cpuset = format_cpuset(settings.cpuset)
     if settings.runtime in ("docker", "auto"):
         image = settings.image or runtime_image_tag("cpu")
         gpu_image = None
@@ -491,6 +491,11 @@ def split_cpus(cpus: Iterable[int], parts: int) -> list[frozenset[int]]:
         runs.append(frozenset(ordered[start:end]))
         start = end
     return runs
+
+
+def format_cpuset(cpus: Iterable[int]) -> str:
+    """CPUs as `parse_cpuset` reads them and Docker's --cpuset-cpus takes them ("0,1,2")."""
+    return ",".join(map(str, sorted(cpus)))
 
 
 def parse_cpuset(text: str) -> frozenset[int]:

@@ -49,7 +49,7 @@ from edge_client.errors import OffloadError
 from images.build import ImageBuildError, build_image
 from node_daemon.runtimes import RuntimeUnavailable
 from node_daemon.runtimes.docker_runtime import connect_docker, require_images, weighed_parent
-from node_daemon.server import split_cpus
+from node_daemon.server import format_cpuset, split_cpus
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 
@@ -160,15 +160,10 @@ def site_plans(
             f"the {len(plans)} sites share {len(cpus)} CPU(s): a migration's target starts "
             f"on the CPUs serving the client (a CPU of its own per site needs {len(plans)})"
         )
-    runs = split_cpus(cpus, len(plans))
-    pinned = tuple(
-        replace(plan, flags=(*plan.flags, "--cpuset", ",".join(map(str, sorted(run)))))
-        for plan, run in zip(plans, runs, strict=True)
-    )
-    owned = ", ".join(
-        f"{plan.node_id} {','.join(map(str, sorted(run)))}"
-        for plan, run in zip(plans, runs, strict=True)
-    )
+    runs = [format_cpuset(run) for run in split_cpus(cpus, len(plans))]
+    pairs = list(zip(plans, runs, strict=True))
+    pinned = tuple(replace(plan, flags=(*plan.flags, "--cpuset", run)) for plan, run in pairs)
+    owned = ", ".join(f"{plan.node_id} {run}" for plan, run in pairs)
     return pinned, f"each site on CPUs of its own, as separate machines: {owned}"
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from common.certs import issue, make_ca, write_new
 from edge_client.cli import build_parser
-from node_daemon.server import settings_from_args, split_cpus
+from node_daemon.server import format_cpuset, parse_cpuset, settings_from_args, split_cpus
 
 
 def settings(*argv: str) -> object:
@@ -55,6 +55,13 @@ def test_a_cpuset_is_a_list_of_cpus_this_process_may_use() -> None:
             settings(*base, "--cpuset", bad)
     with pytest.raises(ValueError, match="names CPUs this process may not use: \\[4096\\]"):
         settings(*base, "--cpuset", "4096")
+
+
+def test_a_formatted_cpuset_parses_back_to_the_same_cpus() -> None:
+    first = min(os.sched_getaffinity(0))
+    assert format_cpuset({first}) == str(first)
+    assert format_cpuset([2, 0, 1]) == "0,1,2"
+    assert parse_cpuset(format_cpuset(os.sched_getaffinity(0))) == os.sched_getaffinity(0)
 
 
 def test_cpus_split_in_runs_of_consecutive_cpus_the_first_ones_larger() -> None:
