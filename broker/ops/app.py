@@ -12,7 +12,8 @@ Routes, GET (HEAD too, as HTTP wants) unless said otherwise; any other method is
 - `/`: the dashboard page; it polls the `/api/...` routes every second (`static/`). The ops
   token needed: without it the browser is sent to `/login`.
 - `/login`: the login form (GET) and its target (POST, form field `token`): the right token
-  gets the session cookie and a redirect to `/`, a wrong one 401 and the form again.
+  gets the session cookie and a redirect to `/`, a wrong one 401 and the form again, a form
+  that is not UTF-8 400.
   `POST /logout` drops the cookie. `/static/...` (scripts and styles, no data) is open.
 
 Every error is JSON, `{"error": message, "status": code}`: 401 without the ops token (before
@@ -184,7 +185,13 @@ async def _login_page(request: web.Request) -> web.Response:
 
 async def _login(request: web.Request) -> web.Response:
     auth = request.app[_AUTH_KEY]
-    form = await request.post()
+    try:
+        form = await request.post()
+    except ValueError as err:  # UnicodeDecodeError among them: the sender's mistake, not ours
+        logger.warning("ops: unreadable login form from %s: %s", request.remote, err)
+        return _error(
+            400, "the login form could not be read: send its field token as a UTF-8 form"
+        )
     token = form.get("token")
     if isinstance(token, str) and auth.token_matches(token.strip()):
         response = _see_other("/")

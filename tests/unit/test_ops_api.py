@@ -412,6 +412,35 @@ async def test_login_gives_a_cookie_session_that_reads_the_api(ops: OpsServer) -
             assert response.status == 401
 
 
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b"token=\xff\xfe", "application/x-www-form-urlencoded"),
+        (
+            b'--b\r\nContent-Disposition: form-data; name="token"\r\n\r\n\xff\xfe\r\n--b--\r\n',
+            "multipart/form-data; boundary=b",
+        ),
+    ],
+)
+async def test_a_login_form_that_is_not_utf8_is_400_without_a_traceback(
+    ops: OpsServer, caplog: pytest.LogCaptureFixture, body: bytes, content_type: str
+) -> None:
+    async with (
+        aiohttp.ClientSession() as browser,
+        browser.post(
+            f"{ops.base_url}/login", data=body, headers={"Content-Type": content_type}
+        ) as response,
+    ):
+        assert response.status == 400
+        assert response.content_type == "application/json"
+        error = await response.json()
+    assert error["status"] == 400 and "UTF-8" in error["error"]
+    assert SESSION_COOKIE not in response.cookies
+    assert "unreadable login form from 127.0.0.1" in caplog.text
+    assert not [record for record in caplog.records if record.exc_info]
+    assert "Traceback" not in caplog.text
+
+
 @pytest.mark.parametrize(("token", "status"), [(OPS_TOKEN, 200), ("some-other-token-0123", 401)])
 async def test_a_session_of_another_token_is_refused(
     ops: OpsServer, token: str, status: int
