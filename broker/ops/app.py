@@ -12,8 +12,8 @@ Routes, GET (HEAD too, as HTTP wants) unless said otherwise; any other method is
 - `/`: the dashboard page; it polls the `/api/...` routes every second (`static/`). The ops
   token needed: without it the browser is sent to `/login`.
 - `/login`: the login form (GET) and its target (POST, form field `token`): the right token
-  gets the session cookie and a redirect to `/`, a wrong one 401 and the form again, a form
-  that is not UTF-8 400.
+  gets the session cookie (`Secure` over HTTPS) and a redirect to `/`, a wrong one 401 and
+  the form again, a form that is not UTF-8 400.
   `POST /logout` drops the cookie. `/static/...` (scripts and styles, no data) is open.
 
 Every error is JSON, `{"error": message, "status": code}`: 401 without the ops token (before
@@ -195,7 +195,7 @@ async def _login(request: web.Request) -> web.Response:
     token = form.get("token")
     if isinstance(token, str) and auth.token_matches(token.strip()):
         response = _see_other("/")
-        auth.start_session(response)
+        auth.start_session(response, secure=request.secure)
         logger.info("ops: login from %s", request.remote)
         return response
     logger.warning("ops: failed login from %s", request.remote)

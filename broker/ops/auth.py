@@ -4,8 +4,9 @@ Two ways to show it, both checked in constant time:
 
 - `Authorization: Bearer <token>`: scripts and the `offload` CLI (`--ops-token-file`);
 - the session cookie a browser gets from `POST /login` (the login form of the dashboard): an
-  HMAC of the token, never the token itself, `HttpOnly` (the page's scripts cannot read it) and
-  `SameSite=Strict` (other sites' pages cannot send it). It stays valid until the token
+  HMAC of the token, never the token itself, `HttpOnly` (the page's scripts cannot read it),
+  `SameSite=Strict` (other sites' pages cannot send it) and, when the page is served over
+  HTTPS, `Secure` (the browser never sends it in plaintext). It stays valid until the token
   changes or the browser ends the session; `POST /logout` drops it.
 
 The token never travels in a URL, so it cannot end up in an access log or a browser history.
@@ -45,10 +46,16 @@ class OpsAuth:
             cookie.encode(), self._session.encode()
         )
 
-    def start_session(self, response: web.StreamResponse) -> None:
-        """Give the browser its session cookie (after a successful login)."""
+    def start_session(self, response: web.StreamResponse, *, secure: bool) -> None:
+        """Give the browser its session cookie (after a successful login); `secure`: the
+        login came over HTTPS, so the cookie must never travel over plain HTTP."""
         response.set_cookie(
-            SESSION_COOKIE, self._session, httponly=True, samesite="Strict", path="/"
+            SESSION_COOKIE,
+            self._session,
+            httponly=True,
+            samesite="Strict",
+            path="/",
+            secure=secure,
         )
 
     @staticmethod

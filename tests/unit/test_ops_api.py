@@ -8,8 +8,10 @@ four NVLink GPUs, two finished migrations (one pre-warmed) and two standby repli
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -25,6 +27,7 @@ from broker.ops import (
 from broker.ops.auth import SESSION_COOKIE
 from broker.ops.metrics import MIGRATION_OUTCOMES, MIGRATION_TRIGGERS, STANDBY_EVENTS
 from broker.state import MigrationTrigger
+from common.certs import issue, make_ca
 from migration.mechanism import Outcome
 from tests.ops_support import (
     DEPLOYMENT_ID,
@@ -402,6 +405,7 @@ async def test_login_gives_a_cookie_session_that_reads_the_api(ops: OpsServer) -
             assert (r.status, r.headers["Location"]) == (303, "/")
             cookie = r.cookies[SESSION_COOKIE]
         assert cookie["httponly"] and cookie["samesite"] == "Strict"
+        assert not cookie["secure"]  # over plain HTTP a Secure cookie would never come back
         assert OPS_TOKEN not in cookie.value
         async with browser.get(f"{ops.base_url}/api/deployments") as response:
             assert response.status == 200
@@ -410,6 +414,33 @@ async def test_login_gives_a_cookie_session_that_reads_the_api(ops: OpsServer) -
             assert response.status == 303
         async with browser.get(f"{ops.base_url}/api/deployments") as response:
             assert response.status == 401
+
+
+async def test_over_https_the_session_cookie_is_secure(tmp_path: Path) -> None:
+    ca, ca_key = make_ca("ops test CA")
+    cert, key = issue(ca, ca_key, "broker", ["localhost"], ["127.0.0.1"])
+    (tmp_path / "cert.pem").write_bytes(cert)
+    (tmp_path / "key.pem").write_bytes(key)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    client_context = ssl.create_default_context(cadata=ca.decode())
+    app = create_ops_app(StaticOpsView(), BrokerMetrics(), OpsAuth(OPS_TOKEN))
+    runner, port = await start_ops_server(app, "127.0.0.1", 0, server_context)
+    try:
+        base_url = f"https://127.0.0.1:{port}"
+        jar = aiohttp.CookieJar(unsafe=True)  # cookies of 127.0.0.1
+        async with aiohttp.ClientSession(cookie_jar=jar) as browser:
+            async with browser.post(
+                f"{base_url}/login", data={"token": OPS_TOKEN}, ssl=client_context,
+                allow_redirects=False,
+            ) as response:  # fmt: skip
+                assert response.status == 303
+                cookie = response.cookies[SESSION_COOKIE]
+            assert cookie["secure"] and cookie["httponly"] and cookie["samesite"] == "Strict"
+            async with browser.get(f"{base_url}/api/nodes", ssl=client_context) as response:
+                assert response.status == 200
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize(
@@ -446,7 +477,7 @@ async def test_a_session_of_another_token_is_refused(
     ops: OpsServer, token: str, status: int
 ) -> None:
     session = web.Response()
-    OpsAuth(token).start_session(session)
+    OpsAuth(token).start_session(session, secure=False)
     jar = aiohttp.CookieJar(unsafe=True)
     jar.update_cookies(session.cookies)
     async with (
