@@ -7,6 +7,7 @@ Hierarchy::
     ├── ModelNotFound         the request names a model or version this server does not serve
     ├── NotReady              the model is loading, warming up, or the server is draining
     ├── TooLate               the call's deadline leaves less than the model's compute time
+    ├── QueueFull             the request's priority class has as many queued as allowed
     ├── InferenceFailed       ONNX Runtime failed while running valid inputs
     └── ModelLoadError        the model file cannot be loaded or warmed up (start-up only)
 
@@ -87,6 +88,11 @@ class NotReady(RuntimeServerError):
 class TooLate(RuntimeServerError):
     """The call's deadline leaves less time than the model takes to compute: an answer
     would come after the caller stopped waiting, so it is not computed."""
+
+
+class QueueFull(RuntimeServerError):
+    """The request's priority class already has `--max-queued-per-class` requests waiting
+    for a batch: the replica holds no more (RESOURCE_EXHAUSTED; retry with backoff)."""
 
 
 class InferenceFailed(RuntimeServerError):

@@ -12,8 +12,16 @@ live load. These names are a contract with that scraper; change both together:
   the handler to its answer;
 - ``offload_runtime_compute_duration_seconds{model}`` (histogram): ONNX Runtime's `run` alone;
 - ``offload_runtime_in_flight{model}`` (gauge): calls being handled now;
-- ``offload_runtime_queued{model}`` (gauge): calls waiting for a worker thread (always 0 when
-  the model runs inline on the event loop).
+- ``offload_runtime_queued{model}`` (gauge): calls waiting for a worker thread, or for a
+  batch when the model batches (always 0 when it runs inline on the event loop unbatched);
+- with batching (`runtime.batching`): ``offload_runtime_batch_size{model}`` (histogram): the
+  rows of each batch run; ``offload_runtime_queue_delay_seconds{model}`` (histogram): each
+  request's wait from its queueing to its batch's start;
+  ``offload_runtime_class_compute_seconds_total{model, class}`` (counter): compute time of
+  the batches of each priority class (critical, standard, best-effort), whose rates give
+  the classes' shares; ``offload_runtime_class_requests_total{model, class}`` (counter):
+  requests computed per class; ``offload_runtime_class_queued{model, class}`` (gauge):
+  requests waiting per class.
 
 Calls refused before the handler are not counted: those without the right token (so that a
 caller without it cannot move a replica's load figures) and those gRPC itself refuses (a
@@ -37,6 +45,7 @@ from __future__ import annotations
 import socket
 import socketserver
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIRequestHandler
 
@@ -50,6 +59,9 @@ DURATION_BUCKETS_S = (
 """Histogram buckets (seconds) for 0.1 ms (a tiny model inline) to 5 s (a large one on a
 busy CPU); slower calls fall in +Inf."""
 
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Histogram buckets (rows) of the batch sizes."""
+
 SHUTDOWN_POLL_S = 0.1
 """How often the endpoint's thread checks for `MetricsEndpoint.close`: what a close waits
 at most, and the thread's idle wake-up rate."""
@@ -61,9 +73,14 @@ class ModelMetrics:
     threads may observe `compute` and lower `queued`."""
 
     __slots__ = (
+        "_batch_size",
+        "_class_compute",
+        "_class_queued",
+        "_class_requests",
         "_failures",
         "_failures_by_code",
         "_model",
+        "_queue_delay",
         "compute",
         "duration",
         "in_flight",
@@ -80,6 +97,31 @@ class ModelMetrics:
         self.queued = family.queued.labels(model)
         self._failures = family.failures
         self._failures_by_code: dict[str, Counter] = {}
+        self._batch_size = family.batch_size.labels(model)
+        self._queue_delay = family.queue_delay.labels(model)
+        self._class_compute = family.class_compute
+        self._class_requests = family.class_requests
+        self._class_queued = family.class_queued
+
+    def count_queued(
+        self, total: Callable[[], float], per_class: Sequence[tuple[str, Callable[[], float]]]
+    ) -> None:
+        """Read the queue lengths from these functions at each scrape (batching)."""
+        self.queued.set_function(total)
+        for name, length in per_class:
+            self._class_queued.labels(self._model, name).set_function(length)
+
+    def observe_batch(
+        self, cls: str, rows: int, compute_s: float, waits_s: Sequence[float]
+    ) -> None:
+        """One batch of priority class `cls` ran (`runtime.batching.BatchObserver`). Event
+        loop only."""
+        self._batch_size.observe(rows)
+        for wait in waits_s:
+            self._queue_delay.observe(wait)
+        self.compute.observe(compute_s)
+        self._class_compute.labels(self._model, cls).inc(compute_s)
+        self._class_requests.labels(self._model, cls).inc(len(waits_s))
 
     def failed(self, code: str) -> None:
         """Count one call answered with the gRPC status `code` (its name). Event loop only.
@@ -132,8 +174,41 @@ class RuntimeMetrics:
         )
         self.queued = Gauge(
             "offload_runtime_queued",
-            "Inference calls waiting for a worker thread (0 when the model runs inline).",
+            "Inference calls waiting for a worker thread or a batch (0 when the model runs "
+            "inline unbatched).",
             ["model"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "offload_runtime_batch_size",
+            "Rows of each batch run (batching).",
+            ["model"],
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.queue_delay = Histogram(
+            "offload_runtime_queue_delay_seconds",
+            "Each request's wait from its queueing to its batch's start (batching).",
+            ["model"],
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
+        self.class_compute = Counter(
+            "offload_runtime_class_compute_seconds",
+            "Compute time of the batches of each priority class (batching).",
+            ["model", "class"],
+            registry=r,
+        )
+        self.class_requests = Counter(
+            "offload_runtime_class_requests",
+            "Requests computed per priority class (batching).",
+            ["model", "class"],
+            registry=r,
+        )
+        self.class_queued = Gauge(
+            "offload_runtime_class_queued",
+            "Requests waiting for a batch per priority class (batching).",
+            ["model", "class"],
             registry=r,
         )
 

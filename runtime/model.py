@@ -227,17 +227,7 @@ class OnnxModel:
         zeros with each dynamic dimension 1 for the first axis (batch) and 64 elsewhere.
         ModelLoadError when the inputs are wrong or the inference fails.
         """
-        if inputs is None:
-            feeds = {s.name: _zeros(s) for s in self.inputs}
-        else:
-            tensors = [
-                RequestTensor(name, datatype_from_numpy(a.dtype), a.shape, raw=a.tobytes())
-                for name, a in inputs.items()
-            ]
-            try:
-                feeds = self.prepare(tensors)
-            except InvalidInput as err:
-                raise ModelLoadError(f"warm-up inputs do not fit the model: {err}") from err
+        feeds = self.warmup_feeds(inputs)
         try:
             times = [_timed(self._session, feeds)]
         except (ort_state.InvalidArgument, ort_state.Fail, ort_state.RuntimeException) as err:
@@ -251,6 +241,59 @@ class OnnxModel:
         while len(timed) < timed_runs and time.monotonic() < deadline:
             timed.append(_timed(self._session, feeds))
         return statistics.median(timed or times) * 1000
+
+    def warmup_feeds(self, inputs: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """`inputs` checked like a request's, or zeros with each dynamic dimension 1 for the
+        first axis (batch) and 64 elsewhere when None. ModelLoadError when they do not fit."""
+        if inputs is None:
+            return {s.name: _zeros(s) for s in self.inputs}
+        tensors = [
+            RequestTensor(name, datatype_from_numpy(a.dtype), a.shape, raw=a.tobytes())
+            for name, a in inputs.items()
+        ]
+        try:
+            return self.prepare(tensors)
+        except InvalidInput as err:
+            raise ModelLoadError(f"warm-up inputs do not fit the model: {err}") from err
+
+    def why_not_batched(self, feeds: Mapping[str, np.ndarray]) -> str | None:
+        """Why requests to this model cannot be merged on their first axis; None when they
+        can. Blocking: runs the session.
+
+        They can when every input and output has a dynamic first dimension (one symbolic
+        name across the inputs, where they name it) and a two-row batch of `feeds` (its
+        second row changed, for floating-point inputs) gives, in its first row, what `feeds`
+        alone give. A model that mixes rows fails that check; one whose rows only interact
+        for some values passes it, which is why a batch whose outputs do not have its rows
+        is still run request by request (`runtime.batching`)."""
+        for spec in (*self.inputs, *self.outputs):
+            if not spec.shape or spec.shape[0] != -1:
+                return f"{spec.describe()} has no dynamic first (batch) dimension"
+        names = {s.dim_names[0] for s in self.inputs if s.dim_names[0] is not None}
+        if len(names) > 1:
+            return f"the inputs name their first dimensions differently ({sorted(names)})"
+        if any(a.shape[0] != 1 for a in feeds.values()):
+            return "the warm-up inputs are not of one row"
+        alone = self.run(feeds, self._output_names)
+        pair = {
+            name: np.concatenate([a, a * 0.5 if a.dtype.kind == "f" else a])
+            for name, a in feeds.items()
+        }
+        try:
+            together = self.run(pair, self._output_names)
+        except (InvalidInput, InferenceFailed) as err:
+            return f"a two-row batch failed: {err}"
+        for spec, one, two in zip(self.outputs, alone, together, strict=True):
+            if two.ndim == 0 or two.shape[0] != 2:
+                return f"output {spec.name!r} of a two-row batch has shape {list(two.shape)}"
+            alike = (
+                np.array_equal(two[:1], one)
+                if one.dtype.kind in "OSUb"
+                else np.allclose(two[:1], one, rtol=1e-3, atol=1e-5, equal_nan=True)
+            )
+            if not alike:
+                return f"output {spec.name!r}: a row's result depends on the other rows"
+        return None
 
     def _check_shared_dims(self, feeds: Mapping[str, np.ndarray]) -> None:
         for dim_name, places in self._shared_dims:

@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
+import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -36,11 +38,22 @@ import numpy as np
 import uvloop
 
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.batching import (
+    CLASSES,
+    MAX_BATCH_SIZE_LIMIT,
+    MAX_CLASS_WAIT_LIMIT_S,
+    MAX_INSTANCES_LIMIT,
+    MAX_QUEUE_DELAY_LIMIT_S,
+    MAX_QUEUED_LIMIT,
+    Batcher,
+    BatchPolicy,
+    PriorityClass,
+)
 from runtime.errors import ModelLoadError
 from runtime.metrics import MetricsEndpoint, RuntimeMetrics
 from runtime.model import DEVICES, OnnxModel
 from runtime.pem import TlsIdentity, read_pem
-from runtime.rpc.auth import BearerToken, require_token
+from runtime.rpc.auth import CallerTokens, require_token
 from runtime.rpc.measurement import measure_calls
 from runtime.rpc.registration import add_servicer, raw_messages
 from runtime.rpc.servicer import RAW_METHODS, InferenceServicer, ServingState
@@ -57,6 +70,13 @@ DEFAULT_METRICS_PORT = 8002
 """Triton's metrics port, beside its (and our) gRPC port 8001."""
 METRICS_OFF = -1
 SINGLE_THREAD_BELOW_MS = 1.0
+DEFAULT_MAX_BATCH_SIZE = 32
+"""Rows per batch of a model with a batch axis unless --max-batch-size says otherwise: the
+best batch of ResNet-18 on an H200 (8,665 img/s in process, against 5,337 at 8) and, on a
+CPU, past the point where larger batches gain (docs/BENCHMARKS.md, bench.serving)."""
+DEFAULT_MAX_QUEUED_PER_CLASS = 256
+"""At most this many requests wait per priority class: 151 MB of ResNet-18 inputs."""
+DEFAULT_MAX_CLASS_WAIT_MS = 100.0
 PIN_LOOP_BELOW_MS = 1.0
 """An inline model that computes in less than this gets its loop's thread pinned (with
 `pin_event_loop`): its call is short enough for the cache misses of a core change to be a
@@ -100,6 +120,18 @@ class RuntimeSettings:
     under `PIN_LOOP_BELOW_MS` (`pin_this_thread`). The command line's default is True; this
     one is False so that a server made in another program's loop (tests, benchmarks) leaves
     that program's thread where it was."""
+    max_batch_size: int | None = None
+    """Rows per batch; None: `DEFAULT_MAX_BATCH_SIZE` when the model has a batch axis; 1:
+    batching off (each inference alone, as before batching existed)."""
+    batching: BatchPolicy = field(default_factory=BatchPolicy)
+    """The batcher's other settings (its max_batch_size is replaced by the one chosen)."""
+    priority_class: PriorityClass = PriorityClass.STANDARD
+    """The class of calls made with `token` (the deployment's)."""
+    class_tokens: Mapping[str, PriorityClass] = field(default_factory=dict)
+    """More tokens the replica takes, each with its caller's class (clients sharing it)."""
+
+    def caller_tokens(self) -> CallerTokens:
+        return CallerTokens({**self.class_tokens, self.token: self.priority_class})
 
 
 @dataclass(slots=True)
@@ -133,6 +165,8 @@ class RunningServer:
         remaining = max(0.0, grace_s - (time.monotonic() - started))
         await self.server.stop(remaining)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.state.batcher is not None:
+            self.state.batcher.close()
         await self.close_metrics()
         logger.info(
             "drained: %d in flight at the signal, stopped after %.3fs",
@@ -171,7 +205,7 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
             raw_messages(RAW_METHODS),
             parse_in_handler,
             measure_calls(model_metrics),
-            require_token(BearerToken(settings.token)),
+            require_token(settings.caller_tokens()),
         ],
     )
     tls = settings.tls
@@ -232,6 +266,9 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
             model, compute_ms, threads = single, single_ms, 1
     running.state.inline = compute_ms <= settings.inline_below_ms
     running.state.compute_s = compute_ms / 1000
+    running.state.batcher = await _batcher(
+        running, settings, model, threads, compute_ms, warmup_inputs
+    )
     if settings.pin_event_loop and running.state.inline:
         _pin_inline_loop(settings.name, compute_ms)
     # What is alive now (modules, the session) lives as long as the process: keep it out of
@@ -239,6 +276,18 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
     gc.collect()
     gc.freeze()
     running.state.model = model
+    if running.state.batcher is not None:
+        how = "batches (above)"
+    elif running.state.inline:
+        how = (
+            "runs inline on the event loop "
+            f"(at most --inline-below-ms {settings.inline_below_ms:g})"
+        )
+    else:
+        how = (
+            f"runs in {settings.concurrency} worker thread(s) "
+            f"(over --inline-below-ms {settings.inline_below_ms:g})"
+        )
     logger.info(
         "model=%s ready provider=%s intra-op threads %d (load and warm-up %.2fs); "
         "compute %.2f ms: %s",
@@ -247,11 +296,66 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
         threads,
         time.monotonic() - started,
         compute_ms,
-        f"runs inline on the event loop (at most --inline-below-ms {settings.inline_below_ms:g})"
-        if running.state.inline
-        else f"runs in {settings.concurrency} worker thread(s) "
-        f"(over --inline-below-ms {settings.inline_below_ms:g})",
+        how,
     )
+
+
+async def _batcher(
+    running: RunningServer,
+    settings: RuntimeSettings,
+    model: OnnxModel,
+    threads: int,
+    compute_ms: float,
+    warmup_inputs: dict[str, np.ndarray] | None,
+) -> Batcher | None:
+    """The batcher for `model`, with `--instances` sessions (`model` and more of the same
+    file and threads), or None when batching is off or the model cannot batch (logged)."""
+    size = settings.max_batch_size
+    if size == 1:
+        logger.info("model=%s batching off (--max-batch-size 1)", settings.name)
+        return None
+    feeds = model.warmup_feeds(warmup_inputs)
+    why_not = await asyncio.to_thread(model.why_not_batched, feeds)
+    if why_not is not None:
+        log = logger.info if size is None else logger.warning
+        log("model=%s batching off: %s", settings.name, why_not)
+        return None
+    policy = settings.batching
+    size = size or DEFAULT_MAX_BATCH_SIZE
+    policy = BatchPolicy(
+        max_batch_size=size,
+        max_queue_delay_s=policy.max_queue_delay_s,
+        max_queued_per_class=policy.max_queued_per_class,
+        max_class_wait_s=policy.max_class_wait_s,
+        instances=policy.instances,
+    )
+    instances = [model]
+    for _ in range(policy.instances - 1):
+        more, _ms = await asyncio.to_thread(_load_warm, settings, threads, warmup_inputs)
+        instances.append(more)
+    metrics = running.metrics.for_model(settings.name)
+    batcher = Batcher(
+        instances,
+        policy,
+        compute_ms / 1000,
+        settings.inline_below_ms / 1000,
+        metrics.observe_batch,
+    )
+    metrics.count_queued(
+        lambda: batcher.queued,
+        [(c.value, functools.partial(batcher.queued_in, c)) for c in CLASSES],
+    )
+    logger.info(
+        "model=%s batches: up to %d rows, queue delay %.0f us, %d instance(s), %d queued per "
+        "class at most; the deployment's calls are %s",
+        settings.name,
+        policy.max_batch_size,
+        policy.max_queue_delay_s * 1e6,
+        policy.instances,
+        policy.max_queued_per_class,
+        settings.priority_class,
+    )
+    return batcher
 
 
 def pin_this_thread() -> int | None:
@@ -352,6 +456,49 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
         return value
 
     return parse
+
+
+def _bounded(kind: type[int] | type[float], low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a finite number of `kind` in [low, high] (argparse names the flag
+    in its error)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+        if not math.isfinite(value) or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r}: use {low:g} to {high:g}")
+        return value
+
+    return parse
+
+
+def _batch_size(text: str) -> int | None:
+    if text == "auto":
+        return None
+    return int(_bounded(int, 1, MAX_BATCH_SIZE_LIMIT)(text))
+
+
+def _class_tokens(path: Path) -> dict[str, PriorityClass]:
+    """`--class-tokens FILE`: lines `CLASS TOKEN`; blank lines and `#` comments skipped.
+    ValueError naming the line (never quoting a token) when one does not parse."""
+    tokens: dict[str, PriorityClass] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--class-tokens {path}: cannot be read ({err})") from err
+    for number, line in enumerate(lines, 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) != 2 or words[0] not in set(PriorityClass):
+            raise ValueError(
+                f"--class-tokens {path} line {number}: write 'CLASS TOKEN', CLASS one of "
+                f"{', '.join(PriorityClass)}"
+            )
+        tokens[words[1]] = PriorityClass(words[0])
+    return tokens
 
 
 def _metrics_port(text: str) -> int:
@@ -465,6 +612,66 @@ def build_parser() -> argparse.ArgumentParser:
         "overhead in bench.peers: median ratio to KServe's 0.51 unpinned, 0.32 pinned; "
         "docs/BENCHMARKS.md); never: leave every thread to the scheduler",
     )
+    batching = p.add_argument_group(
+        "batching and priority (a model whose inputs and outputs have a dynamic first "
+        "dimension; docs/OPERATIONS.md)"
+    )
+    batching.add_argument(
+        "--max-batch-size",
+        type=_batch_size,
+        default=None,
+        metavar="N",
+        help="merge queued requests of the same shapes into one run of up to N rows; 1: "
+        f"batching off; auto (default): {DEFAULT_MAX_BATCH_SIZE} when every input and output "
+        "has a dynamic first dimension and a two-row batch computes each row as alone, else off",
+    )
+    batching.add_argument(
+        "--max-queue-delay-us",
+        type=_bounded(float, 0, MAX_QUEUE_DELAY_LIMIT_S * 1e6),
+        default=0.0,
+        metavar="D",
+        help="how long a batch that is not full may wait for more requests while a session "
+        "is free (default 0: run what has queued at once; batches then form from the "
+        "requests that arrive while a batch computes)",
+    )
+    batching.add_argument(
+        "--instances",
+        type=_bounded(int, 1, MAX_INSTANCES_LIMIT),
+        default=1,
+        metavar="K",
+        help="sessions of the model, each running one batch at a time (on a GPU each has "
+        "its own CUDA stream, so K batches overlap; default 1)",
+    )
+    batching.add_argument(
+        "--max-queued-per-class",
+        type=_bounded(int, 1, MAX_QUEUED_LIMIT),
+        default=DEFAULT_MAX_QUEUED_PER_CLASS,
+        metavar="N",
+        help="requests one priority class may have waiting; more get RESOURCE_EXHAUSTED "
+        f"(default {DEFAULT_MAX_QUEUED_PER_CLASS})",
+    )
+    batching.add_argument(
+        "--max-class-wait-ms",
+        type=_bounded(float, 0, MAX_CLASS_WAIT_LIMIT_S * 1000),
+        default=DEFAULT_MAX_CLASS_WAIT_MS,
+        metavar="MS",
+        help="a class whose oldest request has waited MS leads the next batch: no class "
+        f"starves behind the others (default {DEFAULT_MAX_CLASS_WAIT_MS:g})",
+    )
+    batching.add_argument(
+        "--priority-class",
+        choices=[str(c) for c in PriorityClass],
+        default=str(PriorityClass.STANDARD),
+        help="the class of calls made with --token-file's token (the deployment's); critical "
+        "batches go first while within their share, the classes share compute 4/2/1",
+    )
+    batching.add_argument(
+        "--class-tokens",
+        type=Path,
+        metavar="FILE",
+        help="more tokens this replica takes, one 'CLASS TOKEN' per line (clients sharing "
+        "it, each with its class); keep it 0600",
+    )
     p.add_argument(
         "--warmup-inputs",
         type=Path,
@@ -505,6 +712,10 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         )
     except ValueError as err:
         parser.error(str(err))
+    try:
+        class_tokens = {} if args.class_tokens is None else _class_tokens(args.class_tokens)
+    except ValueError as err:
+        parser.error(str(err))
     metrics_port = args.metrics_port
     if metrics_port is None:  # a server on a free port is one of several: no fixed port
         metrics_port = 0 if args.port == 0 else DEFAULT_METRICS_PORT
@@ -526,6 +737,15 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         pin_event_loop=args.pin_event_loop == "small",
         metrics_port=None if metrics_port == METRICS_OFF else metrics_port,
         tls=tls,
+        max_batch_size=args.max_batch_size,
+        batching=BatchPolicy(
+            max_queue_delay_s=args.max_queue_delay_us / 1e6,
+            max_queued_per_class=args.max_queued_per_class,
+            max_class_wait_s=args.max_class_wait_ms / 1000,
+            instances=args.instances,
+        ),
+        priority_class=PriorityClass(args.priority_class),
+        class_tokens=class_tokens,
     )
 
 

@@ -15,10 +15,12 @@ from google.protobuf.message import DecodeError
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.batching import Batcher, PriorityClass
 from runtime.errors import InvalidInput, ModelNotFound, NotReady, TooLate, quote
 from runtime.metrics import ModelMetrics
 from runtime.model import OnnxModel
 from runtime.rpc import convert
+from runtime.rpc.auth import CALLER
 from runtime.rpc.plans import Plan, Plans, split_request
 from runtime.rpc.status import UNDECODABLE, mapped_errors
 from runtime.version import __version__
@@ -42,6 +44,9 @@ class ServingState:
         the model's measured compute time; see `runtime.server.load_model`)."""
         self.compute_s = 0.0
         """The model's compute time measured at warm-up (median)."""
+        self.batcher: Batcher | None = None
+        """Where inferences go when the model batches; None: each runs alone, inline or in a
+        worker thread."""
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -171,8 +176,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         whose deadline leaves less than the model's measured compute time when it would start
         computing (at once inline; when a thread takes it otherwise) is TooLate
         (DEADLINE_EXCEEDED) and not computed: under overload the server would otherwise spend
-        itself on answers nobody waits for, and the calls behind them would expire too."""
+        itself on answers nobody waits for, and the calls behind them would expire too.
+
+        When the model batches, the call joins the queue of its caller's priority class (what
+        its token says: `CALLER`) and is computed in a batch (`runtime.batching`)."""
         left = context.time_remaining()
+        batcher = self._state.batcher
+        if batcher is not None:
+            deadline = None if left is None else time.monotonic() + left
+            return await batcher.infer(feeds, names, PriorityClass(CALLER.get()), deadline)
         if not self._state.inline:
             deadline = None if left is None else time.monotonic() + left
             return await self._run_in_worker(model, feeds, names, deadline)

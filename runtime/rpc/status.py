@@ -33,6 +33,7 @@ from runtime.errors import (
     ModelLoadError,
     ModelNotFound,
     NotReady,
+    QueueFull,
     TooLate,
     client_text,
 )
@@ -206,6 +207,7 @@ STATUS_TABLE: StatusTable = (
     (ModelNotFound, grpc.StatusCode.NOT_FOUND),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
     (TooLate, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (InferenceFailed, grpc.StatusCode.INTERNAL),
 )

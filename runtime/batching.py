@@ -1,0 +1,471 @@
+"""Dynamic batching by priority class inside one replica: `Batcher`.
+
+Requests to a model whose inputs and outputs all have a dynamic first dimension (the batch
+axis) wait in one queue per priority class and are merged into one `session.run` of at most
+`BatchPolicy.max_batch_size` rows; each request's outputs are cut back out of the batch's.
+Only requests with the same *key* are merged: the same input datatypes, the same sizes beyond
+the batch axis and the same requested outputs. Requests are checked (`OnnxModel.prepare`)
+before they join: a bad one fails alone and never reaches a batch.
+
+When a batch starts (the event loop, no thread):
+
+- an instance must be free: `--instances K` sessions, each running one batch at a time (on a
+  GPU each session has its own CUDA stream, so K batches overlap);
+- the *lead* class is chosen: critical first while its recent share of compute time is within
+  its weight's share (4 of 4+2+1 when all three are busy), else the class whose oldest request
+  has waited `max_class_wait_s` (a bounded wait: no class starves), else the class that used
+  the least compute for its weight (weighted fair sharing, 4/2/1: the resize policy's
+  weights). So a critical request waits behind at most one running batch per instance;
+- the batch takes that class's requests with the head's key, oldest first, up to
+  `max_batch_size` rows (one request of more rows runs alone). Classes are not mixed: a
+  critical batch is as small, and as quick, as the critical load;
+- a request whose deadline leaves less than the model's compute time is answered `TooLate`
+  (DEADLINE_EXCEEDED) and dropped, never computed for nobody; a cancelled one (its caller
+  gone) is dropped too.
+
+With `max_queue_delay_s` 0 (the default) a free instance takes what has queued at once:
+batches form from the requests that arrive while the instances are busy, so one client never
+waits for company; with D > 0 a batch that is not full waits until its oldest request has
+waited D. A batch of one request of a model that computes within `inline_below_s` runs on the
+event loop (no thread hand-off, the latency of an unbatched call); any larger batch runs in
+the instance's thread, so the loop keeps parsing the next requests while it computes.
+
+Each class's queue holds at most `max_queued_per_class` requests: past it `QueueFull`
+(RESOURCE_EXHAUSTED). Plain Python over numpy and asyncio: nothing here knows about gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from runtime.errors import NotReady, QueueFull, RuntimeServerError, TooLate
+
+logger = logging.getLogger(__name__)
+
+
+class PriorityClass(enum.StrEnum):
+    CRITICAL = "critical"
+    STANDARD = "standard"
+    BEST_EFFORT = "best-effort"
+
+
+CLASSES = tuple(PriorityClass)
+WEIGHTS: Mapping[PriorityClass, int] = {
+    PriorityClass.CRITICAL: 4,
+    PriorityClass.STANDARD: 2,
+    PriorityClass.BEST_EFFORT: 1,
+}
+"""Each class's weight in the compute time it gets when several are busy (the broker's resize
+policy weighs deployments the same way)."""
+
+SHARE_HALF_LIFE_S = 1.0
+"""How fast the compute used by each class is forgotten: its share is of the last few
+seconds, not of the replica's life."""
+
+MAX_BATCH_SIZE_LIMIT = 4096
+MAX_QUEUE_DELAY_LIMIT_S = 1.0
+MAX_QUEUED_LIMIT = 100_000
+MAX_INSTANCES_LIMIT = 64
+MAX_CLASS_WAIT_LIMIT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    max_batch_size: int = 32
+    """The most rows one `session.run` takes; 1 turns batching off."""
+    max_queue_delay_s: float = 0.0
+    """How long a batch that is not full may wait for more requests while an instance is
+    free (seconds); 0: a free instance runs what has queued at once."""
+    max_queued_per_class: int = 1024
+    """Requests one class may have waiting; more are refused (`QueueFull`)."""
+    max_class_wait_s: float = 0.1
+    """A class whose oldest request has waited this long leads the next batch (seconds)."""
+    instances: int = 1
+    """Sessions of the model, each running one batch at a time."""
+
+    def __post_init__(self) -> None:
+        check_range("max-batch-size", self.max_batch_size, 1, MAX_BATCH_SIZE_LIMIT)
+        check_range("max-queue-delay", self.max_queue_delay_s, 0.0, MAX_QUEUE_DELAY_LIMIT_S)
+        check_range("max-queued-per-class", self.max_queued_per_class, 1, MAX_QUEUED_LIMIT)
+        check_range("max-class-wait", self.max_class_wait_s, 0.0, MAX_CLASS_WAIT_LIMIT_S)
+        check_range("instances", self.instances, 1, MAX_INSTANCES_LIMIT)
+
+
+def check_range(name: str, value: float, low: float, high: float) -> None:
+    """ValueError naming `name` unless `value` is a finite number in [low, high]."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, not {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low:g} and {high:g}, not {value!r}")
+
+
+class Runner(Protocol):
+    """What the batcher runs a batch on: `OnnxModel` (one session). `run` blocks."""
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]: ...
+
+
+BatchObserver = Callable[[PriorityClass, int, float, Sequence[float]], None]
+"""Called on the event loop after each batch: its class, its rows, its compute time (s) and
+each request's wait in the queue (s)."""
+
+Key = tuple[tuple[str, ...], tuple[tuple[str, str, tuple[int, ...]], ...]]
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    feeds: Mapping[str, np.ndarray]
+    names: tuple[str, ...]
+    key: Key
+    rows: int
+    deadline: float | None
+    """`time.monotonic()` after which nobody waits for the answer; None: no deadline."""
+    arrived: float
+    future: asyncio.Future[list[np.ndarray]]
+
+
+@dataclass(slots=True)
+class _ClassState:
+    queue: deque[_Pending] = field(default_factory=deque)
+    used_s: float = 0.0
+    """Compute time used, decayed by `SHARE_HALF_LIFE_S`."""
+    total_s: float = 0.0
+    """Compute time used since the start (for the metrics)."""
+
+
+def batch_key(feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> tuple[Key, int]:
+    """What must be equal for two requests to share a batch, and the request's rows."""
+    shape_key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
+    rows = next(iter(feeds.values())).shape[0] if feeds else 1
+    return (tuple(names), tuple(sorted(shape_key))), rows
+
+
+class Batcher:
+    """Queues, batches and runs one model's inferences (see the module docstring). Event
+    loop only, except `close`."""
+
+    def __init__(
+        self,
+        instances: Sequence[Runner],
+        policy: BatchPolicy,
+        compute_s: float,
+        inline_below_s: float,
+        observe: BatchObserver | None = None,
+    ) -> None:
+        """`instances`: `policy.instances` sessions of one model with a dynamic batch axis;
+        `compute_s`: its compute time for one request (warm-up), the least a request's
+        deadline must leave; `inline_below_s`: a lone request of a model computing within it
+        runs on the loop."""
+        if len(instances) != policy.instances:
+            raise ValueError(f"{len(instances)} sessions for {policy.instances} instances")
+        self._policy = policy
+        self._free = list(instances)
+        self._compute_s = compute_s
+        self._inline = compute_s <= inline_below_s
+        self._observe = observe
+        self._classes = {c: _ClassState() for c in CLASSES}
+        self._queued = 0
+        self._decayed_at = time.monotonic()
+        self._executor = ThreadPoolExecutor(policy.instances, thread_name_prefix="batch")
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def queued_in(self, cls: PriorityClass) -> int:
+        return len(self._classes[cls].queue)
+
+    def compute_seconds(self, cls: PriorityClass) -> float:
+        """Compute time the class's batches used since the start (each batch's time, whole:
+        classes are never mixed in one batch)."""
+        return self._classes[cls].total_s
+
+    async def infer(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        cls: PriorityClass,
+        deadline: float | None,
+    ) -> list[np.ndarray]:
+        """The outputs `names` for checked `feeds`, computed in a batch with others of the
+        same key. QueueFull when `cls` has `max_queued_per_class` waiting; TooLate when the
+        deadline (`time.monotonic()`) leaves less than the compute time before it starts;
+        NotReady once closed; the model's own errors (InvalidInput, InferenceFailed) pass
+        through. Cancelling the caller drops the
+        request if it has not started."""
+        if self._closed:
+            raise _shutting_down()
+        state = self._classes[cls]
+        if len(state.queue) >= self._policy.max_queued_per_class:
+            raise QueueFull(
+                f"{len(state.queue)} {cls} requests are queued already, the most this replica "
+                f"holds per class (--max-queued-per-class); retry with backoff"
+            )
+        key, rows = batch_key(feeds, names)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(
+            feeds, tuple(names), key, rows, deadline, time.monotonic(), loop.create_future()
+        )
+        state.queue.append(pending)
+        self._queued += 1
+        self._schedule(loop)
+        return await pending.future
+
+    def close(self) -> None:
+        """Refuse new requests, fail the queued ones (NotReady: UNAVAILABLE), and stop
+        the threads once their batch is done (not waited for)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for state in self._classes.values():
+            while state.queue:
+                pending = state.queue.popleft()
+                if not pending.future.done():
+                    pending.future.set_exception(_shutting_down())
+        self._queued = 0
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        # After the callbacks that are ready now: the handlers of calls that arrived together
+        # queue their requests before the batch is cut.
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        loop = asyncio.get_running_loop()
+        while self._free and self._queued and not self._closed:
+            now = time.monotonic()
+            self._drop_unwanted(now)
+            cls = self._lead(now)
+            if cls is None:
+                return
+            batch, rows, full = self._take(self._classes[cls].queue, now, peek=True)
+            wait_until = batch[0].arrived + self._policy.max_queue_delay_s
+            if not full and now < wait_until:
+                self._timer = loop.call_at(loop.time() + (wait_until - now), self._schedule, loop)
+                return
+            batch, rows, _ = self._take(self._classes[cls].queue, now, peek=False)
+            self._queued -= len(batch)
+            runner = self._free.pop()
+            waits = [now - p.arrived for p in batch]
+            if len(batch) == 1 and self._inline:
+                self._run_inline(runner, cls, batch[0], waits)
+            else:
+                task = loop.run_in_executor(self._executor, _run_batch, runner, batch, rows)
+                task.add_done_callback(
+                    functools.partial(
+                        self._finished, runner=runner, cls=cls, batch=batch, waits=waits
+                    )
+                )
+
+    def _drop_unwanted(self, now: float) -> None:
+        """Answer TooLate to each queued request whose deadline leaves less than the
+        compute time, and forget cancelled ones."""
+        for cls, state in self._classes.items():
+            if not state.queue:
+                continue
+            kept: deque[_Pending] = deque()
+            for pending in state.queue:
+                if pending.future.done():
+                    continue
+                if pending.deadline is not None and pending.deadline - now < self._compute_s:
+                    left = max(pending.deadline - now, 0.0)
+                    pending.future.set_exception(
+                        TooLate(
+                            f"ModelInfer: {left * 1000:.1f} ms left of the call's deadline "
+                            f"after {(now - pending.arrived) * 1000:.1f} ms in the {cls} "
+                            f"queue, under the model's compute time "
+                            f"({self._compute_s * 1000:.1f} ms); not computed"
+                        )
+                    )
+                    continue
+                kept.append(pending)
+            self._queued -= len(state.queue) - len(kept)
+            state.queue = kept
+
+    def _lead(self, now: float) -> PriorityClass | None:
+        """The class whose requests form the next batch (see the module docstring)."""
+        self._decay(now)
+        busy = [c for c in CLASSES if self._classes[c].queue]
+        if not busy:
+            return None
+        critical = PriorityClass.CRITICAL
+        if critical in busy:
+            weight_sum = sum(WEIGHTS[c] for c in CLASSES if self._recently_active(c))
+            used_sum = sum(s.used_s for s in self._classes.values())
+            share = self._classes[critical].used_s / used_sum if used_sum > 0 else 0.0
+            if share <= WEIGHTS[critical] / max(weight_sum, WEIGHTS[critical]):
+                return critical
+        waited = [
+            (now - self._classes[c].queue[0].arrived, c)
+            for c in busy
+            if now - self._classes[c].queue[0].arrived >= self._policy.max_class_wait_s
+        ]
+        if waited:
+            return max(waited)[1]
+        return min(busy, key=lambda c: (self._classes[c].used_s / WEIGHTS[c], CLASSES.index(c)))
+
+    def _recently_active(self, cls: PriorityClass) -> bool:
+        state = self._classes[cls]
+        return bool(state.queue) or state.used_s > 1e-9
+
+    def _decay(self, now: float) -> None:
+        elapsed = now - self._decayed_at
+        if elapsed <= 0:
+            return
+        factor = 0.5 ** (elapsed / SHARE_HALF_LIFE_S)
+        for state in self._classes.values():
+            state.used_s *= factor
+        self._decayed_at = now
+
+    def _take(
+        self, queue: deque[_Pending], now: float, peek: bool
+    ) -> tuple[list[_Pending], int, bool]:
+        """The head of `queue` and the requests of its key behind it, up to the batch size:
+        (them, their rows, whether the batch is full). Removed from `queue` unless `peek`."""
+        head = queue[0]
+        limit = self._policy.max_batch_size
+        batch = [head]
+        rows = head.rows
+        if rows >= limit:
+            if not peek:
+                queue.popleft()
+            return batch, rows, True
+        for pending in list(queue)[1:]:
+            if pending.key != head.key or pending.future.done():
+                continue
+            if rows + pending.rows > limit:
+                break
+            batch.append(pending)
+            rows += pending.rows
+            if rows == limit:
+                break
+        if not peek:
+            taken = set(map(id, batch))
+            remaining = deque(p for p in queue if id(p) not in taken)
+            queue.clear()
+            queue.extend(remaining)
+        return batch, rows, rows >= limit
+
+    def _run_inline(
+        self, runner: Runner, cls: PriorityClass, pending: _Pending, waits: list[float]
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            result = runner.run(pending.feeds, pending.names)
+        except Exception as err:  # not ours: the caller's error mapper logs it as a bug
+            pending.future.set_exception(err)
+        else:
+            if not pending.future.done():
+                pending.future.set_result(result)
+        finally:
+            self._account(runner, cls, pending.rows, time.perf_counter() - started, waits)
+
+    def _finished(
+        self,
+        done: asyncio.Future[tuple[list[list[np.ndarray] | RuntimeServerError], float]],
+        runner: Runner,
+        cls: PriorityClass,
+        batch: list[_Pending],
+        waits: list[float],
+    ) -> None:
+        """On the loop, after a batch's thread: answer each request, free the instance."""
+        if done.cancelled() or done.exception() is not None:
+            # Cancelled: the executor shut down before the batch ran. An exception that is
+            # not ours is a bug: each caller's error mapper logs it and answers INTERNAL.
+            error = done.exception() if not done.cancelled() else None
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(error or _shutting_down())
+            self._free.append(runner)
+            return
+        answers, seconds = done.result()
+        for pending, answer in zip(batch, answers, strict=True):
+            if pending.future.done():
+                continue
+            if isinstance(answer, RuntimeServerError):
+                pending.future.set_exception(answer)
+            else:
+                pending.future.set_result(answer)
+        self._account(runner, cls, sum(p.rows for p in batch), seconds, waits)
+
+    def _account(
+        self, runner: Runner, cls: PriorityClass, rows: int, seconds: float, waits: list[float]
+    ) -> None:
+        self._decay(time.monotonic())
+        state = self._classes[cls]
+        state.used_s += seconds
+        state.total_s += seconds
+        self._free.append(runner)
+        if self._observe is not None:
+            self._observe(cls, rows, seconds, waits)
+        if self._queued and not self._closed:
+            self._schedule(asyncio.get_running_loop())
+
+
+def _shutting_down() -> NotReady:
+    return NotReady("the server is draining (shutting down); retry on the new endpoint")
+
+
+def _run_batch(
+    runner: Runner, batch: Sequence[_Pending], rows: int
+) -> tuple[list[list[np.ndarray] | RuntimeServerError], float]:
+    """In an instance's thread: one run of the merged feeds, cut back per request. Returns
+    each request's outputs or error, and the compute time.
+
+    When the merged run fails (a value one request carries that the model rejects, such as
+    a token id past the vocabulary), or its outputs do not have `rows` rows (a model that
+    mixes rows), the requests are run again one by one: a bad request fails alone and every
+    answer is its own request's."""
+    started = time.perf_counter()
+    head = batch[0]
+    if len(batch) > 1:
+        feeds = {
+            name: np.concatenate([p.feeds[name] for p in batch], axis=0) for name in head.feeds
+        }
+        try:
+            outputs = runner.run(feeds, head.names)
+        except RuntimeServerError as err:
+            logger.info("a batch of %d failed (%s): running them one by one", len(batch), err)
+        else:
+            if all(o.ndim > 0 and o.shape[0] == rows for o in outputs):
+                answers: list[list[np.ndarray] | RuntimeServerError] = []
+                start = 0
+                for pending in batch:
+                    end = start + pending.rows
+                    answers.append([o[start:end] for o in outputs])
+                    start = end
+                return answers, time.perf_counter() - started
+            logger.warning(
+                "a batch of %d rows gave outputs of shapes %s: running its requests one by one",
+                rows,
+                [list(o.shape) for o in outputs],
+            )
+    return [_run_one(runner, p) for p in batch], time.perf_counter() - started
+
+
+def _run_one(runner: Runner, pending: _Pending) -> list[np.ndarray] | RuntimeServerError:
+    try:
+        return runner.run(pending.feeds, pending.names)
+    except RuntimeServerError as err:
+        return err
