@@ -74,6 +74,7 @@ from broker.state.permissions import create_private_file
 from broker.state.postgres_backend import SCHEMES
 from common import collector
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
+from common.private_files import read_secret, warn_if_readable
 from migration.policy import Hysteresis, PrewarmSettings
 from migration.rebalance import RebalanceSettings
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
@@ -490,15 +491,6 @@ def state_ops_token(state_dir: Path) -> str:
     return token
 
 
-def _read_secret(path: Path, flag: str) -> str:
-    text = path.read_text().strip()
-    if not text:
-        raise ValueError(f"{flag} {path} is empty")
-    if path.stat().st_mode & 0o077:
-        logger.warning("%s %s is readable by other users: chmod 600 it", flag, path)
-    return text
-
-
 def _check_state_location(location: str) -> None:
     """A password in `--state` would be on the command line, which every local user can read
     (ps, /proc): refused, pointing at where libpq reads one from instead."""
@@ -562,17 +554,18 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     keys: tuple[str, ...] = ()
     if args.api_keys_file is not None:
         keys = parse_api_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))
+        warn_if_readable(args.api_keys_file, "--api-keys-file")
     return BrokerConfig(
         listen=args.listen,
         ops_listen=args.ops_listen,
         state_dir=args.state_dir,
         state=args.state,
         cluster=args.cluster,
-        join_token=_read_secret(args.join_token_file, "--join-token-file"),
+        join_token=read_secret(args.join_token_file, "--join-token-file"),
         api_keys=keys,
         api_keys_file=args.api_keys_file,
         ops_token=(
-            _read_secret(args.ops_token_file, "--ops-token-file")
+            read_secret(args.ops_token_file, "--ops-token-file")
             if args.ops_token_file is not None
             else None
         ),

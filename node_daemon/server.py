@@ -30,6 +30,7 @@ import grpc
 
 from common.brokers import parse_broker_addresses
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
+from common.private_files import read_secret
 from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink
@@ -407,13 +408,6 @@ def _fetch_rate(mb_s: float) -> float:
     return mb_s
 
 
-def _read_token(path: Path, flag: str) -> str:
-    token = path.read_text().strip()
-    if not token:
-        raise ValueError(f"{flag} {path} is empty")
-    return token
-
-
 def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     """Validated settings; ValueError saying which flag is wrong."""
     if args.topology_file is not None and not args.gpu_spec:
@@ -429,10 +423,10 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     if args.broker:
         parse_broker_addresses(args.broker)
     if args.join_token_file is not None:
-        join_token = _read_token(args.join_token_file, "--join-token-file")
+        join_token = read_secret(args.join_token_file, "--join-token-file")
     token = join_token
     if args.agent_token_file is not None:
-        token = _read_token(args.agent_token_file, "--agent-token-file")
+        token = read_secret(args.agent_token_file, "--agent-token-file")
     elif not token and not is_loopback(args.listen):
         raise ValueError(
             f"--listen {args.listen} is reachable from other hosts: give --agent-token-file "
