@@ -5,6 +5,10 @@ against the content and renames a complete temporary file into place: nothing ha
 is ever visible under its hash. `path` checks the content again before a file is used
 (once per file and modification: not after the upload that just hashed it), so a file
 damaged on disk is refused, not served.
+
+The folder is 0700 and every file in it `file_mode` (0600 unless a runtime's replicas read the
+files as another user), whatever the umask: the cache holds clients' models, as the broker's
+model store does. A looser folder left by an older daemon is tightened when the cache opens.
 File I/O blocks: callers on an event loop use `asyncio.to_thread`.
 """
 
@@ -17,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from common.content import PutResult, check_sha256, file_sha256
+from common.private_files import PRIVATE_FILE, private_dir
 from node_daemon.errors import InvalidRequest, ModelNotCached, ModelTooLarge
 
 logger = logging.getLogger(__name__)
@@ -64,7 +69,7 @@ class Upload:
         if target.exists():
             self._tmp.unlink(missing_ok=True)
             return PutResult(self.sha256, self._size, deduplicated=True)
-        self._tmp.chmod(0o644)  # replicas run as another user and read it read-only
+        self._tmp.chmod(self._cache.file_mode)
         # These bytes were hashed as they were written: `path` need not read them again
         # (46.7 MB is 30-50 ms of a CPU the replica serving beside a migration's target
         # needs). Stated before the rename, so the key is the file that was hashed.
@@ -81,12 +86,23 @@ class Upload:
 
 
 class ModelCache:
-    def __init__(self, root: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(
+        self, root: Path, max_bytes: int = DEFAULT_MAX_BYTES, file_mode: int = PRIVATE_FILE
+    ) -> None:
+        """The cache in `root` (made 0700, or tightened to it). `file_mode`: what every cached
+        file gets, those already there included (a daemon may change runtimes between
+        starts): 0600 when replicas run as this user; 0644 when they run as another one and
+        read their file through a bind mount (Docker), the 0700 folder keeping other local
+        users out all the same."""
         self.root = root
         self.max_bytes = max_bytes
-        root.mkdir(parents=True, exist_ok=True)
+        self.file_mode = file_mode
+        private_dir(root)
         for stale in root.glob(".upload-*"):  # left by a crash mid-upload
             stale.unlink(missing_ok=True)
+        for cached in root.iterdir():
+            if cached.is_file() and cached.stat().st_mode & 0o7777 != file_mode:
+                cached.chmod(file_mode)
         self._verified: dict[str, tuple[int, int]] = {}
 
     def upload(self, sha256: str) -> Upload:

@@ -30,7 +30,7 @@ import grpc
 
 from common.brokers import parse_broker_addresses
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
-from common.private_files import read_secret
+from common.private_files import PRIVATE_FILE, private_dir, read_secret
 from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink
@@ -159,8 +159,16 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
         # are pinned by their runtime (a process's threads, a container's cpuset).
         os.sched_setaffinity(0, settings.cpuset)
     inventory = await asyncio.to_thread(read_inventory, settings)
+    # Clients' models, replicas' tokens and logs: this user's only, whatever the umask.
+    await asyncio.to_thread(private_dir, settings.state_dir)
     runtime = await asyncio.to_thread(connect_runtime, settings, inventory)
-    cache = ModelCache(settings.state_dir / "models", settings.max_model_bytes)
+    cache = await asyncio.to_thread(
+        ModelCache,
+        settings.state_dir / "models",
+        settings.max_model_bytes,
+        # A container runs as the image's user and reads its model through a bind mount.
+        0o644 if isinstance(runtime, DockerRuntime) else PRIVATE_FILE,
+    )
     agent = NodeAgent(
         settings.node_id,
         settings.site,

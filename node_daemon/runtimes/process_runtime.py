@@ -6,7 +6,8 @@ cannot limit memory. It limits CPU (a replica's `cpus` from its start, and `upda
 cgroup of the replica's own where the host lets it write one
 (`node_daemon.runtimes.cgroup_limits`), and says it cannot elsewhere.
 
-Each replica has a folder (token, log, `replica.json`). Replicas run in their own session,
+Each replica has a folder (token, log, `replica.json`). Folders are 0700 and files 0600,
+whatever the umask: the token is the deployment's secret. Replicas run in their own session,
 so they outlive the daemon; a daemon started again with the same `workdir` adopts those
 still running (`adopt`). Without a `workdir`, folders are temporary and nothing is adopted.
 
@@ -54,6 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.private_files import PRIVATE_DIR, open_private, private_dir
 from node_daemon.runtimes import cgroup_limits, cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
@@ -154,7 +156,8 @@ def _write_record(
         "labels": dict(labels),
         "metrics_endpoint": metrics_endpoint,
     }
-    tmp.write_text(json.dumps(record))
+    with open_private(tmp) as out:
+        out.write(json.dumps(record).encode())
     os.replace(tmp, workdir / _RECORD)
 
 
@@ -278,7 +281,8 @@ class ProcessRuntime:
             workdir = self._workdir / spec.replica_id
             if workdir.exists():  # left by a replica that is gone: its log is stale
                 shutil.rmtree(workdir)
-            workdir.mkdir(parents=True)
+            private_dir(self._workdir)
+            workdir.mkdir(mode=PRIVATE_DIR)
         try:
             await uncancellable(self._spawn(spec, workdir))
             running = self._running[spec.replica_id]
@@ -328,8 +332,8 @@ class ProcessRuntime:
     async def _spawn(self, spec: ReplicaSpec, workdir: Path) -> None:
         """Write the token and the record, start the process, and track it."""
         token_file = workdir / "token"
-        token_file.write_text(spec.token)
-        token_file.chmod(0o600)
+        with open_private(token_file) as out:
+            out.write(spec.token.encode())
         tls_files = write_tls_files(spec, workdir)
         _write_record(workdir, None, "", spec.labels)
         command = [
@@ -347,7 +351,7 @@ class ProcessRuntime:
         env = dict(os.environ)
         # The replica sees exactly its GPUs (none: no GPU at all).
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
-        with (workdir / _LOG).open("wb") as log:
+        with open_private(workdir / _LOG) as log:
             process = await asyncio.create_subprocess_exec(
                 *command, stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,
                 cwd=_REPO_ROOT, env=env, start_new_session=True,

@@ -278,6 +278,36 @@ async def test_a_failed_start_tells_the_caller_why_without_node_details(
         await _cleanup(daemon, [])
 
 
+async def test_the_nodes_state_is_the_owners_only_under_umask_022(tmp_path: Path) -> None:
+    previous = os.umask(0o022)  # the daemon inherits it, as from a login shell
+    try:
+        state, log = tmp_path / "state", tmp_path / "daemon.log"
+        daemon = await start_daemon("process", "test-node-private-state", state, log)
+    finally:
+        os.umask(previous)
+    started: list[str] = []
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            sha = await put_model(stub, modelzoo.model_path("mlp"))
+            spec = pb.ReplicaSpec(
+                deployment_id="dep-private", epoch=1, model_sha256=sha, model_name="mlp",
+                token=TOKEN,
+            )  # fmt: skip
+            replica = (await stub.StartReplica(pb.StartReplicaRequest(spec=spec))).replica
+            started.append(replica.replica_id)
+        workdir = state / "replicas" / replica.replica_id
+        folders = [state, state / "models", state / "replicas", workdir]
+        files = [state / "models" / sha, *(p for p in workdir.iterdir() if p.is_file())]
+        assert {p.name for p in files} >= {sha, "token", "replica.log", "replica.json"}
+        assert {str(p): p.stat().st_mode & 0o777 for p in folders + files} == {
+            **{str(p): 0o700 for p in folders},
+            **{str(p): 0o600 for p in files},
+        }
+    finally:
+        await _cleanup(daemon, started)
+
+
 async def test_a_dead_replica_is_reported_with_exit_code_and_log(
     runtime: str, daemon_paths: tuple[Path, Path]
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,24 @@ def test_a_deduplicated_upload_does_not_vouch_for_the_file_on_disk(
     with pytest.raises(ModelNotCached, match="damaged and has been removed"):
         cache.path(SHA)
     assert len(hashed) == 1
+
+
+def test_cached_models_are_the_owners_only_whatever_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o022)
+    try:
+        root = tmp_path / "models"
+        root.mkdir(mode=0o755)  # as an older daemon left it
+        cache = ModelCache(root)
+        upload(cache, SHA, [CONTENT])
+        assert (root.stat().st_mode & 0o777, (root / SHA).stat().st_mode & 0o777) == (
+            0o700,
+            0o600,
+        )
+        # Docker's replicas run as the image's user and read their model through a bind
+        # mount: they need the read bit for others; the folder keeps other users out.
+        ModelCache(root, file_mode=0o644)
+        assert (root / SHA).stat().st_mode & 0o777 == 0o644
+        ModelCache(root)
+        assert (root / SHA).stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(previous)
