@@ -41,11 +41,11 @@ from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import Inventory
 from node_daemon.model_cache import ModelCache
 from node_daemon.resources import ResourceManager
+from node_daemon.rpc.auth import AgentTokenInterceptor
 from node_daemon.rpc.servicer import NodeAgentServicer
 from node_daemon.runtimes.null_runtime import NullRuntime
 from node_daemon.server import MAX_MESSAGE_BYTES
 from protos.offload.v1 import node_pb2_grpc as npb_grpc
-from runtime.rpc.auth import TokenAuthInterceptor
 from runtime.rpc.status import MalformedRequests
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class HollowFleet:
         )
         agent.resizer = ResourceManager("static", agent.resize)
         server = grpc.aio.server(
-            interceptors=[MalformedRequests(), TokenAuthInterceptor(self._join_token, ())],
+            interceptors=[MalformedRequests(), AgentTokenInterceptor(self._join_token)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

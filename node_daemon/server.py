@@ -45,11 +45,11 @@ from node_daemon.inventory import (
 )
 from node_daemon.model_cache import DEFAULT_MAX_BYTES, ModelCache
 from node_daemon.resources import POLICIES, ResourceManager
+from node_daemon.rpc.auth import AgentTokenInterceptor
 from node_daemon.rpc.servicer import NodeAgentServicer
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, Runtime, RuntimeUnavailable
 from node_daemon.runtimes.cgroup_limits import MAX_SHARES, REPLICAS_PARENT
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
-from runtime.rpc.auth import TokenAuthInterceptor
 from runtime.rpc.status import MalformedRequests
 from runtime.tls import check_listener, is_loopback, listen, server_credentials
 
@@ -193,7 +193,7 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
     )
     interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequests()]
     if settings.agent_token:
-        interceptors.append(TokenAuthInterceptor(settings.agent_token, open_methods=()))
+        interceptors.append(AgentTokenInterceptor(settings.agent_token))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[

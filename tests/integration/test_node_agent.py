@@ -450,6 +450,21 @@ async def test_agent_token_guards_every_call(tmp_path: Path) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Describe(pb.DescribeRequest())
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "agent token" in (caught.value.details() or "")
+            # A wrong token, on a unary call and on PutModel's stream: the node's own words,
+            # which name no deployment (the agent token is the node's).
+            wrong = (("authorization", "Bearer not-the-agent-token-0123"),)
+            sha = file_sha256(modelzoo.model_path("mlp"))
+            for call in (
+                stub.Describe(pb.DescribeRequest(), metadata=wrong),
+                stub.PutModel(iter([pb.ModelChunk(sha256=sha, data=b"x")]), metadata=wrong),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                details = caught.value.details() or ""
+                assert details == "invalid agent token for this node"
+                assert "deployment" not in details
             described = await stub.Describe(
                 pb.DescribeRequest(),
                 metadata=(("authorization", "Bearer agent-secret-0123456789"),),
