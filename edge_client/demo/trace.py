@@ -24,10 +24,15 @@ from pathlib import Path
 
 import yaml
 
+from edge_client.mobility import formats
 from edge_client.mobility import traces as mobility_traces
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "commute.yaml"
 MAX_DWELL_S = 3600.0
+WANTED = (
+    "what `offload demo --trace` reads: a YAML file of {site, dwell_s} waypoints, or a "
+    f"{mobility_traces.WANTED.removeprefix('a ')} named .json"
+)
 
 
 class TraceError(ValueError):
@@ -65,8 +70,11 @@ def load_trace(path: Path, sites: Collection[str], vehicle: str | None = None) -
         return _vehicle_trace(path, sites, vehicle)
     if vehicle is not None:
         raise TraceError(f"{path}: --vehicle needs a generated trace (.json), not waypoints")
+    _refuse_other_formats(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TraceError(mobility_traces.not_a_trace(path, WANTED)) from None
     except OSError as err:
         raise TraceError(f"cannot read the trace {path}: {err.strerror}") from err
     try:
@@ -110,6 +118,18 @@ def load_trace(path: Path, sites: Collection[str], vehicle: str | None = None) -
             )
         waypoints.append(Waypoint(site, dwell))
     return Trace(name, tuple(waypoints))
+
+
+def _refuse_other_formats(path: Path) -> None:
+    """TraceError naming the format of a file that is not YAML text (SUMO FCD, XML, CSV, a
+    trace JSON without the .json suffix...) and the formats the demo reads."""
+    try:
+        kind = formats.sniff(path)
+    except OSError:
+        return  # reading it says why
+    yaml_text = (formats.Form.TEXT, formats.Form.JSON, formats.Form.EMPTY)  # YAML reads JSON
+    if kind.compressed or kind.form not in yaml_text:
+        raise TraceError(mobility_traces.not_a_trace(path, WANTED))
 
 
 def _vehicle_trace(path: Path, sites: Collection[str], vehicle_id: str | None) -> Trace:

@@ -11,13 +11,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from edge_client.mobility import cluster as sim_cluster
-from edge_client.mobility import generate, simulator, traces
+from edge_client.mobility import generate, simulator, trace_import, traces
 from migration.policy import Hysteresis, PrewarmSettings
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     trace = subparsers.add_parser(
-        "trace", help="mobility traces: generate vehicle traces with Eclipse SUMO"
+        "trace", help="mobility traces: generate them with Eclipse SUMO, or import SUMO output"
     )
     trace_sub = trace.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
     gen = trace_sub.add_parser(
@@ -28,6 +28,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     generate.add_generate_arguments(gen)
     gen.set_defaults(func=generate.run_generate)
+    imp = trace_sub.add_parser(
+        "import",
+        help="a trace from a SUMO FCD file (XML or CSV, gzipped or not) and a sites file",
+        description=trace_import.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    trace_import.add_import_arguments(imp)
+    imp.set_defaults(func=trace_import.run_import)
 
     sim = subparsers.add_parser(
         "simulate",
@@ -36,7 +44,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_simulate_arguments(sim)
-    sim.add_argument("--trace", type=Path, required=True, help="a generated trace (.json)")
+    sim.add_argument(
+        "--trace",
+        type=Path,
+        required=True,
+        help="a trace JSON (`offload trace generate` or `offload trace import` writes it)",
+    )
     sim.add_argument(
         "--captures",
         type=Path,

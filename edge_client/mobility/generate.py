@@ -10,9 +10,7 @@
 4. Sites: base stations on a grid of `cell_m` cells over the network's extent (a site at each
    cell's centre, radius 0.75 x `cell_m`, so the cells overlap and cover every corner), linked
    to their four neighbours with `link_base_ms + link_ms_per_km x distance`; or the sites (and
-   optionally links) of a `--sites` YAML file (`{sites: [{name, x, y, radius_m, access_ms}],
-   links: [{a, b, latency_ms}]}`; without links each site is linked to its 3 nearest and along
-   a minimum spanning tree, latency by distance).
+   optionally links) of a `--sites` YAML file (`edge_client.mobility.sites`).
 5. Each vehicle's positions become a site sequence (`edge_client.mobility.handover`).
 
 The same options and seed give the same trace, byte for byte, on one SUMO version (the
@@ -31,12 +29,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import networkx as nx
-import yaml
-
 from edge_client.mobility import sumo
 from edge_client.mobility.handover import CellTracker, check_settings
-from edge_client.mobility.traces import HandoverSettings, Link, MobilityTrace, Site, parse
+from edge_client.mobility.sites import SiteDefaults, link_latency_ms, read_sites
+from edge_client.mobility.traces import HandoverSettings, Link, MobilityTrace, Site
 
 Positions = dict[str, list[tuple[float, float, float]]]
 """Vehicle id -> its (t, x, y) samples."""
@@ -91,6 +87,10 @@ class GenerateOptions:
         check_settings(HandoverSettings(self.hysteresis_m, self.time_to_trigger_s))
 
     @property
+    def site_defaults(self) -> SiteDefaults:
+        return SiteDefaults(self.access_ms, self.link_base_ms, self.link_ms_per_km)
+
+    @property
     def window_s(self) -> float:
         if self.depart_window_s is not None:
             return self.depart_window_s
@@ -124,7 +124,7 @@ def generate_trace(options: GenerateOptions, *, keep_positions: bool = False) ->
         )
         bounds = sumo.network_bounds(net)
         if options.sites_file is not None:
-            sites, links = read_sites(options.sites_file, options)
+            sites, links = read_sites(options.sites_file, options.site_defaults)
         else:
             sites, links = grid_sites(bounds, options)
         trips = sumo.random_trips(
@@ -194,7 +194,7 @@ def grid_sites(bounds: sumo.Bounds, options: GenerateOptions) -> tuple[list[Site
         for r in range(rows)
         for c in range(cols)
     ]
-    hop = _latency(cell, options)
+    hop = link_latency_ms(cell, options.site_defaults)
     links = [
         Link(names[(r, c)], names[(r + dr, c + dc)], hop)
         for r in range(rows)
@@ -203,58 +203,6 @@ def grid_sites(bounds: sumo.Bounds, options: GenerateOptions) -> tuple[list[Site
         if (r + dr, c + dc) in names
     ]
     return sites, links
-
-
-def read_sites(path: Path, options: GenerateOptions) -> tuple[list[Site], list[Link]]:
-    """Sites (and links) of a `--sites` YAML file (see the module docstring). ValueError when
-    the file is invalid."""
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"--sites {path}: {err}") from err
-    if not isinstance(doc, dict):
-        raise ValueError(f"--sites {path}: expected a mapping with a `sites` list")
-    sites_doc = [
-        {"access_ms": options.access_ms, **s} if isinstance(s, dict) else s
-        for s in doc.get("sites") or []
-    ]
-    trace = parse(
-        {
-            "format": "edge-offload-mobility-trace",
-            "version": 1,
-            "duration_s": 1,
-            "handover": {"hysteresis_m": 0, "time_to_trigger_s": 0},
-            "sites": sites_doc,
-            "links": doc.get("links") or [],
-            "vehicles": [],
-        },
-        f"--sites {path}",
-    )
-    sites = list(trace.sites)
-    if trace.links:
-        return sites, list(trace.links)
-    graph = nx.Graph()
-    for a in sites:
-        graph.add_node(a.name)
-        others = sorted(sites, key=lambda b: (math.dist((a.x, a.y), (b.x, b.y)), b.name))
-        for b in others[1:4]:
-            graph.add_edge(a.name, b.name, weight=math.dist((a.x, a.y), (b.x, b.y)))
-    full = nx.Graph()
-    for i, a in enumerate(sites):
-        for b in sites[i + 1 :]:
-            full.add_edge(a.name, b.name, weight=math.dist((a.x, a.y), (b.x, b.y)))
-    graph.add_edges_from(nx.minimum_spanning_tree(full).edges(data=True))
-    order = {s.name: i for i, s in enumerate(sites)}
-    links = []
-    for a, b, data in graph.edges(data=True):
-        first, second = sorted((a, b), key=order.__getitem__)
-        links.append(Link(first, second, _latency(data["weight"], options)))
-    links.sort(key=lambda k: (order[k.a], order[k.b]))
-    return sites, links
-
-
-def _latency(distance_m: float, options: GenerateOptions) -> float:
-    return round(options.link_base_ms + options.link_ms_per_km * distance_m / 1000, 3)
 
 
 # --- the command line --------------------------------------------------------------------------

@@ -45,6 +45,8 @@ from typing import Any
 
 import yaml
 
+from edge_client.mobility import formats
+
 FORMAT = "edge-offload-mobility-trace"
 VERSION = 1
 
@@ -177,17 +179,44 @@ def is_trace_file(path: Path) -> bool:
     return path.suffix.lower() == ".json"
 
 
+WANTED = (
+    f"a mobility trace JSON (format {FORMAT!r}, written by `offload trace generate` or "
+    "`offload trace import`)"
+)
+
+
 def load(path: Path) -> MobilityTrace:
-    """Read and check the trace at `path`. Blocking. TraceFormatError when it is invalid."""
+    """Read and check the trace at `path`. Blocking. TraceFormatError when it is invalid, or
+    a file of another format (named, with the format wanted)."""
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError:
+        raise TraceFormatError(not_a_trace(path)) from None
+    except OSError as err:
         raise TraceFormatError(f"cannot read the trace {path}: {err}") from err
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
+        if text.lstrip("\ufeff \t\r\n")[:1] not in ("{", "["):
+            raise TraceFormatError(not_a_trace(path)) from None
         raise TraceFormatError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from err
     return parse(doc, str(path))
+
+
+def not_a_trace(path: Path, wanted: str = WANTED) -> str:
+    """The error for a file at `path` that is not what a trace command wants: what it is
+    (`formats.sniff`), what is `wanted`, and how to import it if it is SUMO FCD."""
+    try:
+        kind = formats.sniff(path)
+    except OSError as err:
+        return f"cannot read the trace {path}: {err}"
+    message = f"{path}: {kind.describe()}, not {wanted}"
+    if kind.is_fcd:
+        message += (
+            f"; make one from SUMO FCD with `offload trace import {path} --sites SITES.yaml "
+            "-o TRACE.json`"
+        )
+    return message
 
 
 def parse(doc: object, source: str = "<trace>") -> MobilityTrace:
