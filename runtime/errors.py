@@ -13,8 +13,9 @@ Hierarchy::
 
 An error's message is meant for the caller. It names the field and quotes at most a short
 prefix of an offending value (`quote`); text that may carry a host's details (a log tail)
-goes through `client_text` before a caller sees it. The node daemon uses both helpers too:
-this module imports nothing, so every package may.
+goes through `client_text` before a caller sees it (no paths, addresses or ports of the
+host). The node daemon uses both helpers too: this module imports nothing, so every package
+may.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ _CLASS_NAME = re.compile(
     r"<class '[\w.]+'>:? ?"
     r"|\b(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*)?(?:Error|Exception|Exit|Interrupt)\b:? ?"
 )
+# host:port (an IPv4 address, a bracketed IPv6 one, a name with a letter), or `:port` alone:
+# where a host listens. Times (12:30:45) and numbers with a decimal point are left alone.
+_ADDRESS = re.compile(
+    r"(?:\[[0-9A-Za-z:.%]+\]|\b\d{1,3}(?:\.\d{1,3}){3}"
+    r"|\b(?=[\w-]*[A-Za-z])[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*|(?<![\w:.]))"
+    r":\d{1,5}(?![\d.])"
+)
+# `port 45123`, `--metrics-port=9100`, `ports: 80`: a port number named as one.
+_PORT = re.compile(r"\b(ports?\b[ \t]*[=:]?[ \t]*)\d{1,5}\b", re.IGNORECASE)
 # A Python traceback's header and its indented frames (a log tail may hold one; its last,
 # unindented line stays, without its class name).
 _TRACEBACK = re.compile(
@@ -57,12 +67,15 @@ def quote(value: str, limit: int = QUOTE_CHARS) -> str:
 def client_text(text: str, limit: int = MESSAGE_CHARS) -> str:
     """`text` as a caller may see it: without terminal escape codes and control characters
     (newlines stay), Python tracebacks' frames dropped, absolute paths replaced by `<path>`,
-    exception class names removed, and at most `limit` characters (the rest is counted, not
-    shown)."""
+    host:port addresses by `<address>` and port numbers by `<port>` (where a node's replicas
+    listen is no caller's business), exception class names removed, and at most `limit`
+    characters (the rest is counted, not shown)."""
     text = _ANSI.sub("", text)
     text = _CONTROL.sub("", text)
     text = _TRACEBACK.sub("", text)
     text = _PATH.sub("<path>", text)
+    text = _ADDRESS.sub("<address>", text)
+    text = _PORT.sub(r"\1<port>", text)
     text = _CLASS_NAME.sub("", text)
     if len(text) <= limit:
         return text

@@ -271,9 +271,14 @@ async def test_a_failed_start_tells_the_caller_why_without_node_details(
             assert "cannot load <path> as an ONNX model" in details
             assert str(tmp_path) not in details and "\x1b" not in details
             assert "Error:" not in details and "Exception" not in details
+            # Nor where the replica listened: its log tail's addresses and ports are gone.
+            assert "runtime listening on <address>" in details, details
+            assert not re.search(r"127\.0\.0\.1|:\d{3,5}\b|port \d", details), details
             assert not (await stub.ListReplicas(pb.ListReplicasRequest())).replicas
-        # The node's own log has the whole story, paths included.
-        assert str(state / "models") in log.read_text()
+        # The node's own log has the whole story, paths and ports included.
+        text = log.read_text()
+        assert str(state / "models") in text
+        assert re.search(r"runtime listening on 127\.0\.0\.1:\d+", text)
     finally:
         await _cleanup(daemon, [])
 

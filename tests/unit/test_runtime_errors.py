@@ -39,3 +39,22 @@ def test_client_text_drops_tracebacks_and_bare_exception_words() -> None:
         "handle: <Handle cancelled>\n"
         "[Errno 9] Bad file descriptor"
     )
+
+
+def test_client_text_drops_where_a_host_listens() -> None:
+    # A replica's log tail on a failed start: its ports are the node's business.
+    tail = (
+        "INFO runtime.server: metrics served at http://127.0.0.1:45123/metrics\n"
+        "INFO runtime.server: runtime listening on 10.0.3.7:39021 (TLS)\n"
+        "not ready at [::1]:8001 nor node-a.example:7001, nor ipv4:127.0.0.1:5000\n"
+        "bind failed: port 45123 in use; --metrics-port=9100; listening on :9100"
+    )
+    assert client_text(tail) == (
+        "INFO runtime.server: metrics served at http://<address>/metrics\n"
+        "INFO runtime.server: runtime listening on <address> (TLS)\n"
+        "not ready at <address> nor <address>, nor ipv4:<address>\n"
+        "bind failed: port <port> in use; --metrics-port=<port>; listening on <address>"
+    )
+    # Times and version numbers are no addresses.
+    text = "2026-11-23 12:30:45,123 took 0:00:01, opset 1.2:3"
+    assert client_text(text) == text
