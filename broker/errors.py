@@ -6,9 +6,11 @@ Hierarchy::
     BrokerError
     ├── InvalidRequest       a field is malformed or inconsistent (INVALID_ARGUMENT)
     ├── Unauthenticated      a missing or wrong join token or API key (UNAUTHENTICATED)
-    ├── PermissionDenied     a known caller asking for what it may not do (PERMISSION_DENIED)
+    ├── PermissionDenied     a known caller asking for what it may not do; a delete of
+    │                        another client's deployment (PERMISSION_DENIED)
     ├── NotFound             an unknown deployment, model or node; also another client's
-    │                        deployment, which must look no different (NOT_FOUND)
+    │                        deployment to any call but a delete, which must look no
+    │                        different (NOT_FOUND)
     ├── ResourceExhausted    nothing fits now, or a quota is reached (RESOURCE_EXHAUSTED)
     ├── Impossible           nothing could ever fit: more GPUs than any node has
     │   │                    (FAILED_PRECONDITION, naming the largest possible)

@@ -47,6 +47,7 @@ from broker.errors import (
     InvalidRequest,
     NodeUnavailable,
     NotFound,
+    PermissionDenied,
     ReplicaFailed,
     ResourceExhausted,
     StateUnavailable,
@@ -1875,15 +1876,48 @@ class Broker:
     async def list(self, client_id: str) -> list[DeploymentRecord]:
         return self._deployments.select(client_id=client_id, states=VISIBLE)
 
-    async def delete(self, client_id: str, deployment_id: str) -> None:
-        """Stop the deployment's replica and delete it. NotFound; Impossible while it is
-        being migrated (or deleted already)."""
+    async def delete(self, client_id: str, deployment_id: str) -> bool:
+        """Delete one of `client_id`'s deployments: stop its replica and its standby, if any,
+        which frees their GPUs, and mark it deleted, which frees its place in the client's
+        quota (`--max-deployments-per-client`). A pending or failed deployment holds no GPUs:
+        it is only marked. True when this call deleted it.
+
+        Idempotent: a deployment of the client's that is deleted already (by an earlier call,
+        or one that ended as this one's lookup ran) answers False and changes nothing, so a
+        delete whose answer was lost can be sent again. NotFound for an id there never was
+        (and for one being created, not yet answered to its client); PermissionDenied for
+        another client's deployment, deleted or not: ids are random, so a caller naming one
+        learns only that the id is not theirs (GetDeployment and the other calls still answer
+        NotFound for it, as for an unknown one). Busy while it is being migrated, or deleted
+        by another call: the same call succeeds once that has finished.
+
+        The delete runs as the broker's own task: a caller that goes away (its deadline, a
+        cancelled call) leaves it to finish, never a replica stopped under a deployment
+        still recorded running."""
+        task = self._own(self._delete(client_id, deployment_id), f"delete-{deployment_id}")
+        task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def _delete(self, client_id: str, deployment_id: str) -> bool:
+        standby: Standby | None = None
         async with self._placing.use("delete"):
-            record = await self.get(client_id, deployment_id)
-            self._claim(deployment_id)
-            standby = self._standbys.pop(deployment_id, None)
-            if standby is not None:
-                self._retiring.add(standby)
+            record = self._deployments.get(deployment_id)
+            if record is not None:
+                if record.client_id != client_id:
+                    raise PermissionDenied(f"deployment {deployment_id} is not yours")
+                self._claim(deployment_id)
+                standby = self._standbys.pop(deployment_id, None)
+                if standby is not None:
+                    self._retiring.add(standby)
+        if record is None:
+            # The table drops a deployment only once its deletion is durable: what it lacks
+            # is deleted, never was, or is still being created.
+            stored = await self._db(self._store.get_deployment, deployment_id)
+            if stored is not None and stored.client_id != client_id:
+                raise PermissionDenied(f"deployment {deployment_id} is not yours")
+            if stored is None or stored.state is not DeploymentState.DELETED:
+                raise NotFound(f"deployment {deployment_id} not found")
+            return False
         try:
             if standby is not None:
                 await self._stop_standby(standby, "the deployment is deleted", "lapsed")
@@ -1901,6 +1935,7 @@ class Broker:
         self.load_history.forget_deployment(deployment_id)
         self.watchers.push(deployment_id, None)
         logger.info("deployment=%s deleted", deployment_id)
+        return True
 
     def _publish(self, deployment_id: str) -> None:
         """Tell the deployment's watchers where it is now."""

@@ -345,10 +345,10 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteDeploymentResponse:
         client_id = await self._client(context)
-        await self._broker.delete(
+        deleted = await self._broker.delete(
             client_id, validate.identifier("deployment_id", request.deployment_id)
         )
-        return pb.DeleteDeploymentResponse()
+        return pb.DeleteDeploymentResponse(already_deleted=not deleted)
 
     @mapped_errors
     async def WatchDeployment(

@@ -126,13 +126,14 @@ async def test_every_refusal_has_its_status_and_changes_nothing(
                 "API key",
             )
         await refused(bob.get(mine.deployment_id), grpc.StatusCode.NOT_FOUND, "not found")
+        # A delete names whose it is (the id is random: only one who has it can ask).
         await refused(
             bob.stub.DeleteDeployment(
                 pb.DeleteDeploymentRequest(deployment_id=mine.deployment_id),
                 metadata=bob.metadata,
             ),
-            grpc.StatusCode.NOT_FOUND,
-            "not found",
+            grpc.StatusCode.PERMISSION_DENIED,
+            "not yours",
         )
         garbage = tmp_path / "garbage.onnx"
         garbage.write_bytes(b"this is not an ONNX model" * 100)

@@ -162,8 +162,10 @@ class DeleteDeploymentRequest(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
 
 class DeleteDeploymentResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("already_deleted",)
+    ALREADY_DELETED_FIELD_NUMBER: _ClassVar[int]
+    already_deleted: bool
+    def __init__(self, already_deleted: bool = ...) -> None: ...
 
 class WatchDeploymentRequest(_message.Message):
     __slots__ = ("deployment_id",)

@@ -342,7 +342,12 @@ class EdgeBrokerServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def DeleteDeployment(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stops the replica (and any standby), frees its GPUs and its place in the client's
+        deployment quota; a pending or failed deployment is only marked deleted. Idempotent: a
+        second delete succeeds with `already_deleted`. NOT_FOUND for an id there never was;
+        PERMISSION_DENIED for another client's deployment; FAILED_PRECONDITION while it is
+        being migrated or deleted by another call (retry once that has finished).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
