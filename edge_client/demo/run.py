@@ -44,7 +44,16 @@ from broker.state import new_api_key
 from edge_client.client import OffloadClient
 from edge_client.demo.cluster import DEMO_NODES, ClusterError, LocalCluster, NodePlan
 from edge_client.demo.trace import Trace
-from edge_client.demo.view import LoadStats, Report, Snapshot, live_view, print_report
+from edge_client.demo.view import (
+    LoadStats,
+    MoveKind,
+    Report,
+    Snapshot,
+    live_view,
+    move_kind,
+    print_report,
+    standby_wait_ms,
+)
 from edge_client.errors import OffloadError
 from images.build import ImageBuildError, build_image
 from node_daemon.runtimes import RuntimeUnavailable
@@ -63,7 +72,11 @@ BROKER_FLAGS = (
 )  # fmt: skip
 MIGRATION_TIMEOUT_S = 120.0
 TRAFFIC_CLIENT = "city-traffic"
-"""The client that reports the trace's other vehicles' handovers under --prewarm."""
+"""The prefix of the clients that report the trace's other vehicles' handovers under
+--prewarm, one client each (`city-traffic-0`, ...)."""
+MAX_TEACHING_VEHICLES = 64
+"""The other vehicles the demo teaches with, at most: each is a client with an API key, which
+the broker hashes at its start and checks at the first report (scrypt, about 35 ms each)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +197,9 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         runtime=runtime,
         image=image,
         broker_flags=(*BROKER_FLAGS, "--prewarm-budget", str(options.prewarm)),
-        more_api_keys=(new_api_key(TRAFFIC_CLIENT),) if options.prewarm else (),
+        more_api_keys=tuple(new_api_key(c) for c in traffic_clients(options.trace))
+        if options.prewarm
+        else (),
         nodes=nodes,
         node_flags=("--background-fetch-rate", f"{options.background_fetch_mb_s:g}", *weighed),
     )
@@ -335,6 +350,24 @@ async def _offload(
         )
 
 
+def traffic_clients(trace: Trace) -> tuple[str, ...]:
+    """The clients of the teaching step: one per other vehicle of the trace, for the first
+    MAX_TEACHING_VEHICLES of them."""
+    count = min(len(trace.others), MAX_TEACHING_VEHICLES)
+    return tuple(f"{TRAFFIC_CLIENT}-{i}" for i in range(count))
+
+
+def teaching_reports(trace: Trace, clients: Sequence[str]) -> list[tuple[str, str]]:
+    """(client, site) of each report of the teaching step, in order: each vehicle's site
+    sequence as a client of its own (`clients`, one per vehicle, the first vehicles first).
+    Reported back to back by one client, the broker would learn each join between two
+    vehicles (the last site of one, the first of the next) as a transition."""
+    vehicles = trace.others[: len(clients)]
+    return [
+        (client, site) for client, sites in zip(clients, vehicles, strict=True) for site in sites
+    ]
+
+
 async def _teach(
     channel: grpc.aio.Channel,
     cluster: LocalCluster,
@@ -342,26 +375,34 @@ async def _teach(
     budget: int,
     say: Callable[[str], None],
 ) -> None:
-    """Report the trace's other vehicles' handovers (the city's traffic), so the broker has
-    learned where vehicles go next before the client moves."""
+    """Report the trace's other vehicles' handovers (the city's traffic), each vehicle as a
+    client of its own, so the broker has learned where vehicles go next before the client
+    moves."""
     if not trace.others:
         say(
             f"pre-warm: budget {budget} standbys; the trace has no other vehicles to learn "
             "from, so the broker learns from the client's own moves only"
         )
         return
-    key = next(k for k in cluster.more_api_keys if k.startswith(f"{TRAFFIC_CLIENT}."))
+    keys = {key.partition(".")[0]: key for key in cluster.more_api_keys}
+    clients = traffic_clients(trace)
     stub = pb_grpc.EdgeBrokerStub(channel)
-    metadata = (("authorization", f"Bearer {key}"),)
-    for sites in trace.others:
-        for site in sites:
-            await stub.ReportLocation(
-                pb.ReportLocationRequest(site=site), metadata=metadata, timeout=10
-            )
+    reports = teaching_reports(trace, clients)
+    for client, site in reports:
+        await stub.ReportLocation(
+            pb.ReportLocationRequest(site=site),
+            metadata=(("authorization", f"Bearer {keys[client]}"),),
+            timeout=10,
+        )
+    some = (
+        f"the first {len(clients)} of the trace's {len(trace.others)} other vehicles"
+        if len(clients) < len(trace.others)
+        else f"the trace's {len(trace.others)} other vehicle(s)"
+    )
     say(
-        f"pre-warm: budget {budget} standbys; reported the handovers of the trace's "
-        f"{len(trace.others)} other vehicle(s) ({sum(len(s) for s in trace.others)} reports), "
-        "so the broker has learned where vehicles go next"
+        f"pre-warm: budget {budget} standbys; reported the handovers of {some} "
+        f"({len(reports)} reports), each as a client of its own, so the broker has learned "
+        "where vehicles go next"
     )
 
 
@@ -512,7 +553,12 @@ class _BrokerCalls:
             for m in await self.migrations(deployment_id):
                 if m["migration_id"] == migration_id and m["outcome"]:
                     reason = f" ({m['reason']})" if m["reason"] else ""
-                    warm = ", pre-warmed: switched to its standby" if m["prewarmed"] else ""
+                    warm = {
+                        MoveKind.COLD: "",
+                        MoveKind.PREWARMED: ", pre-warmed: switched to its standby",
+                        MoveKind.STILL_STARTING: ", pre-warmed but the standby was still "
+                        f"starting: waited {standby_wait_ms(m) or 0:.0f} ms for it",
+                    }[move_kind(m)]
                     return f"{m['outcome']}{reason}, {m['source']} → {m['target']}{warm}"
             await asyncio.sleep(0.2)
         raise DemoFailed(f"migration {migration_id} did not finish in {MIGRATION_TIMEOUT_S:.0f}s")

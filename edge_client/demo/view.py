@@ -9,7 +9,9 @@ stdout is not a terminal.
 
 from __future__ import annotations
 
+import enum
 import itertools
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -156,27 +158,77 @@ def migration_cells(
     )
 
 
+STILL_STARTING_MS = 20.0
+"""A pre-warmed move whose target took longer than this to be ready waited for its standby
+to finish starting. A ready standby's "start" hands its endpoint back without yielding to
+the broker's event loop, so its `target_started` and `target_ready` are microseconds apart;
+one still starting adds the rest of its start (up to the full 1.4-1.6 s of a cold one)."""
+
+
+class MoveKind(enum.StrEnum):
+    PREWARMED = "pre-warmed"
+    STILL_STARTING = "standby still starting"
+    COLD = "cold"
+
+
+def standby_wait_ms(m: dict[str, Any]) -> float | None:
+    """How long a pre-warmed migration waited for its standby to be ready, by its timeline
+    (`target_started` to `target_ready`), in ms; None for a cold one or a timeline without
+    both events (a rollback before the target was ready)."""
+    if not m.get("prewarmed"):
+        return None
+    events = {e["event"]: e["at"] for e in m["timeline"]}
+    if "target_started" not in events or "target_ready" not in events:
+        return None
+    return (events["target_ready"] - events["target_started"]) * 1000
+
+
+def move_kind(m: dict[str, Any]) -> MoveKind:
+    """Pre-warmed (its standby was ready), standby still starting (it waited for it: see
+    STILL_STARTING_MS), or cold."""
+    if not m.get("prewarmed"):
+        return MoveKind.COLD
+    wait = standby_wait_ms(m)
+    if wait is not None and wait > STILL_STARTING_MS:
+        return MoveKind.STILL_STARTING
+    return MoveKind.PREWARMED
+
+
 def move_summary(report: Report) -> str:
     """The report's line on moves: the median time from each move's report to the first
-    answer at the new site, pre-warmed and cold apart when pre-warm is on."""
+    answer at the new site (the mean of the two middle ones for an even count), pre-warmed,
+    standby still starting and cold apart when pre-warm is on."""
     timed = [
-        (bool(m.get("prewarmed")), report.moved_to_served_ms[m["migration_id"]])
+        (move_kind(m), report.moved_to_served_ms[m["migration_id"]])
         for m in report.migrations
         if m["migration_id"] in report.moved_to_served_ms
     ]
 
-    def median(warm: bool) -> str:
-        values = sorted(ms for w, ms in timed if w is warm)
-        return f"median {percentile(values, 0.5):.1f} ms (n={len(values)})" if values else "-"
+    def median(kind: MoveKind) -> str:
+        values = [ms for k, ms in timed if k is kind]
+        return f"median {statistics.median(values):.1f} ms (n={len(values)})" if values else "-"
 
     if not report.prewarm:
-        return f"report to first answer at the new site: {median(False)}; pre-warm off"
-    warm = sum(bool(m.get("prewarmed")) for m in report.migrations)
+        return f"report to first answer at the new site: {median(MoveKind.COLD)}; pre-warm off"
+    kinds = [move_kind(m) for m in report.migrations]
     return (
-        f"pre-warm on (budget {report.prewarm}): {warm} of {len(report.migrations)} moves "
-        f"pre-warmed; report to first answer at the new site: {median(True)} pre-warmed, "
-        f"{median(False)} cold"
+        f"pre-warm on (budget {report.prewarm}): {kinds.count(MoveKind.PREWARMED)} of "
+        f"{len(kinds)} moves pre-warmed, {kinds.count(MoveKind.STILL_STARTING)} waited for a "
+        f"standby still starting; report to first answer at the new site: "
+        f"{median(MoveKind.PREWARMED)} pre-warmed, {median(MoveKind.STILL_STARTING)} "
+        f"standby still starting, {median(MoveKind.COLD)} cold"
     )
+
+
+def prewarm_label(m: dict[str, Any]) -> str:
+    """What a migration's line says of its standby: "" (cold), " (pre-warmed)", or
+    " (pre-warmed, standby still starting: waited 1450 ms)"."""
+    kind = move_kind(m)
+    if kind is MoveKind.COLD:
+        return ""
+    if kind is MoveKind.PREWARMED:
+        return " (pre-warmed)"
+    return f" (pre-warmed, standby still starting: waited {standby_wait_ms(m):.0f} ms)"
 
 
 def span_gap_where(answered_at: list[float], timeline: list[dict[str, Any]]) -> str:
@@ -322,7 +374,7 @@ def print_report(console: Console, report: Report) -> None:
             moved = report.moved_to_served_ms.get(m["migration_id"])
             console.print(
                 f"  {cells[0]} {m['trigger']} {cells[2]} {m['strategy']}"
-                f"{' (pre-warmed)' if m.get('prewarmed') else ''}: {cells[3]}, took "
+                f"{prewarm_label(m)}: {cells[3]}, took "
                 f"{cells[4]}; client-observed downtime {cells[5]}, "
                 f"{'-' if failed is None else failed} failed request(s), worst gap over the "
                 f"whole migration {cells[6]}, report to first answer at the new site "

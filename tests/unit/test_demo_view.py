@@ -15,6 +15,7 @@ from edge_client.demo.view import (
     Snapshot,
     live_view,
     longest_gaps_ms,
+    move_summary,
     print_report,
     span_bound,
     span_gap_where,
@@ -156,13 +157,80 @@ def test_the_report_tells_pre_warmed_moves_and_their_time_to_serving_apart() -> 
     print_report(console, moved)
     text = console.export_text()
     assert (
-        "moves        pre-warm on (budget 2): 1 of 2 moves pre-warmed; report to first answer "
-        "at the new site: median 48.5 ms (n=1) pre-warmed, median 1210.0 ms (n=1) cold"
+        "moves        pre-warm on (budget 2): 1 of 2 moves pre-warmed, 0 waited for a standby "
+        "still starting; report to first answer at the new site: median 48.5 ms (n=1) "
+        "pre-warmed, - standby still starting, median 1210.0 ms (n=1) cold"
     ) in text
     assert "m-2 mobility node-a → node-b make-before-break (pre-warmed): succeeded" in text
     assert "m-1 mobility node-a → node-b make-before-break: succeeded" in text
     assert "report to first answer at the new site 48.5 ms" in text
     assert "report to first answer at the new site 1210.0 ms" in text
+
+
+def moves(*ms: float, prewarm: int = 0) -> Report:
+    """A report of cold moves, each `ms` from its report to the first answer at its site."""
+    ids = [f"m-{i}" for i in range(len(ms))]
+    return dataclasses.replace(
+        report(0, "succeeded"),
+        migrations=[{**MIGRATION, "migration_id": i} for i in ids],
+        moved_to_served_ms=dict(zip(ids, ms, strict=True)),
+        prewarm=prewarm,
+    )
+
+
+@pytest.mark.parametrize(
+    ("ms", "median"),
+    [
+        ((488.2, 204.0), "median 346.1 ms (n=2)"),  # not the lower middle one (204.0)
+        ((900.0, 10.0, 400.0, 30.0), "median 215.0 ms (n=4)"),
+        ((30.0, 10.0, 20.0), "median 20.0 ms (n=3)"),
+        ((7.5,), "median 7.5 ms (n=1)"),
+    ],
+)
+def test_the_moves_median_is_the_middle_one_or_the_mean_of_the_middle_two(
+    ms: tuple[float, ...], median: str
+) -> None:
+    assert move_summary(moves(*ms)) == (
+        f"report to first answer at the new site: {median}; pre-warm off"
+    )
+    assert f"{median} cold" in move_summary(moves(*ms, prewarm=2))
+
+
+def timeline(started: float, ready: float) -> list[dict[str, Any]]:
+    events = [("decided", 99.9), ("target_started", started), ("target_ready", ready)]
+    events += [("switched", ready + 0.005), ("completed", ready + 0.7)]
+    return [{"event": e, "at": at} for e, at in events]
+
+
+def test_a_move_that_waited_for_a_standby_still_starting_is_counted_apart() -> None:
+    ready = {"prewarmed": True, "timeline": timeline(100.0, 100.0002)}
+    starting = {"prewarmed": True, "timeline": timeline(100.0, 101.45)}
+    migrations = [
+        {**MIGRATION, "outcome": "succeeded"},
+        {**MIGRATION, "migration_id": "m-2", **ready},
+        {**MIGRATION, "migration_id": "m-3", **starting},
+        {**MIGRATION, "migration_id": "m-4", **starting},
+        {**MIGRATION, "migration_id": "m-5", "prewarmed": True},  # no start: not waited for
+    ]
+    moved = dataclasses.replace(
+        report(0, "succeeded"),
+        migrations=migrations,
+        moved_to_served_ms={"m-1": 1210.0, "m-2": 48.5, "m-3": 1502.0, "m-4": 1620.0},
+        prewarm=2,
+    )
+    assert move_summary(moved) == (
+        "pre-warm on (budget 2): 2 of 5 moves pre-warmed, 2 waited for a standby still "
+        "starting; report to first answer at the new site: median 48.5 ms (n=1) pre-warmed, "
+        "median 1561.0 ms (n=2) standby still starting, median 1210.0 ms (n=1) cold"
+    )
+    console = Console(record=True, width=250, color_system=None)
+    print_report(console, moved)
+    text = console.export_text()
+    assert "m-2 mobility node-a → node-b make-before-break (pre-warmed): succeeded" in text
+    assert (
+        "m-3 mobility node-a → node-b make-before-break (pre-warmed, standby still starting: "
+        "waited 1450 ms): succeeded"
+    ) in text
 
 
 def test_gaps_are_split_by_the_migration_windows() -> None:
