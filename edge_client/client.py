@@ -4,8 +4,8 @@ deployment wherever the broker places it. `SyncOffloadClient` is the same, block
 Paths:
 
 - Broker calls (EdgeBroker, `authorization: Bearer <api key>`) each have a deadline. The
-  idempotent ones (upload, get, report location, ack, observation) are retried with backoff
-  while the broker answers UNAVAILABLE (it restarts), for up to `broker_retry_s`. Deploy is
+  idempotent ones (upload, get, delete, report location, ack, observation) are retried with
+  backoff while the broker answers UNAVAILABLE (it restarts), for up to `broker_retry_s`. Deploy is
   not idempotent (a second one would place a second deployment): it waits for the broker to
   be reachable within its deadline and is sent again only when a standby refused it.
 - Several brokers (`broker="A,B"`, one PostgreSQL state, one leader): broker calls go to one
@@ -677,6 +677,38 @@ class OffloadClient:
         await self._offload_to(deployment)
         return deployment
 
+    async def delete(self, deployment_id: str) -> bool:
+        """Delete one of this client's deployments: the broker stops its replica, which frees
+        its GPUs, and frees its place in the client's quota (`--max-deployments-per-client`);
+        a pending or failed deployment is only marked deleted. When it is the deployment this
+        client follows, the client stops following it (`infer` raises NotDeployed until the
+        next deploy or attach). True when this call deleted it; False when it was deleted
+        already (deleting twice is fine).
+
+        Idempotent, so retried while the broker answers UNAVAILABLE, as the other idempotent
+        calls are; a retry after a delete the broker did but could not answer returns False.
+        Its deadline is `deploy_timeout_s`: the broker drains the replica before it stops it,
+        and finishes the delete even when the call is abandoned. NotFound for an id there
+        never was; PermissionDenied for another client's deployment; FailedPrecondition while
+        it is being migrated or deleted by another call (the same call succeeds once that has
+        finished)."""
+        reply = await self._retrying(
+            f"delete deployment {deployment_id}",
+            lambda stub: stub.DeleteDeployment(
+                pb.DeleteDeploymentRequest(deployment_id=deployment_id),
+                metadata=self._metadata,
+                timeout=self._deploy_timeout_s,
+            ),
+        )
+        current = self._deployment
+        if current is not None and current.deployment_id == deployment_id:
+            await self._unfollow()
+        if reply.already_deleted:
+            logger.info("deployment=%s was deleted already", deployment_id)
+        else:
+            logger.info("deployment=%s deleted", deployment_id)
+        return not reply.already_deleted
+
     async def report_location(self, site: str) -> str | None:
         """Tell the broker where this client is now; the id of the migration it started, or
         None when it started none. InvalidInput for an unknown site."""
@@ -807,6 +839,18 @@ class OffloadClient:
         self._watch_task = self._spawn(
             self._watch(deployment.deployment_id), f"watch-{deployment.deployment_id}"
         )
+
+    async def _unfollow(self) -> None:
+        """Follow no deployment: stop watching it, stop reporting offload decisions for it,
+        and close its replica's channel once its calls in flight finish."""
+        for task in (self._watch_task, self._offload_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._watch_task = self._offload_task = None
+        if self._replica is not None:
+            self._retire(self._replica)
+        self._deployment = self._replica = None
 
     async def _watch(self, deployment_id: str) -> None:
         """Apply the deployment's placement updates until it is deleted, the broker refuses
@@ -1354,6 +1398,9 @@ class SyncOffloadClient:
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] = ()
     ) -> dict[str, np.ndarray]:
         return self._run(self._client.infer(inputs, outputs))
+
+    def delete(self, deployment_id: str) -> bool:
+        return self._run(self._client.delete(deployment_id))
 
     def report_location(self, site: str) -> str | None:
         return self._run(self._client.report_location(site))

@@ -197,7 +197,7 @@ async def _deployments(args: argparse.Namespace) -> int:
         table.add_row(
             d.deployment_id,
             d.model_name,
-            d.state + (f" ({d.reason})" if d.reason else ""),
+            d.state + (f" ({_short_reason(d.reason)})" if d.reason else ""),
             d.node_id or "-",
             str(len(d.gpu_uuids)),
             d.endpoint or "-",
@@ -205,7 +205,21 @@ async def _deployments(args: argparse.Namespace) -> int:
             _PRIORITY.get(d.priority, str(d.priority)),
         )
     Console().print(table)
+    failed = [d.deployment_id for d in deployments if d.state == "failed"]
+    if failed:
+        print(
+            f"{len(failed)} failed deployment(s) still count against your "
+            "--max-deployments-per-client quota; delete them with: "
+            f"offload delete {' '.join(failed)} (`offload explain ID` shows the whole reason)"
+        )
     return 0
+
+
+def _short_reason(reason: str) -> str:
+    """`reason` on one line, for a table: its first line and, when it goes on (the log tail
+    of a replica that failed), its last, which is where the replica said why."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    return " ... ".join(lines[:1] + lines[1:][-1:])
 
 
 def _deployment_dict(d: pb.Deployment) -> dict[str, Any]:
@@ -295,7 +309,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     nodes.add_argument("--json", action="store_true", help="print JSON instead of a table")
     nodes.set_defaults(func=_run(_nodes))
     for name, helptext, handler in (
-        ("deployments", "your deployments and where they run", _deployments),
+        (
+            "deployments",
+            "your deployments, where they run, and why any failed (`offload delete ID` "
+            "removes one)",
+            _deployments,
+        ),
         ("explain", "why a deployment runs where it does", _explain),
     ):
         p = subparsers.add_parser(name, help=helptext)

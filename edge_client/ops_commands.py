@@ -1,6 +1,7 @@
 """The people-facing `offload` commands of deployment and mobility:
 
 - `offload deploy MODEL.onnx [--gpus N --gpu-memory MIB --p2p --priority P --site S]`
+- `offload delete DEPLOYMENT...` (stops the replica, frees its GPUs and its quota place)
 - `offload infer DEPLOYMENT --input NAME=FILE.npy [--output-dir DIR]`
 - `offload move CLIENT --site S` (a client's new site; may start a migration)
 - `offload migrate DEPLOYMENT [--to NODE] [--strategy make_before_break|stop_start]`
@@ -82,6 +83,22 @@ async def _deploy(args: argparse.Namespace) -> int:
             f"{deployment.deployment_id} running on {deployment.node_id} at {deployment.endpoint}"
         )
     return 0
+
+
+async def _delete(args: argparse.Namespace) -> int:
+    """Delete each deployment named, in order; one that cannot be deleted is reported and
+    the others are deleted all the same. Exit status 1 when any could not be."""
+    refused = 0
+    async with OffloadClient(_broker(args), _api_key(args), tls_ca=tls_ca(args)) as client:
+        for deployment_id in args.deployments:
+            try:
+                deleted = await client.delete(deployment_id)
+            except OffloadError as err:
+                print(f"offload delete: {err}", file=sys.stderr)
+                refused += 1
+                continue
+            print(f"{deployment_id} {'deleted' if deleted else 'was deleted already'}")
+    return 1 if refused else 0
 
 
 def _inputs(pairs: list[str]) -> dict[str, np.ndarray]:
@@ -322,6 +339,22 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     _client_flags(p)
     p.set_defaults(func=_run(_deploy))
+
+    p = subparsers.add_parser(
+        "delete",
+        help="undeploy: stop deployments' replicas, free their GPUs and quota",
+        description="Delete your deployments: each one's replica is stopped (drained first), "
+        "its GPUs are freed, and it no longer counts against your "
+        "--max-deployments-per-client quota. A pending or failed deployment holds no GPUs: "
+        "it is only deleted, which is how a failed one stops counting. Deleting a deployment "
+        "you deleted already is fine: it says so and changes nothing. An id there never was "
+        "is NOT_FOUND; another client's deployment is PERMISSION_DENIED. Prints one line per "
+        "deployment; exit status 1 when any could not be deleted (the others still are). "
+        "`offload deployments` lists your deployments and their ids.",
+    )
+    p.add_argument("deployments", nargs="+", metavar="DEPLOYMENT", help="a deployment id (d-...)")
+    _client_flags(p)
+    p.set_defaults(func=_run(_delete))
 
     p = subparsers.add_parser("infer", help="one inference on a deployment")
     p.add_argument("deployment")

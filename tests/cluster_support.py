@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
 
 import modelzoo
 from common.certs import TlsIdentity, issue, make_ca, write_new
@@ -417,3 +419,17 @@ class InferenceLoad:
     async def stop(self) -> None:
         self._stop.set()
         await self._task
+
+
+def unloadable_model(path: Path) -> Path:
+    """A model the broker accepts (it passes `onnx.checker`) whose replica cannot load it:
+    its MatMul's shapes do not match, which ONNX Runtime finds when it loads the model."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])
+    weight = numpy_helper.from_array(np.ones((5, 3), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "bad", [x], [y])
+    graph.initializer.append(weight)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
