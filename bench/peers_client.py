@@ -38,7 +38,13 @@ from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import np_to_triton_dtype
 
 from bench import echo_server
-from bench.timing import block_calls, channel_to, percentiles, sample_calls, timed
+from bench.timing import (
+    block_calls,
+    channel_to,
+    sample_calls,
+    tail_percentiles,
+    timed,
+)
 
 Call = Callable[[], Awaitable[object]]
 WARMUP = 3
@@ -63,14 +69,6 @@ def session_options(settings: dict[str, Any]) -> ort.SessionOptions:
     for key, value in settings.get("config", {}).items():
         options.add_session_config_entry(key, value)
     return options
-
-
-def tail_percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    """p50, p99, p99.9 (nearest rank: with fewer than 1,000 samples p99.9 is the maximum)
-    and n."""
-    ordered = sorted(samples_ms)
-    tail = ordered[min(len(ordered) - 1, round(0.999 * (len(ordered) - 1)))]
-    return {**percentiles(ordered), "p99.9": tail}
 
 
 async def closed_loops(call: Call, clients: int, seconds: float) -> tuple[int, float, list[float]]:

@@ -24,6 +24,14 @@ def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
     }
 
 
+def tail_percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
+    """p50, p99, p99.9 (nearest rank: with fewer than 1,000 samples p99.9 is the maximum)
+    and n."""
+    ordered = sorted(samples_ms)
+    tail = ordered[min(len(ordered) - 1, round(0.999 * (len(ordered) - 1)))]
+    return {**percentiles(ordered), "p99.9": tail}
+
+
 def _p99_index(n: int) -> int:
     return min(n - 1, round(0.99 * (n - 1)))
 

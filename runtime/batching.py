@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import itertools
 import logging
 import math
 import time
@@ -79,6 +80,28 @@ MAX_QUEUE_DELAY_LIMIT_S = 1.0
 MAX_QUEUED_LIMIT = 100_000
 MAX_INSTANCES_LIMIT = 64
 MAX_CLASS_WAIT_LIMIT_S = 60.0
+
+
+SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+"""Batch sizes timed at load when --max-batch-size is auto (`choose_batch_size`)."""
+SWEEP_BUDGET_S = 2.0
+MIN_GAIN = 0.1
+"""A larger batch is worth its wait when it computes a row at least this much quicker."""
+
+
+def choose_batch_size(times: Mapping[int, float]) -> int:
+    """The batch size to use from the time one run takes at each size (`OnnxModel.
+    time_batches`): the sizes are walked up while each computes a row at least `MIN_GAIN`
+    quicker than the one before; the last of those. A model whose rows cost the same alone
+    or together (a large CNN on a CPU) gets 1: a larger batch would only add the wait for
+    the rows before it."""
+    chosen = 1
+    sizes = sorted(times)
+    for smaller, larger in itertools.pairwise(sizes):
+        if times[larger] / larger > (1 - MIN_GAIN) * times[smaller] / smaller:
+            break
+        chosen = larger
+    return chosen
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 DEVICES = ("auto", "cpu", "cuda")
+MAX_BOUND_BUFFERS = 64
+"""Device input buffers one session keeps with IO binding (one per input and batch shape)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,9 @@ class OnnxModel:
         self._output_names = tuple(s.name for s in self.outputs)
         self.provider: str = session.get_providers()[0]
         self.intra_op_threads: int = session.get_session_options().intra_op_num_threads
+        self._binding: ort.IOBinding | None = None
+        """Set by `bind_io`: runs go through it."""
+        self._device_inputs: dict[tuple[str, tuple[int, ...], str], ort.OrtValue] = {}
         """ONNX Runtime's threads per inference (`load` always sets it)."""
 
     @classmethod
@@ -204,14 +209,50 @@ class OnnxModel:
             raise InvalidInput("an output is requested more than once")
         return tuple(requested)
 
+    def bind_io(self) -> bool:
+        """From now on run through IO binding with device input buffers kept per shape and
+        refilled in place (`_run_bound`), when the session runs on CUDA; whether it does.
+        After this, `run` must have one caller at a time (a batcher's instance)."""
+        if self.provider != CUDA:
+            return False
+        self._binding = self._session.io_binding()
+        return True
+
     def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
         """Run the session. Blocking. InvalidInput when ONNX Runtime rejects the feeds."""
         try:
+            if self._binding is not None:
+                return self._run_bound(self._binding, feeds, outputs)
             return self._session.run(outputs, feeds)
         except ort_state.InvalidArgument as err:
             raise InvalidInput(f"ONNX Runtime rejected the inputs: {err}") from err
         except (ort_state.Fail, ort_state.RuntimeException) as err:
             raise InferenceFailed(f"inference failed: {err}") from err
+
+    def _run_bound(
+        self, binding: ort.IOBinding, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]
+    ) -> list[np.ndarray]:
+        """One run with IO binding: each input is copied into a device buffer kept for its
+        name, shape and dtype (at most `MAX_BOUND_BUFFERS`, then forgotten and made anew);
+        the outputs come from ONNX Runtime's device arena and are copied back."""
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        for name, array in feeds.items():
+            contiguous = np.ascontiguousarray(array)
+            key = (name, contiguous.shape, contiguous.dtype.str)
+            buffer = self._device_inputs.get(key)
+            if buffer is None:
+                if len(self._device_inputs) >= MAX_BOUND_BUFFERS:
+                    self._device_inputs.clear()
+                buffer = ort.OrtValue.ortvalue_from_numpy(contiguous, "cuda", 0)
+                self._device_inputs[key] = buffer
+            else:
+                buffer.update_inplace(contiguous)
+            binding.bind_ortvalue_input(name, buffer)
+        for name in outputs:
+            binding.bind_output(name, "cuda", 0)
+        self._session.run_with_iobinding(binding)
+        return list(binding.copy_outputs_to_cpu())
 
     def warm_up(
         self,
@@ -294,6 +335,25 @@ class OnnxModel:
             if not alike:
                 return f"output {spec.name!r}: a row's result depends on the other rows"
         return None
+
+    def time_batches(
+        self, feeds: Mapping[str, np.ndarray], sizes: Sequence[int], budget_s: float
+    ) -> dict[int, float]:
+        """Seconds one run of `feeds` repeated to each of `sizes` rows takes (the quicker of
+        two runs after an untimed one), in order, until a size's run alone or all of them
+        together pass `budget_s`. Blocking. `feeds` are of one row."""
+        times: dict[int, float] = {}
+        spent = 0.0
+        for size in sizes:
+            batch = {name: np.repeat(a, size, axis=0) for name, a in feeds.items()}
+            started = time.perf_counter()
+            self.run(batch, self._output_names)
+            taken = [_timed(self._session, batch) for _ in range(2)]
+            times[size] = min(taken)
+            spent += time.perf_counter() - started
+            if times[size] > budget_s / 4 or spent > budget_s:
+                break
+        return times
 
     def _check_shared_dims(self, feeds: Mapping[str, np.ndarray]) -> None:
         for dim_name, places in self._shared_dims:

@@ -45,9 +45,13 @@ from runtime.batching import (
     MAX_INSTANCES_LIMIT,
     MAX_QUEUE_DELAY_LIMIT_S,
     MAX_QUEUED_LIMIT,
+    MIN_GAIN,
+    SWEEP_BUDGET_S,
+    SWEEP_SIZES,
     Batcher,
     BatchPolicy,
     PriorityClass,
+    choose_batch_size,
 )
 from runtime.errors import ModelLoadError
 from runtime.metrics import MetricsEndpoint, RuntimeMetrics
@@ -70,10 +74,6 @@ DEFAULT_METRICS_PORT = 8002
 """Triton's metrics port, beside its (and our) gRPC port 8001."""
 METRICS_OFF = -1
 SINGLE_THREAD_BELOW_MS = 1.0
-DEFAULT_MAX_BATCH_SIZE = 32
-"""Rows per batch of a model with a batch axis unless --max-batch-size says otherwise: the
-best batch of ResNet-18 on an H200 (8,665 img/s in process, against 5,337 at 8) and, on a
-CPU, past the point where larger batches gain (docs/BENCHMARKS.md, bench.serving)."""
 DEFAULT_MAX_QUEUED_PER_CLASS = 256
 """At most this many requests wait per priority class: 151 MB of ResNet-18 inputs."""
 DEFAULT_MAX_CLASS_WAIT_MS = 100.0
@@ -121,10 +121,12 @@ class RuntimeSettings:
     one is False so that a server made in another program's loop (tests, benchmarks) leaves
     that program's thread where it was."""
     max_batch_size: int | None = None
-    """Rows per batch; None: `DEFAULT_MAX_BATCH_SIZE` when the model has a batch axis; 1:
-    batching off (each inference alone, as before batching existed)."""
+    """Rows per batch; None: measured at load when the model has a batch axis (`runtime.
+    batching.choose_batch_size`); 1: batching off (each inference alone, as before)."""
     batching: BatchPolicy = field(default_factory=BatchPolicy)
     """The batcher's other settings (its max_batch_size is replaced by the one chosen)."""
+    io_binding: bool = False
+    """Batches on CUDA run through IO binding with device input buffers kept per shape."""
     priority_class: PriorityClass = PriorityClass.STANDARD
     """The class of calls made with `token` (the deployment's)."""
     class_tokens: Mapping[str, PriorityClass] = field(default_factory=dict)
@@ -321,7 +323,15 @@ async def _batcher(
         log("model=%s batching off: %s", settings.name, why_not)
         return None
     policy = settings.batching
-    size = size or DEFAULT_MAX_BATCH_SIZE
+    if size is None:
+        times = await asyncio.to_thread(model.time_batches, feeds, SWEEP_SIZES, SWEEP_BUDGET_S)
+        size = choose_batch_size(times)
+        logger.info(
+            "model=%s --max-batch-size auto: %d (ms per run by batch size: %s)",
+            settings.name,
+            size,
+            ", ".join(f"{n}: {t * 1000:.2f}" for n, t in times.items()),
+        )
     policy = BatchPolicy(
         max_batch_size=size,
         max_queue_delay_s=policy.max_queue_delay_s,
@@ -333,6 +343,13 @@ async def _batcher(
     for _ in range(policy.instances - 1):
         more, _ms = await asyncio.to_thread(_load_warm, settings, threads, warmup_inputs)
         instances.append(more)
+    if settings.io_binding:
+        bound = all([instance.bind_io() for instance in instances])
+        logger.info(
+            "model=%s IO binding %s",
+            settings.name,
+            "on (device input buffers kept per shape)" if bound else "off: not on CUDA",
+        )
     metrics = running.metrics.for_model(settings.name)
     batcher = Batcher(
         instances,
@@ -622,8 +639,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="merge queued requests of the same shapes into one run of up to N rows; 1: "
-        f"batching off; auto (default): {DEFAULT_MAX_BATCH_SIZE} when every input and output "
-        "has a dynamic first dimension and a two-row batch computes each row as alone, else off",
+        "batching off; auto (default): when every input and output has a dynamic first "
+        "dimension and a two-row batch computes each row as alone, the largest of 1, 2, 4 .. "
+        f"{SWEEP_SIZES[-1]} up to which each doubling computed a row at least "
+        f"{MIN_GAIN:.0%} quicker at load (a CNN on a CPU: often 1), else off",
     )
     batching.add_argument(
         "--max-queue-delay-us",
@@ -641,6 +660,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="sessions of the model, each running one batch at a time (on a GPU each has "
         "its own CUDA stream, so K batches overlap; default 1)",
+    )
+    batching.add_argument(
+        "--io-binding",
+        action="store_true",
+        help="on CUDA, run batches through IO binding: each input copied into a device "
+        "buffer kept for its shape instead of one allocated per run (docs/BENCHMARKS.md "
+        "measures both)",
     )
     batching.add_argument(
         "--max-queued-per-class",
@@ -744,6 +770,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
             max_class_wait_s=args.max_class_wait_ms / 1000,
             instances=args.instances,
         ),
+        io_binding=args.io_binding,
         priority_class=PriorityClass(args.priority_class),
         class_tokens=class_tokens,
     )

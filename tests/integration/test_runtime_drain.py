@@ -24,19 +24,24 @@ from tests.runtime_support import AUTH, spawn_runtime
 
 
 @pytest.mark.parametrize(
-    ("inline_below_ms", "mode"),
-    [("0", "worker thread"), ("100000", "inline on the event loop")],
-    ids=["threads", "inline"],
+    ("inline_below_ms", "batch", "mode"),
+    [
+        ("0", "1", "worker thread"),
+        ("100000", "1", "inline on the event loop"),
+        ("0", "auto", "batches: up to"),
+    ],
+    ids=["threads", "inline", "batching"],
 )
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 async def test_sigterm_finishes_accepted_requests(
-    tmp_path: Path, inline_below_ms: str, mode: str, event_loop: str
+    tmp_path: Path, inline_below_ms: str, batch: str, mode: str, event_loop: str
 ) -> None:
     model = modelzoo.model_path("resnet18")
     request = infer_request(model.stem, modelzoo.sample_inputs(model))
     process, endpoint = await spawn_runtime(
-        tmp_path, model, "--inline-below-ms", inline_below_ms, "--event-loop", event_loop
-    )
+        tmp_path, model, "--inline-below-ms", inline_below_ms, "--event-loop", event_loop,
+        "--max-batch-size", batch,
+    )  # fmt: skip
     results: list[tuple[float, float, grpc.StatusCode, str]] = []
     signalled = asyncio.Event()
     warmed = asyncio.Event()

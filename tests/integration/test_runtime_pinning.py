@@ -79,8 +79,9 @@ async def test_a_model_computing_for_a_millisecond_or_more_is_not_pinned(
     allowed = frozenset(os.sched_getaffinity(0))
     model = modelzoo.model_path("resnet18")
     _, threads, log = await served_threads(
-        tmp_path, model, modelzoo.sample_inputs(model), "--inline-below-ms", "100000"
-    )
+        tmp_path, model, modelzoo.sample_inputs(model), "--inline-below-ms", "100000",
+        "--max-batch-size", "1",
+    )  # fmt: skip
     assert "runs inline on the event loop" in log, log
     assert set(threads.values()) == {allowed}, threads
     assert "event loop not pinned: the model computes in 1 ms or more" in log, log

@@ -1,0 +1,677 @@
+"""One replica under many clients: batching off against on, beside ONNX Runtime's ceiling.
+
+    python -m bench.serving [--quick] [--device cpu|cuda] [--models mlp resnet18]
+                            [--clients 1,4,16,64] [--kinds ours,triton] [--workers 1,4]
+                            [--instances K] [--json FILE]
+
+For each model: ONNX Runtime in this process (the replica's session options: one intra-op
+thread per CPU of this process, no spinning; the CUDA provider with `--device cuda`) at batch
+1 and at its best batch, the ceiling; then `python -m runtime.server` replicas on loopback,
+each configuration in turn:
+
+- ``off``: `--max-batch-size 1`, each inference alone, as before batching;
+- ``on``: batching on (`--max-batch-size` auto, `--max-queue-delay-us` as given);
+- ``on xW`` for each W > 1 of `--workers`: W runtime processes on one port (gRPC's
+  SO_REUSEPORT: the kernel spreads the clients' connections), each batching its share onto
+  the same device: where one interpreter's parsing caps the throughput, this moves it.
+
+Each configuration meets N closed-loop clients for each N of `--clients` and each client
+kind of `--kinds` ("ours": the SDK's request building on grpc.aio; "triton":
+tritonclient.grpc.aio), run from `bench.serving_client` processes, a connection per client.
+Reported per block: requests/s, p50/p99/p99.9, the mean batch (from the replica's
+`/metrics`), the replicas' CPU (cores), the machine's, and with NVML the GPU's utilisation and
+memory. Then the priority arm: 4 critical clients alone, then among best-effort clients that
+saturate the replica (60, 12 with --quick); the critical p99 beside its p99 alone, every
+best-effort client's answers (none starved) and each class's share of compute.
+
+The verdict lines compare what issue 48 asks: 1-client p50 on/off, throughput at 16 and 64
+clients on/off, the queue delay's p99 against `--max-queue-delay-us` plus one batch's
+compute, the priority ratio. `--device cuda` runs the same on a machine with an NVIDIA GPU
+and onnxruntime-gpu, unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import onnxruntime as ort
+
+import modelzoo
+from bench.timing import tail_percentiles
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "bench-serving-token"
+CRITICAL_TOKEN = "bench-serving-critical"
+BEST_EFFORT_TOKEN = "bench-serving-best-effort"
+CRITICAL_CLIENTS = 4
+PRIORITY_RATIO_TARGET = 1.5
+START_MARGIN_S = 2.0
+"""Seconds between writing a block's specs and its start: every client process connected
+and warm by then."""
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Servers:
+    """The runtime processes of one configuration, on one port."""
+
+    name: str
+    model: str
+    endpoint: str
+    processes: list[asyncio.subprocess.Process]
+    metrics: list[str]
+    logs: list[Path]
+    batching: bool
+
+
+@dataclass
+class Block:
+    config: str
+    kind: str
+    clients: int
+    rate: float
+    latency: dict[str, float]
+    failures: dict[str, int]
+    mean_batch: float
+    server_cores: float
+    machine_cores: float
+    gpu_util: float | None = None
+    gpu_mem_mib: float | None = None
+    per_client: list[list[float]] = field(default_factory=list, repr=False)
+    scrape: dict[str, float] = field(default_factory=dict, repr=False)
+
+
+# ---- the ceiling -----------------------------------------------------------------------
+
+
+def providers(device: str) -> list[str]:
+    if device == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise SystemExit("--device cuda: this onnxruntime has no CUDA execution provider")
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def ort_ceiling(
+    model: Path, feeds: dict[str, np.ndarray], device: str, batches: Sequence[int], seconds: float
+) -> dict[int, float]:
+    """Inferences per second of ONNX Runtime in this process at each batch size."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = len(os.sched_getaffinity(0))
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(str(model), options, providers=providers(device))
+    rates = {}
+    for batch in batches:
+        batched = {k: np.concatenate([v] * batch) for k, v in feeds.items()}
+        session.run(None, batched)
+        runs = 0
+        started = time.perf_counter()
+        while runs < 2 or time.perf_counter() - started < seconds:
+            session.run(None, batched)
+            runs += 1
+        rates[batch] = runs * batch / (time.perf_counter() - started)
+    return rates
+
+
+# ---- the replicas ----------------------------------------------------------------------
+
+
+async def start_servers(
+    name: str, model: Path, workdir: Path, workers: int, flags: Sequence[str]
+) -> Servers:
+    """`workers` runtime processes on one port, each ready; SystemExit with its log's tail
+    when one does not become ready."""
+    classes = _write_tokens(workdir)
+    port = 0
+    servers = Servers(name, model.stem, "", [], [], [], batching=False)
+    for index in range(workers):
+        log = workdir / f"runtime-{index}.log"
+        with log.open("wb") as out:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "runtime.server", "--model", str(model),
+                "--name", model.stem, "--host", "127.0.0.1", "--port", str(port),
+                "--metrics-port", "0", "--token-file", str(workdir / "token"),
+                "--class-tokens", str(classes), *flags,
+                stdout=out, stderr=out, cwd=REPO_ROOT,
+            )  # fmt: skip
+        servers.processes.append(process)
+        servers.logs.append(log)
+        text = await _wait_for(log, process, r"listening on \S+:(\d+)")
+        port = int(re.search(r"listening on \S+:(\d+)", text).group(1))  # type: ignore[union-attr]
+        servers.metrics.append(re.search(r"metrics served at (\S+)", text).group(1))  # type: ignore[union-attr]
+    servers.endpoint = f"127.0.0.1:{port}"
+    for log, process in zip(servers.logs, servers.processes, strict=True):
+        text = await _wait_for(log, process, r" ready provider=")
+        servers.batching = "batches: up to" in text
+    return servers
+
+
+def _write_tokens(workdir: Path) -> Path:
+    """The deployment's token file and the class tokens' (returned) in `workdir`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "token").write_text(TOKEN)
+    classes = workdir / "class-tokens"
+    classes.write_text(f"critical {CRITICAL_TOKEN}\nbest-effort {BEST_EFFORT_TOKEN}\n")
+    classes.chmod(0o600)
+    return classes
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace")
+
+
+async def _wait_for(log: Path, process: asyncio.subprocess.Process, pattern: str) -> str:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        text = _read(log)
+        if re.search(pattern, text):
+            return text
+        if process.returncode is not None:
+            break
+        await asyncio.sleep(0.1)
+    tail = "\n".join(_read(log).splitlines()[-20:])
+    raise SystemExit(f"a runtime did not get to {pattern!r}:\n{tail}")
+
+
+async def stop_servers(servers: Servers) -> None:
+    for process in servers.processes:
+        if process.returncode is None:
+            process.terminate()
+    for process in servers.processes:
+        try:
+            await asyncio.wait_for(process.wait(), 30)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    name: str, model: Path, workdir: Path, workers: int, flags: Sequence[str]
+) -> AsyncIterator[Servers]:
+    servers = await start_servers(name, model, workdir, workers, flags)
+    try:
+        yield servers
+    finally:
+        await stop_servers(servers)
+
+
+_SAMPLE = re.compile(r"^(offload_runtime_\w+)\{([^}]*)\} (\S+)$", re.M)
+
+
+def scrape(urls: Sequence[str]) -> dict[str, float]:
+    """Every `offload_runtime_*` series of these pages, summed across them, by
+    `name{labels}`."""
+    totals: dict[str, float] = {}
+    for url in urls:
+        page = urllib.request.urlopen(url, timeout=10).read().decode()
+        for name, labels, value in _SAMPLE.findall(page):
+            key = f"{name}{{{labels}}}"
+            totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def _delta(before: dict[str, float], after: dict[str, float], prefix: str) -> float:
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
+
+
+def _cpu_seconds(pids: Sequence[int]) -> float:
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def _machine_busy_seconds() -> float:
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class GpuSampler:
+    """NVML's GPU utilisation and memory in use, sampled every 100 ms in a thread; nothing
+    without NVML."""
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self._util: list[float] = []
+        self._mem: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml: Any = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML here: the CPU columns only
+            self._handle = None
+
+    def __enter__(self) -> GpuSampler:
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.1):
+            self._util.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            self._mem.append(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20)
+
+    def figures(self) -> tuple[float | None, float | None]:
+        if not self._util:
+            return None, None
+        return statistics.mean(self._util), max(self._mem)
+
+
+# ---- the load --------------------------------------------------------------------------
+
+
+async def run_block(
+    servers: Servers,
+    kind: str,
+    tokens: Sequence[str],
+    seconds: float,
+    processes: int,
+    inputs: Path,
+    workdir: Path,
+) -> Block:
+    """Closed-loop clients, one per token, from `processes` client processes at once."""
+    shares = [list(tokens[i::processes]) for i in range(processes)]
+    shares = [s for s in shares if s]
+    start_at = time.time() + START_MARGIN_S + 0.02 * len(tokens)
+    children = []
+    outs = []
+    for index, share in enumerate(shares):
+        spec = {
+            "endpoint": servers.endpoint, "model": servers.model,
+            "inputs": str(inputs), "kind": kind, "tokens": share, "seconds": seconds,
+            "start_at": start_at, "timeout_s": 60,
+        }  # fmt: skip
+        spec_file = workdir / f"client-{index}.json"
+        spec_file.write_text(json.dumps(spec))
+        out = workdir / f"client-{index}.out.json"
+        outs.append(out)
+        children.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "bench.serving_client",
+                str(spec_file),
+                str(out),
+                cwd=REPO_ROOT,
+            )
+        )
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    pids = [p.pid for p in servers.processes]
+    scrape_before = await asyncio.to_thread(scrape, servers.metrics)
+    cpu_before, machine_before, wall_before = (
+        _cpu_seconds(pids),
+        _machine_busy_seconds(),
+        time.perf_counter(),
+    )
+    with GpuSampler() as gpu:
+        codes = [await child.wait() for child in children]
+    wall = time.perf_counter() - wall_before
+    server_cores = (_cpu_seconds(pids) - cpu_before) / wall
+    machine_cores = (_machine_busy_seconds() - machine_before) / wall
+    scrape_after = await asyncio.to_thread(scrape, servers.metrics)
+    if any(codes):
+        raise SystemExit(f"a client process of {servers.name}/{kind} exited with {codes}")
+    per_client: list[list[float]] = []
+    failures: dict[str, int] = {}
+    took = 0.0
+    for out in outs:
+        result = json.loads(out.read_text())
+        per_client += result["latencies_ms"]
+        took = max(took, result["seconds"])
+        for kinds in result["failures"]:
+            for name, count in kinds.items():
+                failures[name] = failures.get(name, 0) + count
+    pooled = [v for client in per_client for v in client]
+    batches = _delta(scrape_before, scrape_after, "offload_runtime_batch_size_count")
+    rows = _delta(scrape_before, scrape_after, "offload_runtime_batch_size_sum")
+    util, mem = gpu.figures()
+    return Block(
+        config=servers.name,
+        kind=kind,
+        clients=len(tokens),
+        rate=len(pooled) / took if took else 0.0,
+        latency=tail_percentiles(pooled) if pooled else {},
+        failures=failures,
+        mean_batch=rows / batches if batches else 1.0,
+        server_cores=server_cores,
+        machine_cores=machine_cores,
+        gpu_util=util,
+        gpu_mem_mib=mem,
+        per_client=per_client,
+        scrape={
+            key: value - scrape_before.get(key, 0.0)
+            for key, value in scrape_after.items()
+            if "class_compute" in key or "queue_delay" in key or "compute_duration" in key
+        },
+    )
+
+
+def client_processes(clients: int, asked: int | None) -> int:
+    """Load processes for `clients`: as asked, else one per four CPUs of this machine (at
+    least one, at most one per client)."""
+    if asked:
+        return max(1, min(asked, clients))
+    return max(1, min(clients, (os.cpu_count() or 2) // 4))
+
+
+# ---- what the figures say --------------------------------------------------------------
+
+
+def queue_delay_p99_s(scraped: dict[str, float]) -> float | None:
+    """The p99 of the requests' queue delay, as the upper bound of the histogram bucket it
+    falls in (the replicas' `offload_runtime_queue_delay_seconds`)."""
+    buckets: dict[float, float] = {}
+    for key, value in scraped.items():
+        match = re.match(r'offload_runtime_queue_delay_seconds_bucket\{.*le="([^"]+)"', key)
+        if match:
+            bound = math.inf if match.group(1) == "+Inf" else float(match.group(1))
+            buckets[bound] = buckets.get(bound, 0.0) + value
+    if not buckets or not buckets.get(math.inf):
+        return None
+    total = buckets[math.inf]
+    for bound in sorted(buckets):
+        if buckets[bound] >= 0.99 * total:
+            return bound
+    return None
+
+
+def batch_compute_s(scraped: dict[str, float]) -> float | None:
+    count = sum(
+        v
+        for k, v in scraped.items()
+        if k.startswith("offload_runtime_compute_duration_seconds_count")
+    )
+    total = sum(
+        v
+        for k, v in scraped.items()
+        if k.startswith("offload_runtime_compute_duration_seconds_sum")
+    )
+    return total / count if count else None
+
+
+def class_shares(scraped: dict[str, float]) -> dict[str, float]:
+    used: dict[str, float] = {}
+    for key, value in scraped.items():
+        match = re.match(r'offload_runtime_class_compute_seconds_total\{.*class="([^"]+)"', key)
+        if match:
+            used[match.group(1)] = used.get(match.group(1), 0.0) + value
+    total = sum(used.values())
+    return {c: v / total for c, v in used.items()} if total else {}
+
+
+def verdicts(blocks: list[Block], priority: dict[str, Any] | None, delay_us: float) -> list[str]:
+    lines = []
+    by = {(b.config, b.kind, b.clients): b for b in blocks}
+    for (config, kind, clients), block in sorted(by.items()):
+        if config != "on":
+            continue
+        off = by.get(("off", kind, clients))
+        if off is None or not off.latency or not block.latency:
+            continue
+        if clients == 1:
+            ratio = block.latency["p50"] / off.latency["p50"]
+            lines.append(
+                f"{kind}, 1 client: p50 on/off {ratio:.2f} "
+                f"({'no worse' if ratio <= 1.0 else 'WORSE'} than batching off)"
+            )
+        if clients >= 16:
+            ratio = block.rate / off.rate if off.rate else math.inf
+            lines.append(
+                f"{kind}, {clients} clients: throughput on/off {ratio:.2f} "
+                f"({'at least' if ratio >= 1.0 else 'BELOW'} batching off's)"
+            )
+        p99 = queue_delay_p99_s(block.scrape)
+        compute = batch_compute_s(block.scrape)
+        if p99 is not None and compute is not None and clients > 1:
+            bound = delay_us / 1e6 + compute
+            lines.append(
+                f"{kind}, {clients} clients: queue delay p99 <= {p99 * 1000:.2f} ms (bucket), "
+                f"bound {bound * 1000:.2f} ms (delay {delay_us:g} us + a batch's "
+                f"{compute * 1000:.2f} ms): {'within' if p99 <= bound else 'OVER (bucket bound)'}"
+            )
+    if priority:
+        lines.append(
+            f"priority: critical p99 {priority['critical_p99']:.2f} ms among "
+            f"{priority['best_effort_clients']} best-effort, {priority['alone_p99']:.2f} ms "
+            f"alone: {priority['ratio']:.2f}x ("
+            f"{'within' if priority['ratio'] <= PRIORITY_RATIO_TARGET else 'OVER'} "
+            f"{PRIORITY_RATIO_TARGET}x); best-effort clients answered: "
+            f"{priority['best_effort_min_answers']} at least each "
+            f"({'none starved' if priority['best_effort_min_answers'] > 0 else 'STARVED'}); "
+            f"compute shares {priority['shares']}"
+        )
+    return lines
+
+
+def print_table(model: str, ceiling: dict[int, float], blocks: list[Block]) -> None:
+    best = max(ceiling, key=lambda b: ceiling[b])
+    print(
+        f"\n{model}: in-process ONNX Runtime {ceiling[1]:,.0f} inf/s at batch 1, "
+        f"{ceiling[best]:,.0f} at batch {best} (the ceiling)"
+    )
+    print(
+        f"{'config':<8} {'client':<7} {'N':>3} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'p99.9 ms':>9} {'batch':>6} {'srv cores':>9} {'all cores':>9} {'gpu %':>6} "
+        f"{'gpu MiB':>8} failed"
+    )
+    for b in blocks:
+        gpu = (
+            f"{b.gpu_util:6.0f} {b.gpu_mem_mib:8.0f}"
+            if b.gpu_util is not None
+            else f"{'-':>6} {'-':>8}"
+        )
+        lat = b.latency
+        print(
+            f"{b.config:<8} {b.kind:<7} {b.clients:>3} {b.rate:>9,.0f} {lat.get('p50', 0):>8.2f} "
+            f"{lat.get('p99', 0):>8.2f} {lat.get('p99.9', 0):>9.2f} {b.mean_batch:>6.1f} "
+            f"{b.server_cores:>9.2f} {b.machine_cores:>9.2f} {gpu} {sum(b.failures.values())}"
+        )
+
+
+# ---- the run ---------------------------------------------------------------------------
+
+
+def _save_inputs(workdir: Path, feeds: dict[str, np.ndarray]) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    inputs = workdir / "inputs.npz"
+    np.savez(inputs, **cast(dict[str, Any], feeds))
+    return inputs
+
+
+async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    model = modelzoo.model_path(name)
+    feeds = modelzoo.sample_inputs(model, seed=1)
+    inputs = _save_inputs(workdir, feeds)
+    ceiling = ort_ceiling(model, feeds, args.device, args.ceiling_batches, args.ceiling_seconds)
+    common = ["--device", args.device, "--instances", str(args.instances), *args.runtime_flags]
+    delay = ["--max-queue-delay-us", f"{args.max_queue_delay_us:g}"]
+    configs: list[tuple[str, int, list[str]]] = [
+        ("off", 1, [*common, "--max-batch-size", "1"]),
+        ("on", 1, [*common, *delay, "--max-batch-size", args.max_batch_size]),
+    ]
+    configs += [
+        (f"on x{w}", w, [*common, *delay, "--max-batch-size", args.max_batch_size])
+        for w in args.workers
+        if w > 1
+    ]
+    blocks: list[Block] = []
+    priority = None
+    for config, workers, flags in configs:
+        async with serving(
+            config, model, workdir / config.replace(" ", ""), workers, flags
+        ) as servers:
+            if config != "off" and not servers.batching:
+                print(f"{name}: the replica does not batch (its log says why); 'on' = 'off'")
+            for clients in args.clients:
+                for kind in args.kinds:
+                    block = await run_block(
+                        servers, kind, [TOKEN] * clients, args.seconds,
+                        client_processes(clients, args.client_processes), inputs, workdir,
+                    )  # fmt: skip
+                    blocks.append(block)
+                    print(
+                        f"  {name} {config} {kind} x{clients}: {block.rate:,.0f} req/s, "
+                        f"p99 {block.latency.get('p99', 0):.2f} ms, batch {block.mean_batch:.1f}",
+                        flush=True,
+                    )
+            if config == "on" and args.priority_clients:
+                priority = await priority_arm(servers, args, inputs, workdir)
+    print_table(name, ceiling, blocks)
+    lines = verdicts(blocks, priority, args.max_queue_delay_us)
+    for line in lines:
+        print(f"  {line}")
+    return {
+        "model": name,
+        "ceiling": {str(k): v for k, v in ceiling.items()},
+        "blocks": [
+            {k: v for k, v in b.__dict__.items() if k not in ("per_client",)} for b in blocks
+        ],
+        "priority": priority,
+        "verdicts": lines,
+    }
+
+
+async def priority_arm(
+    servers: Servers, args: argparse.Namespace, inputs: Path, workdir: Path
+) -> dict[str, Any]:
+    """4 critical clients alone, then among `args.priority_clients` best-effort ones."""
+    tokens = [CRITICAL_TOKEN] * CRITICAL_CLIENTS
+    processes = client_processes(CRITICAL_CLIENTS, args.client_processes)
+    alone = await run_block(servers, "ours", tokens, args.seconds, processes, inputs, workdir)
+    mixed_tokens = tokens + [BEST_EFFORT_TOKEN] * args.priority_clients
+    # Critical clients first in every process's share (tokens[i::processes]).
+    processes = client_processes(len(mixed_tokens), args.client_processes)
+    mixed = await run_block(
+        servers, "ours", mixed_tokens, args.seconds, processes, inputs, workdir
+    )
+    shares = [mixed_tokens[i::processes] for i in range(processes)]
+    critical: list[float] = []
+    best_effort_answers: list[int] = []
+    order = [t for share in shares for t in share]
+    for token, samples in zip(order, mixed.per_client, strict=True):
+        if token == CRITICAL_TOKEN:
+            critical += samples
+        else:
+            best_effort_answers.append(len(samples))
+    alone_p99 = tail_percentiles([v for c in alone.per_client for v in c])["p99"]
+    critical_p99 = tail_percentiles(critical)["p99"]
+    return {
+        "best_effort_clients": args.priority_clients,
+        "alone_p99": alone_p99,
+        "critical_p99": critical_p99,
+        "ratio": critical_p99 / alone_p99,
+        "best_effort_min_answers": min(best_effort_answers),
+        "best_effort_rate": sum(best_effort_answers) / args.seconds,
+        "shares": {k: round(v, 3) for k, v in class_shares(mixed.scrape).items()},
+        "failures": mixed.failures,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serving", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="short mode (make bench)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--models", nargs="+", default=None, help="default: mlp resnet18")
+    parser.add_argument(
+        "--clients", type=_ints, default=None, help="client counts (default 1,4,16,64; quick 1,16)"
+    )
+    parser.add_argument(
+        "--kinds", type=lambda t: t.split(","), default=None,
+        help="client kinds: ours,triton (default both; quick: ours)",
+    )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=None, help="per block (4; quick 1.5)")
+    parser.add_argument(
+        "--workers", type=_ints, default=[1], help="runtime processes on one port, each a "
+        "configuration after 'on' (e.g. 1,4)",
+    )  # fmt: skip
+    parser.add_argument("--instances", type=int, default=1, help="sessions per replica")
+    parser.add_argument("--max-batch-size", default="auto", help="for 'on' (default auto)")
+    parser.add_argument("--max-queue-delay-us", type=float, default=0.0, help="for 'on'")
+    parser.add_argument(
+        "--priority-clients", type=int, default=None,
+        help="best-effort clients of the priority arm (default 60; quick 12; 0: no arm)",
+    )  # fmt: skip
+    parser.add_argument("--client-processes", type=int, default=None)
+    parser.add_argument(
+        "--runtime-flags", type=str.split, default=[],
+        help="more flags for every replica, as one string (e.g. '--io-binding')",
+    )  # fmt: skip
+    parser.add_argument("--json", type=Path, help="write every figure to this file")
+    return parser
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: give counts like 1,4,16") from None
+    if any(v < 1 or v > 4096 for v in values):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: each count from 1 to 4096")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quick = args.quick
+    args.models = args.models or ["mlp", "resnet18"]
+    args.clients = args.clients or ([1, 16] if quick else [1, 4, 16, 64])
+    args.kinds = args.kinds or (["ours"] if quick else ["ours", "triton"])
+    args.seconds = args.seconds or (1.5 if quick else 4.0)
+    if args.priority_clients is None:
+        args.priority_clients = 12 if quick else 60
+    args.ceiling_batches = [1, 8] if quick else [1, 8, 32]
+    args.ceiling_seconds = 0.5 if quick else 2.0
+    print(
+        f"bench.serving on {os.cpu_count()} CPUs, device {args.device}, onnxruntime "
+        f"{ort.__version__}; blocks of {args.seconds:g} s",
+        flush=True,
+    )
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        for name in args.models:
+            results.append(asyncio.run(bench_model(name, args, Path(tmp) / name)))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    failed = sum(sum(b["failures"].values()) for r in results for b in r["blocks"])
+    if failed:
+        print(f"{failed} requests failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
