@@ -533,7 +533,12 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
             config, model, workdir / config.replace(" ", ""), workers, flags
         ) as servers:
             if config != "off" and not servers.batching:
-                print(f"{name}: the replica does not batch (its log says why); 'on' = 'off'")
+                why = re.search(r"batching off: (.*)", _read(servers.logs[0]))
+                print(f"{name}: the replica does not batch ({why and why.group(1)}): 'on' = 'off'")
+            elif config != "off":
+                chosen = re.search(r"--max-batch-size auto: (.*)", _read(servers.logs[0]))
+                if chosen:
+                    print(f"  {name} {config}: --max-batch-size auto chose {chosen.group(1)}")
             for clients in args.clients:
                 for kind in args.kinds:
                     block = await run_block(

@@ -328,9 +328,7 @@ class OnnxModel:
             if two.ndim == 0 or two.shape[0] != 2:
                 return f"output {spec.name!r} of a two-row batch has shape {list(two.shape)}"
             alike = (
-                np.array_equal(two[:1], one)
-                if one.dtype.kind in "OSUb"
-                else np.allclose(two[:1], one, rtol=1e-3, atol=1e-5, equal_nan=True)
+                np.array_equal(two[:1], one) if one.dtype.kind in "OSUb" else _close(two[:1], one)
             )
             if not alike:
                 return f"output {spec.name!r}: a row's result depends on the other rows"
@@ -370,6 +368,15 @@ class OnnxModel:
     @staticmethod
     def _describe(specs: Sequence[TensorSpec]) -> str:
         return ", ".join(s.describe() for s in specs)
+
+
+def _close(batched: np.ndarray, alone: np.ndarray) -> bool:
+    """Whether a row computed in a batch is the row computed alone, up to what a device's
+    arithmetic changes with the batch's shape (on CUDA, TF32 convolutions picked per shape
+    move ResNet-18's logits by about 1e-3 of their scale) and far below what another row's
+    values would (a model that mixes rows moves them by their own order of magnitude)."""
+    scale = float(np.max(np.abs(alone))) if alone.size else 0.0
+    return bool(np.allclose(batched, alone, rtol=1e-2, atol=1e-2 * scale + 1e-6, equal_nan=True))
 
 
 def _shared_dims(inputs: Sequence[TensorSpec]) -> tuple[tuple[str, list[tuple[str, int]]], ...]:
