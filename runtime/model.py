@@ -373,10 +373,11 @@ class OnnxModel:
 def _close(batched: np.ndarray, alone: np.ndarray) -> bool:
     """Whether a row computed in a batch is the row computed alone, up to what a device's
     arithmetic changes with the batch's shape (on CUDA, TF32 convolutions picked per shape
-    move ResNet-18's logits by about 1e-3 of their scale) and far below what another row's
-    values would (a model that mixes rows moves them by their own order of magnitude)."""
+    move ResNet-18's logits by up to about 1e-3 of their scale) and far below what another
+    row's values would (a model that mixes rows moves them by their own order of
+    magnitude): within 5% of the output's largest magnitude."""
     scale = float(np.max(np.abs(alone))) if alone.size else 0.0
-    return bool(np.allclose(batched, alone, rtol=1e-2, atol=1e-2 * scale + 1e-6, equal_nan=True))
+    return bool(np.allclose(batched, alone, rtol=0.05, atol=0.05 * scale + 1e-6, equal_nan=True))
 
 
 def _shared_dims(inputs: Sequence[TensorSpec]) -> tuple[tuple[str, list[tuple[str, int]]], ...]:
