@@ -186,11 +186,17 @@ class Batcher:
         compute_s: float,
         inline_below_s: float,
         observe: BatchObserver | None = None,
+        pad_to: Sequence[int] = (),
     ) -> None:
         """`instances`: `policy.instances` sessions of one model with a dynamic batch axis;
         `compute_s`: its compute time for one request (warm-up), the least a request's
         deadline must leave; `inline_below_s`: a lone request of a model computing within it
-        runs on the loop."""
+        runs on the loop; `pad_to`: the batch sizes to run (a batch is padded to the least
+        of them that holds it; one larger than all runs as it is), empty for any size.
+
+        Why pad: CUDA's convolutions are tuned per input shape at their first run (ONNX
+        Runtime's exhaustive cuDNN search, tens of milliseconds a shape), so every new batch
+        size stalls its batch; with the sizes warmed at load, no batch meets a new shape."""
         if len(instances) != policy.instances:
             raise ValueError(f"{len(instances)} sessions for {policy.instances} instances")
         self._policy = policy
@@ -202,6 +208,7 @@ class Batcher:
         self._queued = 0
         self._decayed_at = time.monotonic()
         self._executor = ThreadPoolExecutor(policy.instances, thread_name_prefix="batch")
+        self._pad_to = sorted(pad_to)
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
@@ -291,15 +298,20 @@ class Batcher:
             self._queued -= len(batch)
             runner = self._free.pop()
             waits = [now - p.arrived for p in batch]
-            if len(batch) == 1 and self._inline:
+            if len(batch) == 1 and self._inline and self._padded(rows) == rows:
                 self._run_inline(runner, cls, batch[0], waits)
             else:
-                task = loop.run_in_executor(self._executor, _run_batch, runner, batch, rows)
+                task = loop.run_in_executor(
+                    self._executor, _run_batch, runner, batch, rows, self._padded(rows)
+                )
                 task.add_done_callback(
                     functools.partial(
                         self._finished, runner=runner, cls=cls, batch=batch, waits=waits
                     )
                 )
+
+    def _padded(self, rows: int) -> int:
+        return next((size for size in self._pad_to if size >= rows), rows)
 
     def _drop_unwanted(self, now: float) -> None:
         """Answer TooLate to each queued request whose deadline leaves less than the
@@ -451,27 +463,26 @@ def _shutting_down() -> NotReady:
 
 
 def _run_batch(
-    runner: Runner, batch: Sequence[_Pending], rows: int
+    runner: Runner, batch: Sequence[_Pending], rows: int, size: int
 ) -> tuple[list[list[np.ndarray] | RuntimeServerError], float]:
-    """In an instance's thread: one run of the merged feeds, cut back per request. Returns
-    each request's outputs or error, and the compute time.
+    """In an instance's thread: one run of the merged feeds, padded to `size` rows with
+    copies of the last row (a shape warmed at load), cut back per request. Returns each
+    request's outputs or error, and the compute time.
 
     When the merged run fails (a value one request carries that the model rejects, such as
-    a token id past the vocabulary), or its outputs do not have `rows` rows (a model that
+    a token id past the vocabulary), or its outputs do not have `size` rows (a model that
     mixes rows), the requests are run again one by one: a bad request fails alone and every
     answer is its own request's."""
     started = time.perf_counter()
     head = batch[0]
-    if len(batch) > 1:
-        feeds = {
-            name: np.concatenate([p.feeds[name] for p in batch], axis=0) for name in head.feeds
-        }
+    if len(batch) > 1 or size > rows:
+        feeds = {name: _merged([p.feeds[name] for p in batch], size - rows) for name in head.feeds}
         try:
             outputs = runner.run(feeds, head.names)
         except RuntimeServerError as err:
             logger.info("a batch of %d failed (%s): running them one by one", len(batch), err)
         else:
-            if all(o.ndim > 0 and o.shape[0] == rows for o in outputs):
+            if all(o.ndim > 0 and o.shape[0] == size for o in outputs):
                 answers: list[list[np.ndarray] | RuntimeServerError] = []
                 start = 0
                 for pending in batch:
@@ -481,10 +492,17 @@ def _run_batch(
                 return answers, time.perf_counter() - started
             logger.warning(
                 "a batch of %d rows gave outputs of shapes %s: running its requests one by one",
-                rows,
+                size,
                 [list(o.shape) for o in outputs],
             )
     return [_run_one(runner, p) for p in batch], time.perf_counter() - started
+
+
+def _merged(arrays: list[np.ndarray], pad: int) -> np.ndarray:
+    """`arrays` one after the other on the first axis, and `pad` copies of the last row."""
+    if pad:
+        arrays = [*arrays, np.repeat(arrays[-1][-1:], pad, axis=0)]
+    return np.concatenate(arrays, axis=0)
 
 
 def _run_one(runner: Runner, pending: _Pending) -> list[np.ndarray] | RuntimeServerError:

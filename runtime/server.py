@@ -55,7 +55,7 @@ from runtime.batching import (
 )
 from runtime.errors import ModelLoadError
 from runtime.metrics import MetricsEndpoint, RuntimeMetrics
-from runtime.model import DEVICES, OnnxModel
+from runtime.model import CPU, DEVICES, OnnxModel
 from runtime.pem import TlsIdentity, read_pem
 from runtime.rpc.auth import CallerTokens, require_token
 from runtime.rpc.measurement import measure_calls
@@ -343,6 +343,20 @@ async def _batcher(
     for _ in range(policy.instances - 1):
         more, _ms = await asyncio.to_thread(_load_warm, settings, threads, warmup_inputs)
         instances.append(more)
+    pad_to: tuple[int, ...] = ()
+    if model.provider != CPU:
+        # Shapes tuned at load: no batch meets a new one (`Batcher`'s pad_to).
+        pad_to = tuple(n for n in SWEEP_SIZES if n < policy.max_batch_size)
+        pad_to += (policy.max_batch_size,)
+        for instance in instances:
+            await asyncio.to_thread(instance.time_batches, feeds, pad_to, math.inf)
+        logger.info(
+            "model=%s batches padded to %s rows: shapes warmed at load (%s tunes its kernels "
+            "per shape at their first run)",
+            settings.name,
+            ", ".join(map(str, pad_to)),
+            model.provider,
+        )
     if settings.io_binding:
         bound = all([instance.bind_io() for instance in instances])
         logger.info(
@@ -357,6 +371,7 @@ async def _batcher(
         compute_ms / 1000,
         settings.inline_below_ms / 1000,
         metrics.observe_batch,
+        pad_to,
     )
     metrics.count_queued(
         lambda: batcher.queued,

@@ -1,0 +1,222 @@
+"""`runtime.batching.Batcher` on real ONNX Runtime sessions of a small model: padding, the
+order of classes, deadlines, cancellation and the queue bound.
+
+Where a test must hold a batch running to build a queue behind it, the session is wrapped
+in `Gate`, which waits for the test's go before each run and records what ran: the order
+is then decided by the batcher alone, never by timing."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.batching import (
+    BatchPolicy,
+    Batcher,
+    PriorityClass,
+    check_range,
+    choose_batch_size,
+)
+from runtime.errors import QueueFull, TooLate
+from runtime.model import OnnxModel
+from tests.batching_support import build_mixer
+
+CRITICAL, STANDARD, BEST_EFFORT = (
+    PriorityClass.CRITICAL,
+    PriorityClass.STANDARD,
+    PriorityClass.BEST_EFFORT,
+)
+
+
+@pytest.fixture(scope="module")
+def mixer(tmp_path_factory: pytest.TempPathFactory) -> OnnxModel:
+    path = build_mixer(tmp_path_factory.mktemp("models") / "mixer.onnx")
+    return OnnxModel.load(Path(path), "mixer", device="cpu", intra_op_threads=1)
+
+
+class Gate:
+    """A session that runs only when the test lets it, recording each run's first `x`
+    values (each request below has a distinct one)."""
+
+    def __init__(self, model: OnnxModel) -> None:
+        self._model = model
+        self._go = threading.Semaphore(0)
+        self.runs: list[list[float]] = []
+        self.started = threading.Event()
+
+    def allow(self, runs: int = 1) -> None:
+        for _ in range(runs):
+            self._go.release()
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
+        self.started.set()
+        assert self._go.acquire(timeout=30), "the test never let the run go"
+        self.runs.append([float(v) for v in feeds["x"][:, 0]])
+        return self._model.run(feeds, outputs)
+
+
+def feeds(value: float, rows: int = 1) -> dict[str, np.ndarray]:
+    x = np.full((rows, 2), value, dtype=np.float32)
+    x[:, 1] = np.arange(rows)
+    return {"x": x, "ids": np.zeros((rows, 3), dtype=np.int64)}
+
+
+def batcher(runner: object, **policy: object) -> Batcher:
+    return Batcher(
+        [runner],  # type: ignore[list-item]
+        BatchPolicy(**policy),  # type: ignore[arg-type]
+        compute_s=0.0,
+        inline_below_s=-1.0,  # never inline: the gate would hold the loop
+    )
+
+
+async def wait_for(condition: object, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+async def test_padded_batches_answer_each_request_with_its_own_rows(mixer: OnnxModel) -> None:
+    runs: list[int] = []
+
+    class Counting:
+        def run(self, f: Mapping[str, np.ndarray], o: Sequence[str]) -> list[np.ndarray]:
+            runs.append(len(f["x"]))
+            return mixer.run(f, o)
+
+    queue = Batcher([Counting()], BatchPolicy(max_batch_size=8), 0.0, -1.0, pad_to=(1, 2, 4, 8))
+    try:
+        requests = [feeds(float(i), rows) for i, rows in enumerate([1, 2, 2])]
+        answers = await asyncio.gather(
+            *(queue.infer(r, ("y", "s"), STANDARD, None) for r in requests)
+        )
+    finally:
+        queue.close()
+    for request, (y, s) in zip(requests, answers, strict=True):
+        expected_y, expected_s = mixer.run(request, ("y", "s"))
+        assert np.array_equal(y, expected_y) and np.array_equal(s, expected_s)
+    assert runs == [8]  # 5 rows together, padded to the next warmed size
+
+
+async def test_a_critical_request_runs_next_after_the_running_batch(mixer: OnnxModel) -> None:
+    gate = Gate(mixer)
+    queue = batcher(gate, max_batch_size=4)
+    try:
+        first = asyncio.ensure_future(queue.infer(feeds(0), ("y",), BEST_EFFORT, None))
+        await wait_for(gate.started.is_set, "the first batch never started")
+        waiting = [
+            asyncio.ensure_future(queue.infer(feeds(float(v)), ("y",), BEST_EFFORT, None))
+            for v in (1, 2, 3)
+        ]
+        critical = asyncio.ensure_future(queue.infer(feeds(9), ("y",), CRITICAL, None))
+        await wait_for(lambda: queue.queued == 4, "the requests never queued")
+        gate.allow(3)
+        await asyncio.gather(first, critical, *waiting)
+    finally:
+        queue.close()
+    assert gate.runs == [[0.0], [9.0], [1.0, 2.0, 3.0]]
+
+
+async def test_an_expired_request_is_dropped_before_it_runs(mixer: OnnxModel) -> None:
+    gate = Gate(mixer)
+    queue = batcher(gate, max_batch_size=4)
+    try:
+        first = asyncio.ensure_future(queue.infer(feeds(0), ("y",), STANDARD, None))
+        await wait_for(gate.started.is_set, "the first batch never started")
+        late = asyncio.ensure_future(
+            queue.infer(feeds(5), ("y",), STANDARD, time.monotonic() + 0.01)
+        )
+        kept = asyncio.ensure_future(queue.infer(feeds(6), ("y",), STANDARD, None))
+        await wait_for(lambda: queue.queued == 2, "the requests never queued")
+        await asyncio.sleep(0.02)  # the deadline passes while the first batch holds
+        gate.allow(2)
+        with pytest.raises(TooLate):
+            await late
+        await asyncio.gather(first, kept)
+    finally:
+        queue.close()
+    assert gate.runs == [[0.0], [6.0]]
+
+
+async def test_a_cancelled_request_is_never_computed(mixer: OnnxModel) -> None:
+    gate = Gate(mixer)
+    queue = batcher(gate, max_batch_size=4)
+    try:
+        first = asyncio.ensure_future(queue.infer(feeds(0), ("y",), STANDARD, None))
+        await wait_for(gate.started.is_set, "the first batch never started")
+        gone = asyncio.ensure_future(queue.infer(feeds(5), ("y",), STANDARD, None))
+        kept = asyncio.ensure_future(queue.infer(feeds(6), ("y",), STANDARD, None))
+        await wait_for(lambda: queue.queued == 2, "the requests never queued")
+        gone.cancel()
+        gate.allow(2)
+        await asyncio.gather(first, kept)
+    finally:
+        queue.close()
+    assert gate.runs == [[0.0], [6.0]]
+
+
+async def test_a_full_class_is_refused_and_the_others_still_queue(mixer: OnnxModel) -> None:
+    gate = Gate(mixer)
+    queue = batcher(gate, max_batch_size=1, max_queued_per_class=2)
+    try:
+        first = asyncio.ensure_future(queue.infer(feeds(0), ("y",), BEST_EFFORT, None))
+        await wait_for(gate.started.is_set, "the first batch never started")
+        held = [
+            asyncio.ensure_future(queue.infer(feeds(v), ("y",), BEST_EFFORT, None)) for v in (1, 2)
+        ]
+        await wait_for(lambda: queue.queued_in(BEST_EFFORT) == 2, "never queued")
+        with pytest.raises(QueueFull, match="2 best-effort requests are queued"):
+            await queue.infer(feeds(3), ("y",), BEST_EFFORT, None)
+        other = asyncio.ensure_future(queue.infer(feeds(4), ("y",), STANDARD, None))
+        await wait_for(lambda: queue.queued_in(STANDARD) == 1, "standard never queued")
+        gate.allow(4)
+        await asyncio.gather(first, other, *held)
+    finally:
+        queue.close()
+
+
+async def test_no_class_starves_under_a_critical_flood(mixer: OnnxModel) -> None:
+    gate = Gate(mixer)
+    queue = batcher(gate, max_batch_size=1, max_class_wait_s=0.0)
+    gate.allow(1000)
+    try:
+        lowest = asyncio.ensure_future(queue.infer(feeds(7), ("y",), BEST_EFFORT, None))
+        flood = [
+            asyncio.ensure_future(queue.infer(feeds(1), ("y",), CRITICAL, None)) for _ in range(50)
+        ]
+        await asyncio.gather(lowest, *flood)
+    finally:
+        queue.close()
+    assert [7.0] in gate.runs[:-1], "the best-effort request waited for the whole flood"
+    assert queue.compute_seconds(CRITICAL) > 0 and queue.compute_seconds(BEST_EFFORT) > 0
+
+
+def test_batch_size_doubles_while_a_row_gets_quicker() -> None:
+    assert choose_batch_size({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 4.2}) == 8
+    assert choose_batch_size({1: 27.0, 2: 55.0, 4: 108.0}) == 1
+    assert choose_batch_size({1: 1.0}) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "between 1 and 4096"),
+        (-3, "between 1 and 4096"),
+        (10**9, "between 1 and 4096"),
+        (math.nan, "finite"),
+        (math.inf, "finite"),
+    ],
+)
+def test_policy_refuses_nonsense(value: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_range("max-batch-size", value, 1, 4096)
+    with pytest.raises(ValueError, match="max-batch-size"):
+        BatchPolicy(max_batch_size=value)  # type: ignore[arg-type]
