@@ -3,6 +3,7 @@ leaves every other thread, and every other case, where the scheduler puts it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -94,3 +95,27 @@ async def test_a_process_on_one_cpu_says_it_has_nothing_to_pin(
     _, threads, log = await served_threads(tmp_path, probe_model, probe_inputs, cpus={cpu})
     assert set(threads.values()) == {frozenset({cpu})}, threads
     assert "event loop not pinned: this process may run on one CPU only" in log, log
+
+
+async def test_the_batches_threads_keep_every_cpu_when_the_loop_is_pinned(tmp_path: Path) -> None:
+    allowed = frozenset(os.sched_getaffinity(0))
+    model = modelzoo.model_path("mlp")
+    process, endpoint = await spawn_runtime(tmp_path, model)
+    try:
+        request = infer_request(model.stem, modelzoo.sample_inputs(model))
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            # Calls sent together queue behind one another: batches, in the batch thread.
+            await asyncio.gather(*(stub.ModelInfer(request, metadata=AUTH) for _ in range(64)))
+        threads = {
+            int(tid): frozenset(os.sched_getaffinity(int(tid)))
+            for tid in os.listdir(f"/proc/{process.pid}/task")
+        }
+    finally:
+        process.terminate()
+        await process.wait()
+    log = (tmp_path / "runtime.log").read_text()
+    assert "event loop pinned to CPU" in log and "batches: up to" in log, log
+    assert len(threads[process.pid]) == 1
+    others = {threads[tid] for tid in threads if tid != process.pid}
+    assert others == {allowed}, threads
