@@ -27,8 +27,11 @@ With `max_queue_delay_s` 0 (the default) a free instance takes what has queued a
 batches form from the requests that arrive while the instances are busy, so one client never
 waits for company; with D > 0 a batch that is not full waits until its oldest request has
 waited D. A batch of one request of a model that computes within `inline_below_s` runs on the
-event loop (no thread hand-off, the latency of an unbatched call); any larger batch runs in
-the instance's thread, so the loop keeps parsing the next requests while it computes.
+event loop (no thread hand-off, the latency of an unbatched call) on a CPU; any larger batch,
+and every batch on CUDA, runs in its session's own thread, so the loop keeps parsing the next
+requests while it computes. A session is run from that one thread only: ONNX Runtime's CUDA
+provider keeps state per thread, and a session run from alternating threads was 10-60x
+slower on an H200. On CUDA batches are also padded to sizes warmed at load (`pad_to`).
 
 Each class's queue holds at most `max_queued_per_class` requests: past it `QueueFull`
 (RESOURCE_EXHAUSTED). Plain Python over numpy and asyncio: nothing here knows about gRPC.
@@ -192,8 +195,9 @@ class Batcher:
         """`instances`: `policy.instances` sessions of one model with a dynamic batch axis;
         `compute_s`: its compute time for one request (warm-up), the least a request's
         deadline must leave; `inline_below_s`: a lone request of a model computing within it
-        runs on the loop; `pad_to`: the batch sizes to run (a batch is padded to the least
-        of them that holds it; one larger than all runs as it is), empty for any size.
+        runs on the loop (negative: never, as a CUDA session must not: each session keeps to
+        its own thread); `pad_to`: the batch sizes to run (a batch is padded to the least of
+        them that holds it; one larger than all runs as it is), empty for any size.
 
         Why pad: CUDA's convolutions are tuned per input shape at their first run (ONNX
         Runtime's exhaustive cuDNN search, tens of milliseconds a shape), so every new batch
@@ -208,16 +212,20 @@ class Batcher:
         self._classes = {c: _ClassState() for c in CLASSES}
         self._queued = 0
         self._decayed_at = time.monotonic()
-        # The batches' threads start later, from the loop's thread, which `runtime.server`
-        # may pin to one CPU by then: they take the CPUs the process has now instead. On a
-        # GPU a batch's thread spin-waits for the device; on the loop's CPU it took that
-        # CPU from the loop (an H200 replica computed 66 ms per batch that took 2 ms at load).
-        self._executor = ThreadPoolExecutor(
-            policy.instances,
-            thread_name_prefix="batch",
-            initializer=os.sched_setaffinity,
-            initargs=(0, os.sched_getaffinity(0)),
-        )
+        # Each session has a thread of its own and is run from no other: ONNX Runtime's CUDA
+        # provider keeps per-thread state, and one session run from alternating threads took
+        # 10-60x its time on an H200. The threads start later, from the loop's thread, which
+        # `runtime.server` may pin to one CPU by then: they take the CPUs the process has now.
+        cpus = os.sched_getaffinity(0)
+        self._threads = {
+            id(runner): ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"batch-{index}",
+                initializer=os.sched_setaffinity,
+                initargs=(0, cpus),
+            )
+            for index, runner in enumerate(instances)
+        }
         self._pad_to = sorted(pad_to)
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
@@ -266,6 +274,18 @@ class Batcher:
         self._schedule(loop)
         return await pending.future
 
+    async def on_each_instance(self, work: Callable[[Runner], object]) -> None:
+        """Run `work` on each session in the session's own thread, all at once (before the
+        first request: warming a device's per-thread state and per-shape tuning where the
+        batches will run). Blocking work, awaited."""
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            *(
+                loop.run_in_executor(self._threads[id(runner)], work, runner)
+                for runner in list(self._free)
+            )
+        )
+
     def close(self) -> None:
         """Refuse new requests, fail the queued ones (NotReady: UNAVAILABLE), and stop
         the threads once their batch is done (not waited for)."""
@@ -278,7 +298,8 @@ class Batcher:
                 if not pending.future.done():
                     pending.future.set_exception(_shutting_down())
         self._queued = 0
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for thread in self._threads.values():
+            thread.shutdown(wait=False, cancel_futures=True)
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         # After the callbacks that are ready now: the handlers of calls that arrived together
@@ -312,7 +333,7 @@ class Batcher:
                 self._run_inline(runner, cls, batch[0], waits)
             else:
                 task = loop.run_in_executor(
-                    self._executor, _run_batch, runner, batch, rows, self._padded(rows)
+                    self._threads[id(runner)], _run_batch, runner, batch, rows, self._padded(rows)
                 )
                 task.add_done_callback(
                     functools.partial(

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 import numpy as np
@@ -343,20 +344,12 @@ async def _batcher(
     for _ in range(policy.instances - 1):
         more, _ms = await asyncio.to_thread(_load_warm, settings, threads, warmup_inputs)
         instances.append(more)
+    on_cpu = model.provider == CPU
     pad_to: tuple[int, ...] = ()
-    if model.provider != CPU:
+    if not on_cpu:
         # Shapes tuned at load: no batch meets a new one (`Batcher`'s pad_to).
         pad_to = tuple(n for n in SWEEP_SIZES if n < policy.max_batch_size)
         pad_to += (policy.max_batch_size,)
-        for instance in instances:
-            await asyncio.to_thread(instance.time_batches, feeds, pad_to, math.inf)
-        logger.info(
-            "model=%s batches padded to %s rows: shapes warmed at load (%s tunes its kernels "
-            "per shape at their first run)",
-            settings.name,
-            ", ".join(map(str, pad_to)),
-            model.provider,
-        )
     if settings.io_binding:
         bound = all([instance.bind_io() for instance in instances])
         logger.info(
@@ -369,10 +362,23 @@ async def _batcher(
         instances,
         policy,
         compute_ms / 1000,
-        settings.inline_below_ms / 1000,
+        # A CUDA session runs in its own thread only (`Batcher`), never inline on the loop.
+        settings.inline_below_ms / 1000 if on_cpu else -1.0,
         metrics.observe_batch,
         pad_to,
     )
+    if not on_cpu:
+        sizes = pad_to
+        await batcher.on_each_instance(
+            lambda instance: cast(OnnxModel, instance).time_batches(feeds, sizes, math.inf)
+        )
+        logger.info(
+            "model=%s batches padded to %s rows, each session warmed at these in its own "
+            "thread (%s tunes its kernels per shape and keeps state per thread)",
+            settings.name,
+            ", ".join(map(str, pad_to)),
+            model.provider,
+        )
     metrics.count_queued(
         lambda: batcher.queued,
         [(c.value, functools.partial(batcher.queued_in, c)) for c in CLASSES],
