@@ -39,6 +39,7 @@ from bench import (
     replica_start,
     resize,
     runtime_latency,
+    serving,
 )
 
 BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
@@ -54,6 +55,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "rebalance": rebalance.main,
     "offload": offload.main,
     "peers": peers.main,
+    "serving": serving.main,
     "control_plane": control_plane.main,
 }
 

@@ -1,0 +1,60 @@
+"""`python -m bench.serving`: one replica under closed-loop clients, batching off and on,
+both client kinds and the priority arm, every answer counted; and how it reads the
+replicas' metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.serving import class_shares, queue_delay_p99_s
+
+
+def test_the_short_run_measures_every_block_and_the_priority_arm(tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.serving", "--quick", "--models", "mlp",
+         "--clients", "1,4", "--kinds", "ours,triton", "--seconds", "0.5",
+         "--priority-clients", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (result,) = json.loads(out.read_text())
+    blocks = {(b["config"], b["kind"], b["clients"]): b for b in result["blocks"]}
+    assert set(blocks) == {
+        (config, kind, clients)
+        for config in ("off", "on")
+        for kind in ("ours", "triton")
+        for clients in (1, 4)
+    }
+    for block in blocks.values():
+        assert block["rate"] > 0 and block["latency"]["n"] > 0
+        assert block["failures"] == {}
+    assert blocks[("off", "ours", 4)]["mean_batch"] == 1.0
+    assert set(result["ceiling"]) == {"1", "8"}
+    priority = result["priority"]
+    assert priority["best_effort_min_answers"] > 0 and priority["failures"] == {}
+    assert set(priority["shares"]) >= {"critical", "best-effort"}
+    assert any(line.startswith("ours, 1 client: p50 on/off") for line in result["verdicts"])
+    assert "--max-batch-size auto chose" in done.stdout
+
+
+def test_queue_delay_p99_is_the_bucket_holding_the_99th_request() -> None:
+    scraped = {
+        'offload_runtime_queue_delay_seconds_bucket{le="0.001",model="m"}': 90.0,
+        'offload_runtime_queue_delay_seconds_bucket{le="0.01",model="m"}': 98.0,
+        'offload_runtime_queue_delay_seconds_bucket{le="0.1",model="m"}': 100.0,
+        'offload_runtime_queue_delay_seconds_bucket{le="+Inf",model="m"}': 100.0,
+    }
+    assert queue_delay_p99_s(scraped) == 0.1
+    assert queue_delay_p99_s({}) is None
+
+
+def test_class_shares_are_of_the_compute_time() -> None:
+    scraped = {
+        'offload_runtime_class_compute_seconds_total{class="critical",model="m"}': 1.0,
+        'offload_runtime_class_compute_seconds_total{class="best-effort",model="m"}': 3.0,
+    }
+    assert class_shares(scraped) == {"critical": 0.25, "best-effort": 0.75}
