@@ -341,6 +341,7 @@ class NodeAgent:
             memory_mib=request.memory_mib,
             background=request.background_start,
             tls=self.replica_tls,
+            priority=request.priority,
         )
         logger.info(
             "replica=%s starting model=%s gpus=%s%s",

@@ -71,6 +71,23 @@ class ReplicaSpec:
     the node can read: `write_tls_files`), and the CA the readiness probe checks it by.
     None: the replica serves plaintext, started with `--insecure` (a container listens on
     0.0.0.0)."""
+    priority: int = 0
+    """The deployment's priority class as broker.proto numbers it (`PriorityClass`: 1
+    best-effort, 2 standard, 3 critical; 0 unspecified, a pre-warmed standby): the class of
+    the calls made with `token` inside the replica (`priority_args`)."""
+
+
+PRIORITY_CLASSES = {1: "best-effort", 2: "standard", 3: "critical"}
+"""broker.proto's `PriorityClass` numbers -> the runtime's `--priority-class` names
+(`runtime.batching.PriorityClass`). 0, unspecified (a pre-warmed standby), is standard: a
+standby promoted to serve keeps the class it started with, and standard is what a deployment
+that does not say gets."""
+
+
+def priority_args(spec: ReplicaSpec) -> list[str]:
+    """The runtime server's `--priority-class` flag for `spec`: the class its batcher gives
+    the deployment's calls."""
+    return ["--priority-class", PRIORITY_CLASSES.get(spec.priority, "standard")]
 
 
 def tls_args(spec: ReplicaSpec, cert_file: str, key_file: str) -> list[str]:

@@ -65,6 +65,7 @@ from node_daemon.runtimes.base import (
     ReplicaStats,
     ReplicaStatus,
     RuntimeUnavailable,
+    priority_args,
     tls_args,
     uncancellable,
     wait_ready,
@@ -368,6 +369,7 @@ class DockerRuntime:
             "--token-file", "/run/secrets/offload-token",
             "--concurrency", str(spec.concurrency),
             *tls_args(spec, f"{SECRETS}/offload-tls-cert.pem", f"{SECRETS}/offload-tls-key.pem"),
+            *priority_args(spec),
         ]  # fmt: skip
         if spec.gpu_memory_mib and gpu_mode == "device-request":
             command += ["--gpu-mem-limit-mib", str(spec.gpu_memory_mib)]

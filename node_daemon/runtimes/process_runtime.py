@@ -67,6 +67,7 @@ from node_daemon.runtimes.base import (
     ReplicaStats,
     ReplicaStatus,
     ResourceUpdateUnsupported,
+    priority_args,
     tls_args,
     uncancellable,
     wait_ready,
@@ -343,6 +344,7 @@ class ProcessRuntime:
             "--host", spec.host, "--port", "0", "--metrics-port", "0",
             "--token-file", str(token_file), "--concurrency", str(spec.concurrency),
             *tls_args(spec, *(str(path) for path in tls_files or ("", ""))),
+            *priority_args(spec),
         ]  # fmt: skip
         if spec.warmup_inputs is not None:
             command += ["--warmup-inputs", str(spec.warmup_inputs)]

@@ -434,6 +434,32 @@ async def test_resources_usage_and_topology(runtime: str, daemon_paths: tuple[Pa
         await _cleanup(daemon, started)
 
 
+async def test_a_critical_deployments_replica_serves_its_calls_as_critical(
+    daemon_paths: tuple[Path, Path],
+) -> None:
+    state, log = daemon_paths
+    daemon = await start_daemon("process", "test-node-critical", state, log)
+    started: list[str] = []
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            sha = await put_model(stub, modelzoo.model_path("mlp"))
+            spec = pb.ReplicaSpec(
+                deployment_id="dep-critical", epoch=1, model_sha256=sha, model_name="mlp",
+                token=TOKEN, priority=3,
+            )  # fmt: skip
+            replica = (await stub.StartReplica(pb.StartReplicaRequest(spec=spec))).replica
+            started.append(replica.replica_id)
+        # The MLP batches; the runtime names the class of the deployment's calls at load,
+        # before it reports ready.
+        replica_log = state / "replicas" / replica.replica_id / "replica.log"
+        text = await asyncio.to_thread(replica_log.read_text, errors="replace")
+        assert "model=mlp batches: up to" in text, text
+        assert "the deployment's calls are critical" in text, text
+    finally:
+        await _cleanup(daemon, started)
+
+
 async def test_agent_token_guards_every_call(tmp_path: Path) -> None:
     token_file = tmp_path / "agent-token"
     token_file.write_text("agent-secret-0123456789")
