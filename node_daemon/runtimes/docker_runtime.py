@@ -41,6 +41,7 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -102,17 +103,42 @@ SECRETS = "/run/secrets"
 
 
 def connect_docker() -> docker.DockerClient:
-    """A client for the local engine; RuntimeUnavailable (saying how to get one) if none."""
+    """A client for the local engine; RuntimeUnavailable (saying how to get one) if none.
+
+    Blocking. When it raises, it leaves nothing open: no client, no socket."""
+    client: docker.DockerClient | None = None
     try:
         client = docker.from_env(timeout=30)
-    except docker.errors.DockerException as err:
-        raise RuntimeUnavailable(f"no Docker engine is reachable ({err}); {_ENGINE_HINT}") from err
-    try:
         client.ping()
-    except docker.errors.DockerException as err:
-        client.close()
+    except (docker.errors.DockerException, requests.exceptions.RequestException) as err:
+        if client is not None:
+            client.close()
+        _close_sockets_left_in(err)
         raise RuntimeUnavailable(f"no Docker engine is reachable ({err}); {_ENGINE_HINT}") from err
     return client
+
+
+def _close_sockets_left_in(err: BaseException) -> None:
+    """Close the sockets still held by the frames of `err`'s tracebacks (and its causes').
+
+    docker-py's unix-socket connection opens its socket and leaves it open when the connect
+    fails (no engine listening; docker/docker-py#3356, not merged): the socket lives on in
+    the traceback, out of reach of `client.close()`, and is reported unclosed (a
+    ResourceWarning, an error under `-W error`) wherever it is collected, far from here."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [err]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            for value in tb.tb_frame.f_locals.values():
+                if isinstance(value, socket.socket):
+                    value.close()
+            tb = tb.tb_next
+        pending += [current.__cause__, current.__context__]
 
 
 def require_images(client: docker.DockerClient, tags: Iterable[str]) -> None:
