@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from edge_client.rpc.tensors import infer_request, response_arrays
 from images.build import build_image
 from node_daemon.runtimes import DockerRuntime, ReplicaSpec
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.batching_support import BAD_KINDS, MIXER_OUTPUTS, MixedRequest, build_mixer, send_mixed
 from tests.docker_support import require_docker
 
 pytestmark = pytest.mark.docker
@@ -86,6 +89,57 @@ async def test_tritonclient_gets_onnxruntime_outputs(
             assert got[output].shape == value.shape, output
             assert np.allclose(got[output], value, rtol=1e-4, atol=1e-5), output
     assert await docker_runtime.stop(replica.replica_id, grace_s=5) == 0
+
+
+async def test_batches_in_the_image_answer_each_request_with_its_own_outputs(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """The image's runtime batches by default (`--max-batch-size auto`): good requests of
+    several shapes and output selections, sent at once with bad ones among them, each get
+    their own outputs and the bad ones INVALID_ARGUMENT, through the batcher. (Requests
+    merged into one run are shown by tests/integration/test_runtime_batching.py, where a
+    queue delay lets them meet.)"""
+    model = build_mixer(tmp_path / "mixer.onnx")
+    spec = ReplicaSpec(
+        replica_id="test-batching", model_path=model, model_name=model.stem, token=TOKEN,
+        labels={"node": "test"},
+    )  # fmt: skip
+    replica = await docker_runtime.start(spec)
+    try:
+        good = [
+            MixedRequest(
+                rows=1 + i % 3, width=2 + i % 2, outputs=MIXER_OUTPUTS[: 1 + i % 3], seed=i
+            )
+            for i in range(24)
+        ]
+        bad = [MixedRequest(rows=1, width=2, outputs=(), bad=kind, seed=99) for kind in BAD_KINDS]
+        requests = [r for pair in zip(good, bad * 4, strict=False) for r in pair] + good[6:]
+        metadata = (("authorization", f"Bearer {TOKEN}"),)
+        async with grpc.aio.insecure_channel(replica.endpoint) as channel:
+            outcome = await send_mixed(
+                pb_grpc.GRPCInferenceServiceStub(channel), model, requests, metadata
+            )
+        assert outcome.mismatches == []
+        assert outcome.answered == sum(not r.bad for r in requests)
+        page = await asyncio.to_thread(_metrics_page, replica.metrics_endpoint)
+        runs = re.search(r"^offload_runtime_batch_size_count\{.*\} (\S+)$", page, re.M)
+        assert runs, page
+        # Every good request went through the batcher (one run each at most: this model
+        # computes in microseconds, so a lone request runs at once on the loop).
+        assert 0 < float(runs.group(1)) <= outcome.answered + len(BAD_KINDS)
+        client = require_docker()
+        try:
+            logs = client.containers.get(replica.ref).logs().decode()
+        finally:
+            client.close()
+        assert "batches: up to" in logs, logs
+    finally:
+        assert await docker_runtime.stop(replica.replica_id, grace_s=5) == 0
+
+
+def _metrics_page(endpoint: str) -> str:
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
+        return response.read().decode()
 
 
 async def test_host_network_replica_listens_where_it_logs(runtime_image: str) -> None:
