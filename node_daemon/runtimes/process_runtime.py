@@ -299,6 +299,10 @@ class ProcessRuntime:
                 set_affinity(running.pid, self._cpuset)
             if running.background_since is not None:
                 set_background(running.pid, True)
+            elif spec.background and self._background:
+                # Raised as overdue before it listened: the launcher (chrt) may have set
+                # SCHED_IDLE after that raise, and the interpreter it execs keeps it.
+                set_background(running.pid, False)
             endpoint = f"{spec.host}:{port}"
             metrics_port = _metrics_port(workdir)
             await wait_ready(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -124,11 +125,25 @@ async def test_a_process_replica_runs_pinned_and_idle_from_its_first_instruction
 
 
 @needs_cap
+@pytest.mark.parametrize("launcher", ["prompt", "slow"])
 async def test_a_process_replica_not_ready_in_time_is_raised_anyway(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    launcher: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(node_daemon.runtimes.process_runtime, "BACKGROUND_LIMIT_S", 0.0)
-    runtime = ProcessRuntime(workdir=tmp_path)
+    if launcher == "slow":
+        # As on a loaded machine: the overdue raise comes before chrt has set SCHED_IDLE.
+        chrt = shutil.which("chrt")
+        if chrt is None:
+            pytest.skip("no chrt (util-linux) here: replicas start with no launcher")
+        slow = tmp_path / "bin" / "chrt"
+        slow.parent.mkdir()
+        slow.write_text(f'#!/bin/sh\nsleep 0.5\nexec {chrt} "$@"\n')
+        slow.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{slow.parent}{os.pathsep}{os.environ['PATH']}")
+    runtime = ProcessRuntime(workdir=tmp_path / "replicas")
     try:
         replica = await runtime.start(spec("bg-2", True))
         assert policies(int(replica.ref)) == {os.SCHED_OTHER}
