@@ -554,7 +554,8 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     keys: tuple[str, ...] = ()
     if args.api_keys_file is not None:
         keys = parse_api_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))
-        warn_if_readable(args.api_keys_file, "--api-keys-file")
+        # The systemd recipe has the service's group read it (root:edge-offload 0640).
+        warn_if_readable(args.api_keys_file, "--api-keys-file", group_may_read=True)
     return BrokerConfig(
         listen=args.listen,
         ops_listen=args.ops_listen,

@@ -76,13 +76,21 @@ def open_private(path: Path) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
-def warn_if_readable(path: Path, flag: str) -> bool:
+def warn_if_readable(path: Path, flag: str, group_may_read: bool = False) -> bool:
     """Warn, naming `flag`, the file and its mode, when group or other users may read or
-    write `path`; True when it warned. The file is left as it is: it is the operator's."""
+    write `path` (other users only, with `group_may_read`: a file the service's group is
+    meant to read, as the systemd recipe's root:edge-offload 0640 API keys file); True when
+    it warned. The file is left as it is: it is the operator's."""
     mode = stat.S_IMODE(path.stat().st_mode)
-    if not mode & 0o077:
+    if not mode & (0o007 if group_may_read else 0o077):
         return False
-    logger.warning("%s %s is readable by other users (mode %04o): chmod 600 it", flag, path, mode)
+    logger.warning(
+        "%s %s is readable by other users (mode %04o): chmod %s it",
+        flag,
+        path,
+        mode,
+        "640" if group_may_read else "600",
+    )
     return True
 
 
