@@ -254,8 +254,7 @@ class Batcher:
         same key. QueueFull when `cls` has `max_queued_per_class` waiting; TooLate when the
         deadline (`time.monotonic()`) leaves less than the compute time before it starts;
         NotReady once closed; the model's own errors (InvalidInput, InferenceFailed) pass
-        through. Cancelling the caller drops the
-        request if it has not started."""
+        through. Cancelling the caller drops the request if its batch has not started."""
         if self._closed:
             raise _shutting_down()
         state = self._classes[cls]
