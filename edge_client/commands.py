@@ -1,7 +1,8 @@
-"""`offload nodes`, `offload deployments`, `offload explain`: what runs where, and why.
+"""`offload nodes`, `offload deployments`, `offload explain`: what runs where, and why;
+`offload login-link`: a one-time link that logs a browser into the dashboard.
 
-`nodes` reads the broker's ops API (`--ops URL --ops-token-file F`, or $OFFLOAD_OPS and
-$OFFLOAD_OPS_TOKEN_FILE); `deployments` and
+`nodes` and `login-link` use the broker's ops API (`--ops URL --ops-token-file F`, or
+$OFFLOAD_OPS and $OFFLOAD_OPS_TOKEN_FILE); `deployments` and
 `explain` call the broker's EdgeBroker service with a client's API key (`--broker HOST:PORT
 --api-key-file F`, or $OFFLOAD_BROKER and $OFFLOAD_API_KEY_FILE). Tables for people, `--json`
 for scripts. `--tls-ca F` (or $OFFLOAD_TLS_CA) is the CA a TLS broker's certificate must
@@ -164,6 +165,60 @@ async def ops_get(args: argparse.Namespace, path: str) -> Any:
         raise CommandError(f"cannot reach the broker's ops API at {url}: {err}") from err
 
 
+async def request_login_link(
+    ops_url: str, headers: dict[str, str], ssl_context: ssl.SSLContext | None = None
+) -> tuple[str, float]:
+    """A one-time dashboard login link from the broker's ops API at `ops_url` (`headers`
+    carry the ops token): the link, and for how many seconds it logs in once. The link
+    holds its code in its fragment, which a browser never sends (see `broker.ops.auth`).
+    CommandError when the broker cannot be reached or refuses."""
+    url = ops_url.rstrip("/")
+    try:
+        async with (
+            aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=15), headers=headers
+            ) as http,
+            http.post(
+                f"{url}/api/login-link", ssl=ssl_context if ssl_context is not None else True
+            ) as response,
+        ):
+            if response.status == 401:
+                raise CommandError(
+                    f"{url} refused the ops token: check --ops-token-file "
+                    "(or OFFLOAD_OPS_TOKEN_FILE)"
+                )
+            if response.status != 200:
+                raise CommandError(
+                    f"{url}/api/login-link answered HTTP {response.status} (a broker too old "
+                    "for one-time links answers 404: paste the ops token instead)"
+                )
+            link = await response.json()
+    except aiohttp.ClientError as err:
+        raise CommandError(f"cannot reach the broker's ops API at {url}: {err}") from err
+    return f"{url}{link['path']}", float(link["expires_in_s"])
+
+
+def login_link_line(link: str, valid_s: float) -> str:
+    """What to tell a person about a one-time login link."""
+    return (
+        f"open {link} to log in to the dashboard: it works once, within "
+        f"{valid_s / 60:g} minutes (then ask for another: offload login-link)"
+    )
+
+
+async def _login_link(args: argparse.Namespace) -> int:
+    url = (args.ops or os.environ.get("OFFLOAD_OPS") or "").rstrip("/")
+    if not url:
+        raise CommandError("give --ops URL, the broker's ops address (or set OFFLOAD_OPS)")
+    tls = _tls(args)
+    context = ssl.create_default_context(cadata=tls.ca.decode()) if tls is not None else None
+    link, valid_s = await request_login_link(
+        url, {"Authorization": f"Bearer {_ops_token(args)}"}, context
+    )
+    print(login_link_line(link, valid_s))
+    return 0
+
+
 async def _nodes(args: argparse.Namespace) -> int:
     nodes = await ops_get(args, "/api/nodes")
     if args.json:
@@ -308,6 +363,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     ops_token_flag(nodes)
     nodes.add_argument("--json", action="store_true", help="print JSON instead of a table")
     nodes.set_defaults(func=_run(_nodes))
+    login = subparsers.add_parser(
+        "login-link",
+        help="a one-time link that logs a browser into the broker's dashboard (valid once, "
+        "for 5 minutes; the ops token needed)",
+    )
+    login.add_argument("--ops", help="the broker's ops URL, e.g. http://broker:8080")
+    ops_token_flag(login)
+    login.set_defaults(func=_run(_login_link))
     for name, helptext, handler in (
         (
             "deployments",

@@ -15,6 +15,10 @@ Routes, GET (HEAD too, as HTTP wants) unless said otherwise; any other method is
   gets the session cookie (`Secure` over HTTPS) and a redirect to `/`, a wrong one 401 and
   the form again, a form that is not UTF-8 400.
   `POST /logout` drops the cookie. `/static/...` (scripts and styles, no data) is open.
+- `POST /api/login-link`: a one-time login link, `{"path": "/login#code=...", "expires_in_s":
+  ...}` (`OpsAuth.mint_login_code`). The ops token needed. The login page posts the link's code
+  to `POST /login/once` (form field `code`): a code minted here, unused and unexpired, gets the
+  session cookie and 204; any other 401. Neither the code nor the link is ever logged.
 
 Every error is JSON, `{"error": message, "status": code}`: 401 without the ops token (before
 anything else, so it tells nothing about the routes), 404 for an unknown path, 405 for another
@@ -33,7 +37,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from broker.ops.auth import OpsAuth
+from broker.ops.auth import LOGIN_CODE_TTL_S, OpsAuth
 from broker.ops.metrics import BrokerMetrics
 from broker.ops.view import OpsView
 
@@ -42,6 +46,7 @@ logger = logging.getLogger(__name__)
 _STATIC_FILES = {
     "index.html": "text/html",
     "login.html": "text/html",
+    "login.js": "text/javascript",
     "dashboard.js": "text/javascript",
     "dashboard.css": "text/css",
     "uplot.min.js": "text/javascript",
@@ -61,7 +66,7 @@ _METRICS_KEY = web.AppKey("ops_metrics", BrokerMetrics)
 _STATIC_KEY = web.AppKey("ops_static", dict[str, bytes])
 _AUTH_KEY = web.AppKey("ops_auth", OpsAuth)
 
-_OPEN_PATHS = frozenset({"/healthz", "/login", "/logout"})
+_OPEN_PATHS = frozenset({"/healthz", "/login", "/login/once", "/logout"})
 """Paths anyone may reach (besides `/static/...`, and `/metrics` when it is open)."""
 _LOGIN_ERROR = b'<p id="login-error" class="status status-error" hidden></p>'
 
@@ -96,6 +101,8 @@ def create_ops_app(view: OpsView, metrics: BrokerMetrics, auth: OpsAuth) -> web.
     app.router.add_get("/", _static_file)
     app.router.add_get("/login", _login_page)
     app.router.add_post("/login", _login)
+    app.router.add_post("/login/once", _login_once)
+    app.router.add_post("/api/login-link", _login_link)
     app.router.add_post("/logout", _logout)
     app.router.add_get("/static/{name}", _static_file)
     return app
@@ -204,6 +211,36 @@ async def _login(request: web.Request) -> web.Response:
         b'<p id="login-error" class="status status-error">wrong token: try again</p>',
     )
     return _page(page, status=401)
+
+
+async def _login_link(request: web.Request) -> web.Response:
+    code = request.app[_AUTH_KEY].mint_login_code()
+    logger.info("ops: one-time login link made for %s", request.remote)
+    return web.json_response(
+        {"path": f"/login#code={code}", "expires_in_s": LOGIN_CODE_TTL_S},
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+async def _login_once(request: web.Request) -> web.Response:
+    auth = request.app[_AUTH_KEY]
+    try:
+        form = await request.post()
+    except ValueError as err:  # UnicodeDecodeError among them: the sender's mistake, not ours
+        logger.warning("ops: unreadable one-time login from %s: %s", request.remote, err)
+        return _error(400, "the login could not be read: send its field code as a UTF-8 form")
+    code = form.get("code")
+    if isinstance(code, str) and auth.redeem_login_code(code.strip()):
+        response = web.Response(status=204, headers={"Cache-Control": "no-store"})
+        auth.start_session(response, secure=request.secure)
+        logger.info("ops: login by a one-time link from %s", request.remote)
+        return response
+    logger.warning("ops: refused a one-time login link from %s", request.remote)
+    return _error(
+        401,
+        "this login link was used already, has expired or is not one: paste the ops token, "
+        "or ask for a new link (offload login-link)",
+    )
 
 
 async def _logout(request: web.Request) -> web.Response:

@@ -42,6 +42,7 @@ from rich.live import Live
 import modelzoo
 from broker.state import new_api_key
 from edge_client.client import OffloadClient
+from edge_client.commands import CommandError, login_link_line, request_login_link
 from edge_client.demo.cluster import DEMO_NODES, ClusterError, LocalCluster, NodePlan
 from edge_client.demo.trace import Trace
 from edge_client.demo.view import (
@@ -212,12 +213,14 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
         print_report(console, report)
         failed = not report.succeeded
         if options.keep:
-            say(
-                f"cluster kept running. Try: export OFFLOAD_BROKER={cluster.broker_address} "
-                f"OFFLOAD_OPS={cluster.ops_url} OFFLOAD_API_KEY_FILE={cluster.api_key_file} "
-                f"OFFLOAD_OPS_TOKEN_FILE={cluster.ops_token_file}; offload status. The "
-                f"dashboard asks for the token in {cluster.ops_token_file}. Ctrl-C stops it."
-            )
+            try:
+                login: tuple[str, float] | None = await request_login_link(
+                    cluster.ops_url, cluster.ops_headers
+                )
+            except CommandError as err:
+                say(f"no one-time login link: {err}")
+                login = None
+            say(kept_message(cluster, login))
             # Ctrl-C now ends a finished demo: its result stands.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.Event().wait()
@@ -241,6 +244,23 @@ async def run_demo(options: DemoOptions, console: Console) -> int:
             say(f"the run failed: the logs of the broker and the nodes are kept in {kept}")
         await asyncio.to_thread(shutil.rmtree, root, True)
         say(f"stopped; {root} removed")
+
+
+def kept_message(cluster: LocalCluster, login: tuple[str, float] | None) -> str:
+    """What `--keep` says once the demo is done: how to reach the cluster, and how to log in
+    to its dashboard: `login`, a one-time link and how long it is valid, or, without one,
+    where the ops token is."""
+    door = (
+        login_link_line(*login)
+        if login is not None
+        else f"log in with the ops token in {cluster.ops_token_file}"
+    )
+    return (
+        f"cluster kept running. Try: export OFFLOAD_BROKER={cluster.broker_address} "
+        f"OFFLOAD_OPS={cluster.ops_url} OFFLOAD_API_KEY_FILE={cluster.api_key_file} "
+        f"OFFLOAD_OPS_TOKEN_FILE={cluster.ops_token_file}; offload status. Dashboard: "
+        f"{door}. Ctrl-C stops it."
+    )
 
 
 def keep_logs(root: Path, prefix: str = "offload-demo-logs-") -> Path:

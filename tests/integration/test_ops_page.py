@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import json
 import re
 import struct
@@ -29,7 +30,14 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 import modelzoo
-from broker.ops import BrokerMetrics, LoadInfo, OpsAuth, create_ops_app, start_ops_server
+from broker.ops import (
+    BrokerMetrics,
+    LoadInfo,
+    MigrationInfo,
+    OpsAuth,
+    create_ops_app,
+    start_ops_server,
+)
 from tests.chromium_support import (
     WINDOW,
     DomDump,
@@ -670,3 +678,83 @@ async def test_dashboard_charts_a_live_clusters_load(cluster: Cluster, tmp_path:
     # burst; bench.resize makes them, and the resize list is checked on `live_load` above.
     assert load["resizes"] == []
     assert element_text(html, "resizes") == "no resizes yet"
+
+
+async def test_a_one_time_link_logs_in_and_leaves_the_address_bar(
+    page_url: str, tmp_path: Path
+) -> None:
+    chromium = require_chromium()
+    headers = {"Authorization": f"Bearer {OPS_TOKEN}"}
+    async with (
+        aiohttp.ClientSession(headers=headers) as http,
+        http.post(f"{page_url}api/login-link") as response,
+    ):
+        link = page_url.rstrip("/") + (await response.json())["path"]
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await page.navigate(link)
+        await page.wait_for(
+            "(document.getElementById('status')?.textContent ?? '').startsWith('last updated')"
+        )
+        assert await page.evaluate("location.href") == page_url
+        assert await page.evaluate("document.cookie") == ""  # HttpOnly, as after a login
+    async with open_page(chromium, tmp_path / "profile2") as page:  # the link is used up
+        await page.navigate(link)
+        error = await page.wait_for(
+            "document.getElementById('login-error')?.hidden === false"
+            " && document.getElementById('login-error').textContent"
+        )
+        assert "code=" not in await page.evaluate("location.href")
+        assert await page.evaluate("fetch('/api/nodes').then((r) => r.status)") == 401
+    assert "used already or has expired" in error
+
+
+def crowded_migration() -> MigrationInfo:
+    """A make-before-break move whose last four steps fall in its last 3 %: their labels
+    cannot all sit where their events are."""
+    start = time.time() - 60
+    steps = [
+        ("decided", 0.0),
+        ("target_started", 0.002),
+        ("target_ready", 1.2),
+        ("switched", 1.45),
+        ("client_acknowledged", 1.455),
+        ("old_stopped", 1.49),
+        ("completed", 1.491),
+    ]
+    migration = copy.deepcopy(StaticOpsView().migration_list[1])
+    migration["migration_id"] = "mig-crowded"
+    migration["timeline"] = [{"event": e, "at": start + s} for e, s in steps]
+    return migration
+
+
+@pytest.mark.parametrize("window_width", [WINDOW[0], 700])
+async def test_timeline_labels_stay_inside_their_card(tmp_path: Path, window_width: int) -> None:
+    chromium = require_chromium()
+    view = StaticOpsView(migration_list=[crowded_migration(), *StaticOpsView().migration_list])
+    async for url in serve(view):
+        async with open_page(chromium, tmp_path / "profile") as page:
+            await page.call(
+                "Emulation.setDeviceMetricsOverride",
+                width=window_width,
+                height=WINDOW[1],
+                deviceScaleFactor=1,
+                mobile=False,
+            )
+            await log_in(page, url, OPS_TOKEN)
+            cards = await page.evaluate(
+                "[...document.querySelectorAll('[data-migration-id]')].map((card) => {"
+                " const c = card.getBoundingClientRect();"
+                " return [card.dataset.migrationId, [c.left, c.right],"
+                " [...card.querySelectorAll('.timeline-event text')].map((t) => {"
+                " const b = t.getBoundingClientRect();"
+                " return [t.textContent, b.left, b.top, b.right, b.bottom]; })]; })"
+            )
+    assert [card[0] for card in cards] == ["mig-crowded", "mig-0002", "mig-0001"]
+    for card_id, (card_left, card_right), labels in cards:
+        assert labels, card_id
+        for text, left, _, right, _ in labels:
+            assert card_left <= left and right <= card_right, (card_id, text, left, right)
+        for i, a in enumerate(labels):
+            for b in labels[i + 1 :]:
+                overlap = a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]
+                assert not overlap, (card_id, a, b)

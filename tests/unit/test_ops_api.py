@@ -24,7 +24,7 @@ from broker.ops import (
     create_ops_app,
     start_ops_server,
 )
-from broker.ops.auth import SESSION_COOKIE
+from broker.ops.auth import LOGIN_CODE_TTL_S, MAX_LOGIN_CODES, SESSION_COOKIE
 from broker.ops.metrics import MIGRATION_OUTCOMES, MIGRATION_TRIGGERS, STANDBY_EVENTS
 from broker.state import MigrationTrigger
 from common.certs import issue, make_ca
@@ -561,3 +561,98 @@ def test_metrics_refuse_an_unknown_standby_event() -> None:
     with pytest.raises(ValueError, match="unknown standby event"):
         metrics.count_standby("teleported")
     assert b'event="teleported"' not in metrics.render()[0]
+
+
+async def _mint_login_path(ops: OpsServer) -> str:
+    async with ops.http.post(f"{ops.base_url}/api/login-link") as response:
+        assert response.status == 200
+        assert response.headers["Cache-Control"] == "no-store"
+        link = await response.json()
+    assert link["expires_in_s"] == LOGIN_CODE_TTL_S
+    path = link["path"]
+    assert isinstance(path, str) and path.startswith("/login#code=")
+    return path
+
+
+async def _redeem(base_url: str, code: str) -> tuple[int, aiohttp.CookieJar]:
+    """A fresh browser posts the code as the login page does; the status and its cookies."""
+    jar = aiohttp.CookieJar(unsafe=True)  # cookies of 127.0.0.1
+    async with (
+        aiohttp.ClientSession(cookie_jar=jar) as browser,
+        browser.post(f"{base_url}/login/once", data={"code": code}) as response,
+    ):
+        return response.status, jar
+
+
+async def test_a_one_time_login_link_gives_one_session(ops: OpsServer) -> None:
+    code = (await _mint_login_path(ops)).removeprefix("/login#code=")
+    assert code != OPS_TOKEN and OPS_TOKEN not in code
+
+    status, jar = await _redeem(ops.base_url, code)
+    assert status == 204
+    (cookie,) = [c for c in jar if c.key == SESSION_COOKIE]
+    assert cookie["httponly"] and cookie["samesite"] == "Strict"
+    async with (
+        aiohttp.ClientSession(cookie_jar=jar) as browser,
+        browser.get(f"{ops.base_url}/api/deployments") as response,
+    ):
+        assert response.status == 200
+
+    again, jar = await _redeem(ops.base_url, code)  # used up
+    assert (again, len(jar)) == (401, 0)
+    for wrong in ("", "x" * 32, code + "x", "é" * 8, "a" * 4096):
+        status, jar = await _redeem(ops.base_url, wrong)
+        assert (status, len(jar)) == (401, 0), wrong
+
+
+async def test_minting_a_login_link_needs_the_ops_token(ops: OpsServer) -> None:
+    async with (
+        aiohttp.ClientSession() as stranger,
+        stranger.post(f"{ops.base_url}/api/login-link") as response,
+    ):
+        assert response.status == 401
+        assert "code" not in await response.text()
+
+
+async def test_an_expired_login_code_is_refused() -> None:
+    now = [1000.0]
+    auth = OpsAuth(OPS_TOKEN, clock=lambda: now[0])
+    runner, port = await start_ops_server(
+        create_ops_app(StaticOpsView(), BrokerMetrics(), auth), "127.0.0.1", 0
+    )
+    try:
+        late, in_time = auth.mint_login_code(), auth.mint_login_code()
+        now[0] += LOGIN_CODE_TTL_S - 1
+        assert (await _redeem(f"http://127.0.0.1:{port}", in_time))[0] == 204
+        now[0] += 2
+        assert (await _redeem(f"http://127.0.0.1:{port}", late))[0] == 401
+    finally:
+        await runner.cleanup()
+
+
+def test_only_the_newest_login_codes_are_kept() -> None:
+    auth = OpsAuth(OPS_TOKEN)
+    codes = [auth.mint_login_code() for _ in range(MAX_LOGIN_CODES + 1)]
+    assert len(set(codes)) == len(codes)
+    assert not auth.redeem_login_code(codes[0])  # the oldest was forgotten
+    assert all(auth.redeem_login_code(code) for code in codes[1:])
+
+
+async def test_the_login_code_never_reaches_the_log(
+    ops: OpsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)  # aiohttp's access log among them
+    path = await _mint_login_path(ops)
+    code = path.removeprefix("/login#code=")
+    async with (
+        aiohttp.ClientSession() as browser,
+        browser.get(f"{ops.base_url}{path}") as response,  # the fragment stays home
+    ):
+        assert response.status == 200
+        assert 'src="/static/login.js"' in await response.text()
+    assert (await _redeem(ops.base_url, code))[0] == 204
+    assert (await _redeem(ops.base_url, code))[0] == 401
+    assert "login by a one-time link from 127.0.0.1" in caplog.text
+    assert "refused a one-time login link from 127.0.0.1" in caplog.text
+    assert "POST /login/once" in caplog.text  # the access log is on, and says no more
+    assert code not in caplog.text

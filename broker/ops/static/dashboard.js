@@ -362,6 +362,18 @@ function renderPrewarm(prewarm) {
 
 // ---- migrations ----
 
+// The width of a timeline label in the SVG's own units: its font is 12px of those units
+// (dashboard.css), measured in that font, so that a wide font does not run past the card.
+let labelMeasure = null;
+function labelWidth(label) {
+  if (labelMeasure === null) {
+    labelMeasure = document.createElement("canvas").getContext("2d");
+    labelMeasure.font = `12px ${getComputedStyle(document.body).fontFamily}`;
+  }
+  // 7.5 per character: a wide sans-serif's average, where no canvas is to be had.
+  return labelMeasure ? labelMeasure.measureText(label).width + 2 : label.length * 7.5;
+}
+
 function timelineSvg(migration) {
   const width = 1300;
   const events = migration.timeline;
@@ -370,7 +382,29 @@ function timelineSvg(migration) {
   const x = (atMs) => 10 + ((width - 20) * Math.min(atMs, spanMs)) / spanMs;
   const hasDowntime = migration.downtime_ms !== null && migration.downtime_ms !== undefined;
   const hasSpan = migration.span_gap_ms !== null && migration.span_gap_ms !== undefined;
-  const height = hasDowntime ? (hasSpan ? 128 : 100) : 72;
+  // Labels go above the bar (row 0) or below it (rows 1, 2, ...), each in the first row
+  // where it fits beside the ones before it, never past either edge: events a few ms apart
+  // (a pre-warmed move's start, a move's last steps) would otherwise print over each other
+  // or off the card. A row is added when none has room.
+  const rowFree = [10, 10];
+  const labels = events.map((event, i) => {
+    const offset = (event.at - t0) * 1000;
+    const ex = x(offset);
+    const label = `${event.event} +${ms(offset)}`;
+    const w = labelWidth(label);
+    const wanted = i === 0 ? ex : i === events.length - 1 ? ex - w : ex - w / 2;
+    const left = Math.max(10, Math.min(wanted, width - 10 - w));
+    let row = rowFree.findIndex((free) => free <= left);
+    if (row < 0) {
+      row = rowFree.length;
+      rowFree.push(10);
+    }
+    rowFree[row] = left + w + 8;
+    return { event, offset, ex, label, left, row };
+  });
+  const rowY = (row) => (row === 0 ? 30 : 66 + 16 * (row - 1));
+  const below = rowY(rowFree.length - 1) - 66; // what the rows past the first below add
+  const height = (hasDowntime ? (hasSpan ? 128 : 100) : 72) + below;
   const svg = s("svg", {
     class: "timeline",
     viewBox: `0 0 ${width} ${height}`,
@@ -378,21 +412,7 @@ function timelineSvg(migration) {
     "aria-label": `timeline of ${migration.migration_id}`,
   });
   svg.append(s("rect", { class: "timeline-bar", x: 10, y: 38, width: width - 20, height: 10 }));
-  // Labels go above or below the bar, each where it fits beside the ones before it: events
-  // a few ms apart (a pre-warmed move's start) would otherwise print over each other.
-  const rowY = [30, 66];
-  const rowFree = [10, 10];
-  events.forEach((event, i) => {
-    const offset = (event.at - t0) * 1000;
-    const ex = x(offset);
-    const label = `${event.event} +${ms(offset)}`;
-    const labelWidth = label.length * 7.5;
-    const wanted = i === 0 ? ex : i === events.length - 1 ? ex - labelWidth : ex - labelWidth / 2;
-    let left = Math.max(10, Math.min(wanted, width - 10 - labelWidth));
-    const fits = [0, 1].filter((row) => rowFree[row] <= left);
-    const row = fits.length ? fits[0] : rowFree[0] <= rowFree[1] ? 0 : 1;
-    left = Math.max(left, rowFree[row]);
-    rowFree[row] = left + labelWidth + 8;
+  labels.forEach(({ event, offset, ex, label, left, row }) => {
     const at = new Date(event.at * 1000).toLocaleTimeString();
     svg.append(
       s(
@@ -400,7 +420,7 @@ function timelineSvg(migration) {
         { class: "timeline-event", "data-event": event.event },
         s("title", {}, `${event.event} at ${at} (+${ms(offset)})`),
         s("line", { x1: ex, y1: 34, x2: ex, y2: 52 }),
-        s("text", { x: left, y: rowY[row], "text-anchor": "start" }, label),
+        s("text", { x: left, y: rowY(row), "text-anchor": "start" }, label),
       ),
     );
   });
@@ -410,12 +430,12 @@ function timelineSvg(migration) {
     svg.append(
       s(
         "rect",
-        { class: "downtime-bar", x: 10, y: 74, width: barWidth, height: 8 },
+        { class: "downtime-bar", x: 10, y: 74 + below, width: barWidth, height: 8 },
         s("title", {}, `longest gap the client observed: ${ms(migration.downtime_ms)}`),
       ),
       s(
         "text",
-        { x: 10, y: 96, class: "downtime-label" },
+        { x: 10, y: 96 + below, class: "downtime-label" },
         `client-observed downtime ${ms(migration.downtime_ms)} (same time scale)`,
       ),
     );
@@ -426,12 +446,18 @@ function timelineSvg(migration) {
     svg.append(
       s(
         "rect",
-        { class: "downtime-bar span-gap-bar", x: 10, y: 102, width: spanWidth, height: 8 },
+        {
+          class: "downtime-bar span-gap-bar",
+          x: 10,
+          y: 102 + below,
+          width: spanWidth,
+          height: 8,
+        },
         s("title", {}, `longest gap over the whole migration: ${ms(migration.span_gap_ms)}`),
       ),
       s(
         "text",
-        { x: 10, y: 124, class: "downtime-label" },
+        { x: 10, y: 124 + below, class: "downtime-label" },
         `worst gap over the whole migration ${ms(migration.span_gap_ms)} (decision to old ` +
           "replica stopped)",
       ),
