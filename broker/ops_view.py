@@ -8,6 +8,7 @@ from collections import Counter
 
 from broker.deployment_table import ACTIVE
 from broker.ops import (
+    BatchingInfo,
     DeploymentFigures,
     DeploymentInfo,
     DeploymentLoadInfo,
@@ -102,6 +103,17 @@ def _point(p: DeploymentPoint) -> list[float | None]:
         replica.cpu_limit_cores,
         round(requests.failure_rate_per_s, 3) if requests else None,
     ]
+
+
+def _batching(p: DeploymentPoint) -> BatchingInfo | None:
+    requests = p.replica.requests
+    if requests is None or requests.batch_size_mean is None:
+        return None
+    return {
+        "batch_size_mean": round(requests.batch_size_mean, 2),
+        "queue_delay_p99_ms": requests.queue_delay_p99_ms,
+        "class_shares": {name: round(share, 3) for name, share in requests.class_shares},
+    }
 
 
 class BrokerOpsView:
@@ -310,6 +322,7 @@ class BrokerOpsView:
                     "priority": PriorityClass(record.priority).name.lower().replace("_", "-"),
                     "latency_slo_ms": spec.latency_slo_ms,
                     "points": [_point(p) for p in points],
+                    "batching": _batching(points[-1]),
                 }
             )
         return {

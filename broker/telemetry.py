@@ -34,6 +34,14 @@ class RequestFigures:
     latency_p99_ms: float | None
     in_flight: int
     queued: int
+    batch_size_mean: float | None = None
+    """Rows per batch run; None when no batch ran in the interval (the model does not batch,
+    the replica idled, or its node or runtime predates batching)."""
+    queue_delay_p99_ms: float | None = None
+    """The requests' wait for their batch, p99; None as `batch_size_mean`."""
+    class_shares: tuple[tuple[str, float], ...] = ()
+    """(priority class, its share 0..1 of the batches' compute time) for each class that
+    computed in the interval."""
 
 
 @dataclass(frozen=True, slots=True)

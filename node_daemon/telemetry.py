@@ -4,7 +4,9 @@
 sample: per replica the CPU it used (cores), its CPU quota and how often the quota throttled
 it, its memory, and its runtime's request figures (scraped from the replica's Prometheus
 metrics endpoint: rate, failures, p50/p99 latency from the histogram's bucket deltas,
-in-flight and queued calls); for the node, the cores it offers and what its replicas used.
+in-flight and queued calls, and when the model batches the mean batch size, the queue
+delay's p99 and each priority class's share of the compute); for the node, the cores it
+offers and what its replicas used.
 A figure that cannot be read is left out, never guessed: a replica whose metrics endpoint
 does not answer has no request figures; the first sample of a replica has no CPU figure yet
 (nothing to take a difference from) and reads 0.
@@ -36,6 +38,17 @@ SCRAPE_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
+class ClassFigures:
+    """One priority class's part of a replica's batch compute over the interval."""
+
+    name: str
+    """The runtime's name of the class ("critical", "standard", "best-effort")."""
+    compute_share: float
+    """Its share of the compute time of the interval's batches, 0..1."""
+    requests_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFigures:
     """A replica's requests over the interval, from its runtime's metrics."""
 
@@ -49,6 +62,12 @@ class RequestFigures:
     queued: int
     requests_total: int
     failures_total: int
+    batch_size_mean: float = 0.0
+    """Rows per batch run in the interval; 0 when no batch ran (the model does not batch)."""
+    queue_delay_p99_ms: float = 0.0
+    """The requests' wait for their batch, p99 (upper bucket bound); 0 when none ran."""
+    classes: tuple[ClassFigures, ...] = ()
+    """The classes whose batches computed in the interval, by name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,14 +152,26 @@ class RuntimeCounters:
     compute_buckets: tuple[tuple[float, float], ...]
     in_flight: float
     queued: float
+    batches: float = 0.0
+    """Batches run (the batch-size histogram's count); 0 from a runtime that does not batch."""
+    batch_rows: float = 0.0
+    """Their rows (its sum)."""
+    queue_delay_buckets: tuple[tuple[float, float], ...] = ()
+    class_compute_s: tuple[tuple[str, float], ...] = ()
+    """(class, seconds its batches computed), by class name."""
+    class_requests: tuple[tuple[str, float], ...] = ()
+    """(class, requests computed)."""
 
 
 def parse_runtime_metrics(text: str) -> RuntimeCounters:
     """The runtime's metrics page (Prometheus text format) summed over its models; ValueError
     for a page that does not parse."""
-    requests = failures = in_flight = queued = 0.0
+    requests = failures = in_flight = queued = batches = batch_rows = 0.0
     latency: dict[float, float] = {}
     compute: dict[float, float] = {}
+    delay: dict[float, float] = {}
+    class_compute: dict[str, float] = {}
+    class_requests: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "offload_runtime_requests_total":
@@ -157,6 +188,19 @@ def parse_runtime_metrics(text: str) -> RuntimeCounters:
             elif s.name == "offload_runtime_compute_duration_seconds_bucket":
                 bound = float(s.labels["le"])
                 compute[bound] = compute.get(bound, 0.0) + s.value
+            elif s.name == "offload_runtime_batch_size_count":
+                batches += s.value
+            elif s.name == "offload_runtime_batch_size_sum":
+                batch_rows += s.value
+            elif s.name == "offload_runtime_queue_delay_seconds_bucket":
+                bound = float(s.labels["le"])
+                delay[bound] = delay.get(bound, 0.0) + s.value
+            elif s.name == "offload_runtime_class_compute_seconds_total":
+                name = s.labels["class"]
+                class_compute[name] = class_compute.get(name, 0.0) + s.value
+            elif s.name == "offload_runtime_class_requests_total":
+                name = s.labels["class"]
+                class_requests[name] = class_requests.get(name, 0.0) + s.value
     return RuntimeCounters(
         requests,
         failures,
@@ -164,6 +208,11 @@ def parse_runtime_metrics(text: str) -> RuntimeCounters:
         tuple(sorted(compute.items())),
         in_flight,
         queued,
+        batches,
+        batch_rows,
+        tuple(sorted(delay.items())),
+        tuple(sorted(class_compute.items())),
+        tuple(sorted(class_requests.items())),
     )
 
 
@@ -185,6 +234,22 @@ def request_figures(
     span = max(interval_s, 1e-3)
     latency = bucket_delta(before.latency_buckets, now.latency_buckets)
     compute = bucket_delta(before.compute_buckets, now.compute_buckets)
+    batches = delta(before.batches, now.batches)
+    rows = delta(before.batch_rows, now.batch_rows)
+    delay = bucket_delta(before.queue_delay_buckets, now.queue_delay_buckets)
+    old_compute, old_requests = dict(before.class_compute_s), dict(before.class_requests)
+    computed = {
+        name: delta(old_compute.get(name, 0.0), seconds) for name, seconds in now.class_compute_s
+    }
+    computed_s = sum(computed.values())
+    served = {
+        name: delta(old_requests.get(name, 0.0), count) for name, count in now.class_requests
+    }
+    classes = tuple(
+        ClassFigures(name, seconds / computed_s, served.get(name, 0.0) / span)
+        for name, seconds in computed.items()
+        if seconds > 0
+    )
     return RequestFigures(
         rate_per_s=delta(before.requests, now.requests) / span,
         failure_rate_per_s=delta(before.failures, now.failures) / span,
@@ -195,6 +260,9 @@ def request_figures(
         queued=round(now.queued),
         requests_total=round(now.requests),
         failures_total=round(now.failures),
+        batch_size_mean=rows / batches if batches > 0 else 0.0,
+        queue_delay_p99_ms=1000 * histogram_quantile(0.99, delay),
+        classes=classes,
     )
 
 

@@ -276,6 +276,11 @@ def sample_load() -> LoadInfo:
                     [1000.0, 40.0, 12.5, 61.0, 0.5, 0.5, 0.0],
                     [1001.0, 42.5, 11.0, 30.0, 0.9, 1.25, 0.5],
                 ],
+                "batching": {
+                    "batch_size_mean": 3.46,
+                    "queue_delay_p99_ms": 2.5,
+                    "class_shares": {"best-effort": 0.2, "critical": 0.8},
+                },
             }
         ],
         "resizes": [
@@ -346,6 +351,7 @@ def live_load(now: float, seconds: int = 60) -> LoadInfo:
                 "priority": "critical",
                 "latency_slo_ms": 50.0,
                 "points": critical,
+                "batching": None,
             },
             {
                 "deployment_id": BATCH_DEPLOYMENT_ID,
@@ -353,6 +359,7 @@ def live_load(now: float, seconds: int = 60) -> LoadInfo:
                 "priority": "best-effort",
                 "latency_slo_ms": 0.0,
                 "points": batch,
+                "batching": None,
             },
         ],
         "resizes": [

@@ -9,6 +9,7 @@ from broker.ops.app import create_ops_app, create_standby_app, start_ops_server
 from broker.ops.auth import OpsAuth
 from broker.ops.metrics import BrokerMetrics, DeploymentFigures, MetricFigures, NodeFigures
 from broker.ops.view import (
+    BatchingInfo,
     DeploymentInfo,
     DeploymentLoadInfo,
     GpuInfo,
@@ -27,6 +28,7 @@ from broker.ops.view import (
 )
 
 __all__ = [
+    "BatchingInfo",
     "BrokerMetrics",
     "DeploymentFigures",
     "DeploymentInfo",

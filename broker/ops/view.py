@@ -207,6 +207,18 @@ class NodeLoadInfo(TypedDict):
     oldest first."""
 
 
+class BatchingInfo(TypedDict):
+    """How a deployment's replica batched over the node's latest sampling interval."""
+
+    batch_size_mean: float
+    """Rows per batch run."""
+    queue_delay_p99_ms: float | None
+    """The requests' wait for their batch, p99 (a histogram bucket's upper bound)."""
+    class_shares: dict[str, float]
+    """Priority class ("critical", "standard", "best-effort") -> its share 0..1 of the
+    batches' compute time; only classes that computed."""
+
+
 class DeploymentLoadInfo(TypedDict):
     """A deployment's requests and CPU over the history window (its serving replica's)."""
 
@@ -220,6 +232,9 @@ class DeploymentLoadInfo(TypedDict):
     """[Unix seconds, requests/s, latency p50 ms, latency p99 ms, CPU used (cores), CPU limit
     (cores, 0: unlimited), failed requests/s], oldest first; a figure the node could not
     read is null."""
+    batching: BatchingInfo | None
+    """At the latest point; None when the replica ran no batch in it (its model does not
+    batch, it idled, or its node or runtime predates batching figures)."""
 
 
 class ResizeInfo(TypedDict):

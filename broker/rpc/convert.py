@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from broker.errors import InvalidRequest, quote
 from broker.rpc import validate
@@ -156,6 +157,9 @@ MAX_RESIZES = 64
 """Resize events one heartbeat may carry (a node repeats a bounded window of recent ones)."""
 _REASON = re.compile(r"[^\x00-\x1f\x7f]{0,512}")
 _RESIZE_POLICIES = ("usage", "gain")
+_BATCH_CLASSES = ("critical", "standard", "best-effort")
+"""The runtime's priority classes (`runtime.batching.PriorityClass`), as replicas report
+their batches' compute by class."""
 
 
 def node_sample_from_proto(usage: npb.UsageResponse) -> NodeSample:
@@ -215,6 +219,15 @@ def _replica_load(r: npb.ReplicaUsage, field: str) -> ReplicaLoad:
             or None,
             in_flight=validate.integer(f"{field}.requests.in_flight", q.in_flight, 0, rates),
             queued=validate.integer(f"{field}.requests.queued", q.queued, 0, rates),
+            batch_size_mean=validate.number(
+                f"{field}.requests.batch_size_mean", q.batch_size_mean, 0, rates
+            )
+            or None,
+            queue_delay_p99_ms=validate.number(
+                f"{field}.requests.queue_delay_p99_ms", q.queue_delay_p99_ms, 0, latency
+            )
+            or None,
+            class_shares=_class_shares(q.classes, f"{field}.requests.classes"),
         )
     return ReplicaLoad(
         replica_id=validate.replica_id(f"{field}.replica_id", r.replica_id),
@@ -227,6 +240,20 @@ def _replica_load(r: npb.ReplicaUsage, field: str) -> ReplicaLoad:
         ),
         requests=requests,
     )
+
+
+def _class_shares(
+    classes: Sequence[npb.ClassCompute], field: str
+) -> tuple[tuple[str, float], ...]:
+    """Each class once, by the runtime's names, with its compute share 0..1."""
+    validate.count(field, classes, len(_BATCH_CLASSES))
+    shares: dict[str, float] = {}
+    for i, c in enumerate(classes):
+        name = validate.word(f"{field}[{i}].priority_class", c.priority_class, _BATCH_CLASSES)
+        if name in shares:
+            raise InvalidRequest(f"{field}[{i}].priority_class {name} is repeated")
+        shares[name] = validate.number(f"{field}[{i}].compute_share", c.compute_share, 0, 1)
+    return tuple(shares.items())
 
 
 def _resize(r: npb.ResizeEvent, field: str) -> Resize:

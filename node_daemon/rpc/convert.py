@@ -150,6 +150,16 @@ def _replica_usage(r: ReplicaSample) -> pb.ReplicaUsage:
                 queued=q.queued,
                 requests_total=q.requests_total,
                 failures_total=q.failures_total,
+                batch_size_mean=q.batch_size_mean,
+                queue_delay_p99_ms=q.queue_delay_p99_ms,
+                classes=[
+                    pb.ClassCompute(
+                        priority_class=c.name,
+                        compute_share=c.compute_share,
+                        requests_per_s=c.requests_per_s,
+                    )
+                    for c in q.classes
+                ],
             )
         )
     return message

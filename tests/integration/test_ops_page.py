@@ -403,6 +403,10 @@ async def test_page_charts_load_over_time(page_url: str, tmp_path: Path) -> None
             f"document.querySelector('[data-load-deployment=\"{DEPLOYMENT_ID}\"] .load-facts')"
             ".textContent"
         )
+        batching = await page.evaluate(
+            f"document.querySelector('[data-load-deployment=\"{DEPLOYMENT_ID}\"] .batch-facts')"
+            ".textContent"
+        )
         resizes = await page.evaluate(
             "[...document.querySelectorAll('[data-resize-id]')].map((row) =>"
             " [row.dataset.resizeId, ...[...row.cells].map((c) => c.textContent)])"
@@ -422,6 +426,9 @@ async def test_page_charts_load_over_time(page_url: str, tmp_path: Path) -> None
     assert facts.strip() == (
         "on node-dgx-a \u00b7 priority critical \u00b7 SLO p99 \u2264 50.0 ms \u00b7 now 42.5 "
         "req/s, p99 30.0 ms, CPU 0.90 of 1.25 cores"
+    )
+    assert batching == (
+        "batches of 3.5 rows, queue delay p99 2.5 ms \u00b7 compute critical 80%, best-effort 20%"
     )
     ((resize_id, _, *cells),) = resizes  # the time is the browser's local time
     assert [resize_id, *cells] == [

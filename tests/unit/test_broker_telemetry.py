@@ -102,6 +102,22 @@ def test_bad_replica_and_resize_figures_are_refused_naming_them() -> None:
     with pytest.raises(InvalidRequest, match=r"usage\.resizes"):
         node_sample_from_proto(message)
     message = usage()
+    message.replicas[0].requests.batch_size_mean = float("nan")
+    with pytest.raises(InvalidRequest, match=r"usage.replicas\[0\].requests.batch_size_mean"):
+        node_sample_from_proto(message)
+    for classes, error in (
+        ([("urgent", 1.0)], r"classes\[0\].priority_class 'urgent' is not one of"),
+        ([("critical", 1.5)], r"classes\[0\].compute_share must be a finite number within"),
+        ([("critical", 0.5), ("critical", 0.5)], r"classes\[1\].priority_class critical is rep"),
+        ([("critical", 0.25)] * 4, r"requests.classes has 4 entries; at most 3"),
+    ):
+        message = usage()
+        message.replicas[0].requests.classes.extend(
+            npb.ClassCompute(priority_class=name, compute_share=share) for name, share in classes
+        )
+        with pytest.raises(InvalidRequest, match=error):
+            node_sample_from_proto(message)
+    message = usage()
     message.resize_policy = "chaos"
     with pytest.raises(InvalidRequest, match=r"usage\.resize_policy 'chaos'"):
         node_sample_from_proto(message)

@@ -1,5 +1,6 @@
 """The node's telemetry: counters into figures over an interval, histogram quantiles, the
-runtime's metrics page read and scraped (a dead endpoint leaves the figures out), a
+runtime's metrics page read and scraped (a dead endpoint leaves the figures out), its
+batching figures read from the runtime's own page and carried to the broker, a
 process's cgroup found and read, the usage message, and an NVML node's live GPU figures."""
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from prometheus_client import generate_latest
 
+from broker.rpc.convert import node_sample_from_proto
 from node_daemon.agent import NodeAgent
 from node_daemon.inventory import (
     Gpu,
@@ -31,10 +34,12 @@ from node_daemon.resources import ResizeEvent, ResourceManager
 from node_daemon.rpc import convert
 from node_daemon.runtimes import ProcessRuntime, ReplicaStats, cgroups
 from node_daemon.telemetry import (
+    ClassFigures,
     CpuCounters,
     NodeSample,
     ReplicaInfo,
     ReplicaSample,
+    RequestFigures,
     RuntimeCounters,
     Telemetry,
     cpu_figures,
@@ -42,6 +47,8 @@ from node_daemon.telemetry import (
     parse_runtime_metrics,
     request_figures,
 )
+from protos.offload.v1 import node_pb2 as npb
+from runtime.metrics import RuntimeMetrics
 
 PAGE = """\
 # TYPE offload_runtime_requests_total counter
@@ -91,6 +98,64 @@ def test_request_figures_are_over_the_interval_and_survive_a_runtime_restart() -
     assert (figures.in_flight, figures.queued, figures.requests_total) == (3, 1, 300)
     restarted = RuntimeCounters(20, 0, ((0.001, 20), (float("inf"), 20)), (), 0, 0)
     assert request_figures(now, restarted, 1.0).rate_per_s == 20.0
+
+
+def runtime_page(metrics: RuntimeMetrics) -> str:
+    """The runtime's /metrics page as its endpoint serves it."""
+    return generate_latest(metrics.registry).decode()
+
+
+def test_batching_figures_are_read_from_the_runtimes_own_page_over_the_interval() -> None:
+    metrics = RuntimeMetrics()
+    model = metrics.for_model("mlp")
+    metrics.for_model("idle")  # a model that never batched: its zeros change nothing
+    model.observe_batch("critical", 1, 0.002, [0.0001])
+    before = parse_runtime_metrics(runtime_page(metrics))
+    assert (before.batches, before.batch_rows) == (1.0, 1.0)
+    # The interval: three critical batches of 4 rows (6 ms of compute) and one best-effort
+    # batch of 8 (2 ms); the 20 requests waited 0.2 ms, but one of them 3 ms.
+    for _ in range(3):
+        model.observe_batch("critical", 4, 0.002, [0.0002] * 4)
+    model.observe_batch("best-effort", 8, 0.002, [0.0002] * 7 + [0.003])
+    now = parse_runtime_metrics(runtime_page(metrics))
+    assert now.class_compute_s == (("best-effort", 0.002), ("critical", 0.008))
+    figures = request_figures(before, now, 2.0)
+    assert figures.batch_size_mean == 5.0  # 20 rows in 4 batches; the earlier 1 not counted
+    assert figures.queue_delay_p99_ms == 5.0  # the 3 ms wait, in the 2.5..5 ms bucket
+    assert [(c.name, round(c.compute_share, 6), c.requests_per_s) for c in figures.classes] == [
+        ("best-effort", 0.25, 4.0),
+        ("critical", 0.75, 6.0),
+    ]
+    # An interval without batches (an idle replica, or a model that does not batch).
+    quiet = request_figures(now, now, 2.0)
+    assert (quiet.batch_size_mean, quiet.queue_delay_p99_ms, quiet.classes) == (0.0, 0.0, ())
+    # A runtime older than batching: no such series at all.
+    assert request_figures(parse_runtime_metrics(PAGE), parse_runtime_metrics(PAGE), 1.0) == (
+        replace(quiet, in_flight=2, queued=1, requests_total=100, failures_total=4)
+    )
+
+
+def test_batching_figures_reach_the_broker_through_the_usage_message() -> None:
+    figures = RequestFigures(
+        40.0, 0.0, 2.5, 5.0, 1.0, 3, 2, 400, 0, batch_size_mean=5.0, queue_delay_p99_ms=5.0,
+        classes=(ClassFigures("best-effort", 0.25, 4.0), ClassFigures("critical", 0.75, 6.0)),
+    )  # fmt: skip
+    sample = NodeSample(
+        at=1.0, interval_s=1.0, cpu_cores=2.0, gpus=(),
+        replicas=(ReplicaSample("r-1", "dep-1", 3, 0.5, 0.25, 2.0, 0.5, 0.4, 0.0, 300, figures),),
+    )  # fmt: skip
+    wire = npb.UsageResponse.FromString(convert.usage(sample).SerializeToString())
+    (replica,) = node_sample_from_proto(wire).replicas
+    assert replica.requests is not None
+    assert (replica.requests.batch_size_mean, replica.requests.queue_delay_p99_ms) == (5.0, 5.0)
+    assert replica.requests.class_shares == (("best-effort", 0.25), ("critical", 0.75))
+    # Without batches in the interval: none shown, not a batch size of 0.
+    quiet = replace(sample, replicas=(replace(sample.replicas[0], requests=replace(
+        figures, batch_size_mean=0.0, queue_delay_p99_ms=0.0, classes=()
+    )),))  # fmt: skip
+    (replica,) = node_sample_from_proto(convert.usage(quiet)).replicas
+    assert replica.requests is not None
+    assert (replica.requests.batch_size_mean, replica.requests.class_shares) == (None, ())
 
 
 def test_cpu_figures_need_two_readings() -> None:

@@ -657,11 +657,24 @@ function renderNodeLoad(nodes) {
   }));
 }
 
+const CLASS_ORDER = ["critical", "standard", "best-effort"];
+
+// The replica's batching at the latest point: rows per batch, the wait for a batch, and
+// each priority class's share of the batches' compute time.
+function batchingText(b) {
+  const shares = CLASS_ORDER.filter((c) => c in b.class_shares)
+    .map((c) => `${c} ${Math.round(b.class_shares[c] * 100)}%`)
+    .join(", ");
+  return `batches of ${fixed(b.batch_size_mean, 1)} rows, queue delay p99 ` +
+    `${ms(b.queue_delay_p99_ms)}` + (shares ? ` \u00b7 compute ${shares}` : "");
+}
+
 function newLoadCard(d) {
   const card = h(
     "article",
     { class: "load-card", "data-load-deployment": d.deployment_id },
     h("header", {}, h("h4", {}, h("code", {}, d.deployment_id)), h("span", { class: "load-facts" })),
+    h("p", { class: "batch-facts", hidden: "" }),
     h(
       "div",
       { class: "chart-row" },
@@ -683,6 +696,9 @@ function updateLoadCard(card, d) {
     `SLO ${slo ? `p99 \u2264 ${ms(slo)}` : "none"} \u00b7 now ${fixed(last[1], 1)} req/s, ` +
     `p99 ${last[3] === null ? "\u2014" : ms(last[3])}, ` +
     `CPU ${fixed(last[4], 2)} of ${last[5] === null ? "\u2014" : cores(last[5])} cores`;
+  const batchFacts = card.querySelector(".batch-facts");
+  batchFacts.hidden = !d.batching;
+  batchFacts.textContent = d.batching ? batchingText(d.batching) : "";
 
   const xs = points.map((p) => p[0]);
   const requests = [

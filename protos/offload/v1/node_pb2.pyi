@@ -195,7 +195,7 @@ class UsageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaRequests(_message.Message):
-    __slots__ = ("rate_per_s", "failure_rate_per_s", "latency_p50_ms", "latency_p99_ms", "compute_p50_ms", "in_flight", "queued", "requests_total", "failures_total")
+    __slots__ = ("rate_per_s", "failure_rate_per_s", "latency_p50_ms", "latency_p99_ms", "compute_p50_ms", "in_flight", "queued", "requests_total", "failures_total", "batch_size_mean", "queue_delay_p99_ms", "classes")
     RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
     FAILURE_RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
     LATENCY_P50_MS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,9 @@ class ReplicaRequests(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_MEAN_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DELAY_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
     rate_per_s: float
     failure_rate_per_s: float
     latency_p50_ms: float
@@ -214,7 +217,20 @@ class ReplicaRequests(_message.Message):
     queued: int
     requests_total: int
     failures_total: int
-    def __init__(self, rate_per_s: _Optional[float] = ..., failure_rate_per_s: _Optional[float] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., compute_p50_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., requests_total: _Optional[int] = ..., failures_total: _Optional[int] = ...) -> None: ...
+    batch_size_mean: float
+    queue_delay_p99_ms: float
+    classes: _containers.RepeatedCompositeFieldContainer[ClassCompute]
+    def __init__(self, rate_per_s: _Optional[float] = ..., failure_rate_per_s: _Optional[float] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., compute_p50_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., requests_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., batch_size_mean: _Optional[float] = ..., queue_delay_p99_ms: _Optional[float] = ..., classes: _Optional[_Iterable[_Union[ClassCompute, _Mapping]]] = ...) -> None: ...
+
+class ClassCompute(_message.Message):
+    __slots__ = ("priority_class", "compute_share", "requests_per_s")
+    PRIORITY_CLASS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    priority_class: str
+    compute_share: float
+    requests_per_s: float
+    def __init__(self, priority_class: _Optional[str] = ..., compute_share: _Optional[float] = ..., requests_per_s: _Optional[float] = ...) -> None: ...
 
 class ReplicaUsage(_message.Message):
     __slots__ = ("replica_id", "cpu_pct", "memory_used_mib", "cpu_limit", "throttled_pct", "requests")
