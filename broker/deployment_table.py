@@ -7,7 +7,7 @@ no round trip to the state thread, and it is indexed the way the broker asks: by
 quota check of every deploy, a client's list) and by node (placement's view of a node,
 reconciling a node's heartbeat). Before it, every deploy and every heartbeat read rows of
 every deployment from the store, which saturated one control plane at a few hundred nodes
-(docs/BENCHMARKS.md, "One control plane at scale").
+(docs/benchmarks-history.md, "One control plane at scale").
 
 Deleted deployments are not kept: their rows stay in the store (the audit trail), and the
 few callers that want one read it there.

@@ -4,7 +4,7 @@ CPython collects its youngest generation every 700 net container allocations. A 
 thousands of nodes allocates a few objects per heartbeat and keeps hundreds of thousands
 alive (the nodes, their load history, the deployments); at 2,000 nodes its collector ran
 about four times a second, about 7 % of the wall time, with full passes of 0.3-0.4 s (a probe
-on `gc.callbacks` in the broker while `bench.control_plane` ran; docs/BENCHMARKS.md).
+on `gc.callbacks` in the broker while `bench.control_plane` ran; docs/benchmarks-history.md).
 `settle` raises the first threshold, so the young generation is collected far less often
 (each pass takes longer; all together about a tenth of the time in that probe), and freezes
 what startup allocated (modules, settings, the state as loaded), which the full collections

@@ -38,11 +38,12 @@ QUICK_MIN_DWELL_S = 1.5
 BACKGROUND_FETCH_MB_S = 25.0
 """The demo's nodes' `--background-fetch-rate`: the three sites share this machine's CPUs,
 so a target's model fetch at full speed takes them from the replica serving the client
-(docs/BENCHMARKS.md, the demo)."""
+(docs/benchmarks-history.md, the demo)."""
 REPLICA_CPU_SHARES = 4096
 """The demo's nodes' `--replica-cpu-shares` (Docker runtime): the replicas' cgroup weighs as
 four of the root cgroup's threads, so the engine's work on a migration target's container
-does not take the CPU from the replica serving the client (docs/BENCHMARKS.md, the demo)."""
+does not take the CPU from the replica serving the client (docs/benchmarks-history.md, the
+demo)."""
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:

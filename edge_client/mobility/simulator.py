@@ -91,7 +91,7 @@ SHARE_MIB = 8192
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """How long a make-before-break migration's steps take (docs/BENCHMARKS.md, "Migration
+    """How long a make-before-break migration's steps take (docs/benchmarks-history.md, "Migration
     under load", make-before-break p50 server timeline)."""
 
     start_s: float = 0.95
