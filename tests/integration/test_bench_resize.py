@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.docker_support import require_docker
 
 
+@pytest.mark.docker
 def test_the_bench_resizes_the_bursting_critical_deployment_only_when_managed(
     tmp_path: Path,
 ) -> None:

@@ -101,7 +101,7 @@ async def put_model(stub: pb_grpc.NodeAgentStub, path: Path) -> str:
     return sha
 
 
-@pytest.fixture(params=["process", "docker"])
+@pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
 def runtime(request: pytest.FixtureRequest) -> str:
     if request.param == "docker":
         require_docker().close()

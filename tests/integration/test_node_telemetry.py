@@ -48,7 +48,7 @@ machine's two); an idle one uses well under `IDLE`."""
 IDLE = 0.1
 
 
-@pytest.fixture(params=["docker", "process"])
+@pytest.fixture(params=[pytest.param("docker", marks=pytest.mark.docker), "process"])
 async def agent(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[NodeAgent]:
     runtime: Runtime
     if request.param == "docker":
@@ -232,4 +232,3 @@ async def test_dockers_stats_call_reads_what_the_cgroup_files_do(agent: NodeAgen
     # A pid whose cgroup does not name the container is not trusted.
     assert docker_runtime._cgroup_stats(pid, "0" * 64) is None
     assert docker_runtime._cgroup_stats(os.getpid(), container.id) is None
-
