@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker.state.api_keys import new_api_key
-from node_daemon.runtimes.base import LABEL_PREFIX
+from node_daemon.runtimes.base import LABEL_PREFIX, RuntimeUnavailable
 
 HERE = Path(__file__).resolve().parent
 CAPTURES = HERE / "topologies"
@@ -360,18 +360,19 @@ async def _remove_containers(deployment_ids: Iterable[str]) -> list[str]:
         return []
 
     def remove() -> list[str]:
-        import docker
         import docker.errors
+
+        from node_daemon.runtimes.docker_runtime import connect_docker
 
         removed: list[str] = []
         try:
-            with contextlib.closing(docker.from_env(timeout=10)) as client:
+            with contextlib.closing(connect_docker()) as client:
                 for deployment_id in ids:
                     label = f"{LABEL_PREFIX}deployment={deployment_id}"
                     for container in client.containers.list(all=True, filters={"label": label}):
                         container.remove(force=True)
                         removed.append(f"container {container.name}")
-        except (docker.errors.DockerException, OSError):
+        except (RuntimeUnavailable, docker.errors.DockerException, OSError):
             pass  # no engine: no container
         return removed
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_client.demo import cluster
 from node_daemon.runtimes.base import RuntimeUnavailable
 from node_daemon.runtimes.docker_runtime import connect_docker
 
@@ -39,6 +40,18 @@ def test_a_missing_engine_is_unavailable_and_leaves_no_socket_open(
         assert "make docker-engine" in str(info.value)
         # The socket would be held by the error's traceback: drop it, then collect.
         del info
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == []
+
+
+async def test_the_demos_sweep_without_an_engine_finds_nothing_and_leaves_no_socket_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent.sock")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert await cluster._remove_containers(["d-1"]) == []
         gc.collect()
     unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
     assert unclosed == []
