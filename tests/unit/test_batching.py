@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from runtime.batching import (
-    BatchPolicy,
     Batcher,
+    BatchPolicy,
     PriorityClass,
     check_range,
     choose_batch_size,
