@@ -30,7 +30,7 @@ import grpc
 
 from common.brokers import parse_broker_addresses
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
-from common.private_files import PRIVATE_FILE, private_dir, read_secret
+from common.private_files import private_dir, read_secret
 from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink
@@ -166,8 +166,7 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
         ModelCache,
         settings.state_dir / "models",
         settings.max_model_bytes,
-        # A container runs as the image's user and reads its model through a bind mount.
-        0o644 if isinstance(runtime, DockerRuntime) else PRIVATE_FILE,
+        runtime.model_file_mode,
     )
     agent = NodeAgent(
         settings.node_id,

@@ -174,6 +174,10 @@ class Runtime(Protocol):
     """
 
     name: str
+    model_file_mode: int
+    """The mode the node's model cache gives its files, so that this runtime's replicas can
+    read them: 0600 for a replica running as the daemon's user; a container runs as the
+    image's user and reads its model through a bind mount (0644, in 0700 folders)."""
 
     async def start(self, spec: ReplicaSpec, ready_timeout_s: float = 60.0) -> Replica: ...
     async def stop(self, replica_id: str, grace_s: float = 10.0) -> int | None: ...

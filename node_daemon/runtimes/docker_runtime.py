@@ -182,6 +182,7 @@ class _Started:
 
 class DockerRuntime:
     name = "docker"
+    model_file_mode = 0o644  # the image's user reads it through a bind mount
 
     def __init__(
         self,

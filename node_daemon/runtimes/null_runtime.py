@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from common.private_files import PRIVATE_FILE
 from node_daemon.runtimes.base import Replica, ReplicaSpec, ReplicaStats, ReplicaStatus
 
 NULL_PORT = 9
@@ -34,6 +35,7 @@ class NullRuntime:
     """Replicas that are ready at once and use nothing (see the module docstring)."""
 
     name = "null"
+    model_file_mode = PRIVATE_FILE
 
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}

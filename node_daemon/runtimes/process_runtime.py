@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.private_files import PRIVATE_DIR, open_private, private_dir
+from common.private_files import PRIVATE_DIR, PRIVATE_FILE, open_private, private_dir
 from node_daemon.runtimes import cgroup_limits, cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
@@ -253,6 +253,7 @@ def _proc_stats(pid: int) -> ReplicaStats | None:
 
 class ProcessRuntime:
     name = "process"
+    model_file_mode = PRIVATE_FILE
 
     def __init__(self, workdir: Path | None = None, cpuset: frozenset[int] = frozenset()) -> None:
         """`workdir`: where each replica's folder goes; see the module docstring. `cpuset`: the

@@ -209,7 +209,7 @@ class _Faulty(ProcessRuntime):
 
 
 def _agent(runtime: Runtime, tmp_path: Path) -> NodeAgent:
-    cache = ModelCache(tmp_path / "models")
+    cache = ModelCache(tmp_path / "models", file_mode=runtime.model_file_mode)
     cache.put_file(modelzoo.model_path("mlp"))
     inventory = TopologyFileInventory(DGX1, V100).read()
     return NodeAgent("faults-node", "site-a", inventory, runtime, cache)

@@ -59,7 +59,8 @@ async def agent(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         runtime = ProcessRuntime(workdir=tmp_path / "replicas")
     agent = NodeAgent(
         "telemetry-node", "site-a", cpu_only_inventory(), runtime,
-        ModelCache(tmp_path / "models"), telemetry=Telemetry(cpu_cores=CORES),
+        ModelCache(tmp_path / "models", file_mode=runtime.model_file_mode),
+        telemetry=Telemetry(cpu_cores=CORES),
     )  # fmt: skip
     try:
         yield agent
