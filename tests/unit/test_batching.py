@@ -220,3 +220,31 @@ def test_policy_refuses_nonsense(value: float, message: str) -> None:
         check_range("max-batch-size", value, 1, 4096)
     with pytest.raises(ValueError, match="max-batch-size"):
         BatchPolicy(max_batch_size=value)  # type: ignore[arg-type]
+
+
+async def test_a_lone_request_of_an_inline_model_runs_at_once_on_the_loop(
+    mixer: OnnxModel,
+) -> None:
+    threads: list[int] = []
+
+    class Recording:
+        def run(self, f: Mapping[str, np.ndarray], o: Sequence[str]) -> list[np.ndarray]:
+            threads.append(threading.get_ident())
+            return mixer.run(f, o)
+
+    observed: list[tuple[PriorityClass, int, list[float]]] = []
+    queue = Batcher(
+        [Recording()],
+        BatchPolicy(max_batch_size=8),
+        compute_s=0.0,
+        inline_below_s=1.0,
+        observe=lambda cls, rows, _s, waits: observed.append((cls, rows, list(waits))),
+    )
+    try:
+        (y,) = await queue.infer(feeds(3.0, 2), ("y",), CRITICAL, None)
+    finally:
+        queue.close()
+    assert np.array_equal(y, mixer.run(feeds(3.0, 2), ("y",))[0])
+    assert threads == [threading.get_ident()]  # the loop's own thread, no hand-off
+    assert observed == [(CRITICAL, 2, [0.0])]
+    assert queue.compute_seconds(CRITICAL) > 0
