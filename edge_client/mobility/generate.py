@@ -253,40 +253,63 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sites", type=Path, help="a YAML file of sites (name, x, y, radius_m) instead of a grid"
     )
-    parser.add_argument(
-        "--access-ms",
-        type=float,
-        default=d.access_ms,
-        help=f"radio access latency (default {d.access_ms:g})",
+    add_site_arguments(
+        parser,
+        d.site_defaults,
+        access="radio access latency",
+        links="site link latency",
     )
-    parser.add_argument(
-        "--link-base-ms",
-        type=float,
-        default=d.link_base_ms,
-        help=f"site link latency at 0 m (default {d.link_base_ms:g})",
-    )
-    parser.add_argument(
-        "--link-ms-per-km",
-        type=float,
-        default=d.link_ms_per_km,
-        help=f"site link latency per km (default {d.link_ms_per_km:g})",
-    )
-    parser.add_argument(
-        "--hysteresis-m",
-        type=float,
-        default=d.hysteresis_m,
-        help=f"handover margin, metres closer (default {d.hysteresis_m:g})",
-    )
-    parser.add_argument(
-        "--time-to-trigger",
-        type=float,
-        default=d.time_to_trigger_s,
-        help=f"handover time-to-trigger, seconds (default {d.time_to_trigger_s:g})",
-    )
+    add_handover_arguments(parser, d.hysteresis_m, d.time_to_trigger_s)
     parser.add_argument(
         "--meso", action="store_true", help="SUMO's mesoscopic model (thousands of vehicles)"
     )
     parser.add_argument("--name", default="", help="the trace's name (default: grid-s<seed>)")
+
+
+def add_site_arguments(
+    parser: argparse.ArgumentParser, d: SiteDefaults, access: str, links: str
+) -> None:
+    """--access-ms, --link-base-ms and --link-ms-per-km, with `d`'s defaults; `access` and
+    `links` say what the first and the other two are in this command."""
+    parser.add_argument(
+        "--access-ms", type=float, default=d.access_ms,
+        help=f"{access} (default {d.access_ms:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--link-base-ms", type=float, default=d.link_base_ms,
+        help=f"{links} at 0 m (default {d.link_base_ms:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--link-ms-per-km", type=float, default=d.link_ms_per_km,
+        help=f"{links} per km (default {d.link_ms_per_km:g})",
+    )  # fmt: skip
+
+
+def add_handover_arguments(
+    parser: argparse.ArgumentParser, hysteresis_m: float, time_to_trigger_s: float
+) -> None:
+    """--hysteresis-m and --time-to-trigger: the handover rule's settings."""
+    parser.add_argument(
+        "--hysteresis-m", type=float, default=hysteresis_m,
+        help=f"handover margin, metres closer (default {hysteresis_m:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--time-to-trigger", type=float, default=time_to_trigger_s,
+        help=f"handover time-to-trigger, seconds (default {time_to_trigger_s:g})",
+    )  # fmt: skip
+
+
+def write_trace(args: argparse.Namespace, trace: MobilityTrace, how: str) -> None:
+    """Write `trace` to --out (and its cluster file to --cluster-out) and say what it holds,
+    `how` (in brackets) after."""
+    args.out.write_text(trace.dumps(), encoding="utf-8")
+    if args.cluster_out is not None:
+        args.cluster_out.write_text(trace.cluster_yaml(), encoding="utf-8")
+    handovers = sum(v.handovers for v in trace.vehicles)
+    print(
+        f"{args.out}: {len(trace.vehicles)} vehicles, {len(trace.sites)} sites, "
+        f"{handovers} handovers over {trace.duration_s:g} s ({how})"
+    )
 
 
 def options_from(args: argparse.Namespace) -> GenerateOptions:
@@ -319,14 +342,6 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ValueError, sumo.SumoError) as err:
         print(f"offload trace generate: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1
-    trace = generated.trace
-    args.out.write_text(trace.dumps(), encoding="utf-8")
-    if args.cluster_out is not None:
-        args.cluster_out.write_text(trace.cluster_yaml(), encoding="utf-8")
-    handovers = sum(v.handovers for v in trace.vehicles)
-    print(
-        f"{args.out}: {len(trace.vehicles)} vehicles, {len(trace.sites)} sites, "
-        f"{handovers} handovers over {trace.duration_s:g} s "
-        f"({', '.join(f'{k} {v:.1f}' for k, v in generated.timings_s.items())})"
-    )
+    timings = ", ".join(f"{k} {v:.1f}" for k, v in generated.timings_s.items())
+    write_trace(args, generated.trace, timings)
     return 0

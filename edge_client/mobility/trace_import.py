@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from edge_client.mobility import fcd
+from edge_client.mobility.generate import add_handover_arguments, add_site_arguments, write_trace
 from edge_client.mobility.handover import CellTracker, check_settings
 from edge_client.mobility.sites import SiteDefaults, read_sites
 from edge_client.mobility.traces import HandoverSettings, MobilityTrace, parse
@@ -115,35 +116,12 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="position sample period, seconds (default: the FCD's step between timesteps)",
     )
-    parser.add_argument(
-        "--hysteresis-m",
-        type=float,
-        default=d.hysteresis_m,
-        help=f"handover margin, metres closer (default {d.hysteresis_m:g})",
-    )
-    parser.add_argument(
-        "--time-to-trigger",
-        type=float,
-        default=d.time_to_trigger_s,
-        help=f"handover time-to-trigger, seconds (default {d.time_to_trigger_s:g})",
-    )
-    parser.add_argument(
-        "--access-ms",
-        type=float,
-        default=d.sites.access_ms,
-        help=f"radio access latency of a site that gives none (default {d.sites.access_ms:g})",
-    )
-    parser.add_argument(
-        "--link-base-ms",
-        type=float,
-        default=d.sites.link_base_ms,
-        help=f"without links in --sites: link latency at 0 m (default {d.sites.link_base_ms:g})",
-    )
-    parser.add_argument(
-        "--link-ms-per-km",
-        type=float,
-        default=d.sites.link_ms_per_km,
-        help=f"without links in --sites: latency per km (default {d.sites.link_ms_per_km:g})",
+    add_handover_arguments(parser, d.hysteresis_m, d.time_to_trigger_s)
+    add_site_arguments(
+        parser,
+        d.sites,
+        access="radio access latency of a site that gives none",
+        links="without links in --sites: link latency",
     )
     parser.add_argument("--name", default="", help="the trace's name (default: the FCD file's)")
 
@@ -161,13 +139,5 @@ def run_import(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"offload trace import: {err}", file=sys.stderr)
         return 2
-    args.out.write_text(trace.dumps(), encoding="utf-8")
-    if args.cluster_out is not None:
-        args.cluster_out.write_text(trace.cluster_yaml(), encoding="utf-8")
-    handovers = sum(v.handovers for v in trace.vehicles)
-    print(
-        f"{args.out}: {len(trace.vehicles)} vehicles, {len(trace.sites)} sites, "
-        f"{handovers} handovers over {trace.duration_s:g} s (sample period "
-        f"{trace.generator['period_s']:g} s)"
-    )
+    write_trace(args, trace, f"sample period {trace.generator['period_s']:g} s")
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -77,32 +77,6 @@ class CallerTokens:
         return found, None
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires the bearer token on each call; UNAUTHENTICATED otherwise.
-
-    Methods in `open_methods` (the liveness check) pass without a token; methods the server
-    does not implement stay UNIMPLEMENTED. The node daemon uses it; the runtime checks the
-    token inside its handlers (`require_token`), which costs a call less.
-    """
-
-    def __init__(self, token: str, open_methods: Collection[str] = OPEN_METHODS) -> None:
-        self._token = BearerToken(token)
-        self._open = frozenset(open_methods)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method in self._open:
-            return handler
-        refusal = self._token.refusal(handler_call_details.invocation_metadata)
-        if refusal is not None:
-            return _deny(refusal)
-        return handler
-
-
 def require_token(
     tokens: CallerTokens, open_methods: Collection[str] = OPEN_METHODS
 ) -> Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]:
@@ -131,11 +105,3 @@ def require_token(
         )
 
     return wrap
-
-
-def _deny(message: str) -> grpc.RpcMethodHandler:
-    async def abort(_request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    # Every method this server authenticates is unary-unary; the request is not parsed.
-    return grpc.unary_unary_rpc_method_handler(abort)
