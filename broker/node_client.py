@@ -60,7 +60,7 @@ class NodeClient:
     def _error(self, action: str, err: grpc.aio.AioRpcError) -> Exception:
         """The broker's error for a failed node call. The node's details reach clients (in
         the status and the deployment's reason), so they pass through `client_text`."""
-        details = client_text(err.details() or "", limit=MESSAGE_CHARS // 2)
+        details = client_text(err.details() or "", limit=MESSAGE_CHARS // 2, hide_addresses=True)
         message = f"node {self.node_id} could not {action}: {err.code().name} {details}"
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(message)

@@ -64,18 +64,23 @@ def quote(value: str, limit: int = QUOTE_CHARS) -> str:
     return f"{value[:limit]!r}… ({len(value)} characters)"
 
 
-def client_text(text: str, limit: int = MESSAGE_CHARS) -> str:
+def client_text(text: str, limit: int = MESSAGE_CHARS, hide_addresses: bool = False) -> str:
     """`text` as a caller may see it: without terminal escape codes and control characters
     (newlines stay), Python tracebacks' frames dropped, absolute paths replaced by `<path>`,
-    host:port addresses by `<address>` and port numbers by `<port>` (where a node's replicas
-    listen is no caller's business), exception class names removed, and at most `limit`
-    characters (the rest is counted, not shown)."""
+    exception class names removed, and at most `limit` characters (the rest is counted, not
+    shown).
+
+    With `hide_addresses` (text from a node, which may carry a replica's log tail), host:port
+    addresses become `<address>` and port numbers `<port>`: where a node's replicas listen is
+    no caller's business. Not by default: a caller's own bad address, quoted back in a
+    refusal ('node:99999' is not host:port, port 1..65535), must stay readable."""
     text = _ANSI.sub("", text)
     text = _CONTROL.sub("", text)
     text = _TRACEBACK.sub("", text)
     text = _PATH.sub("<path>", text)
-    text = _ADDRESS.sub("<address>", text)
-    text = _PORT.sub(r"\1<port>", text)
+    if hide_addresses:
+        text = _ADDRESS.sub("<address>", text)
+        text = _PORT.sub(r"\1<port>", text)
     text = _CLASS_NAME.sub("", text)
     if len(text) <= limit:
         return text

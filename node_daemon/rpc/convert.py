@@ -66,7 +66,7 @@ def replica(view: ReplicaView) -> pb.Replica:
         endpoint=view.endpoint,
         state=_STATES[view.state],
         exit_code=view.exit_code or 0,
-        log_tail=client_text(view.log_tail),
+        log_tail=client_text(view.log_tail, hide_addresses=True),
         runtime=view.runtime,
         ref=view.ref,
     )

@@ -30,4 +30,5 @@ STATUS_TABLE: StatusTable = (
 """Each error's status, most specific first. A `NodeError` not listed here (a new subclass
 someone forgot to map) answers INTERNAL and is logged as the bug it is."""
 
-mapped_errors = error_mapper(STATUS_TABLE)
+# A node's messages may carry a replica's log tail: where it listened stays here.
+mapped_errors = error_mapper(STATUS_TABLE, hide_addresses=True)

@@ -44,10 +44,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 StatusTable = Sequence[tuple[type[Exception], grpc.StatusCode]]
 
 
-def error_mapper(table: StatusTable) -> Callable[[F], F]:
+def error_mapper(table: StatusTable, hide_addresses: bool = False) -> Callable[[F], F]:
     """A decorator for servicer methods (coroutines and server-streaming async generators):
     an exception of a type in `table` (first match wins, so list the most specific first)
-    aborts the call with its status and its message made fit for a caller (`client_text`).
+    aborts the call with its status and its message made fit for a caller (`client_text`;
+    `hide_addresses` for a server whose messages may carry a replica's log tail, the node's).
 
     Any other exception but grpc's own abort is a bug: logged with its traceback under a
     reference, answered INTERNAL with only that reference. Cancellation passes through.
@@ -62,7 +63,7 @@ def error_mapper(table: StatusTable) -> Callable[[F], F]:
             message = f"the server failed on this request (ref {reference}; its log has more)"
         else:
             logger.debug("%s -> %s: %s", method, code.name, err)
-            message = client_text(str(err))
+            message = client_text(str(err), hide_addresses=hide_addresses)
         await context.abort(code, message)
         raise AssertionError("context.abort returned") from err  # it always raises
 
