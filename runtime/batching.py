@@ -10,7 +10,7 @@ before they join: a bad one fails alone and never reaches a batch.
 When a batch starts (the event loop, no thread):
 
 - an instance must be free: `--instances K` sessions, each running one batch at a time (on a
-  GPU each session has its own CUDA stream, so K batches overlap);
+  GPU each session has its own CUDA stream, so K batches can overlap);
 - the *lead* class is chosen: critical first while its recent share of compute time is within
   its weight's share (4 of 4+2+1 when all three are busy), else the class whose oldest request
   has waited `max_class_wait_s` (a bounded wait: no class starves), else the class that used

@@ -680,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="K",
         help="sessions of the model, each running one batch at a time (on a GPU each has "
-        "its own CUDA stream, so K batches overlap; default 1)",
+        "its own CUDA stream, so K batches can overlap; default 1)",
     )
     batching.add_argument(
         "--io-binding",
