@@ -663,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batching off; auto (default): when every input and output has a dynamic first "
         "dimension and a two-row batch computes each row as alone, the largest of 1, 2, 4 .. "
         f"{SWEEP_SIZES[-1]} up to which each doubling computed a row at least "
-        f"{MIN_GAIN:.0%} quicker at load (a CNN on a CPU: often 1), else off",
+        f"{MIN_GAIN * 100:.0f} %% quicker at load (a CNN on a CPU: often 1), else off",
     )
     batching.add_argument(
         "--max-queue-delay-us",

@@ -93,3 +93,12 @@ def test_each_token_says_its_callers_class() -> None:
     assert tokens.caller([]) == ("", MISSING_TOKEN)
     with pytest.raises(ValueError, match="must not be empty"):
         CallerTokens({"": PriorityClass.STANDARD})
+
+
+def test_help_explains_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        settings_from_args(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-batch-size N" in text and "10 % quicker at load" in text
+    assert "--class-tokens FILE" in text and "--max-queued-per-class N" in text
