@@ -74,6 +74,7 @@ class ModelMetrics:
 
     __slots__ = (
         "_batch_size",
+        "_by_class",
         "_class_compute",
         "_class_queued",
         "_class_requests",
@@ -102,6 +103,8 @@ class ModelMetrics:
         self._class_compute = family.class_compute
         self._class_requests = family.class_requests
         self._class_queued = family.class_queued
+        self._by_class: dict[str, tuple[Counter, Counter]] = {}
+        """Each class's compute and request counters, resolved at its first batch."""
 
     def count_queued(
         self, total: Callable[[], float], per_class: Sequence[tuple[str, Callable[[], float]]]
@@ -120,8 +123,14 @@ class ModelMetrics:
         for wait in waits_s:
             self._queue_delay.observe(wait)
         self.compute.observe(compute_s)
-        self._class_compute.labels(self._model, cls).inc(compute_s)
-        self._class_requests.labels(self._model, cls).inc(len(waits_s))
+        counters = self._by_class.get(cls)
+        if counters is None:
+            counters = self._by_class[cls] = (
+                self._class_compute.labels(self._model, cls),
+                self._class_requests.labels(self._model, cls),
+            )
+        counters[0].inc(compute_s)
+        counters[1].inc(len(waits_s))
 
     def failed(self, code: str) -> None:
         """Count one call answered with the gRPC status `code` (its name). Event loop only.

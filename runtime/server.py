@@ -55,7 +55,7 @@ from runtime.batching import (
     choose_batch_size,
 )
 from runtime.errors import ModelLoadError
-from runtime.metrics import MetricsEndpoint, RuntimeMetrics
+from runtime.metrics import MetricsEndpoint, ModelMetrics, RuntimeMetrics
 from runtime.model import CPU, DEVICES, OnnxModel
 from runtime.pem import TlsIdentity, read_pem
 from runtime.rpc.auth import CallerTokens, require_token
@@ -144,6 +144,8 @@ class RunningServer:
     state: ServingState
     executor: ThreadPoolExecutor
     metrics: RuntimeMetrics
+    model_metrics: ModelMetrics
+    """The served model's children of `metrics`: the only ones the per-call paths touch."""
     metrics_endpoint: MetricsEndpoint | None = None
     """None when the settings ask for no metrics port."""
 
@@ -235,7 +237,7 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
         logger.info("metrics served at %s (no token needed)", endpoint.url)
     await server.start()
     logger.info("runtime listening on %s:%d%s", settings.host, port, " (TLS)" if tls else "")
-    return RunningServer(server, port, state, executor, metrics, endpoint)
+    return RunningServer(server, port, state, executor, metrics, model_metrics, endpoint)
 
 
 async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
@@ -357,7 +359,7 @@ async def _batcher(
             settings.name,
             "on (device input buffers kept per shape)" if bound else "off: not on CUDA",
         )
-    metrics = running.metrics.for_model(settings.name)
+    metrics = running.model_metrics
     batcher = Batcher(
         instances,
         policy,
