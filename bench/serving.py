@@ -56,6 +56,7 @@ import onnxruntime as ort
 
 import modelzoo
 from bench.timing import tail_percentiles
+from node_daemon.telemetry import histogram_quantile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-serving-token"
@@ -399,13 +400,9 @@ def queue_delay_p99_s(scraped: dict[str, float]) -> float | None:
         if match:
             bound = math.inf if match.group(1) == "+Inf" else float(match.group(1))
             buckets[bound] = buckets.get(bound, 0.0) + value
-    if not buckets or not buckets.get(math.inf):
+    if not buckets.get(math.inf):
         return None
-    total = buckets[math.inf]
-    for bound in sorted(buckets):
-        if buckets[bound] >= 0.99 * total:
-            return bound
-    return None
+    return histogram_quantile(0.99, sorted(buckets.items()))
 
 
 def batch_compute_s(scraped: dict[str, float]) -> float | None:
