@@ -17,7 +17,9 @@ machine noise falls on all of them alike:
                   ours, read back from a session our runtime's code opened), as a plain
                   process in a session of its own, as ours is;
   - ours-process: our runtime (`python -m runtime.server`) as a plain process, started by
-                  the node daemon's ProcessRuntime;
+                  the node daemon's ProcessRuntime (batching as the node runs it:
+                  `--max-batch-size auto`);
+  - ours-unbatched: the same started directly with `--max-batch-size 1`, batching off;
   - ours-asyncio: the same on the standard library's event loop (`--event-loop asyncio`),
                   to show what the default uvloop contributes;
   - ours-docker:  our runtime in its container, through Docker's published port (skipped,
@@ -116,9 +118,9 @@ either, 8.46 in the third (docs/BENCHMARKS.md)."""
 KSERVE_REQUIREMENT = "kserve>=0.21"
 REPORTED_PACKAGES = ("kserve", "onnxruntime", "grpcio", "protobuf", "numpy")
 STAMP = "edge-offload-peers.json"
-SERVERS = ("kserve", "ours-process", "ours-asyncio", "ours-docker")
+SERVERS = ("kserve", "ours-process", "ours-unbatched", "ours-asyncio", "ours-docker")
 CONTENDERS = ("ort", "echo", "floor", *SERVERS)
-OURS = ("ours-process", "ours-asyncio", "ours-docker")
+OURS = ("ours-process", "ours-unbatched", "ours-asyncio", "ours-docker")
 DEFAULT_MODELS = ("mlp", "resnet18", "silero_vad")
 MLP_MODELS = ("mlp",)
 COMPUTE_HISTOGRAM = "offload_runtime_compute_duration_seconds"
@@ -314,22 +316,32 @@ async def kserve_server(
         yield endpoint
 
 
+DIRECT_FLAGS = {
+    "ours-asyncio": ("--event-loop", "asyncio"),
+    "ours-unbatched": ("--max-batch-size", "1"),
+}
+"""Our runtime started directly (`direct_runtime`) with one flag changed from the node's
+default: the standard library's event loop (what the default uvloop contributes), and
+batching off (what the batcher costs: ours-process runs with `--max-batch-size auto`)."""
+
+
 @contextlib.asynccontextmanager
-async def asyncio_runtime(model_path: Path, name: str, workdir: Path) -> AsyncIterator[str]:
-    """Our runtime on the standard library's event loop (`--event-loop asyncio`), started as
-    ProcessRuntime starts a replica but for that flag: what the default uvloop contributes.
-    Yields its endpoint once ready; PeerFailed like `kserve_server`."""
+async def direct_runtime(
+    kind: str, model_path: Path, name: str, workdir: Path
+) -> AsyncIterator[str]:
+    """Our runtime as ProcessRuntime starts a replica but with `DIRECT_FLAGS[kind]`. Yields
+    its endpoint once ready; PeerFailed like `kserve_server`."""
     (port,) = _free_ports(1)
-    token = workdir / "asyncio-token"
+    token = workdir / f"{kind}-token"
     token.write_text(TOKEN)
     token.chmod(0o600)
     command = [
         sys.executable, "-m", "runtime.server", "--model", str(model_path), "--name", name,
         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1",
         "--token-file", str(token), "--warmup-inputs", str(workdir / "inputs.npz"),
-        "--event-loop", "asyncio",
+        *DIRECT_FLAGS[kind],
     ]  # fmt: skip
-    async with _served("ours-asyncio", command, port, name, workdir, _REPO_ROOT) as endpoint:
+    async with _served(kind, command, port, name, workdir, _REPO_ROOT) as endpoint:
         yield endpoint
 
 
@@ -403,10 +415,8 @@ async def bench_model(
             servers["kserve"] = await stack.enter_async_context(
                 kserve_server(env, model, name, session, tmp)
             )
-        if "ours-asyncio" in args.servers:
-            servers["ours-asyncio"] = await stack.enter_async_context(
-                asyncio_runtime(model, name, tmp)
-            )
+        for kind in (k for k in DIRECT_FLAGS if k in args.servers):
+            servers[kind] = await stack.enter_async_context(direct_runtime(kind, model, name, tmp))
         metrics: dict[str, str] = {}
         for kind, runtime in runtimes.items():
             spec = ReplicaSpec(f"bench-peers-{name}-{kind}", model, name, TOKEN,
@@ -572,7 +582,7 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
             f"{r['rounds']} alternating blocks; ms"
         )
         print(
-            f"{'contender':<13} {'p50':>8} {'p99':>8} {'p99.9':>8} {'p50-ort':>8} "
+            f"{'contender':<14} {'p50':>8} {'p99':>8} {'p99.9':>8} {'p50-ort':>8} "
             f"{'p50-echo':>9} {'p99/ort-p99':>12}"
         )
         for kind in kinds:
@@ -581,7 +591,7 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
             over_echo = "" if kind in ("ort", "echo") else f"{o['over_echo_p50_ms']:+9.2f}"
             ratio = "" if kind == "ort" else f"{o['p99_over_ort_p99']:12.1f}"
             print(
-                f"{kind:<13} {f['p50']:8.2f} {f['p99']:8.2f} {f['p99.9']:8.2f} "
+                f"{kind:<14} {f['p50']:8.2f} {f['p99']:8.2f} {f['p99.9']:8.2f} "
                 f"{over_ort:>8} {over_echo:>9} {ratio:>12}"
             )
         if r["compute_in_server_ms"]:
@@ -599,13 +609,13 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
                 f"throughput, N closed-loop clients ({args.throughput_rounds} x "
                 f"{args.seconds:g} s per cell): req/s  p50/p99 ms"
             )
-            print(f"{'contender':<13} " + " ".join(f"{'N=' + n:>22}" for n in ns))
+            print(f"{'contender':<14} " + " ".join(f"{'N=' + n:>22}" for n in ns))
             for kind in kinds:
                 cells = []
                 for n in ns:
                     c = r["throughput"][n][kind]
                     cells.append(f"{c['rps']:>7.0f}/s {c['p50']:6.2f}/{c['p99']:<6.2f}")
-                print(f"{kind:<13} " + " ".join(f"{c:>22}" for c in cells))
+                print(f"{kind:<14} " + " ".join(f"{c:>22}" for c in cells))
     print("\nverdicts (issue 12 targets, this run):")
     for r in results:
         if not r["verdicts"]:
@@ -613,7 +623,7 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
         for kind, checks in r["verdicts"].items():
             text = "; ".join(f"{c['text']}: {'met' if c['met'] else 'NOT MET'}{_blocks(c)}"
                              for c in checks)  # fmt: skip
-            print(f"  {r['model']:<11} {kind:<13} {text}")
+            print(f"  {r['model']:<11} {kind:<14} {text}")
 
 
 def _blocks(check: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
-"""`python -m bench.peers`: KServe's ModelServer, our runtime (a process on uvloop and on
-asyncio, a container), ORT, the echo and the floor measured by one tritonclient process; a
-failed KServe install said plainly.
+"""`python -m bench.peers`: KServe's ModelServer, our runtime (a process on uvloop with
+batching on and off, on asyncio, a container), ORT, the echo and the floor measured by one
+tritonclient process; a failed KServe install said plainly.
 
 The first test uses the kserve virtualenv in the cache the bench keeps (creating it there
 when missing: a minute or two of pip from PyPI, once per machine).
@@ -39,7 +39,7 @@ def test_every_contender_answers_like_ort_and_lands_in_the_table(tmp_path: Path)
     assert set(mlp["latency"]) == set(CONTENDERS)
     # Each server's first answer was checked against in-process ORT before timing began.
     # The floor answers with our process replica's response: as right as that one.
-    servers = {"kserve", "ours-process", "ours-asyncio", "ours-docker", "floor"}
+    servers = {"kserve", "ours-process", "ours-unbatched", "ours-asyncio", "ours-docker", "floor"}
     assert set(mlp["max_abs_diff"]) == servers
     # 1e-5: peers_client.ATOL, not imported (tritonclient's protobufs collide with ours).
     assert all(diff <= 1e-5 for diff in mlp["max_abs_diff"].values())
@@ -53,7 +53,9 @@ def test_every_contender_answers_like_ort_and_lands_in_the_table(tmp_path: Path)
     for contender in CONTENDERS:
         rows = [line for line in lines if re.match(rf"{contender} +[0-9]", line)]
         assert len(rows) == 2, done.stdout  # latency, throughput
-    assert {target["target"] for target in mlp["verdicts"]["ours-process"]} == {"a", "c"}
+    # Batching on (the node's default) and off are both judged against KServe.
+    for kind in ("ours-process", "ours-unbatched"):
+        assert {target["target"] for target in mlp["verdicts"][kind]} == {"a", "c"}
     # ONNX Runtime's run inside each replica, read from its own compute histogram.
     inside = mlp["compute_in_server_ms"]
     assert set(inside) == {"ours-process", "ours-docker"}
