@@ -97,8 +97,8 @@ from protos.inference import grpc_service_pb2_grpc as ipb_grpc
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
-from runtime.model import TensorSpec
-from runtime.pem import TlsIdentity
+from runtime.pem import TlsIdentity, read_pem
+from runtime.tensors import TensorSpec
 from runtime.tls import is_handshake_failure, open_channel
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,10 @@ def tls_hint(err: grpc.aio.AioRpcError) -> str:
     if err.code() != grpc.StatusCode.UNAVAILABLE:
         return ""
     if is_handshake_failure(err.details()):
-        return " (the TLS handshake failed: is the server's certificate signed by the CA given?)"
+        return (
+            " (the TLS handshake failed: is the server's certificate signed by the CA given,"
+            " and are both valid now?)"
+        )
     if "socket closed" in (err.details() or "").lower():
         return " (closed at once: the server may serve TLS while this client speaks plaintext)"
     return ""
@@ -309,22 +312,25 @@ class OffloadClient:
         channel is TLS with it, plaintext without (None). Blocking (reads the file).
 
         InvalidInput for an unknown policy, a policy that needs a local model without one,
-        a local model file that does not exist, a `tls_ca` that is not a valid PEM
-        certificate, or a `broker` that is not host:port."""
+        a local model file that does not exist, a `tls_ca` that cannot be read or holds no
+        PEM certificate (an expired or foreign CA fails the handshake: Unavailable, not
+        retried), or a `broker` that is not host:port."""
         try:
             self._brokers = BrokerAddresses(parse_broker_addresses(broker, "broker"))
         except ValueError as err:
             raise InvalidInput(str(err)) from None
         self._tls: TlsIdentity | None = None
         if tls_ca is not None:
-            # Here, not at the top: checking a CA file needs `cryptography`, which a device
-            # without TLS (the runtime image as bench.offload's device) need not have.
-            from common.certs import CertError, load_ca
-
+            # Read, not parsed: gRPC takes the PEM bytes and checks the chain and its dates
+            # at the handshake, whose failure is final (never retried; `tls_hint` says why),
+            # so a device needs no `cryptography` for TLS (`pip install edge-offload`).
             try:
-                self._tls = TlsIdentity(ca=load_ca(Path(tls_ca), "tls_ca"))
-            except CertError as err:
+                ca = read_pem(Path(tls_ca), "tls_ca")
+            except ValueError as err:
                 raise InvalidInput(str(err)) from None
+            if b"-----BEGIN CERTIFICATE-----" not in ca:
+                raise InvalidInput(f"tls_ca {tls_ca} holds no PEM certificate")
+            self._tls = TlsIdentity(ca=ca)
         self._metadata = (("authorization", f"Bearer {api_key}"),)
         self._call_timeout_s = call_timeout_s
         self._deploy_timeout_s = deploy_timeout_s

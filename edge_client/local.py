@@ -2,6 +2,8 @@
 the replica checks a request (it is `runtime.model.OnnxModel`, the replica's own class).
 
 Loading and running are blocking: the client calls them through `asyncio.to_thread`.
+ONNX Runtime is imported by `LocalModel.load` only: a device without local inference does
+not install it (`pip install 'edge-offload[local]'` does).
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_client.errors import InvalidInput, ServerError
 from runtime import errors as runtime_errors
 from runtime.datatypes import datatype_from_numpy
-from runtime.model import OnnxModel, RequestTensor, TensorSpec
+from runtime.tensors import RequestTensor, TensorSpec
+
+if TYPE_CHECKING:
+    from runtime.model import OnnxModel
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +51,18 @@ class LocalModel:
         `threads`: ONNX Runtime's intra-op threads; 0: the CPUs this process may use
         (`usable_cpus`: a container's CPU limit, not the host's core count ONNX Runtime
         would count). InvalidInput when the file is missing or is not a model ONNX Runtime
-        can run."""
+        can run, or when ONNX Runtime is not installed (the message says how to install it)."""
         if not path.is_file():
             raise InvalidInput(f"local model {path}: no such file")
+        try:
+            from runtime.model import OnnxModel
+        except ModuleNotFoundError as err:
+            if err.name is None or err.name.partition(".")[0] != "onnxruntime":
+                raise
+            raise InvalidInput(
+                f"local model {path}: local inference needs ONNX Runtime: "
+                "pip install 'edge-offload[local]'"
+            ) from err
         threads = threads or usable_cpus()
         try:
             model = OnnxModel.load(path, path.stem, device="cpu", intra_op_threads=threads)

@@ -13,7 +13,6 @@ import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from runtime.datatypes import NUMPY_DTYPES, datatype_from_numpy, datatype_from_ort
 from runtime.errors import InferenceFailed, InvalidInput, ModelLoadError, quote
+from runtime.tensors import RequestTensor, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -30,33 +30,6 @@ CPU = "CPUExecutionProvider"
 DEVICES = ("auto", "cpu", "cuda")
 MAX_BOUND_BUFFERS = 64
 """Device input buffers one session keeps with IO binding (one per input and batch shape)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """An input or output of the model, as the Open Inference Protocol describes it."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    """-1 marks a dynamic dimension."""
-    dim_names: tuple[str | None, ...]
-    """The symbolic name of each dynamic dimension (None for fixed or unnamed ones)."""
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.datatype} {list(self.shape)})"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTensor:
-    """One input as a request carries it: raw little-endian bytes or typed values."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    raw: bytes | None = None
-    values: np.ndarray | None = None
-    """Flat array of typed contents, in the dtype of the protocol field that carried them."""
 
 
 def _spec(arg: ort.NodeArg) -> TensorSpec:

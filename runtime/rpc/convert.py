@@ -11,7 +11,7 @@ import numpy as np
 from protos.inference import grpc_service_pb2 as pb
 from runtime.datatypes import NUMPY_DTYPES, datatype_from_numpy
 from runtime.errors import InvalidInput, quote
-from runtime.model import RequestTensor, TensorSpec
+from runtime.tensors import RequestTensor, TensorSpec
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 

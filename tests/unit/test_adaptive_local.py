@@ -13,7 +13,7 @@ import pytest
 import modelzoo
 from edge_client.errors import InvalidInput
 from edge_client.local import LocalModel, usable_cpus
-from runtime.model import TensorSpec
+from runtime.tensors import TensorSpec
 
 
 def test_a_missing_or_unloadable_file_is_invalid_input(tmp_path: Path) -> None:
