@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import random
 import re
@@ -28,14 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker.state.api_keys import new_api_key
+from common.cli import PARENT_ENV
 from node_daemon.runtimes.base import LABEL_PREFIX, RuntimeUnavailable
 
 HERE = Path(__file__).resolve().parent
 CAPTURES = HERE / "topologies"
 CLUSTER_FILE = HERE / "cluster.yaml"
-
-_PR_SET_PDEATHSIG = 1
-PARENT_ENV = "OFFLOAD_PARENT_PID"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,25 +95,13 @@ def free_port() -> int:
     raise OSError(f"no free TCP port on loopback in {ports.start}..{ports.stop - 1}")
 
 
-def exit_with_parent() -> None:
-    """In a child `spawn` started: ask the kernel for SIGTERM when the parent dies, and exit
-    at once if it already has. Called first thing by `offload` (edge_client.cli) when
-    $OFFLOAD_PARENT_PID is set. (Done here, after exec, rather than in a preexec_fn: running
-    Python between fork and exec deadlocks a parent with threads, gRPC's for one.)"""
-    expected = os.environ.pop(PARENT_ENV, "")
-    if not expected or sys.platform != "linux":
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if str(os.getppid()) != expected:
-        sys.exit(f"the process that started this one ({expected}) has exited")
-
-
 def spawn(
     command: Sequence[str], log: Path, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """Start `command` (an `offload` command line) with stdout and stderr appended to `log`,
-    in its own session, to get SIGTERM when this process dies (`exit_with_parent`). Call it
-    from the main thread: the death signal follows the thread that spawned the child."""
+    in its own session, to get SIGTERM when this process dies
+    (`common.cli.exit_with_parent`). Call it from the main thread: the death signal follows
+    the thread that spawned the child."""
     with log.open("ab") as out:
         return subprocess.Popen(
             list(command),

@@ -43,8 +43,8 @@ def home() -> Path:
         import sumo
     except ImportError as err:
         raise SumoError(
-            "Eclipse SUMO is not installed: pip install eclipse-sumo (a dependency of "
-            "edge-offload)"
+            "Eclipse SUMO is not installed: pip install 'edge-offload[sim]' (or "
+            "eclipse-sumo alone)"
         ) from err
     return Path(sumo.SUMO_HOME)
 
