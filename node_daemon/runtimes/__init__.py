@@ -5,6 +5,7 @@ stop, status, stats, update, adopt (after a daemon restart), detach, close.
 """
 
 from node_daemon.runtimes.base import (
+    LimitUnavailable,
     Replica,
     ReplicaFailed,
     ReplicaSpec,
@@ -21,6 +22,7 @@ from node_daemon.runtimes.process_runtime import ProcessRuntime
 
 __all__ = [
     "DockerRuntime",
+    "LimitUnavailable",
     "ProcessRuntime",
     "Replica",
     "ReplicaFailed",

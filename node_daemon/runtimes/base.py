@@ -32,6 +32,12 @@ class RuntimeUnavailable(Exception):
     to get one."""
 
 
+class LimitUnavailable(Exception):
+    """A limit the spec asks for cannot be enforced by this runtime here (a process
+    replica's `memory_mib` where no memory cgroup can be written); `start` raises it before
+    anything runs. The message says why."""
+
+
 class ReplicaFailed(Exception):
     """A replica could not start or become ready; the message carries the exit code and
     the tail of its log when there is one."""
@@ -58,7 +64,8 @@ class ReplicaSpec:
     cpus: float = 0.0
     """CPU limit in cores; 0: none."""
     memory_mib: int = 0
-    """Memory limit; 0: none."""
+    """Memory limit, MiB (the container's, or the process's memory cgroup's: RAM, swap
+    included where the kernel accounts it); 0: none."""
     background: bool = False
     """Start at background CPU priority and raise it to normal once the replica is ready,
     before `start` returns (see `BACKGROUND_LIMIT_S`). For a migration's target: its start

@@ -1,10 +1,19 @@
 """`ProcessRuntime`: each replica is a `python -m runtime.server` subprocess.
 
 For hosts where no Docker engine is reachable (and for fast tests). It runs the same server
-code as the container, on the same interface as `DockerRuntime`; it gives no isolation and
-cannot limit memory. It limits CPU (a replica's `cpus` from its start, and `update`) with a
-cgroup of the replica's own where the host lets it write one
-(`node_daemon.runtimes.cgroup_limits`), and says it cannot elsewhere.
+code as the container, on the same interface as `DockerRuntime`; it gives no isolation. It
+limits CPU (a replica's `cpus` from its start, and `update`) and memory (its `memory_mib`,
+and `update`) with cgroups of the replica's own where the host lets it write them
+(`node_daemon.runtimes.cgroup_limits`). Where it cannot, a CPU quota is left unset (said
+once: the node's resource manager shares CPU by other means), but a replica that asks for
+`memory_mib` is refused before anything starts (`LimitUnavailable`): a limit asked for and
+silently not kept (a replica given 512 MiB used 4,046) is worse than a clear no.
+
+A replica's memory cgroup is made before it is spawned, and the replica joins it through a
+`sh` launcher (it writes its own pid to the cgroup's `cgroup.procs`, then execs the rest),
+so the limit holds from its interpreter's first allocation; a replica the kernel kills for
+passing it fails its start saying so. Its cgroups are removed when it stops, after a failed
+start, and, for one a killed daemon left behind, by the next daemon's `adopt`.
 
 Each replica has a folder (token, log, `replica.json`). Folders are 0700 and files 0600,
 whatever the umask: the token is the deployment's secret. Replicas run in their own session,
@@ -61,6 +70,7 @@ from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
     LISTENING,
     METRICS_SERVED,
+    LimitUnavailable,
     Replica,
     ReplicaFailed,
     ReplicaSpec,
@@ -255,15 +265,26 @@ class ProcessRuntime:
     name = "process"
     model_file_mode = PRIVATE_FILE
 
-    def __init__(self, workdir: Path | None = None, cpuset: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        workdir: Path | None = None,
+        cpuset: frozenset[int] = frozenset(),
+        cgroup_root: Path = cgroups.ROOT,
+    ) -> None:
         """`workdir`: where each replica's folder goes; see the module docstring. `cpuset`: the
         CPUs every replica runs on (empty: those this process may use), as Docker's
-        `--cpuset-cpus` pins a container."""
+        `--cpuset-cpus` pins a container. `cgroup_root`: where the cgroup hierarchies are
+        mounted."""
         self._workdir = workdir
         self._cpuset = cpuset
+        self._cgroup_root = cgroup_root
         self._running: dict[str, _Running] = {}
-        self._cgroups: dict[str, Path] = {}
-        """replica_id -> the CPU cgroup made for it (at its start, or by `update`)."""
+        self._cgroups: dict[str, set[Path]] = {}
+        """replica_id -> the cgroups made for it: its memory cgroup (recorded before it is
+        spawned), its CPU cgroup (at its start, or by `update`)."""
+        self._memory_groups: dict[str, Path] = {}
+        """replica_id -> its memory cgroup, while it runs (what a failed start reads its OOM
+        kills from)."""
         self._background = can_leave_background()
         self._warned_background = False
         self._warned_cgroup = False
@@ -317,9 +338,10 @@ class ProcessRuntime:
             self._raise(running, "ready")
         except BaseException as err:
             tail = _log_tail(workdir)
+            killed = self._oom_killed(spec)
             await uncancellable(self._discard(spec.replica_id, workdir))
             if isinstance(err, ReplicaFailed | TimeoutError):
-                raise ReplicaFailed(f"replica {spec.replica_id}: {err}\n{tail}") from err
+                raise ReplicaFailed(f"replica {spec.replica_id}: {err}{killed}\n{tail}") from err
             raise
         metrics_endpoint = f"{spec.host}:{metrics_port}" if metrics_port is not None else ""
         running.replica = replace(
@@ -342,7 +364,9 @@ class ProcessRuntime:
             out.write(spec.token.encode())
         tls_files = write_tls_files(spec, workdir)
         _write_record(workdir, None, "", spec.labels)
+        join = self._join_memory_group(spec) if spec.memory_mib else []
         command = [
+            *join,
             *self._launcher(spec.background),
             sys.executable, "-m", "runtime.server",
             "--model", str(spec.model_path), "--name", spec.model_name,
@@ -366,6 +390,33 @@ class ProcessRuntime:
         replica = Replica(spec.replica_id, "", self.name, str(process.pid), dict(spec.labels))
         self._running[spec.replica_id] = _Running(replica, workdir, process)
         _write_record(workdir, process.pid, "", spec.labels)
+
+    def _join_memory_group(self, spec: ReplicaSpec) -> list[str]:
+        """Make the replica's memory cgroup (recorded first, so that whatever ends the start
+        removes it) and return the launcher that moves the replica into it before anything
+        else runs. LimitUnavailable when this host gives no memory cgroup to write."""
+        self._cgroups.setdefault(spec.replica_id, set())
+        try:
+            group = cgroup_limits.memory_group(
+                spec.replica_id, spec.memory_mib, root=self._cgroup_root
+            )
+        except cgroup_limits.CgroupUnavailable as err:
+            raise LimitUnavailable(f"the process runtime has no memory cgroup: {err}") from err
+        self._cgroups[spec.replica_id].add(group)
+        self._memory_groups[spec.replica_id] = group
+        # `exec` keeps the shell's pid: the replica's pid is the one the spawn returns.
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs")]
+
+    def _oom_killed(self, spec: ReplicaSpec) -> str:
+        """What to add to a failed start's reason when the kernel killed the replica for
+        passing its memory limit; empty otherwise."""
+        group = self._memory_groups.get(spec.replica_id)
+        if group is None or not cgroup_limits.oom_kills(group):
+            return ""
+        return (
+            f" (killed by the kernel for passing its memory limit, memory_mib "
+            f"{spec.memory_mib}: ask for more)"
+        )
 
     def _launcher(self, background: bool) -> list[str]:
         """The commands that put the replica on its CPUs and, for a `background` start, at
@@ -400,13 +451,17 @@ class ProcessRuntime:
             await self.stop(replica_id, grace_s=0)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+            self._memory_groups.pop(replica_id, None)
+            for group in self._cgroups.pop(replica_id, set()):
+                await self._remove_cgroup(replica_id, group)
 
     def _limit(self, replica_id: str, pid: int, cpus: float) -> None:
         """Give a replica just spawned its CPU quota before it loads anything, as Docker gives
         a container its `--cpus`; where this host gives the daemon no writable cgroup it runs
         unlimited, said once (a process that already exited is found by the start's wait)."""
         try:
-            self._cgroups[replica_id] = cgroup_limits.limit_cpu(pid, replica_id, cpus)
+            group = cgroup_limits.limit_cpu(pid, replica_id, cpus, root=self._cgroup_root)
+            self._cgroups.setdefault(replica_id, set()).add(group)
         except ProcessLookupError:
             return
         except cgroup_limits.CgroupUnavailable as err:
@@ -496,6 +551,8 @@ class ProcessRuntime:
             if pid is None:
                 logger.warning("replica=%s is gone: dropping it", replica_id)
                 shutil.rmtree(workdir, ignore_errors=True)
+                for group in cgroup_limits.leftover_groups(replica_id, self._cgroup_root):
+                    await self._remove_cgroup(replica_id, group)
                 continue
             replica = Replica(
                 replica_id,
@@ -544,41 +601,57 @@ class ProcessRuntime:
         return _proc_stats(running.pid)
 
     async def update(self, replica_id: str, cpus: float, memory_mib: int) -> None:
-        """Limit the replica to `cpus` cores (0: leave its CPU as it is) with a cgroup of its
-        own, created on the first call and moved into with every thread
-        (`node_daemon.runtimes.cgroup_limits`); removed at `stop`. ResourceUpdateUnsupported
-        for a memory limit, and where this host has no writable cgroup (the reason in the
-        message); ReplicaFailed when the replica is not running."""
+        """Limit the replica to `cpus` cores and `memory_mib` MiB (0: leave that one as it
+        is) with cgroups of its own, created on the first call and moved into with every
+        thread (`node_daemon.runtimes.cgroup_limits`); removed at `stop`.
+        ResourceUpdateUnsupported where this host has no writable cgroup, or the kernel
+        refuses a memory limit below what the replica uses now (the reason in the message);
+        ReplicaFailed when the replica is not running."""
         running = self._running.get(replica_id)
         if running is None or not running.alive():
             raise ReplicaFailed(f"replica {replica_id} is not running")
-        if memory_mib:
-            raise ResourceUpdateUnsupported(
-                "the process runtime limits CPU only, not memory; use the Docker runtime"
-            )
-        if not cpus:
-            return
+        groups = []
         try:
-            group = cgroup_limits.limit_cpu(running.pid, replica_id, cpus)
+            if cpus:
+                groups.append(
+                    cgroup_limits.limit_cpu(running.pid, replica_id, cpus, root=self._cgroup_root)
+                )
+            if memory_mib:
+                memory = cgroup_limits.limit_memory(
+                    running.pid, replica_id, memory_mib, root=self._cgroup_root
+                )
+                self._memory_groups[replica_id] = memory
+                groups.append(memory)
         except cgroup_limits.CgroupUnavailable as err:
             raise ResourceUpdateUnsupported(f"the process runtime: {err}") from err
         except ProcessLookupError as err:
             raise ReplicaFailed(f"replica {replica_id} exited") from err
-        self._cgroups[replica_id] = group
-        logger.info("replica=%s pid=%d cpus=%.2f (%s)", replica_id, running.pid, cpus, group)
+        finally:
+            self._cgroups.setdefault(replica_id, set()).update(groups)
+        logger.info(
+            "replica=%s pid=%d cpus=%.2f memory_mib=%d (%s)",
+            replica_id,
+            running.pid,
+            cpus,
+            memory_mib,
+            ", ".join(str(g) for g in groups),
+        )
 
     async def stop(self, replica_id: str, grace_s: float = 10.0) -> int | None:
         """SIGTERM, wait up to `grace_s` (plus a margin for exit), then SIGKILL; then its
-        folder and its CPU cgroup go. Returns the exit code (None when unknown:
+        folder and its cgroups go. Returns the exit code (None when unknown:
         adopted, or no such replica here: idempotent). ReplicaFailed when it still runs
         after SIGKILL: it stays tracked."""
         running = self._running.get(replica_id)
         if running is None:
             return None
         # Found before it exits: an adopted replica's cgroup is known only from its pid.
-        groups = set(cgroup_limits.own_groups(running.pid, replica_id) if running.alive() else ())
-        if replica_id in self._cgroups:
-            groups.add(self._cgroups[replica_id])
+        groups = set(
+            cgroup_limits.own_groups(running.pid, replica_id, self._cgroup_root)
+            if running.alive()
+            else ()
+        )
+        groups |= self._cgroups.get(replica_id, set())
         if running.alive():
             # Lowered first: its drain and exit yield the CPU to the replicas that serve.
             with contextlib.suppress(PermissionError):
@@ -595,6 +668,7 @@ class ProcessRuntime:
                     )
         self._running.pop(replica_id, None)
         self._cgroups.pop(replica_id, None)
+        self._memory_groups.pop(replica_id, None)
         for group in groups:
             await self._remove_cgroup(replica_id, group)
         if self._workdir is None:
@@ -640,5 +714,8 @@ class ProcessRuntime:
 
     async def detach(self) -> None:
         """Forget every replica without stopping it (a daemon shutting down that leaves its
-        replicas serving, to be adopted by the next one)."""
+        replicas serving, to be adopted by the next one; it finds their cgroups from their
+        pids)."""
         self._running.clear()
+        self._cgroups.clear()
+        self._memory_groups.clear()
