@@ -10,8 +10,10 @@ uploads the test model (`mlp`), then the broker is restarted so that it has veri
 their keys. Then, each scenario bounded in time:
 
 - deploy-storm: 200 concurrent Deploys from 20 clients whose keys are cold (full mode: a
-  second wave with warm keys), random GPU counts, priorities and sites, while 60 callers
-  send well-formed bogus keys (a call each at most every 0.1 s);
+  second wave with warm keys), random GPU counts, priorities and sites, each client from an
+  address of its own as devices are (127.0.0.10, .11, ... through `bench.relay`), while 60
+  callers send well-formed bogus keys from 127.0.0.1 (a call each at most every 0.1 s);
+  then the running deployments must hold every GPU of the nodes;
 - bogus-flood: the 60 bogus-key callers alone, a valid client's calls timed meanwhile, the
   nodes' heartbeat ages watched;
 - cancelled-deploys: Deploys whose client deadline (0.3-0.5 s) expires mid-start, then as
@@ -30,10 +32,11 @@ After each scenario it waits (up to a bound) for the store, the nodes' ListRepli
 replica processes to agree (`bench.chaos_check`), records what does not, and deletes every
 deployment before the next one. What it checks, per scenario: requests by gRPC status;
 UNKNOWN/INTERNAL answers; answers outside what the scenario allows (a refused Deploy in the
-storm must be RESOURCE_EXHAUSTED, a bogus key UNAUTHENTICATED or RESOURCE_EXHAUSTED; an error
-message must be short and carry no escape codes or tracebacks); nodes marked lost while their
-daemon ran (the broker's log and `/api/nodes`); leaked replicas; GPUs double-booked; lost or
-duplicated deployments; deployments neither running nor pending.
+storm must be RESOURCE_EXHAUSTED for want of room, not a key-check throttle, a bogus key
+UNAUTHENTICATED or RESOURCE_EXHAUSTED; an error message must be short and carry no escape
+codes or tracebacks); nodes marked lost while their daemon ran (the broker's log and
+`/api/nodes`); a storm that leaves some of the nodes' GPUs free; leaked replicas; GPUs
+double-booked; lost or duplicated deployments; deployments neither running nor pending.
 
 Exit status: 0 when every invariant held, 1 when one failed (the table says which), 2 for bad
 arguments, 130 after Ctrl-C. Everything it started is stopped on the way out, whatever ends it.
@@ -81,6 +84,7 @@ from bench.chaos_check import (
     stored_deployments,
 )
 from bench.chaos_fuzz import Known, call_raw, random_requests
+from bench.relay import SourceRelay
 from broker.errors import MESSAGE_CHARS
 from broker.state.api_keys import new_api_key
 from edge_client.client import OffloadClient
@@ -140,6 +144,12 @@ _VARYING = re.compile(r"\d+\.\d+|\b[0-9a-f]*\d[0-9a-f]*\b")
 _LOST_LINE = re.compile(rb"node=(\S+) lost")
 
 
+def storm_source(i: int) -> str:
+    """The address the storm's `i`th client calls from (`bench.relay`); the bogus callers and
+    everything else call from 127.0.0.1."""
+    return f"127.0.0.{10 + i}"
+
+
 @dataclass(frozen=True, slots=True)
 class Mode:
     """How much each scenario tries."""
@@ -184,6 +194,8 @@ class Outcome:
     """Answers outside what the scenario allows (samples), and the count of them all."""
     unexpected_count: int = 0
     false_lost: list[str] = field(default_factory=list)
+    unplaced: list[str] = field(default_factory=list)
+    """Storm waves whose running deployments left some of the nodes' GPUs free."""
     problems: Problems = field(default_factory=Problems)
     errors: list[str] = field(default_factory=list)
     """What kept the scenario from running as planned (a daemon that did not come back)."""
@@ -215,6 +227,7 @@ class Outcome:
             "UNKNOWN/INTERNAL": sum(c[n.name] for c in self.calls.values() for n in NEVER),
             "unexpected answers": self.unexpected_count,
             "nodes falsely lost": len(self.false_lost),
+            "placed below room": len(self.unplaced),
             "leaked replicas": len(self.problems.leaked),
             "double-booked GPUs": len(self.problems.double_booked),
             "deployments lost/duplicated": len(self.problems.lost_or_duplicated),
@@ -235,6 +248,7 @@ class Outcome:
             "unknown_or_internal": self.never,
             "unexpected": self.unexpected,
             "nodes_falsely_lost": self.false_lost,
+            "placed_below_room": self.unplaced,
             **{name: lines for name, lines in asdict(self.problems).items()},
             "errors": self.errors,
             "notes": self.notes,
@@ -273,6 +287,8 @@ class Chaos:
         self.excused: dict[str, float] = {}
         """node id -> until when (loop time) its daemon may be marked lost: it was killed."""
         self.heartbeat_age_max = 0.0
+        self.bogus_wait_max = 0.0
+        """Seconds, the slowest answer to a bogus-key call since it was reset."""
         self._log_offset = 0
 
     # --- the cluster ---------------------------------------------------------------------
@@ -418,6 +434,7 @@ class Chaos:
         async with grpc.aio.insecure_channel(self.cluster.broker_address) as channel:
             stub = pb_grpc.EdgeBrokerStub(channel)
             while not stop.is_set():
+                started = time.monotonic()
                 await self.call(
                     "bogus key",
                     lambda: stub.ListDeployments(
@@ -427,6 +444,7 @@ class Chaos:
                     ),
                     {Code.UNAUTHENTICATED, Code.RESOURCE_EXHAUSTED},
                 )
+                self.bogus_wait_max = max(self.bogus_wait_max, time.monotonic() - started)
                 await asyncio.sleep(BOGUS_PAUSE_S)
 
     @contextlib.asynccontextmanager
@@ -537,23 +555,33 @@ class Chaos:
 
     async def deploy_storm(self, http: aiohttp.ClientSession) -> None:
         per_client = self.mode.storm_deploys // self.mode.storm_clients
+        room = await self.room(http)
         self.current.tried = (
             f"{self.mode.storm_deploys} concurrent Deploys from {self.mode.storm_clients} "
-            f"clients (first wave: keys never verified) x{self.mode.storm_waves} wave(s), "
-            f"{self.mode.bogus_callers} bogus-key callers meanwhile"
+            f"clients, each from an address of its own ({storm_source(0)} to "
+            f"{storm_source(self.mode.storm_clients - 1)}), first wave with "
+            f"keys never verified, x{self.mode.storm_waves} wave(s), "
+            f"{self.mode.bogus_callers} bogus-key callers from 127.0.0.1 meanwhile; "
+            f"the nodes have {room} GPUs"
         )
+        host, _, port = self.cluster.broker_address.rpartition(":")
         for wave in range(self.mode.storm_waves):
             kind = "Deploy (cold keys)" if wave == 0 else "Deploy (warm keys)"
             if wave:
                 await self.delete_everything(http)
                 await self.warm_keys()
             async with contextlib.AsyncExitStack() as stack:
-                channels = [
-                    await stack.enter_async_context(
-                        grpc.aio.insecure_channel(self.cluster.broker_address)
+                # One address per client, as devices have: the broker's throttle of failed
+                # key checks is per address, and the bogus callers all share 127.0.0.1.
+                channels = []
+                for i in range(len(self.clients)):
+                    relay = await stack.enter_async_context(
+                        SourceRelay(host, int(port), storm_source(i))
                     )
-                    for _ in self.clients
-                ]
+                    channels.append(
+                        await stack.enter_async_context(grpc.aio.insecure_channel(relay.address))
+                    )
+                self.bogus_wait_max = 0.0
                 await stack.enter_async_context(self.bogus_flood())
                 await asyncio.gather(
                     *(
@@ -568,6 +596,57 @@ class Chaos:
                         for _ in range(per_client)
                     )
                 )
+            self.current.notes.append(
+                f"{kind}: the slowest bogus-key call took {self.bogus_wait_max:.1f}s "
+                f"(deadline {CALL_TIMEOUT_S:g}s)"
+            )
+            self.count_key_refusals(kind)
+            await self.check_filled(http, room, kind)
+
+    async def room(self, http: aiohttp.ClientSession) -> int:
+        """How many whole GPUs the cluster's nodes have (the storm asks for whole GPUs, no
+        memory shares); a harness error when the ops API does not list them all free."""
+        nodes = [n for n in await self.ops(http, "nodes") or [] if n["node_id"] in self.node_ids()]
+        gpus = [g for n in nodes for g in n["gpus"]]
+        if len(nodes) != len(self.node_ids()) or not all(g["free"] for g in gpus):
+            self.current.errors.append(
+                f"before the storm: {len(nodes)} of {len(self.node_ids())} nodes listed, "
+                f"{sum(not g['free'] for g in gpus)} of {len(gpus)} GPUs held"
+            )
+        return len(gpus)
+
+    def count_key_refusals(self, kind: str) -> None:
+        """A storm client's valid key refused by the broker's key-check bounds is an
+        unexpected answer (RESOURCE_EXHAUSTED is allowed for want of room only): no bogus key
+        spends a storm client's address, and its 20 keys stay below the bound on keys
+        waiting for a check."""
+        for reason, n in self.current.refusals.items():
+            if reason.startswith(f"{kind}: ") and "API key" in reason:
+                self.current.unexpected_count += n
+                if len(self.current.unexpected) < SAMPLES:
+                    self.current.unexpected.append(f"{n} x {reason}")
+
+    async def check_filled(self, http: aiohttp.ClientSession, room: int, kind: str) -> None:
+        """Wait (up to the settle bound) until running deployments hold every one of the
+        nodes' `room` GPUs, then note how many were placed; a failure when they hold fewer.
+        The storm asks for about ten times the room, half of it one GPU at a time, so a GPU
+        left free is one a refused or pending Deploy could have had."""
+        deadline = time.monotonic() + self.mode.settle_s
+        while True:
+            listed = await self.ops(http, "deployments") or []
+            running = [d for d in listed if d["state"] == "running"]
+            held = sum(len(d["gpus"]) for d in running)
+            if held >= room or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        states = Counter(d["state"] for d in listed)
+        placed = (
+            f"{kind}: {len(running)} deployments placed, holding {held} of the nodes' "
+            f"{room} GPUs; " + ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+        )
+        self.current.notes.append(placed)
+        if held < room:
+            self.current.unplaced.append(placed)
 
     async def bogus_flood_alone(self, http: aiohttp.ClientSession) -> None:
         self.current.tried = (
@@ -967,6 +1046,7 @@ COLUMNS = (
     ("UNKNOWN/INTERNAL", "unk/int"),
     ("unexpected answers", "unexpected"),
     ("nodes falsely lost", "lost nodes"),
+    ("placed below room", "unplaced"),
     ("leaked replicas", "leaked"),
     ("double-booked GPUs", "double GPU"),
     ("deployments lost/duplicated", "lost/dup"),
@@ -1005,6 +1085,7 @@ def print_report(report: Run) -> None:
             ("UNKNOWN/INTERNAL", o.never),
             ("unexpected answer", o.unexpected),
             ("node falsely lost", o.false_lost),
+            ("placed below room", o.unplaced),
             ("leaked replica", o.problems.leaked),
             ("double-booked GPU", o.problems.double_booked),
             ("deployment lost/duplicated", o.problems.lost_or_duplicated),

@@ -18,6 +18,7 @@ INVARIANTS = {
     "unknown_or_internal",
     "unexpected",
     "nodes_falsely_lost",
+    "placed_below_room",
     "leaked",
     "double_booked",
     "lost_or_duplicated",
