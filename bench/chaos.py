@@ -740,14 +740,29 @@ class Chaos:
                     )
                     for _ in range(2)
                 ]
-                await self.kill_broker_within(3.0, http)
+                await self.kill_broker_within(3.0, http, calls)
                 await asyncio.gather(*calls)
 
-    async def kill_broker_within(self, seconds: float, http: aiohttp.ClientSession) -> None:
+    async def kill_broker_within(
+        self,
+        seconds: float,
+        http: aiohttp.ClientSession,
+        calls: Sequence[asyncio.Task[Any]],
+        *,
+        migrations: bool = False,
+    ) -> None:
+        """SIGKILL the broker 0-`seconds` in and restart it; the note says when, and what was
+        under way just before (`calls` not ended, migrations without an outcome): whether
+        the kill landed mid-operation."""
         at = self.rng.uniform(0, seconds)
         await asyncio.sleep(at)
+        under_way = in_flight(calls)
+        if migrations:
+            listed = await self.ops(http, "migrations")
+            count = "?" if listed is None else sum(not m["outcome"] for m in listed)
+            under_way += f", {count} migration(s) under way"
         await self.restart_broker(http, kill=True)
-        self.current.notes.append(f"broker killed {at:.2f}s in")
+        self.current.notes.append(f"broker killed {at:.2f}s in, {under_way}")
 
     async def placed(self, kind: str, count: int, site: str) -> list[tuple[str, pb.Deployment]]:
         """`count` deployments at `site` (one GPU, standard priority), each of its own
@@ -813,7 +828,7 @@ class Chaos:
             moving = asyncio.create_task(
                 self.migrate("broker killed", key, d.deployment_id, target)
             )
-            await self.kill_broker_within(3.0, http)
+            await self.kill_broker_within(3.0, http, [moving], migrations=True)
             await moving
 
     async def node_kill(self, http: aiohttp.ClientSession) -> None:
@@ -836,6 +851,7 @@ class Chaos:
             at = self.rng.uniform(0, 3.0)
             await asyncio.sleep(at)
             self.excused[plan.node_id] = math.inf
+            under_way = in_flight([task])
             await self.cluster.kill(plan.node_id)
             down = self.rng.uniform(0, 1.5)
             await asyncio.sleep(down)
@@ -844,7 +860,9 @@ class Chaos:
             finally:
                 # A lost mark may still land a heartbeat or two after the re-registration.
                 self.excused[plan.node_id] = loop.time() + 2.0
-            self.current.notes.append(f"{plan.node_id} killed {at:.2f}s in, down {down:.2f}s")
+            self.current.notes.append(
+                f"{plan.node_id} killed {at:.2f}s in, {under_way}, down {down:.2f}s"
+            )
             await task
 
     async def _deploy_at(self, site: str) -> None:
@@ -916,6 +934,13 @@ class Chaos:
                             counts["INTERNAL in the client (grpc/grpc#36066)"] += 1
                             continue
                         self.current.record(service.name, code, details, ANY, method.full_name)
+            # A credential the service stopped accepting would leave it fuzzed at the door.
+            answered = self.current.calls.get(service.name, Counter())
+            if answered[Code.UNAUTHENTICATED.name] == answered.total():
+                self.current.errors.append(
+                    f"every {service.name} call was refused UNAUTHENTICATED: the fuzz reached "
+                    "none of its handlers (a credential the suite holds no longer opens it)"
+                )
         if await self.ops(http, "migrations") is None:
             self.current.errors.append("/api/migrations does not answer 200 after the fuzz")
 
@@ -957,6 +982,11 @@ class Chaos:
         await self.delete_everything(http)
         outcome.seconds = time.monotonic() - started
         return outcome
+
+
+def in_flight(calls: Sequence[asyncio.Task[Any]]) -> str:
+    """How many of `calls` have not ended yet, in words."""
+    return f"{sum(not c.done() for c in calls)} of {len(calls)} call(s) in flight"
 
 
 def _read_from(path: Path, offset: int) -> bytes:
