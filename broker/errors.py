@@ -19,7 +19,12 @@ Hierarchy::
     └── NodeUnavailable      the chosen node failed to start the replica, or could not be
         │                    reached (UNAVAILABLE): placed again
         └── ReplicaFailed    the node ran the replica and it failed by itself (its model
-                             does not load, it exited): placing it again would fail alike
+            │                does not load, it exited): placing it again would fail alike
+            └── Unfit        the replica cannot run as asked: a GPU memory share below its
+                             model's need (refused before placement, or its arena ran out
+                             at load), a memory_mib its node cannot enforce
+                             (FAILED_PRECONDITION: the same spec fails alike; the message
+                             names what was asked and what it needs)
 
 An error's message is meant for the caller: it names the field and quotes at most a short
 prefix of an offending value (`quote`). Text that comes from a node (its status details, a
@@ -78,3 +83,8 @@ class NodeUnavailable(BrokerError):
 
 class ReplicaFailed(NodeUnavailable):
     pass
+
+
+class Unfit(ReplicaFailed):
+    """A ReplicaFailed for every caller that places and moves replicas, but answered
+    FAILED_PRECONDITION: the client must change its request, not wait."""

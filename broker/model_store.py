@@ -41,6 +41,7 @@ from pathlib import Path
 import onnx
 
 from broker.state.permissions import PRIVATE_FILE, private_dir, tighten
+from common import replica_memory
 from common.content import InvalidDigest, PutResult, check_sha256
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,16 @@ class ModelStore:
         if not path.is_file():
             raise ModelNotFound(f"model {sha256} is not in the broker's store; upload it first")
         return path
+
+    def gpu_need(self, sha256: str) -> replica_memory.ModelMemory | None:
+        """The GPU memory the stored model needs, estimated from its file
+        (`common.replica_memory.estimate`, cached per file); None when the file cannot be
+        read (logged). ModelNotFound when absent."""
+        try:
+            return replica_memory.estimate(self.path(sha256))
+        except (OSError, ValueError) as err:
+            logger.warning("model %s: its GPU memory need is unknown: %s", sha256[:12], err)
+            return None
 
     def has(self, sha256: str) -> bool:
         """Whether `sha256` is stored. InvalidModel if `sha256` is malformed."""

@@ -14,9 +14,11 @@ from broker.errors import (
     NodeUnavailable,
     ReplicaFailed,
     ResourceExhausted,
+    Unfit,
     client_text,
 )
 from common.certs import TlsIdentity
+from common.replica_memory import REFUSALS
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 from runtime.tls import open_channel
@@ -64,6 +66,9 @@ class NodeClient:
         message = f"node {self.node_id} could not {action}: {err.code().name} {details}"
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(message)
+        if err.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(REFUSALS):
+            # The node refused the replica's spec (`common.replica_memory`): said as it is.
+            return Unfit(f"{details} (node {self.node_id})")
         if err.code() in _REPLICA_FAULTS:
             return ReplicaFailed(message)
         # The node unreachable or gone mid-call, its model fetch failed, a deadline: none of
@@ -84,9 +89,11 @@ class NodeClient:
     ) -> str:
         """Start a replica and return its endpoint once it is ready (the node fetches the
         model from the broker when its cache lacks it). ReplicaFailed when the replica itself
-        failed, NodeUnavailable when the node did not answer or could not get the model,
-        ResourceExhausted when it lacks the GPUs. `background_start`: at background CPU
-        priority until ready (node.proto, `ReplicaSpec.background_start`)."""
+        failed (Unfit when the node refused its spec: a GPU memory share below the model's
+        need, a memory limit it cannot enforce), NodeUnavailable when the node did not
+        answer or could not get the model, ResourceExhausted when it lacks the GPUs.
+        `background_start`: at background CPU priority until ready (node.proto,
+        `ReplicaSpec.background_start`)."""
         spec = pb.ReplicaSpec(
             deployment_id=deployment_id,
             epoch=epoch,

@@ -51,6 +51,7 @@ from broker.errors import (
     ReplicaFailed,
     ResourceExhausted,
     StateUnavailable,
+    Unfit,
     quote,
 )
 from broker.key_verifier import KeyVerifier
@@ -91,6 +92,7 @@ from broker.telemetry import LoadHistory, NodeSample, Resize
 from broker.timed_lock import TimedLock
 from common.certs import TlsIdentity
 from common.inventory import Gpu, Inventory, Link, LinkKind
+from common.replica_memory import share_too_small
 from common.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -1091,12 +1093,19 @@ class Broker:
 
         InvalidRequest, NotFound (model not uploaded), Impossible (more than any node has),
         ResourceExhausted (nothing fits now), NodeUnavailable (the replica failed by itself:
-        the deployment is failed).
+        the deployment is failed), Unfit (a GPU memory share below the model's need: before
+        anything is recorded when its file shows it, else the deployment is failed).
         """
         spec.validate()
         # Another client's model answers exactly as one nobody uploaded.
         if not await self._owns(client_id, spec.model_sha256):
             raise NotFound(f"model {spec.model_sha256} is not uploaded; call UploadModel first")
+        if spec.gpu_memory_mib:
+            need = await asyncio.to_thread(self.models.gpu_need, spec.model_sha256)
+            if need is not None and (
+                refusal := share_too_small(spec.gpu_memory_mib, spec.model_name, need)
+            ):
+                raise Unfit(refusal)
         if spec.site not in self.network.sites:
             raise InvalidRequest(
                 f"site {quote(spec.site)} is unknown; known sites: {', '.join(self.network.sites)}"
@@ -1305,6 +1314,8 @@ class Broker:
                     )
             self._publish(record.deployment_id)
             if not again:
+                if isinstance(err, Unfit):
+                    raise  # FAILED_PRECONDITION: the client must change its request
                 raise NodeUnavailable(str(err)) from err
             logger.warning("deployment=%s to be placed again: %s", record.deployment_id, err)
             self._spawn_replace(record.deployment_id)

@@ -25,10 +25,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common import replica_memory
 from common.content import check_sha256
+from common.replica_memory import ModelMemory
 from common.topology import Topology
 from node_daemon.errors import (
     AlreadyExists,
+    GpuShareTooSmall,
     InvalidRequest,
     ModelNotCached,
     NodeError,
@@ -42,6 +45,7 @@ from node_daemon.inventory import Gpu, Inventory, InventoryUnavailable
 from node_daemon.model_cache import ModelCache
 from node_daemon.resources import ResourceManager
 from node_daemon.runtimes import (
+    LimitUnavailable,
     Replica,
     ReplicaFailed,
     ReplicaSpec,
@@ -297,6 +301,12 @@ class NodeAgent:
         InvalidRequest, ModelNotCached, GpusExhausted, AlreadyExists or StartFailed. Whatever
         ends a start early (an error, the caller's cancellation) stops what was started;
         its GPUs are released once the runtime confirms it gone (see the module docstring).
+
+        GpuShareTooSmall before anything is allocated or started when the GPU memory share
+        is below the model's need estimated from its file (`common.replica_memory`), and
+        when the replica's ONNX Runtime arena ran out of its share while it loaded (instead
+        of StartFailed with the arena's trace, which the node's log keeps). Unsupported,
+        before anything starts, for a `memory_mib` the runtime cannot enforce here.
         """
         request.validate()
         replica_id = request.replica_id
@@ -306,6 +316,7 @@ class NodeAgent:
         warmup = None
         if request.warmup_inputs_sha256:
             warmup = await self._cached(request.warmup_inputs_sha256, request.background_start)
+        memory = await self._check_share(request, model)
         # Checked again: another start of this replica may have begun while this one waited.
         if replica_id in self._replicas:
             raise AlreadyExists(f"replica {replica_id} already exists on node {self.node_id}")
@@ -357,7 +368,13 @@ class NodeAgent:
         except BaseException as err:
             await uncancellable(self._after_failed_start(starting, err))
             if isinstance(err, ReplicaFailed):
-                raise StartFailed(str(err)) from err
+                raise self._start_failed(request, memory, err) from err
+            if isinstance(err, LimitUnavailable):
+                raise Unsupported(
+                    f"{replica_memory.MEMORY_LIMIT_UNAVAILABLE}: memory_mib "
+                    f"{request.memory_mib} asked, but {err}; deploy without memory_mib, or "
+                    "on a node that can enforce it"
+                ) from err
             task = asyncio.current_task()
             if start.cancelled() and task is not None and not task.cancelling():
                 raise StartFailed(f"replica {replica_id} was stopped while it started") from err
@@ -374,6 +391,40 @@ class NodeAgent:
         )
         self._replicas[replica_id] = view
         return view
+
+    async def _check_share(self, request: StartRequest, model: Path) -> ModelMemory | None:
+        """The model's estimated GPU memory need when the request asks for GPUs with a
+        memory share (None otherwise, and when the file cannot be read as an ONNX model: its
+        load says why); GpuShareTooSmall when the share is below it."""
+        if not request.gpu_memory_mib or not (request.gpu_count or request.gpu_uuids):
+            return None
+        try:
+            memory = await asyncio.to_thread(replica_memory.estimate, model)
+        except (OSError, ValueError) as err:
+            logger.warning("model=%s: its GPU memory need is unknown: %s", model.name, err)
+            return None
+        refusal = replica_memory.share_too_small(
+            request.gpu_memory_mib, request.model_name, memory
+        )
+        if refusal is not None:
+            raise GpuShareTooSmall(refusal)
+        return memory
+
+    @staticmethod
+    def _start_failed(
+        request: StartRequest, memory: ModelMemory | None, err: ReplicaFailed
+    ) -> NodeError:
+        """The error for a replica that failed by itself: GpuShareTooSmall when its arena ran
+        out of its GPU memory share (the need measured then in the message, not the arena's
+        trace), else StartFailed with its exit code and log tail."""
+        ran_out = replica_memory.arena_ran_out(str(err))
+        if request.gpu_memory_mib and ran_out is not None:
+            return GpuShareTooSmall(
+                replica_memory.share_ran_out(
+                    request.gpu_memory_mib, request.model_name, ran_out, memory
+                )
+            )
+        return StartFailed(str(err))
 
     async def _after_failed_start(self, starting: ReplicaView, err: BaseException) -> None:
         """Forget a replica whose start failed and free its GPUs, once the runtime confirms

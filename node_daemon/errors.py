@@ -11,11 +11,19 @@ Hierarchy::
     │   ├── GpusExhausted     not enough free GPUs (or GPU memory) for the request
     │   └── ModelTooLarge     an upload over the cache's size limit
     ├── AlreadyExists         a replica of that id runs already (ALREADY_EXISTS)
-    ├── Unsupported           this node's runtime cannot do that (FAILED_PRECONDITION)
+    ├── Unsupported           this node's runtime cannot do that (FAILED_PRECONDITION); a
+    │                         memory_mib it cannot enforce here, refused before anything
+    │                         starts (the message starts `MEMORY_LIMIT_UNAVAILABLE`)
+    ├── GpuShareTooSmall      a GPU memory share below the model's need, refused before
+    │                         anything starts, or its arena ran out as it loaded
+    │                         (FAILED_PRECONDITION; the message starts `SHARE_TOO_SMALL`)
     ├── StartFailed           the replica could not start or become ready
     │                         (FAILED_PRECONDITION; the message has its exit code and log)
     └── StopFailed            the runtime could not stop the replica; it stays listed,
                               holding its GPUs, until a later stop succeeds (UNAVAILABLE)
+
+`SHARE_TOO_SMALL` and `MEMORY_LIMIT_UNAVAILABLE` are `common.replica_memory`'s: the broker
+tells a refused spec from a replica that failed by itself by them.
 
 Messages name the field and quote at most a short prefix of an offending value
 (`runtime.errors.quote`); the status table passes them through `runtime.errors.client_text`.
@@ -59,6 +67,10 @@ class AlreadyExists(NodeError):
 
 
 class Unsupported(NodeError):
+    pass
+
+
+class GpuShareTooSmall(NodeError):
     pass
 
 

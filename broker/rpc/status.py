@@ -30,6 +30,7 @@ from broker.errors import (
     ResourceExhausted,
     StateUnavailable,
     Unauthenticated,
+    Unfit,
 )
 from runtime.rpc.status import MalformedRequests, error_mapper
 
@@ -42,6 +43,7 @@ STATUS_TABLE: Sequence[tuple[type[BrokerError], grpc.StatusCode]] = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Impossible, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unfit, grpc.StatusCode.FAILED_PRECONDITION),
     (NodeUnavailable, grpc.StatusCode.UNAVAILABLE),
     (StateUnavailable, grpc.StatusCode.UNAVAILABLE),
 )

@@ -8,6 +8,7 @@ import grpc
 from common.content import InvalidDigest
 from node_daemon.errors import (
     AlreadyExists,
+    GpuShareTooSmall,
     InvalidRequest,
     NotFound,
     ResourceExhausted,
@@ -23,6 +24,7 @@ STATUS_TABLE: StatusTable = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (GpuShareTooSmall, grpc.StatusCode.FAILED_PRECONDITION),
     (StartFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
     (StopFailed, grpc.StatusCode.UNAVAILABLE),

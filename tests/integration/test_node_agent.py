@@ -24,7 +24,9 @@ import pytest
 
 import modelzoo
 from common.content import file_sha256
+from common.replica_memory import MEMORY_LIMIT_UNAVAILABLE
 from images.build import build_image
+from node_daemon.runtimes import cgroup_limits
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 from tests.data import TOPOLOGIES
@@ -356,6 +358,12 @@ def _kill_replica(runtime: str, replica: pb.Replica) -> None:
         os.kill(int(replica.ref), signal.SIGKILL)
 
 
+def memory_limit(group: Path) -> int:
+    """A memory cgroup's limit in bytes, v1 or v2."""
+    v1 = group / "memory.limit_in_bytes"
+    return int((v1 if v1.exists() else group / "memory.max").read_text())
+
+
 def _replica_exists(runtime: str, replica: pb.Replica) -> bool:
     if runtime == "docker":
         import docker.errors
@@ -403,6 +411,14 @@ async def test_resources_usage_and_topology(runtime: str, daemon_paths: tuple[Pa
                 deployment_id="dep-res", epoch=1, model_sha256=sha, model_name="mlp",
                 token=TOKEN, gpu_count=2, cpus=1.5, memory_mib=1024,
             )  # fmt: skip
+            if runtime == "process" and not cgroup_limits.can_limit_memory():
+                # Refused, not run unlimited: nothing here could hold it to 1024 MiB.
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.StartReplica(pb.StartReplicaRequest(spec=spec))
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert refused.value.details().startswith(MEMORY_LIMIT_UNAVAILABLE)
+                assert not (await stub.ListReplicas(pb.ListReplicasRequest())).replicas
+                spec.memory_mib = 0
             replica = (await stub.StartReplica(pb.StartReplicaRequest(spec=spec))).replica
             started.append(replica.replica_id)
             usage = await stub.Usage(pb.UsageRequest())
@@ -412,10 +428,21 @@ async def test_resources_usage_and_topology(runtime: str, daemon_paths: tuple[Pa
                 replica_id=replica.replica_id, cpus=0.5, memory_mib=768
             )
             if runtime == "process":
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await stub.UpdateResources(update)
-                assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-                assert "use the Docker runtime" in caught.value.details()
+                if not (cgroup_limits.can_limit_cpu() and cgroup_limits.can_limit_memory()):
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await stub.UpdateResources(update)
+                    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert "use the Docker runtime" in caught.value.details()
+                    return
+                pid = int(replica.ref)
+                (memory,) = (
+                    g
+                    for g in cgroup_limits.own_groups(pid, replica.replica_id)
+                    if (g / "memory.limit_in_bytes").exists() or (g / "memory.max").exists()
+                )
+                assert memory_limit(memory) == 1024 * 1024 * 1024
+                await stub.UpdateResources(update)
+                assert memory_limit(memory) == 768 * 1024 * 1024
                 return
             client = require_docker()
             try:
