@@ -167,18 +167,21 @@ async def observe(
     ops_headers: Mapping[str, str],
     join_token: str,
 ) -> ClusterState:
-    """The three views now; Unobservable when one cannot be read (the caller retries)."""
+    """The three views now; Unobservable when one cannot be read (the caller retries).
+    Each node's NodeAgent is read with that node's secret, as the broker calls it (the join
+    token, `join_token`, no longer opens a NodeAgent; kept for the callers)."""
     deployments = await stored_deployments(http, cluster, ops_headers)
     reported: dict[str, tuple[npb.Replica, ...]] = {}
     for plan in cluster.nodes:
         process = cluster.processes.get(plan.node_id)
         if process is None or process.poll() is not None:
             continue
+        agent_token = cluster.node_secret(plan.node_id)
         async with grpc.aio.insecure_channel(node_address(cluster, plan.node_id)) as channel:
             try:
                 listed = await npb_grpc.NodeAgentStub(channel).ListReplicas(
                     npb.ListReplicasRequest(),
-                    metadata=(("authorization", f"Bearer {join_token}"),),
+                    metadata=(("authorization", f"Bearer {agent_token}"),),
                     timeout=CALL_TIMEOUT_S,
                 )
             except grpc.aio.AioRpcError as err:

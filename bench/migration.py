@@ -75,6 +75,7 @@ from bench import private_net
 from bench.timing import p99_is_the_maximum, percentiles
 from broker.server import BrokerConfig, RunningBroker, start_broker
 from broker.state import MigrationRecord, MigrationState
+from common.node_identity import load_or_create_secret
 from edge_client.demo.run import install_stop_signals
 from edge_client.observer import DEFAULT_WINDOW_S
 from images.build import ImageBuildError, build_image
@@ -202,7 +203,13 @@ async def join_node(
     os.sched_setaffinity(0, ours)
     stack.push_async_callback(agent.close, stop_replicas=True)
     stack.push_async_callback(server.stop, 1.0)
-    link = BrokerLink(f"127.0.0.1:{broker.port}", JOIN_TOKEN, agent, f"127.0.0.1:{port}")
+    link = BrokerLink(
+        f"127.0.0.1:{broker.port}",
+        JOIN_TOKEN,
+        agent,
+        f"127.0.0.1:{port}",
+        node_secret=load_or_create_secret(tmp / node_id),
+    )
     agent.fetch_model = link.fetch_model
     stack.push_async_callback(link.close)
     task = asyncio.create_task(link.run(), name=f"broker-link-{node_id}")

@@ -11,6 +11,9 @@ Hierarchy::
     ├── NotFound             an unknown deployment, model or node; also another client's
     │                        deployment to any call but a delete, which must look no
     │                        different (NOT_FOUND)
+    ├── AlreadyExists        a node id held by another daemon, which this one cannot prove
+    │                        it is (no or another node secret): ALREADY_EXISTS, naming the
+    │                        holder's address
     ├── ResourceExhausted    nothing fits now, or a quota is reached (RESOURCE_EXHAUSTED)
     ├── Impossible           nothing could ever fit: more GPUs than any node has
     │   │                    (FAILED_PRECONDITION, naming the largest possible)
@@ -56,6 +59,10 @@ class PermissionDenied(BrokerError):
 
 
 class NotFound(BrokerError):
+    pass
+
+
+class AlreadyExists(BrokerError):
     pass
 
 

@@ -1,4 +1,4 @@
-"""The broker's client of one node's NodeAgent: every call with the cluster token and a
+"""The broker's client of one node's NodeAgent: every call with the node's secret and a
 deadline, over mutual TLS when the broker has a certificate; gRPC errors become the broker's
 own (they never leave this module)."""
 
@@ -46,15 +46,23 @@ class ReplicaResources:
 
 class NodeClient:
     def __init__(
-        self, node_id: str, address: str, token: str, tls: TlsIdentity | None = None
+        self, node_id: str, address: str, secret: str | None, tls: TlsIdentity | None = None
     ) -> None:
-        """`tls`: the broker's certificate (presented to the node, which requires one) and
-        the CA the node's certificate must chain to; None: plaintext."""
+        """`secret`: the node's secret (`common.node_identity`), which its NodeAgent takes
+        as the bearer token: only the node and the broker have it; None until the broker
+        has seen it (a broker that restarted: the node's next heartbeat shows it), when a
+        plaintext node refuses the calls. `tls`: the broker's certificate (presented to the
+        node, which requires a broker certificate) and the CA the node's certificate must
+        chain to; None: plaintext."""
         self.node_id = node_id
         self.address = address
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self.secret = secret
         self._channel = open_channel(address, tls)
         self._stub = pb_grpc.NodeAgentStub(self._channel)
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.secret}"),) if self.secret else ()
 
     async def close(self) -> None:
         await self._channel.close()

@@ -42,6 +42,7 @@ from typing import Any, TypeGuard, TypeVar
 
 from broker.deployment_table import ACTIVE, DeploymentTable
 from broker.errors import (
+    AlreadyExists,
     Busy,
     Impossible,
     InvalidRequest,
@@ -51,6 +52,7 @@ from broker.errors import (
     ReplicaFailed,
     ResourceExhausted,
     StateUnavailable,
+    Unauthenticated,
     Unfit,
     quote,
 )
@@ -92,6 +94,7 @@ from broker.telemetry import LoadHistory, NodeSample, Resize
 from broker.timed_lock import TimedLock
 from common.certs import TlsIdentity
 from common.inventory import Gpu, Inventory, Link, LinkKind
+from common.node_identity import NODE_SECRET_HEADER, proves, secret_sha256, well_formed
 from common.replica_memory import share_too_small
 from common.topology import Topology
 
@@ -465,6 +468,9 @@ class Broker:
         """The store's one thread: the calls queued together commit together."""
         self._nodes: dict[str, NodeEntry] = {}
         """The nodes the broker knows; others read them through `nodes`."""
+        self._node_secrets: dict[str, str] = {}
+        """node id -> the sha256 of the node secret it is bound to (`common.node_identity`),
+        as in the store: read on every heartbeat, so never a store round trip."""
         self._placing = TimedLock(metrics.observe_placement_lock)
         """Held by every decision that reads and changes placement (deploy, place again,
         evict, reserve a move, switch, give up a move): one at a time, each naming its use
@@ -556,6 +562,7 @@ class Broker:
         whether its replica came up is unknown, and nothing is waiting for it. It becomes
         pending (placed again by `retry_pending`, at the next epoch); a replica it may have
         left is claimed by nothing and stopped after the orphan grace."""
+        self._node_secrets = await self._db(self._store.node_secrets)
         for record in await self._db(self._store.list_nodes):
             if record.state is NodeState.LOST:
                 continue
@@ -569,7 +576,9 @@ class Broker:
                 record,
                 inventory,
                 Topology.from_inventory(inventory),
-                NodeClient(record.node_id, record.address, self._join_token, self._node_tls),
+                # No node secret until the node registers again: without TLS the broker
+                # cannot call it before then (it keeps only the secret's hash).
+                NodeClient(record.node_id, record.address, None, self._node_tls),
                 time.monotonic(),
             )
         self._stale.update(self._nodes)
@@ -648,10 +657,20 @@ class Broker:
         inventory: Inventory,
         runtimes: Sequence[str],
         replicas: Sequence[tuple[str, ReplicaState]],
+        *,
+        secret: str,
+        certified: bool = False,
     ) -> None:
         """Record (or refresh) a node, then reconcile the replicas it reports, given as
         (replica id, state), in the background. InvalidRequest for an unknown site or bad
-        fields."""
+        fields.
+
+        `secret` is the node's secret (`common.node_identity`), `certified` whether the
+        caller presented a TLS certificate for `node_id`. An unbound id (new, or retired) is
+        bound to `secret`; a bound one registers only with its secret, or, `certified`, once
+        the node holding it is no longer live (then bound to the new secret). Anything else
+        is AlreadyExists naming the holder's address, and changes nothing: the broker never
+        repoints a node without proof. Unauthenticated for a missing or malformed secret."""
         if not NODE_ID.fullmatch(node_id):
             raise InvalidRequest(f"node_id {quote(node_id)} must be 1-63 of a-z, 0-9, '.', '-'")
         address_match = _ADDRESS.fullmatch(address)
@@ -666,6 +685,12 @@ class Broker:
             topology = Topology.from_inventory(inventory)
         except ValueError as err:
             raise InvalidRequest(f"inventory: {err}") from err
+        if not well_formed(secret):
+            raise Unauthenticated(
+                f"missing or malformed node secret: send '{NODE_SECRET_HEADER}: <secret>' "
+                "(offload node keeps it in its state dir)"
+            )
+        await self._claim_node(node_id, secret, certified)
         now = time.time()
         previous = self._nodes.get(node_id)
         record = NodeRecord(
@@ -683,10 +708,11 @@ class Broker:
         self.network.add_node(node_id, site)
         if previous is not None and previous.record.address == address:
             client = previous.client
+            client.secret = secret
         else:
             if previous is not None:
                 await previous.client.close()
-            client = NodeClient(node_id, address, self._join_token, self._node_tls)
+            client = NodeClient(node_id, address, secret, self._node_tls)
         entry = NodeEntry(record, inventory, topology, client, time.monotonic())
         self._nodes[node_id] = entry
         self._stale.add(node_id)
@@ -698,6 +724,79 @@ class Broker:
             len(replicas),
         )
         self._schedule_reconcile(node_id, replicas)
+
+    async def _claim_node(self, node_id: str, secret: str, certified: bool) -> None:
+        """Check that the caller may register `node_id` (see `register_node`), binding the
+        id to `secret` when it is unbound, or taken over with a certificate."""
+        bound = self._node_secrets.get(node_id)
+        if proves(secret, bound):
+            return
+        holder = self._nodes.get(node_id)
+        live = holder is not None and self.is_live(holder)
+        if bound is not None and (live or not certified):
+            where = f"at {holder.record.address}" if holder is not None else "(address unknown)"
+            if live:
+                raise AlreadyExists(
+                    f"node id {node_id} is held by the live node {where}, and this daemon "
+                    "does not have its node secret: give this daemon another --node-id (a "
+                    "cloned host keeps the hostname as its id), or stop the other one"
+                )
+            raise AlreadyExists(
+                f"node id {node_id} belongs to the node last {where}, no longer live, and "
+                "this daemon does not have its node secret: if that host is gone for good "
+                f"(or lost its state dir), retire the id (offload retire {node_id}) and "
+                "start this daemon again"
+            )
+        fresh = secret_sha256(secret)
+        if not await self._db(self._store.bind_node_secret, node_id, bound, fresh, time.time()):
+            raise AlreadyExists(
+                f"node id {node_id} was claimed by another daemon at the same moment"
+            )
+        self._node_secrets[node_id] = fresh
+        if bound is None:
+            logger.info("node=%s bound to its node secret", node_id)
+        else:
+            logger.warning(
+                "node=%s taken over by a daemon with its certificate and a new node secret "
+                "(the previous holder was not live)",
+                node_id,
+            )
+
+    def is_live(self, entry: NodeEntry) -> bool:
+        """Whether the node heartbeats: not lost, and heard within `lost_after_s`."""
+        silent = time.monotonic() - entry.last_heartbeat
+        return entry.record.state is not NodeState.LOST and silent < self.settings.lost_after_s
+
+    def check_node(self, node_id: str, secret: str | None) -> None:
+        """Check that `secret` is the one `node_id` is bound to, before a heartbeat is
+        taken; no store round trip. NotFound otherwise (an unbound id: retired; another
+        secret: the id was taken over): the node registers again, which tells it why. A
+        broker that restarted learns the secret it calls the node's NodeAgent with here."""
+        if not proves(secret, self._node_secrets.get(node_id)):
+            raise NotFound(
+                f"node {node_id} is not registered with this node secret; register again"
+            )
+        entry = self._nodes.get(node_id)
+        if entry is not None and entry.client.secret is None:
+            entry.client.secret = secret
+
+    async def retire_node(self, node_id: str) -> None:
+        """Free `node_id` for good: forget the secret it is bound to, so that the next daemon
+        to register it binds it afresh (a host gone for good, or one that lost its state
+        dir). Impossible while the node is live (stop its daemon, wait `lost_after_s`);
+        NotFound for an id the broker never saw. Idempotent for a known id."""
+        entry = self._nodes.get(node_id)
+        if entry is not None and self.is_live(entry):
+            raise Impossible(
+                f"node {node_id} is live at {entry.record.address}: stop its daemon first; "
+                f"it can be retired once it has been silent {self.settings.lost_after_s:g}s"
+            )
+        known = await self._db(self._store.get_node, node_id)
+        if known is None and node_id not in self._node_secrets:
+            raise NotFound(f"node {node_id} is unknown")
+        await self._db(self._store.forget_node_secret, node_id)
+        self._node_secrets.pop(node_id, None)
+        logger.warning("node=%s retired: the next daemon to register this id binds it", node_id)
 
     def heartbeat(
         self, node_id: str, sample: NodeSample, replicas: Sequence[tuple[str, ReplicaState]]

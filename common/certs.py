@@ -40,6 +40,10 @@ MAX_DAYS = 36500
 CLOCK_SKEW = datetime.timedelta(minutes=5)
 """Certificates are valid from a little before now, so a peer whose clock is behind
 accepts them at once."""
+ROLES = ("broker", "node", "client")
+"""What a certificate `offload certs issue --role` makes is for, carried as the SAN URI
+`offload:role=<role>`: a node's NodeAgent takes calls only from a `broker` certificate."""
+ROLE_URI_PREFIX = "offload:role="
 CA_FILE = "ca.pem"
 CA_KEY_FILE = "ca-key.pem"
 PRIVATE_FILE = 0o600
@@ -146,18 +150,25 @@ def issue(
     dns_names: Sequence[str] = (),
     ips: Sequence[str] = (),
     days: int = LEAF_DAYS,
+    role: str | None = None,
 ) -> tuple[bytes, bytes]:
     """A certificate for `common_name` (a node's certificate carries its node id, which
     the broker checks) with the given subject alternative names, signed by the CA, and its
-    new key; both PEM. Usable for server and client authentication. CertError for bad
-    names, a bad validity, a CA key that does not match, or a CA that expires first."""
+    new key; both PEM. Usable for server and client authentication. `role` (one of `ROLES`)
+    adds the SAN URI `offload:role=<role>` (`certificate_roles`); None: no role, which no
+    NodeAgent takes calls from. CertError for bad names, a bad validity, an unknown role, a
+    CA key that does not match, or a CA that expires first."""
     _check_days(days)
     if not common_name.strip():
         raise CertError("the certificate's name is empty")
+    if role is not None and role not in ROLES:
+        raise CertError(f"role {quote(role)}: use one of {', '.join(ROLES)}")
     ca_cert = parse_certificate(ca_cert_pem, "the CA certificate")
     ca_key = _parse_key(ca_key_pem, "the CA key")
     _check_pair(ca_cert, ca_key, "the CA key")
-    sans = subject_names(dns_names, ips)
+    sans: list[x509.GeneralName] = subject_names(dns_names, ips)
+    if role is not None:
+        sans.append(x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role))
     now = _now()
     not_after = now + datetime.timedelta(days=days)
     if not_after > ca_cert.not_valid_after_utc:
@@ -190,6 +201,20 @@ def issue(
         .sign(ca_key, hashes.SHA256())
     )
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def certificate_roles(cert_pem: bytes) -> frozenset[str]:
+    """The roles (`ROLES`) the first certificate of `cert_pem` carries as SAN URIs
+    `offload:role=<role>`; empty for one with none, or that does not parse."""
+    try:
+        cert = x509.load_pem_x509_certificates(cert_pem)[0]
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return frozenset()
+    uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+    return frozenset(
+        uri.removeprefix(ROLE_URI_PREFIX) for uri in uris if uri.startswith(ROLE_URI_PREFIX)
+    )
 
 
 def _pem_prefix(data: bytes) -> str:

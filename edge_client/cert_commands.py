@@ -3,10 +3,12 @@
 - `offload certs init --dir DIR [--name NAME] [--days N]` writes `DIR/ca.pem` (give it to
   every broker, node and client as `--tls-ca`) and `DIR/ca-key.pem` (0600; keep it on the
   host that issues certificates only).
-- `offload certs issue NAME --ca-dir DIR [--out-dir DIR] [--dns NAME ...] [--ip ADDRESS ...]
-  [--days N]` writes `NAME.pem` and `NAME-key.pem` (0600): a certificate for the broker or a
-  node (for a node, NAME is its node id: the broker checks it), valid for the DNS names and
-  addresses peers dial it by.
+- `offload certs issue NAME --role broker|node|client --ca-dir DIR [--out-dir DIR]
+  [--dns NAME ...] [--ip ADDRESS ...] [--days N]` writes `NAME.pem` and `NAME-key.pem`
+  (0600): a certificate for the broker, a node (NAME is its node id: the broker checks it)
+  or a client, valid for the DNS names and addresses peers dial it by. The role is in the
+  certificate (SAN URI `offload:role=ROLE`): nodes take NodeAgent calls only from a broker
+  certificate, so a node's certificate does not open other nodes.
 
 Nothing is ever overwritten; a key is never printed. Operators with a PKI of their own give
 its PEM files to the same flags instead.
@@ -24,6 +26,7 @@ from common.certs import (
     CA_FILE,
     CA_KEY_FILE,
     LEAF_DAYS,
+    ROLES,
     CertError,
     issue,
     load_identity,
@@ -65,7 +68,7 @@ def _issue(args: argparse.Namespace) -> int:
     )
     out: Path = args.out_dir or ca_dir
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
-    cert, key = issue(ca.cert, ca.key, args.name, args.dns, args.ip, args.days)
+    cert, key = issue(ca.cert, ca.key, args.name, args.dns, args.ip, args.days, args.role)
     cert_path, key_path = out / f"{args.name}.pem", out / f"{args.name}-key.pem"
     for path in (cert_path, key_path):
         if path.exists():
@@ -73,7 +76,7 @@ def _issue(args: argparse.Namespace) -> int:
     write_new(key_path, key)
     write_new(cert_path, cert, 0o644)
     names = ", ".join([*args.dns, *args.ip])
-    print(f"certificate for {args.name} ({names}), valid {args.days} days:")
+    print(f"{args.role} certificate for {args.name} ({names}), valid {args.days} days:")
     print(f"  --tls-cert {cert_path} --tls-key {key_path} --tls-ca {ca_dir / CA_FILE}")
     return 0
 
@@ -103,9 +106,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     init.add_argument("--days", type=int, default=CA_DAYS, help=f"validity (default {CA_DAYS})")
     init.set_defaults(func=_run, certs_func=_init)
     issue_p = sub.add_parser(
-        "issue", help="issue a certificate and key (0600) for a broker or a node"
+        "issue", help="issue a certificate and key (0600) for a broker, a node or a client"
     )
     issue_p.add_argument("name", help="its common name and file name; for a node: its node id")
+    issue_p.add_argument(
+        "--role",
+        choices=ROLES,
+        required=True,
+        help="what it is for: nodes take NodeAgent calls from a broker certificate only",
+    )
     issue_p.add_argument(
         "--ca-dir", type=Path, required=True, help="the folder of `offload certs init`"
     )

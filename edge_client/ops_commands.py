@@ -6,6 +6,7 @@
 - `offload move CLIENT --site S` (a client's new site; may start a migration)
 - `offload migrate DEPLOYMENT [--to NODE] [--strategy make_before_break|stop_start]`
 - `offload drain NODE` (operator: the join token)
+- `offload retire NODE` (operator: the join token; a node id whose host is gone for good)
 - `offload migrations [--deployment ID]` and `offload status`
 
 Client commands use `--broker`/$OFFLOAD_BROKER and `--api-key-file`/$OFFLOAD_API_KEY_FILE;
@@ -227,6 +228,15 @@ async def _drain(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+async def _retire(args: argparse.Namespace) -> int:
+    await _operator(args, "RetireNode", pb.RetireNodeRequest(node_id=args.node))
+    print(
+        f"{args.node} retired: the next node daemon to register this id binds it to its own "
+        "node secret"
+    )
+    return 0
+
+
 async def _migrations(args: argparse.Namespace) -> int:
     migrations = await ops_get(args, "/api/migrations")
     if args.deployment:
@@ -390,6 +400,19 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--join-token-file", help="the cluster's join token ($OFFLOAD_JOIN_TOKEN_FILE)")
     tls_flag(p)
     p.set_defaults(func=_run(_drain))
+
+    p = subparsers.add_parser(
+        "retire",
+        help="free a node id whose host is gone for good, or lost its state dir (operator)",
+    )
+    p.add_argument("node")
+    p.add_argument(
+        "--broker",
+        help="the broker's gRPC address HOST:PORT, or several, comma-separated ($OFFLOAD_BROKER)",
+    )
+    p.add_argument("--join-token-file", help="the cluster's join token ($OFFLOAD_JOIN_TOKEN_FILE)")
+    tls_flag(p)
+    p.set_defaults(func=_run(_retire))
 
     for name, helptext, handler in (
         ("migrations", "migrations with their outcome and client-observed gap", _migrations),

@@ -12,6 +12,12 @@ retried, except a failed TLS handshake (the broker's certificate does not chain 
 node's CA), which no retry mends: it stops the daemon. Over TLS the node presents its
 certificate (mutual TLS); the broker checks that it is for this node id.
 
+Every call shows the node's secret (`common.node_identity`, metadata `offload-node-secret`):
+the broker binds the node id to it at the first registration and takes the id's heartbeats
+and registrations from that secret only. A registration refused ALREADY_EXISTS (another
+daemon holds this node id: a cloned host, or the id of a node whose state dir was lost) is
+not retried: it stops the daemon, with the broker's message naming the holder.
+
 Several brokers (one PostgreSQL state, one leader): the node is given every address and
 calls one at a time; a call refused UNAVAILABLE moves it to the leader a standby named, or to
 the next address (`common.brokers.BrokerAddresses`), and the new leader has it register
@@ -31,6 +37,7 @@ import grpc
 
 from common.brokers import BrokerAddresses, leader_hint, parse_broker_addresses
 from common.certs import TlsIdentity
+from common.node_identity import NODE_SECRET_HEADER
 from node_daemon.agent import NodeAgent
 from node_daemon.errors import ModelNotCached
 from node_daemon.rpc import convert
@@ -70,6 +77,7 @@ class BrokerLink:
         channel_options: Sequence[tuple[str, object]] = (),
         on_heartbeat: Callable[[float | None], None] | None = None,
         background_fetch_bytes_per_s: float = 0.0,
+        node_secret: str = "",
     ) -> None:
         """`brokers`: the NodeRegistry address of every broker, as a sequence or "A,B,..."
         (ValueError when one is not host:port); `tls`: the node's certificate (presented) and
@@ -77,7 +85,8 @@ class BrokerLink:
         channel the link opens (hollow nodes: a connection of their own); `on_heartbeat` is
         told each heartbeat's round trip in ms, or None for one that failed;
         `background_fetch_bytes_per_s`: the average rate a background start's model is
-        fetched at (`fetch_model`), 0 for as fast as it comes."""
+        fetched at (`fetch_model`), 0 for as fast as it comes; `node_secret`: the node's
+        secret (`common.node_identity.load_or_create_secret`), which a broker requires."""
         if background_fetch_bytes_per_s < 0:
             raise ValueError(f"a negative fetch rate: {background_fetch_bytes_per_s}")
         self._background_rate = background_fetch_bytes_per_s
@@ -87,7 +96,10 @@ class BrokerLink:
         ]
         self._on_heartbeat = on_heartbeat
         self._brokers = BrokerAddresses(parse_broker_addresses(brokers))
-        self._metadata = (("authorization", f"Bearer {join_token}"),)
+        self._metadata = (
+            ("authorization", f"Bearer {join_token}"),
+            (NODE_SECRET_HEADER, node_secret),
+        )
         self._agent = agent
         self._agent_address = agent_address
         self._tls_identity = tls

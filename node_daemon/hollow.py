@@ -36,6 +36,7 @@ from pathlib import Path
 
 import grpc
 
+from common.node_identity import load_or_create_secret
 from node_daemon.agent import NodeAgent
 from node_daemon.broker_link import BrokerLink
 from node_daemon.inventory import Inventory
@@ -176,8 +177,11 @@ class HollowFleet:
             host=self.host,
         )
         agent.resizer = ResourceManager("static", agent.resize)
+        # Its own node secret, as `offload node` keeps one: it binds the id at the broker and
+        # is the token the broker calls this node's NodeAgent with.
+        secret = await asyncio.to_thread(load_or_create_secret, self.root / node_id)
         server = grpc.aio.server(
-            interceptors=[MalformedRequests(), AgentTokenInterceptor(self._join_token)],
+            interceptors=[MalformedRequests(), AgentTokenInterceptor(secret)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -201,6 +205,7 @@ class HollowFleet:
                 ("grpc.use_local_subchannel_pool", 1),
             ],
             on_heartbeat=self.heartbeats.record,
+            node_secret=secret,
         )
         agent.fetch_model = link.fetch_model
         return _HollowNode(agent, runtime, server, link)

@@ -10,6 +10,12 @@ node id, its names the addresses the broker dials) NodeAgent serves mutual TLS (
 present a certificate signed by the CA: the broker does), and the node joins the broker's
 `--node-listen` port with the same certificate. A plaintext listener that other hosts can
 reach needs `--insecure`.
+
+NodeAgent takes calls from the broker only. With `--broker`, the node keeps a node secret in
+its state dir (`<state-dir>/node-secret`, 0600; `common.node_identity`) that binds its node
+id at the broker; without TLS the broker shows the same secret as NodeAgent's bearer token,
+and with TLS NodeAgent takes only a certificate with the broker role (`offload certs issue
+--role broker`). A node without `--broker` takes `--agent-token-file`'s token.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import grpc
 
 from common.brokers import parse_broker_addresses
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
+from common.node_identity import load_or_create_secret
 from common.private_files import private_dir, read_secret
 from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
@@ -45,7 +52,7 @@ from node_daemon.inventory import (
 )
 from node_daemon.model_cache import DEFAULT_MAX_BYTES, ModelCache
 from node_daemon.resources import POLICIES, ResourceManager
-from node_daemon.rpc.auth import AgentTokenInterceptor
+from node_daemon.rpc.auth import AgentTokenInterceptor, BrokerCertificateInterceptor
 from node_daemon.rpc.servicer import NodeAgentServicer
 from node_daemon.runtimes import DockerRuntime, ProcessRuntime, Runtime, RuntimeUnavailable
 from node_daemon.runtimes.cgroup_limits import MAX_SHARES, REPLICAS_PARENT
@@ -76,7 +83,8 @@ class NodeSettings:
     """The address replicas are published on; default: the --listen host (127.0.0.1 for
     a wildcard)."""
     agent_token: str = ""
-    """When set, every NodeAgent call needs `authorization: Bearer <token>`."""
+    """When set, every NodeAgent call needs `authorization: Bearer <token>` (a node without
+    `broker`; one with a broker takes its node secret instead)."""
     broker: str = ""
     """host:port of the broker's NodeRegistry to join, or several, comma-separated (brokers
     sharing one state: the node follows the leader); empty: a standalone node."""
@@ -152,8 +160,13 @@ def connect_runtime(settings: NodeSettings, inventory: Inventory) -> Runtime:
     return ProcessRuntime(workdir=settings.state_dir / "replicas", cpuset=settings.cpuset)
 
 
-async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, NodeAgent]:
-    """Read the inventory, connect the runtime, adopt surviving replicas, and listen."""
+async def start_node(
+    settings: NodeSettings, node_secret: str | None = None
+) -> tuple[grpc.aio.Server, int, NodeAgent]:
+    """Read the inventory, connect the runtime, adopt surviving replicas, and listen.
+    NodeAgent takes calls from the broker only: with TLS, a broker certificate; without,
+    `node_secret` (a node joined to a broker) or else `settings.agent_token` as the bearer
+    token; neither: no check (a loopback listener, `settings_from_args` sees to it)."""
     if settings.cpuset:
         # The daemon's own work (sampling, probes) stays on the node's CPUs too; replicas
         # are pinned by their runtime (a process's threads, a container's cpuset).
@@ -191,8 +204,13 @@ async def start_node(settings: NodeSettings) -> tuple[grpc.aio.Server, int, Node
         ", ".join(f"{v.replica_id} ({v.state})" for v in adopted) or "-",
     )
     interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequests()]
-    if settings.agent_token:
-        interceptors.append(AgentTokenInterceptor(settings.agent_token))
+    if settings.tls is not None:
+        interceptors.append(BrokerCertificateInterceptor())
+    # With TLS and a broker the certificate is the proof: a broker that restarted knows the
+    # node secret only from the node's next heartbeat, and may call before it.
+    token = settings.agent_token or (node_secret if settings.tls is None else None)
+    if token:
+        interceptors.append(AgentTokenInterceptor(token))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -233,7 +251,14 @@ async def _guard(name: str, coro: Awaitable[None], stop: asyncio.Event) -> None:
         await coro
         logger.error("%s ended unexpectedly: stopping the daemon", name)
     except grpc.aio.AioRpcError as err:
-        logger.error("%s failed: %s %s; stopping the daemon", name, err.code().name, err.details())
+        if err.code() == grpc.StatusCode.ALREADY_EXISTS:
+            logger.error(
+                "this node cannot join the broker: %s. Stopping the daemon", err.details()
+            )
+        else:
+            logger.error(
+                "%s failed: %s %s; stopping the daemon", name, err.code().name, err.details()
+            )
     stop.set()
 
 
@@ -243,7 +268,15 @@ async def serve(settings: NodeSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server, port, agent = await start_node(settings)
+    node_secret = None
+    if settings.broker:
+        await asyncio.to_thread(private_dir, settings.state_dir)
+        try:
+            node_secret = await asyncio.to_thread(load_or_create_secret, settings.state_dir)
+        except ValueError as err:
+            logger.error("%s", err)
+            return 1
+    server, port, agent = await start_node(settings, node_secret)
     link = None
     if settings.broker:
         link = BrokerLink(
@@ -253,6 +286,7 @@ async def serve(settings: NodeSettings) -> int:
             f"{settings.replica_host}:{port}",
             settings.tls,
             background_fetch_bytes_per_s=settings.background_fetch_mb_s * 1e6,
+            node_secret=node_secret or "",
         )
         agent.fetch_model = link.fetch_model
     failed = False
@@ -329,8 +363,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--agent-token-file",
         type=Path,
-        help="require this bearer token on every NodeAgent call (needed unless "
-        "--listen is a loopback address)",
+        help="a node without --broker: require this bearer token on every NodeAgent call "
+        "(needed unless --listen is a loopback address); a node with --broker takes the "
+        "node secret the broker shows instead",
     )
     p.add_argument(
         "--broker",
@@ -347,8 +382,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--join-token-file",
         type=Path,
-        help="the cluster's join token (with --broker); it also guards NodeAgent "
-        "unless --agent-token-file is given",
+        help="the cluster's join token (with --broker)",
     )
     p.add_argument("--image", default="", help="runtime image (default: the cpu/cuda builds)")
     p.add_argument("--max-model-bytes", type=int, default=DEFAULT_MAX_BYTES)
@@ -431,10 +465,15 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         parse_broker_addresses(args.broker)
     if args.join_token_file is not None:
         join_token = read_secret(args.join_token_file, "--join-token-file")
-    token = join_token
+    token = ""
     if args.agent_token_file is not None:
+        if args.broker:
+            raise ValueError(
+                "--agent-token-file is for a node without --broker: a node that joins a "
+                "broker takes the node secret the broker shows (its state dir's node-secret)"
+            )
         token = read_secret(args.agent_token_file, "--agent-token-file")
-    elif not token and not is_loopback(args.listen):
+    elif not args.broker and not is_loopback(args.listen):
         raise ValueError(
             f"--listen {args.listen} is reachable from other hosts: give --agent-token-file "
             "so that only the broker can start containers here"

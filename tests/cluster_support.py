@@ -36,6 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 import modelzoo
 from common.certs import TlsIdentity, issue, make_ca, write_new
 from common.content import file_sha256
+from common.node_identity import SECRET_FILE
 from edge_client.client import Deployment, OffloadClient
 from edge_client.demo.cluster import (
     CLUSTER_FILE,
@@ -101,7 +102,9 @@ class Cluster:
 
     def certificate(self, name: str) -> TlsIdentity:
         """The CA and a certificate for `name` (made once, for 127.0.0.1 and localhost) in
-        `tls_dir`: `<name>.pem`, `<name>-key.pem` and `ca.pem`."""
+        `tls_dir`: `<name>.pem`, `<name>-key.pem` and `ca.pem`. "broker" and "operator" (the
+        tests' own NodeAgent calls, which stand for the broker's) get the broker role, any
+        other name the node role."""
         ca_path, ca_key_path = self.tls_dir / "ca.pem", self.tls_dir / "ca-key.pem"
         if not ca_path.exists():
             self.tls_dir.mkdir(mode=0o700, exist_ok=True)
@@ -111,7 +114,10 @@ class Cluster:
         ca = ca_path.read_bytes()
         cert_path, key_path = self.tls_dir / f"{name}.pem", self.tls_dir / f"{name}-key.pem"
         if not cert_path.exists():
-            cert, key = issue(ca, ca_key_path.read_bytes(), name, ["localhost"], ["127.0.0.1"])
+            role = "broker" if name in ("broker", "operator") else "node"
+            cert, key = issue(
+                ca, ca_key_path.read_bytes(), name, ["localhost"], ["127.0.0.1"], role=role
+            )
             write_new(key_path, key)
             write_new(cert_path, cert, 0o644)
         return TlsIdentity(ca=ca, cert=cert_path.read_bytes(), key=key_path.read_bytes())
@@ -222,6 +228,15 @@ class Cluster:
     def metadata(self, client: str) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.api_keys[client]}"),)
 
+    def node_secret(self, node_id: str) -> str:
+        """The node secret `node_id` keeps in its state dir (made when it first started)."""
+        return (self.root / f"{node_id}-state" / SECRET_FILE).read_text().strip()
+
+    def agent_metadata(self, node_id: str) -> tuple[tuple[str, str], ...]:
+        """What the broker shows `node_id`'s NodeAgent: its node secret as the bearer token
+        (over TLS the certificate, `operator_tls`, is what counts)."""
+        return (("authorization", f"Bearer {self.node_secret(node_id)}"),)
+
     @contextlib.asynccontextmanager
     async def edge(self, client: str) -> AsyncIterator[EdgeClient]:
         async with open_channel(self.broker_address, self.client_tls) as channel:
@@ -272,9 +287,7 @@ async def node_replicas(cluster: Cluster) -> dict[str, list[str]]:
         address = re.findall(r"node agent listening on (127\.0\.0\.1:\d+)", log)[-1]
         async with open_channel(address, cluster.operator_tls) as channel:
             listed = await npb_grpc.NodeAgentStub(channel).ListReplicas(
-                npb.ListReplicasRequest(),
-                metadata=(("authorization", f"Bearer {JOIN_TOKEN}"),),
-                timeout=10,
+                npb.ListReplicasRequest(), metadata=cluster.agent_metadata(node_id), timeout=10
             )
         out[node_id] = sorted(r.replica_id for r in listed.replicas)
     return out

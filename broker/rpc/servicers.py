@@ -3,7 +3,8 @@
 NodeRegistry calls carry the cluster's join token, EdgeBroker calls a client's API key, both
 as `authorization: Bearer ...`; a missing or wrong one is UNAUTHENTICATED. Over TLS a node
 also presents a certificate (its port requires one, signed by the broker's CA): one for
-another node id is PERMISSION_DENIED.
+another node id is PERMISSION_DENIED. A node's registrations and heartbeats also show its
+node secret (`offload-node-secret`), which `Broker.register_node` binds the id to.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from broker.rpc.convert import inventory_from_proto, node_sample_from_proto, off
 from broker.rpc.status import mapped_errors
 from broker.service import Broker, DeploySpec, ReplicaState
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
+from common.node_identity import NODE_SECRET_HEADER
 from migration.mechanism import Strategy
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
@@ -42,9 +44,13 @@ _REPLICA_STATES = {
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    return _metadata(context, "authorization")
+
+
+def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
     for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return value if isinstance(value, str) else value.decode()
+        if key == name:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
     return None
 
 
@@ -111,6 +117,8 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
             inventory_from_proto(request.inventory),
             _runtimes(list(request.runtimes)),
             _replicas(list(request.replicas)),
+            secret=_metadata(context, NODE_SECRET_HEADER) or "",
+            certified=self._node_certificates,
         )
         settings = self._broker.settings
         return pb.RegisterResponse(
@@ -123,7 +131,7 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
         self._check(context, request.node_id)
-        self._beat(request)
+        self._beat(request, _metadata(context, NODE_SECRET_HEADER))
         return pb.HeartbeatResponse()
 
     @mapped_errors
@@ -131,15 +139,18 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         self, requests: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.HeartbeatResponse]:
         """Heartbeat, one message each, on one call: the token is checked once, when the
-        stream opens; each message's node must be the certificate's."""
+        stream opens; each message's node must be the certificate's, and bound to the
+        stream's node secret."""
         self._check(context)
+        secret = _metadata(context, NODE_SECRET_HEADER)
         async for request in requests:
             self._check_certificate(context, request.node_id)
-            self._beat(request)
+            self._beat(request, secret)
             yield pb.HeartbeatResponse()
 
-    def _beat(self, request: pb.HeartbeatRequest) -> None:
+    def _beat(self, request: pb.HeartbeatRequest, secret: str | None) -> None:
         node_id = validate.node_id("node_id", request.node_id)
+        self._broker.check_node(node_id, secret)
         sample = node_sample_from_proto(request.usage)
         self._broker.heartbeat(node_id, sample, _replicas(list(request.replicas)))
 
@@ -474,6 +485,14 @@ class OperatorServicer(pb_grpc.OperatorServicer):
         self._check(context)
         started = await self._migrations.drain(validate.node_id("node_id", request.node_id))
         return pb.DrainNodeResponse(migration_ids=started)
+
+    @mapped_errors
+    async def RetireNode(
+        self, request: pb.RetireNodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RetireNodeResponse:
+        self._check(context)
+        await self._migrations.broker.retire_node(validate.node_id("node_id", request.node_id))
+        return pb.RetireNodeResponse()
 
     @mapped_errors
     async def Migrate(

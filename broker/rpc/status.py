@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import grpc
 
 from broker.errors import (
+    AlreadyExists,
     BrokerError,
     Impossible,
     InvalidRequest,
@@ -41,6 +42,7 @@ STATUS_TABLE: Sequence[tuple[type[BrokerError], grpc.StatusCode]] = (
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (NotFound, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Impossible, grpc.StatusCode.FAILED_PRECONDITION),
     (Unfit, grpc.StatusCode.FAILED_PRECONDITION),

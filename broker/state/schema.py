@@ -213,6 +213,19 @@ CREATE TABLE leases (
 """
 """Version 7: leader leases (`StateStore.acquire_lease`), for brokers sharing a database."""
 
+_SQLITE_V8 = """
+-- What a node id is bound to: the sha256 of the secret its first registration showed (the
+-- node keeps the secret, 0600, in its state dir). Not a foreign key of nodes: a retired id
+-- loses its row here and keeps its node row (history), and a binding may come first.
+CREATE TABLE node_secrets (
+    node_id       TEXT PRIMARY KEY CHECK (node_id <> ''),
+    secret_sha256 TEXT NOT NULL
+                  CHECK (length(secret_sha256) = 64 AND NOT secret_sha256 GLOB '*[^0-9a-f]*'),
+    bound_at      REAL NOT NULL
+) STRICT;
+"""
+"""Version 8: node identity (`StateStore.bind_node_secret`)."""
+
 # -- PostgreSQL: the same versions, in its dialect --------------------------------------------
 
 _POSTGRES_V1 = """
@@ -384,13 +397,22 @@ CREATE TABLE leases (
 );
 """
 
+_POSTGRES_V8 = """
+CREATE TABLE node_secrets (
+    node_id       TEXT COLLATE "C" PRIMARY KEY CHECK (node_id <> ''),
+    secret_sha256 TEXT NOT NULL CHECK (secret_sha256 ~ '^[0-9a-f]{64}$'),
+    bound_at      DOUBLE PRECISION NOT NULL
+);
+"""
+
 MIGRATIONS: dict[str, tuple[str, ...]] = {
     "sqlite": (
         _SQLITE_V1, _SQLITE_V2, _SQLITE_V3, _SQLITE_V4, _SQLITE_V5, _SQLITE_V6, _SQLITE_V7,
+        _SQLITE_V8,
     ),
     "postgresql": (
         _POSTGRES_V1, _POSTGRES_V2, _POSTGRES_V3, _POSTGRES_V4, _POSTGRES_V5, _POSTGRES_V6,
-        _POSTGRES_V7,
+        _POSTGRES_V7, _POSTGRES_V8,
     ),
 }  # fmt: skip
 """The scripts of each backend's dialect (`Backend.dialect`), in order; the length of either

@@ -481,6 +481,39 @@ class StateStore:
         """Every node, in any state, by id."""
         return [_node(row) for row in self._query(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY 1")]
 
+    def node_secrets(self) -> dict[str, str]:
+        """node id -> the sha256 (hex) of the secret it is bound to, for every bound id."""
+        rows = self._query("SELECT node_id, secret_sha256 FROM node_secrets")
+        return {row["node_id"]: row["secret_sha256"] for row in rows}
+
+    def bind_node_secret(
+        self, node_id: str, expected: str | None, secret_sha256: str, at: float
+    ) -> bool:
+        """Bind `node_id` to `secret_sha256` if it is bound to `expected` now (None: not
+        bound at all): a compare-and-swap, so of two daemons claiming one id at once only one
+        wins. False (nothing written) when the binding was not `expected`."""
+        with self.transaction():
+            if expected is None:
+                changed = self._execute(
+                    "INSERT INTO node_secrets (node_id, secret_sha256, bound_at) VALUES (?, ?, ?) "
+                    "ON CONFLICT (node_id) DO NOTHING",
+                    (node_id, secret_sha256, at),
+                )
+            else:
+                changed = self._execute(
+                    "UPDATE node_secrets SET secret_sha256 = ?, bound_at = ? "
+                    "WHERE node_id = ? AND secret_sha256 = ?",
+                    (secret_sha256, at, node_id, expected),
+                )
+        return changed == 1
+
+    def forget_node_secret(self, node_id: str) -> bool:
+        """Unbind `node_id` (retired: the next daemon to register it binds it afresh).
+        Idempotent: False when it was not bound."""
+        with self.transaction():
+            changed = self._execute("DELETE FROM node_secrets WHERE node_id = ?", (node_id,))
+        return changed == 1
+
     # -- models ---------------------------------------------------------------------------
 
     def put_model(self, record: ModelRecord) -> bool:

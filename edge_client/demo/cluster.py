@@ -28,6 +28,7 @@ from pathlib import Path
 
 from broker.state.api_keys import new_api_key
 from common.cli import PARENT_ENV
+from common.node_identity import SECRET_FILE
 from node_daemon.runtimes.base import LABEL_PREFIX, RuntimeUnavailable
 
 HERE = Path(__file__).resolve().parent
@@ -206,6 +207,11 @@ class LocalCluster:
     def ops_headers(self) -> dict[str, str]:
         """What reads the broker's ops API (`/api/...`): its ops token."""
         return {"Authorization": f"Bearer {self.ops_token_file.read_text().strip()}"}
+
+    def node_secret(self, node_id: str) -> str:
+        """The node secret `node_id` keeps in its state dir (made when it first started):
+        what the broker shows its NodeAgent, which the join token no longer opens."""
+        return (self.root / f"{node_id}-state" / SECRET_FILE).read_text().strip()
 
     def log(self, name: str) -> Path:
         return self.root / f"{name}.log"

@@ -121,8 +121,8 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for line in (
         "offload certs init --dir ca",
-        "offload certs issue broker --ca-dir ca --out-dir tls --ip 10.0.0.1",
-        "offload certs issue gpu-factory --ca-dir ca --out-dir tls --ip 10.0.0.2",
+        "offload certs issue broker --role broker --ca-dir ca --out-dir tls --ip 10.0.0.1",
+        "offload certs issue gpu-factory --role node --ca-dir ca --out-dir tls --ip 10.0.0.2",
         "--listen 0.0.0.0:7000 --node-listen 0.0.0.0:7001 --ops-listen 0.0.0.0:8080",
         "--tls-cert tls/broker.pem --tls-key tls/broker-key.pem --tls-ca ca/ca.pem",
         "--api-keys-file api.keys --ops-token-file ops.token",
@@ -156,13 +156,14 @@ def test_the_readme_quickstart_on_three_hosts(tmp_path: Path) -> None:
 
         ca, tls = tmp_path / "ca", tmp_path / "tls"
         subprocess.run([*PYTHON, "certs", "init", "--dir", str(ca)], check=True)
-        for name, ip in (
-            ("broker", broker_ip),
-            ("gpu-factory", factory_ip),
-            ("gpu-depot", depot_ip),
+        for name, ip, role in (
+            ("broker", broker_ip, "broker"),
+            ("gpu-factory", factory_ip, "node"),
+            ("gpu-depot", depot_ip, "node"),
         ):
-            subprocess.run([*PYTHON, "certs", "issue", name, "--ca-dir", str(ca),
-                            "--out-dir", str(tls), "--ip", ip], check=True)  # fmt: skip
+            subprocess.run([*PYTHON, "certs", "issue", name, "--role", role,
+                            "--ca-dir", str(ca), "--out-dir", str(tls), "--ip", ip],
+                           check=True)  # fmt: skip
 
         def tls_flags(name: str) -> list[str]:
             return [

@@ -237,7 +237,7 @@ async def test_broker_killed_and_restarted_keeps_every_deployment_serving(
         async with grpc.aio.insecure_channel(node["address"]) as channel:
             listed = await npb_grpc.NodeAgentStub(channel).ListReplicas(
                 npb.ListReplicasRequest(),
-                metadata=(("authorization", "Bearer join-token-for-tests-0123456789"),),
+                metadata=cluster.agent_metadata(node["node_id"]),
             )
         expected = [
             f"{d.deployment_id}-{d.epoch}" for d in deployments if d.node_id == node["node_id"]
@@ -395,7 +395,7 @@ async def test_a_replica_no_deployment_claims_is_stopped(cluster: Cluster) -> No
     plan = THREE_NODES[0]
     address = await wait_for_log(cluster.node_log(plan.node_id), r"127\.0\.0\.1:\d+")
     sha = file_sha256(modelzoo.model_path("mlp"))
-    metadata = (("authorization", f"Bearer {JOIN_TOKEN}"),)
+    metadata = cluster.agent_metadata(plan.node_id)
     async with grpc.aio.insecure_channel(address) as channel:
         agent = npb_grpc.NodeAgentStub(channel)
 

@@ -302,7 +302,7 @@ def _tls_file(folder: Path, name: str) -> Path:
     if not (folder / f"{host}.pem").exists():
         cert, key = issue(
             (folder / "ca.pem").read_bytes(), (folder / "ca-key.pem").read_bytes(), host,
-            ips=["192.0.2.1"],
+            ips=["192.0.2.1"], role="broker" if host == "broker" else "node",
         )  # fmt: skip
         write_new(folder / f"{host}.pem", cert, 0o644)
         write_new(folder / f"{host}-key.pem", key)
@@ -328,6 +328,7 @@ def test_node_flags_are_accepted(tmp_path: Path) -> None:
     assert settings.state_dir == Path("/var/lib/edge-offload/node")
     assert settings.broker and settings.join_token
     assert settings.tls is not None  # TLS beyond loopback
-    assert settings.agent_token == settings.join_token  # guards NodeAgent beyond loopback
+    # NodeAgent takes the broker's certificate (TLS) and the node secret, not the join token.
+    assert not settings.agent_token
     assert not settings.stop_replicas_on_exit  # replicas outlive the daemon (KillMode=process)
     assert load_cluster_network(ETC_DIR / "cluster.yaml").has_site(settings.site)

@@ -14,7 +14,15 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 import modelzoo
 from common import certs
-from common.certs import CertError, issue, load_ca, load_identity, make_ca, write_new
+from common.certs import (
+    CertError,
+    certificate_roles,
+    issue,
+    load_ca,
+    load_identity,
+    make_ca,
+    write_new,
+)
 from edge_client.cli import main
 from runtime import pem, tls
 from runtime.server import settings_from_args as runtime_settings
@@ -58,7 +66,8 @@ def test_certs_init_and_issue_write_private_keys(
 ) -> None:
     ca_dir, out = tmp_path / "ca", tmp_path / "out"
     assert main(["certs", "init", "--dir", str(ca_dir)]) == 0
-    argv = ["certs", "issue", "broker", "--ca-dir", str(ca_dir), "--out-dir", str(out)]
+    argv = ["certs", "issue", "broker", "--role", "broker", "--ca-dir", str(ca_dir)]
+    argv += ["--out-dir", str(out)]
     assert main([*argv, "--dns", "broker.example", "--ip", "127.0.0.1"]) == 0
     for key in (ca_dir / "ca-key.pem", out / "broker-key.pem"):
         assert stat.S_IMODE(key.stat().st_mode) == 0o600
@@ -88,7 +97,7 @@ def test_certs_issue_refuses_bad_names_and_validity(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
 ) -> None:
     assert main(["certs", "init", "--dir", str(tmp_path), "--days", "365"]) == 0
-    assert main(["certs", "issue", "n1", "--ca-dir", str(tmp_path), *extra]) == 2
+    assert main(["certs", "issue", "n1", "--role", "node", "--ca-dir", str(tmp_path), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "n1-key.pem").exists()
 
@@ -97,8 +106,24 @@ def test_certs_issue_refuses_a_name_that_is_a_path(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["certs", "init", "--dir", str(tmp_path)]) == 0
-    assert main(["certs", "issue", "../n1", "--ca-dir", str(tmp_path), "--ip", "::1"]) == 2
+    argv = ["certs", "issue", "../n1", "--role", "node", "--ca-dir", str(tmp_path)]
+    assert main([*argv, "--ip", "::1"]) == 2
     assert "name '../n1': use letters" in capsys.readouterr().err
+
+
+def test_certs_issue_marks_the_role_in_the_certificate(tmp_path: Path) -> None:
+    assert main(["certs", "init", "--dir", str(tmp_path)]) == 0
+    for name, role in (("broker", "broker"), ("node-a", "node"), ("dev-1", "client")):
+        argv = ["certs", "issue", name, "--role", role, "--ca-dir", str(tmp_path)]
+        assert main([*argv, "--ip", "127.0.0.1"]) == 0
+        assert certificate_roles((tmp_path / f"{name}.pem").read_bytes()) == {role}
+    # The role is asked for: a certificate's use is never guessed from its name.
+    with pytest.raises(SystemExit):
+        main(["certs", "issue", "other", "--ca-dir", str(tmp_path), "--ip", "127.0.0.1"])
+    ca, ca_key = (tmp_path / "ca.pem").read_bytes(), (tmp_path / "ca-key.pem").read_bytes()
+    assert certificate_roles(issue(ca, ca_key, "plain", ips=["127.0.0.1"])[0]) == frozenset()
+    with pytest.raises(CertError, match="role 'root'"):
+        issue(ca, ca_key, "x", ips=["127.0.0.1"], role="root")
 
 
 def test_bring_your_own_pems_are_checked(

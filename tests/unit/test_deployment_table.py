@@ -25,6 +25,7 @@ from broker.state import (
     StorageError,
 )
 from broker.telemetry import NodeSample
+from common.node_identity import new_secret
 from node_daemon.inventory.topo_file import inventory_from_capture
 from tests.broker_support import SHA, local_broker
 from tests.cluster_support import until
@@ -101,6 +102,7 @@ async def test_the_view_kept_node_by_node_is_the_one_a_rebuild_makes(broker: Bro
             inventories[i % 5],
             ["docker"],
             [],
+            secret=new_secret(),
         )
     placed: list[str] = []
     holds: list[tuple[str, int]] = []
@@ -156,7 +158,9 @@ async def test_the_view_kept_node_by_node_is_the_one_a_rebuild_makes(broker: Bro
 
 async def one_node(broker: Broker) -> None:
     inventory = inventory_from_capture(next(TOPOLOGIES.glob("21_*.txt")), CAPTURES["21"])
-    await broker.register_node("n0", "127.0.0.1:1000", "site-a", inventory, ["docker"], [])
+    await broker.register_node(
+        "n0", "127.0.0.1:1000", "site-a", inventory, ["docker"], [], secret=new_secret()
+    )
 
 
 def block_the_state_thread(broker: Broker) -> threading.Event:

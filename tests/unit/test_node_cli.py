@@ -130,3 +130,16 @@ def test_a_plaintext_listener_beyond_loopback_needs_insecure(tmp_path: Path) -> 
         settings(*base, *tls)
     configured = settings(*base, *tls, "--tls-ca", str(tmp_path / "ca.pem"))
     assert configured.tls is not None and configured.tls.cert == cert
+
+
+def test_a_node_with_a_broker_takes_no_agent_token_file(tmp_path: Path) -> None:
+    """NodeAgent of a node that joins a broker takes the node secret the broker shows: the
+    join token no longer guards it, and an agent token the broker never sends is refused."""
+    token = tmp_path / "token"
+    token.write_text("join-token-0123456789")
+    token.chmod(0o600)
+    joined = ("--listen", "127.0.0.1:0", "--site", "a", "--broker", "127.0.0.1:7000")
+    joined += ("--join-token-file", str(token))
+    assert settings_from_args(build_parser().parse_args(["node", *joined])).agent_token == ""
+    with pytest.raises(ValueError, match="--agent-token-file is for a node without --broker"):
+        settings(*joined, "--agent-token-file", str(token))

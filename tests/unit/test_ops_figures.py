@@ -17,6 +17,7 @@ from broker.placement import PriorityClass
 from broker.service import Broker, DeploySpec, ReplicaState, replica_id
 from broker.state import DeploymentState
 from broker.telemetry import NodeSample, ReplicaLoad, RequestFigures
+from common.node_identity import new_secret
 from node_daemon.inventory.topo_file import inventory_from_capture
 from tests.broker_support import SHA, local_broker, offload_summary
 from tests.data import TOPOLOGIES
@@ -41,7 +42,13 @@ async def test_the_metric_figures_are_the_ones_the_views_show(broker: Broker) ->
         name, gpu_spec = captures[i % len(captures)]
         inventory = inventory_from_capture(next(TOPOLOGIES.glob(f"{name}_*.txt")), gpu_spec)
         await broker.register_node(
-            f"n{i}", f"127.0.0.1:{1000 + i}", sites[i % len(sites)], inventory, ["docker"], []
+            f"n{i}",
+            f"127.0.0.1:{1000 + i}",
+            sites[i % len(sites)],
+            inventory,
+            ["docker"],
+            [],
+            secret=new_secret(),
         )
     # One node lost (it holds nothing, so nothing is placed again).
     broker.nodes["n5"].last_heartbeat = time.monotonic() - 3600

@@ -98,7 +98,8 @@ def test_the_node_names_a_token_file_others_can_read_with_its_mode(
     broker = ["--broker", "127.0.0.1:7000"] if flag == "--join-token-file" else []
     argv = ["node", "--listen", "127.0.0.1:0", "--site", "a", *broker, flag, str(token)]
     settings = settings_from_args(build_parser().parse_args(argv))
-    assert settings.agent_token == "node-token-0123456789"
+    # A node with a broker takes the node secret the broker shows, not the join token.
+    assert settings.agent_token == ("" if broker else "node-token-0123456789")
     assert f"{flag} {token} is readable by other users (mode 0644)" in caplog.text
     caplog.clear()
     token.chmod(0o600)

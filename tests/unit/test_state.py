@@ -492,6 +492,22 @@ def test_client_sites(store: StateStore) -> None:
 # -- nodes --------------------------------------------------------------------------------
 
 
+def test_a_node_id_is_bound_once_and_forgotten_when_retired(store: StateStore) -> None:
+    first, second = "a" * 64, "b" * 64
+    assert store.bind_node_secret("n1", None, first, 1.0)
+    # Of two claims of an unbound id, the second finds it bound: a compare-and-swap.
+    assert not store.bind_node_secret("n1", None, second, 2.0)
+    assert not store.bind_node_secret("n1", second, second, 2.0)
+    assert store.node_secrets() == {"n1": first}
+    assert store.bind_node_secret("n1", first, second, 3.0)  # taken over with a certificate
+    assert store.node_secrets() == {"n1": second}
+    with pytest.raises(ConstraintError):
+        store.bind_node_secret("n2", None, "not-a-sha256", 4.0)
+    assert store.forget_node_secret("n1")
+    assert not store.forget_node_secret("n1")
+    assert store.node_secrets() == {}
+
+
 def test_nodes_register_heartbeat_and_change_state(store: StateStore) -> None:
     store.upsert_node(node("n2"))
     store.upsert_node(node("n1"))

@@ -305,6 +305,16 @@ class DrainNodeResponse(_message.Message):
     migration_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, migration_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class RetireNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class RetireNodeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ListMigrationsRequest(_message.Message):
     __slots__ = ("deployment_id",)
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]

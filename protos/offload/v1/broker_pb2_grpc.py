@@ -28,7 +28,12 @@ if _version_not_supported:
 
 class NodeRegistryStub(object):
     """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
-    the `authorization` metadata ("Bearer <token>").
+    the `authorization` metadata ("Bearer <token>"). Register, Heartbeat and Heartbeats also
+    carry the node's secret in the `offload-node-secret` metadata (made by the node, kept 0600
+    in its state dir): the first registration of a node id binds the id to it, and from then
+    on only that secret registers or heartbeats as the id (with TLS, a certificate for the id
+    also does once its holder is no longer live). The broker shows the same secret to the
+    node's NodeAgent as its bearer token.
     """
 
     def __init__(self, channel):
@@ -61,19 +66,27 @@ class NodeRegistryStub(object):
 
 class NodeRegistryServicer(object):
     """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
-    the `authorization` metadata ("Bearer <token>").
+    the `authorization` metadata ("Bearer <token>"). Register, Heartbeat and Heartbeats also
+    carry the node's secret in the `offload-node-secret` metadata (made by the node, kept 0600
+    in its state dir): the first registration of a node id binds the id to it, and from then
+    on only that secret registers or heartbeats as the id (with TLS, a certificate for the id
+    also does once its holder is no longer live). The broker shows the same secret to the
+    node's NodeAgent as its bearer token.
     """
 
     def Register(self, request, context):
         """Idempotent: a node registering again (after its restart, or the broker's) replaces its
-        record and reports the replicas it runs, which the broker reconciles.
+        record and reports the replicas it runs, which the broker reconciles. ALREADY_EXISTS,
+        naming the holder's address, for an id bound to another secret (a second daemon with a
+        live node's id, a cloned host): the node stops. UNAUTHENTICATED without a secret.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """NOT_FOUND when the broker does not know the node: register again.
+        """NOT_FOUND when the broker does not know the node, or not with this secret (the id was
+        retired or taken over): register again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,7 +144,12 @@ def add_NodeRegistryServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class NodeRegistry(object):
     """Served by the broker; node daemons call it. Authenticated by the cluster's join token in
-    the `authorization` metadata ("Bearer <token>").
+    the `authorization` metadata ("Bearer <token>"). Register, Heartbeat and Heartbeats also
+    carry the node's secret in the `offload-node-secret` metadata (made by the node, kept 0600
+    in its state dir): the first registration of a node id binds the id to it, and from then
+    on only that secret registers or heartbeats as the id (with TLS, a certificate for the id
+    also does once its holder is no longer live). The broker shows the same secret to the
+    node's NodeAgent as its bearer token.
     """
 
     @staticmethod
@@ -774,6 +792,11 @@ class OperatorStub(object):
                 request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeRequest.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeResponse.FromString,
                 _registered_method=True)
+        self.RetireNode = channel.unary_unary(
+                '/offload.v1.Operator/RetireNode',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.RetireNodeRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.RetireNodeResponse.FromString,
+                _registered_method=True)
         self.Migrate = channel.unary_unary(
                 '/offload.v1.Operator/Migrate',
                 request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.MigrateRequest.SerializeToString,
@@ -792,6 +815,16 @@ class OperatorServicer(object):
 
     def DrainNode(self, request, context):
         """Move every deployment off the node (make-before-break); the node takes no new ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetireNode(self, request, context):
+        """Free a node id whose host is gone for good (or lost its state dir, and with it the node
+        secret that proves the id): the next daemon to register the id binds it to its own
+        secret. FAILED_PRECONDITION while the node is live (stop it first); NOT_FOUND for an id
+        the broker never saw; idempotent otherwise.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -817,6 +850,11 @@ def add_OperatorServicer_to_server(servicer, server):
                     servicer.DrainNode,
                     request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeRequest.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeResponse.SerializeToString,
+            ),
+            'RetireNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireNode,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.RetireNodeRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.RetireNodeResponse.SerializeToString,
             ),
             'Migrate': grpc.unary_unary_rpc_method_handler(
                     servicer.Migrate,
@@ -857,6 +895,33 @@ class Operator(object):
             '/offload.v1.Operator/DrainNode',
             protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeRequest.SerializeToString,
             protos_dot_offload_dot_v1_dot_broker__pb2.DrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.Operator/RetireNode',
+            protos_dot_offload_dot_v1_dot_broker__pb2.RetireNodeRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.RetireNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
