@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from types import TracebackType
 
 CHUNK = 64 * 1024
@@ -38,6 +39,10 @@ class SourceRelay:
         """Each relayed connection's task -> its two sides, once open."""
 
     async def __aenter__(self) -> SourceRelay:
+        """OSError at once where `source` is not this machine's (loopback beyond 127.0.0.1
+        is Linux's), rather than a closed connection for every call later."""
+        with socket.socket() as probe:
+            probe.bind((self.source, 0))
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"127.0.0.1:{port}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from bench.relay import SourceRelay
 
@@ -54,3 +55,9 @@ async def test_leaving_the_relay_closes_the_connections_it_relays() -> None:
     finally:
         target.close()
         await target.wait_closed()
+
+
+async def test_a_source_address_not_of_this_machine_is_refused_at_once() -> None:
+    with pytest.raises(OSError):
+        async with SourceRelay("127.0.0.1", 1, "192.0.2.1"):
+            pass
