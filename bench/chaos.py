@@ -911,7 +911,13 @@ class Chaos:
         # Migrate calls may move or delete the deployment (so it is no longer owed).
         targets = [
             (ipb.DESCRIPTOR.services_by_name["GRPCInferenceService"], d.endpoint, d.token),
-            (npb.DESCRIPTOR.services_by_name["NodeAgent"], node_a, self.join_token),
+            # What the broker shows a NodeAgent: the node's own secret (the join token opens
+            # none any more, issue 50).
+            (
+                npb.DESCRIPTOR.services_by_name["NodeAgent"],
+                node_a,
+                self.cluster.node_secret("node-a"),
+            ),
             (pb.DESCRIPTOR.services_by_name["NodeRegistry"], broker, self.join_token),
             (pb.DESCRIPTOR.services_by_name["Operator"], broker, self.join_token),
             (pb.DESCRIPTOR.services_by_name["EdgeBroker"], broker, key),
@@ -936,10 +942,12 @@ class Chaos:
                         self.current.record(service.name, code, details, ANY, method.full_name)
             # A credential the service stopped accepting would leave it fuzzed at the door.
             answered = self.current.calls.get(service.name, Counter())
-            if answered[Code.UNAUTHENTICATED.name] == answered.total():
+            refused = answered[Code.UNAUTHENTICATED.name] + answered[Code.PERMISSION_DENIED.name]
+            if refused == answered.total():
                 self.current.errors.append(
-                    f"every {service.name} call was refused UNAUTHENTICATED: the fuzz reached "
-                    "none of its handlers (a credential the suite holds no longer opens it)"
+                    f"every {service.name} call was refused UNAUTHENTICATED or PERMISSION_DENIED:"
+                    " the fuzz reached none of its handlers (the credential the suite shows it "
+                    "no longer opens it)"
                 )
         if await self.ops(http, "migrations") is None:
             self.current.errors.append("/api/migrations does not answer 200 after the fuzz")
