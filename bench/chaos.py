@@ -756,13 +756,25 @@ class Chaos:
         the kill landed mid-operation."""
         at = self.rng.uniform(0, seconds)
         await asyncio.sleep(at)
-        under_way = in_flight(calls)
+        under_way = await self.under_way(http, calls, migrations=migrations)
+        await self.restart_broker(http, kill=True)
+        self.current.notes.append(f"broker killed {at:.2f}s in, {under_way}")
+
+    async def under_way(
+        self,
+        http: aiohttp.ClientSession,
+        calls: Sequence[asyncio.Task[Any]],
+        *,
+        migrations: bool,
+    ) -> str:
+        """In words: how many of `calls` have not ended, and (with `migrations`) how many
+        migrations have no outcome yet: a migration goes on after the call that began it."""
+        said = f"{sum(not c.done() for c in calls)} of {len(calls)} call(s) in flight"
         if migrations:
             listed = await self.ops(http, "migrations")
             count = "?" if listed is None else sum(not m["outcome"] for m in listed)
-            under_way += f", {count} migration(s) under way"
-        await self.restart_broker(http, kill=True)
-        self.current.notes.append(f"broker killed {at:.2f}s in, {under_way}")
+            said += f", {count} migration(s) under way"
+        return said
 
     async def placed(self, kind: str, count: int, site: str) -> list[tuple[str, pb.Deployment]]:
         """`count` deployments at `site` (one GPU, standard priority), each of its own
@@ -840,7 +852,8 @@ class Chaos:
         loop = asyncio.get_running_loop()
         for round_ in range(self.mode.node_kills):
             plan = self.rng.choice(self.cluster.nodes)
-            if deployments and round_ % 2:
+            migrating = bool(deployments and round_ % 2)
+            if migrating:
                 key, d = deployments[round_ % len(deployments)]
                 if await self.where(key, d.deployment_id) == plan.node_id:
                     plan = next(p for p in self.cluster.nodes if p is not plan)
@@ -851,7 +864,7 @@ class Chaos:
             at = self.rng.uniform(0, 3.0)
             await asyncio.sleep(at)
             self.excused[plan.node_id] = math.inf
-            under_way = in_flight([task])
+            under_way = await self.under_way(http, [task], migrations=migrating)
             await self.cluster.kill(plan.node_id)
             down = self.rng.uniform(0, 1.5)
             await asyncio.sleep(down)
@@ -990,11 +1003,6 @@ class Chaos:
         await self.delete_everything(http)
         outcome.seconds = time.monotonic() - started
         return outcome
-
-
-def in_flight(calls: Sequence[asyncio.Task[Any]]) -> str:
-    """How many of `calls` have not ended yet, in words."""
-    return f"{sum(not c.done() for c in calls)} of {len(calls)} call(s) in flight"
 
 
 def _read_from(path: Path, offset: int) -> bytes:
