@@ -734,7 +734,10 @@ class Broker:
         holder = self._nodes.get(node_id)
         live = holder is not None and self.is_live(holder)
         if bound is not None and (live or not certified):
-            where = f"at {holder.record.address}" if holder is not None else "(address unknown)"
+            # A lost node is not in memory after a broker restart: its address is in the store.
+            record = holder.record if holder is not None else None
+            record = record or await self._db(self._store.get_node, node_id)
+            where = f"at {record.address}" if record is not None else "(address unknown)"
             if live:
                 raise AlreadyExists(
                     f"node id {node_id} is held by the live node {where}, and this daemon "
