@@ -158,6 +158,9 @@ async def test_policies_choose_by_figures_and_local_models_are_checked(
         # of this loaded machine say, whatever it costs), counted nowhere, and probing goes
         # on: a refused probe leaves no race open (one would hold every later probe back).
         unencodable = {name: np.zeros(a.shape, np.complex64) for name, a in inputs.items()}
+        # A raced probe of the loop above may still be out on a loaded machine (one race at
+        # a time: it would hold the probes below back); what follows starts with none.
+        await client.probes_settled()
         chooser = client._chooser
         chooser.settings = AdaptiveSettings(
             probe_every=2, probe_min_requests=1, probe_cost_budget=1000
