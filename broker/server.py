@@ -57,7 +57,7 @@ from broker.ops import (
     start_ops_server,
 )
 from broker.ops_view import BrokerOpsView
-from broker.quotas import Quotas
+from broker.quotas import DEFAULT_MAX_STAGED_BYTES, Quotas
 from broker.rebalance import REBALANCE_SWEEP_S, Rebalancer
 from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer, OperatorServicer
 from broker.rpc.status import MalformedRequests
@@ -72,7 +72,7 @@ from broker.state import (
 )
 from broker.state.permissions import create_private_file
 from broker.state.postgres_backend import SCHEMES
-from common import collector
+from common import collector, heap
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
 from common.private_files import read_secret, warn_if_readable
 from migration.policy import Hysteresis, PrewarmSettings
@@ -86,6 +86,8 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 OPS_TOKEN_FILENAME = "ops-token"
 DEFAULT_MAX_MODEL_BYTES = 2 * 1024**3
+STREAM_WINDOW_BYTES = 1 << 20
+"""HTTP/2 flow-control window of each call the broker serves: about one upload chunk."""
 MAX_PENDING_CALLS = 50_000
 """Calls gRPC core holds for the event loop to pick up before it refuses more (its default
 is 1,000, which a cluster of more nodes than that reaches whenever the loop stalls)."""
@@ -282,6 +284,11 @@ def _grpc_server() -> grpc.aio.Server:
             # the loop would cancel heartbeats, and nodes would be lost.
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+            # A fixed flow-control window per stream, not one grown by bandwidth probing:
+            # a client's upload the broker has not written to disk yet holds at most about
+            # this much of its memory (with probing, 40 uploads on loopback held 1 GB).
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         ],
     )
 
@@ -437,8 +444,10 @@ async def _serve_leading(
         config = dataclasses.replace(config, api_keys=keys)
     running = await start_broker(config, leadership)
     # This process is the broker's alone (`serve` is its entry point): what startup loaded
-    # lives as long as it does; the collector's settings for its large heap.
+    # lives as long as it does; the collector's settings for its large heap, and upload
+    # chunks' memory handed back when they are freed.
     collector.settle()
+    heap.map_large_blocks()
     broker = running.broker
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGHUP,
@@ -531,6 +540,27 @@ def _check_shared_state(args: argparse.Namespace, listeners: list[tuple[str, str
         )
 
 
+def _check_upload_caps(args: argparse.Namespace) -> None:
+    """The model size limit and the staging caps: positive, and a model of the largest size
+    the broker takes can be staged."""
+    for flag, value in (
+        ("--max-model-bytes", args.max_model_bytes),
+        ("--max-staged-upload-bytes", args.max_staged_upload_bytes),
+        ("--max-staged-upload-bytes-per-client", args.max_staged_upload_bytes_per_client),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be a positive number of bytes")
+    for flag, value in (
+        ("--max-staged-upload-bytes", args.max_staged_upload_bytes),
+        ("--max-staged-upload-bytes-per-client", args.max_staged_upload_bytes_per_client),
+    ):
+        if value < args.max_model_bytes:
+            raise ValueError(
+                f"{flag} {value} is below --max-model-bytes {args.max_model_bytes}: a model "
+                "that large could never be staged; raise it or lower --max-model-bytes"
+            )
+
+
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     """Validated configuration; ValueError or OSError saying which flag is wrong (CertError,
     a ValueError, for a certificate or key that cannot be used)."""
@@ -551,6 +581,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         check_listener(flag, value, tls is not None, args.insecure)
     _check_state_location(args.state)
     _check_shared_state(args, listeners)
+    _check_upload_caps(args)
     keys: tuple[str, ...] = ()
     if args.api_keys_file is not None:
         keys = parse_api_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))
@@ -582,7 +613,9 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
                 uploads=args.max_uploads_per_client,
                 watch_streams=args.max_watch_streams_per_client,
                 upload_idle_timeout_s=args.upload_idle_timeout,
+                staged_bytes=args.max_staged_upload_bytes_per_client,
             ),
+            max_staged_upload_bytes=args.max_staged_upload_bytes,
         ),
         hysteresis=Hysteresis(args.min_gain_ms, args.min_gain_ratio, args.cooldown),
         drain_timeout_s=args.drain_timeout,
@@ -729,6 +762,23 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="cut off an upload that sends nothing for this long "
         f"(default {defaults.upload_idle_timeout_s:g})",
+    )
+    p.add_argument(
+        "--max-staged-upload-bytes",
+        type=int,
+        default=DEFAULT_MAX_STAGED_BYTES,
+        metavar="BYTES",
+        help="bytes of uploads under way the broker stages at once (on disk, in the state "
+        "dir's models folder), all clients together; a chunk past it ends its upload with "
+        f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_STAGED_BYTES}; at least --max-model-bytes)",
+    )
+    p.add_argument(
+        "--max-staged-upload-bytes-per-client",
+        type=int,
+        default=defaults.staged_bytes,
+        metavar="BYTES",
+        help="the same for one client's uploads under way "
+        f"(default {defaults.staged_bytes}; at least --max-model-bytes)",
     )
     p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument(

@@ -73,7 +73,14 @@ from broker.placement import (
     PriorityClass,
     place,
 )
-from broker.quotas import ClientLimits, Quotas, check_deployments, check_model_bytes
+from broker.quotas import (
+    DEFAULT_MAX_STAGED_BYTES,
+    ClientLimits,
+    Quotas,
+    check_deployments,
+    check_model_bytes,
+    check_model_bytes_while_staging,
+)
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
@@ -92,6 +99,7 @@ from broker.state import (
 )
 from broker.telemetry import LoadHistory, NodeSample, Resize
 from broker.timed_lock import TimedLock
+from common import heap
 from common.certs import TlsIdentity
 from common.inventory import Gpu, Inventory, Link, LinkKind
 from common.node_identity import NODE_SECRET_HEADER, proves, secret_sha256, well_formed
@@ -153,6 +161,26 @@ class BrokerSettings:
     stop_grace_ms: int = 5000
     quotas: Quotas = field(default_factory=Quotas)
     """Per-client limits (`broker.quotas`)."""
+    max_staged_upload_bytes: int = DEFAULT_MAX_STAGED_BYTES
+    """Bytes of uploads staged at once, all clients together (`--max-staged-upload-bytes`)."""
+
+
+HEAP_TRIM_DELAY_S = 1.0
+"""How long after the last upload under way ended the broker trims its C heap."""
+
+
+@dataclass(slots=True)
+class ClientUpload:
+    """One client's upload under way (`Broker.begin_upload`): its staging file in the model
+    store and the bytes it counts against the staging caps."""
+
+    client_id: str
+    upload: Upload
+    stored_bytes: int | None
+    """The client's models' bytes when the upload began; None when it owns this model
+    already (a new copy adds nothing to its quota)."""
+    staged_bytes: int = 0
+    """Bytes counted in `ClientLimits.staged` for this upload, until `end_upload`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,7 +504,7 @@ class Broker:
         evict, reserve a move, switch, give up a move): one at a time, each naming its use
         for the lock's metrics."""
         self.watchers = _Watchers()
-        self.limits = ClientLimits(settings.quotas)
+        self.limits = ClientLimits(settings.quotas, settings.max_staged_upload_bytes)
         """Per-client quotas and the upload and watch-stream slots they allow."""
         self._orphans: dict[tuple[str, str], float] = {}
         """(node id, replica id) -> when first seen unclaimed (monotonic)."""
@@ -1011,26 +1039,54 @@ class Broker:
 
     # --- models --------------------------------------------------------------------------
 
-    def begin_upload(self, sha256: str) -> Upload:
+    async def begin_upload(self, client_id: str, sha256: str) -> ClientUpload:
+        """Open a staging file for the model `client_id` declares to hash to `sha256`.
+        InvalidRequest for a malformed sha256. The caller ends it with `finish_upload` and,
+        whatever ends the stream, `end_upload`."""
+        # A model the client owns already adds nothing to its stored bytes.
+        stored = None
+        if not await self._owns(client_id, sha256):
+            stored = await self._db(self._store.client_model_bytes, client_id)
+        # Made last, with no await after it, so that a cancelled call leaves no file behind.
         try:
-            return self.models.upload(sha256)
+            return ClientUpload(client_id, self.models.upload(sha256), stored)
         except (InvalidModel, ValueError) as err:
             raise InvalidRequest(str(err)) from err
 
-    async def finish_upload(
-        self, client_id: str, upload: Upload, name: str
-    ) -> tuple[str, int, bool]:
-        """Check and store the upload (sha256, loadable ONNX), then record it as
-        `client_id`'s. The third value, "deduplicated", is True only when this client had
+    async def write_upload(self, upload: ClientUpload, data: bytes) -> None:
+        """Stage one chunk on disk. ResourceExhausted (the upload to be ended) when the chunk
+        would pass the client's model bytes quota, its staged bytes cap or the broker's, or
+        the store's size limit; the bytes are counted before they are written."""
+        limits = self.limits
+        if upload.stored_bytes is not None:
+            check_model_bytes_while_staging(
+                limits.quotas,
+                upload.client_id,
+                upload.stored_bytes,
+                limits.staged.of(upload.client_id),
+                len(data),
+            )
+        limits.staged.take(upload.client_id, len(data))
+        upload.staged_bytes += len(data)
+        try:
+            await asyncio.to_thread(upload.upload.write, data)
+        except StoredModelTooLarge as err:
+            raise ResourceExhausted(str(err)) from err
+
+    async def finish_upload(self, upload: ClientUpload, name: str) -> tuple[str, int, bool]:
+        """Check and store the upload (sha256, loadable ONNX), then record it as its
+        client's. The third value, "deduplicated", is True only when this client had
         uploaded that content before: whether another client did stays invisible.
         ResourceExhausted when a new model would take the client past its model bytes quota
-        (checked before the file is kept)."""
-        owned = await self._owns(client_id, upload.sha256)
+        (checked again before the file is kept: another upload may have been stored
+        meanwhile). The staged bytes stay counted until `end_upload`."""
+        client_id, staged = upload.client_id, upload.upload
+        owned = await self._owns(client_id, staged.sha256)
         if not owned:
             stored = await self._db(self._store.client_model_bytes, client_id)
-            check_model_bytes(self.limits.quotas, client_id, stored, upload.size)
+            check_model_bytes(self.limits.quotas, client_id, stored, staged.size)
         try:
-            result = await asyncio.to_thread(upload.commit)
+            result = await asyncio.to_thread(staged.commit)
         except InvalidModel as err:
             raise InvalidRequest(str(err)) from err
         except StoredModelTooLarge as err:
@@ -1043,6 +1099,31 @@ class Broker:
         self._owned.add((client_id, result.sha256))
         return result.sha256, result.size_bytes, owned
 
+    def end_upload(self, upload: ClientUpload) -> None:
+        """Remove the upload's staging file (a no-op after a commit) and give back the bytes
+        it counted. Idempotent; for a `finally`: finished, failed, cancelled, disconnected.
+        Once no upload is under way, the memory their chunks took goes back to the system
+        (`_release_memory_soon`)."""
+        upload.upload.abort()
+        if upload.staged_bytes:
+            self.limits.staged.give_back(upload.client_id, upload.staged_bytes)
+            upload.staged_bytes = 0
+            if not self.limits.staged.total:
+                self._release_memory_soon()
+
+    def _release_memory_soon(self) -> None:
+        """Trim the C heap `HEAP_TRIM_DELAY_S` from now if no upload is under way then: the
+        calls that just ended free their buffers and connections after their bytes were
+        given back. In a thread: trimming a large heap takes milliseconds."""
+        loop = asyncio.get_running_loop()
+
+        def release() -> None:
+            if not self.limits.staged.total:
+                with contextlib.suppress(RuntimeError):  # the loop is shutting down
+                    loop.run_in_executor(None, heap.release_free_memory)
+
+        loop.call_later(HEAP_TRIM_DELAY_S, release)
+
     async def _owns(self, client_id: str, sha256: str) -> bool:
         """Whether the client uploaded that model. An owner is never removed, so a yes is
         remembered (every deploy asks); a no is asked of the store each time."""
@@ -1052,12 +1133,6 @@ class Broker:
             return False
         self._owned.add((client_id, sha256))
         return True
-
-    def write_upload(self, upload: Upload, data: bytes) -> None:
-        try:
-            upload.write(data)
-        except StoredModelTooLarge as err:
-            raise ResourceExhausted(str(err)) from err
 
     def model_chunks(self, sha256: str) -> Iterator[bytes]:
         """Blocking generator over a stored model. NotFound when absent."""

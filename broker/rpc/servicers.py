@@ -18,12 +18,11 @@ import grpc
 
 from broker.errors import InvalidRequest, PermissionDenied, Unauthenticated, client_text, quote
 from broker.migrations import Migrations
-from broker.model_store import Upload
 from broker.quotas import within_idle_timeout
 from broker.rpc import validate
 from broker.rpc.convert import inventory_from_proto, node_sample_from_proto, offload_from_proto
 from broker.rpc.status import mapped_errors
-from broker.service import Broker, DeploySpec, ReplicaState
+from broker.service import Broker, ClientUpload, DeploySpec, ReplicaState
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
 from common.node_identity import NODE_SECRET_HEADER
 from migration.mechanism import Strategy
@@ -283,7 +282,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     ) -> pb.UploadModelResponse:
         client_id = await self._client(context)
         limits = self._broker.limits
-        upload: Upload | None = None
+        upload: ClientUpload | None = None
         name = ""
         try:
             with limits.uploads.hold(client_id):
@@ -292,18 +291,19 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
                     if upload is None:
                         if not chunk.sha256:
                             raise InvalidRequest("the first chunk must carry the model's sha256")
-                        upload = self._broker.begin_upload(validate.sha256("sha256", chunk.sha256))
                         name = validate.name("name", chunk.name) if chunk.name else ""
-                    elif chunk.sha256 and chunk.sha256 != upload.sha256:
+                        upload = await self._broker.begin_upload(
+                            client_id, validate.sha256("sha256", chunk.sha256)
+                        )
+                    elif chunk.sha256 and chunk.sha256 != upload.upload.sha256:
                         raise InvalidRequest("a later chunk declares a different sha256")
-                    await asyncio.to_thread(self._broker.write_upload, upload, chunk.data)
+                    await self._broker.write_upload(upload, chunk.data)
                 if upload is None:
                     raise InvalidRequest("the upload stream is empty")
-                sha, size, deduplicated = await self._broker.finish_upload(client_id, upload, name)
-        except BaseException:
+                sha, size, deduplicated = await self._broker.finish_upload(upload, name)
+        finally:
             if upload is not None:
-                upload.abort()
-            raise
+                self._broker.end_upload(upload)
         return pb.UploadModelResponse(sha256=sha, size_bytes=size, deduplicated=deduplicated)
 
     @mapped_errors

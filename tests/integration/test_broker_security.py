@@ -2,11 +2,15 @@
 ops HTTP server, a real SQLite state dir checked with os.stat.
 
 - the API keys file is the source of truth: a removed key stops working after SIGHUP and after
-  a restart; a malformed file on SIGHUP keeps the old keys;
+  a restart; a malformed file on SIGHUP keeps the old keys; with 1,000 keys, a removed or
+  replaced key is refused on the first call after the reload returns, and a WatchDeployment
+  stream opened with it ends;
 - the state dir is 0700 and its files 0600;
 - `/api/*` needs the ops token; a broker without `--ops-token-file` makes one (0600);
 - per-client quotas answer RESOURCE_EXHAUSTED naming the limit and its flag;
-- a stalled upload is cut off and its staging removed;
+- a stalled upload is cut off and its staging removed; uploads under way are capped in staged
+  bytes, per client and broker-wide, counted as chunks arrive, and the model bytes quota stops
+  an upload at the chunk that passes it; a cancelled upload gives back its bytes and file;
 - a client deploys only models it uploaded, and deduplication is invisible to other clients;
 - an infinity that slipped into the store never breaks `/api/migrations` or ListMigrations.
 """
@@ -452,6 +456,97 @@ async def test_concurrent_uploads_are_limited_per_client(broker_at: BrokerFactor
             done = await first
         assert done.sha256 == sha(MODEL_A)
         assert (await upload(stub, ALICE, MODEL_B)).sha256 == sha(MODEL_B)
+
+
+async def held_upload(
+    stub: pb_grpc.EdgeBrokerStub, api_key: str, parts: list[bytes], resume: asyncio.Event
+) -> pb.UploadModelResponse:
+    """An upload that sends `parts` (one chunk each), then nothing until `resume` is set."""
+
+    async def chunks() -> AsyncIterator[npb.ModelChunk]:
+        for number, part in enumerate(parts):
+            yield npb.ModelChunk(sha256="" if number else "cd" * 32, name="held", data=part)
+        await resume.wait()
+
+    return await stub.UploadModel(chunks(), metadata=key(api_key), timeout=30)
+
+
+async def test_staged_bytes_are_capped_per_client_and_broker_wide_as_chunks_arrive(
+    broker_at: BrokerFactory,
+) -> None:
+    settings = BrokerSettings(
+        quotas=Quotas(staged_bytes=300_000, uploads=3), max_staged_upload_bytes=500_000
+    )
+    async with broker_at(settings=settings) as running, edge(running) as stub:
+        staged = running.broker.limits.staged
+        resume = asyncio.Event()
+        held = [
+            asyncio.create_task(held_upload(stub, ALICE, [bytes(150_000)] * 2, resume)),
+            asyncio.create_task(held_upload(stub, BOB, [bytes(100_000)], resume)),
+        ]
+        try:
+            await poll(lambda: staged.total == 400_000, "both uploads are staged")
+            assert (staged.of("alice"), staged.of("bob")) == (300_000, 100_000)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await upload(stub, ALICE, bytes(1))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "(--max-staged-upload-bytes-per-client 300000)" in refused.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await upload(stub, BOB, bytes(100_001))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "(--max-staged-upload-bytes 500000)" in refused.value.details()
+            assert len(staging(running)) == 2  # the refused ones left nothing
+            assert staged.total == 400_000
+        finally:
+            resume.set()
+            for done in await asyncio.gather(*held, return_exceptions=True):
+                # Not ONNX: refused when finished, its staging gone.
+                assert isinstance(done, grpc.aio.AioRpcError), done
+                assert done.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert staged.total == 0
+        assert staging(running) == []
+        assert (await upload(stub, BOB, MODEL_B)).sha256 == sha(MODEL_B)
+        assert staged.total == 0
+
+
+async def test_an_upload_cancelled_midway_gives_back_its_bytes_and_its_file(
+    broker_at: BrokerFactory,
+) -> None:
+    async with broker_at() as running, edge(running) as stub:
+        staged = running.broker.limits.staged
+        resume = asyncio.Event()
+        held = asyncio.create_task(held_upload(stub, ALICE, [bytes(200_000)], resume))
+        await poll(lambda: staged.of("alice") == 200_000, "the first chunk is staged")
+        assert len(staging(running)) == 1
+        held.cancel()  # the client gives up: its call is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        await poll(lambda: staged.total == 0, "the staged bytes are given back")
+        await poll(lambda: staging(running) == [], "the staging file is removed")
+
+
+async def test_the_model_bytes_quota_stops_an_upload_at_the_chunk_that_passes_it(
+    broker_at: BrokerFactory,
+) -> None:
+    quotas = Quotas(model_bytes=len(MODEL_A) + 1000)
+    async with broker_at(quotas) as running, edge(running) as stub:
+        await upload(stub, ALICE, MODEL_A)
+        resume = asyncio.Event()
+        try:
+            # 600 bytes fit, 600 more do not: refused while the client still holds its
+            # stream open, not when it ends.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await held_upload(stub, ALICE, [bytes(600), bytes(600)], resume)
+        finally:
+            resume.set()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"(--max-model-bytes-per-client {len(MODEL_A) + 1000}) with this chunk" in (
+            refused.value.details()
+        )
+        await poll(lambda: staging(running) == [], "the staging file is removed")
+        assert running.broker.limits.staged.total == 0
+        # Its own model again adds nothing to its quota: taken, deduplicated.
+        assert (await upload(stub, ALICE, MODEL_A)).deduplicated
 
 
 async def test_staging_left_by_a_crash_is_removed_at_start(
