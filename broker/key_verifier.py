@@ -19,17 +19,27 @@ none of their checks had finished yet, and the last of them waited 10 s in the p
 behind the others (the chaos suite's deploy storm, whose bogus keys must be refused, not time
 out). A call cancelled while it waits (its client's deadline) keeps its budget spent.
 
+With a keys file (`use_keys`, at start and on every reload), the file decides at once: a key
+is valid exactly when it is the file's key of the client it names, compared by sha256 (the
+cache's own measure), so no check waits for a hash and no reload re-verifies anything. A key
+the new file removes or replaces is dropped from the cache and refused from the moment
+`use_keys` returns, and whatever was opened with it (`on_revoke`: WatchDeployment streams) is
+told so. The store's scrypt hashes stay the record at rest; without a file (a broker driven
+through its store alone) every key not cached is checked against them.
+
 Plain asyncio over a blocking `check(api_key) -> client id | None` function (the store's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import hmac
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -61,6 +71,10 @@ class _Budget:
     at: float
 
 
+def _sha256(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
 def peer_host(peer: str) -> str:
     """The address part of a gRPC peer (`ipv4:1.2.3.4:5678` -> `ipv4:1.2.3.4`,
     `ipv6:[::1]:5678` -> `ipv6:[::1]`); anything else as given."""
@@ -86,12 +100,17 @@ class KeyVerifier:
         """Bumped by `forget`: a check started before it neither answers later calls nor
         enters the cache."""
         self._budgets: OrderedDict[str, _Budget] = OrderedDict()
+        self._allowed: dict[str, str] | None = None
+        """client id -> the sha256 of its key in the keys file (`use_keys`); None: no file,
+        keys are checked against the store."""
+        self._revoke_callbacks: dict[str, set[Callable[[], None]]] = {}
+        """sha256 of a key -> what to call when it stops working (`on_revoke`)."""
 
     async def client_for(self, api_key: str, peer: str) -> str | None:
         """The client id of `api_key`, or None when it authenticates no one.
         ResourceExhausted when `peer`'s address failed too often lately or too many keys
         wait for a check."""
-        digest = hashlib.sha256(api_key.encode()).hexdigest()
+        digest = _sha256(api_key)
         if (client_id := self._verified.get(digest)) is not None:
             return client_id
         host = peer_host(peer)
@@ -102,6 +121,13 @@ class KeyVerifier:
                 "too many failed or unfinished API key checks from this address; "
                 f"retry in {wait_s:.1f}s"
             )
+        if self._allowed is not None:
+            client_id = api_key.partition(".")[0]
+            if hmac.compare_digest(self._allowed.get(client_id, ""), digest):
+                self._verified[digest] = client_id
+                return client_id
+            self._spend(host, budget)
+            return None
         generation = self._generation
         future = self._in_flight.get(digest)
         if future is None:
@@ -128,6 +154,46 @@ class KeyVerifier:
         self._generation += 1
         self._verified.clear()
         self._in_flight.clear()
+
+    def use_keys(self, keys: Iterable[str]) -> tuple[str, ...]:
+        """Make `keys` (well-formed `<client id>.<secret>`, one per client: a parsed keys
+        file) exactly the valid ones, at once and without hashing: every other key, cached
+        or not, is refused from now on, checks under way are no longer shared, and the
+        `on_revoke` callbacks of keys that are not valid any more are called. The ids of the
+        clients whose key stopped working (removed, or replaced by another), sorted."""
+        allowed = {key.partition(".")[0]: _sha256(key) for key in keys}
+        stopped = {
+            client_id
+            for client_id, digest in (self._allowed or {}).items()
+            if allowed.get(client_id) != digest
+        }
+        self._allowed = allowed
+        self._generation += 1
+        self._in_flight.clear()
+        valid = set(allowed.values())
+        for digest, client_id in list(self._verified.items()):
+            if digest not in valid:
+                del self._verified[digest]
+                stopped.add(client_id)
+        for digest in [d for d in self._revoke_callbacks if d not in valid]:
+            for callback in self._revoke_callbacks.pop(digest):
+                callback()
+        return tuple(sorted(stopped))
+
+    @contextlib.contextmanager
+    def on_revoke(self, api_key: str, callback: Callable[[], None]) -> Iterator[None]:
+        """Call `callback` (on the event loop, once) if `api_key` stops working while the
+        block runs (`use_keys`); for what a call opened with the key and holds open."""
+        digest = _sha256(api_key)
+        self._revoke_callbacks.setdefault(digest, set()).add(callback)
+        try:
+            yield
+        finally:
+            callbacks = self._revoke_callbacks.get(digest)
+            if callbacks is not None:
+                callbacks.discard(callback)
+                if not callbacks:
+                    del self._revoke_callbacks[digest]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

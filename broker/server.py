@@ -204,6 +204,7 @@ async def start_broker(
             metrics,
             node_tls=config.tls,
         )
+        broker.use_keys(config.api_keys)
         await broker.load()
         server = _grpc_server()
         node_server = _grpc_server() if config.node_listen else None
@@ -318,19 +319,34 @@ def _log_key_changes(changes: KeyChanges, when: str) -> None:
 
 
 async def reload_api_keys(running: RunningBroker, path: Path | None) -> None:
-    """Make the keys of `path` exactly the accepted ones (SIGHUP): removed keys stop working
-    at once, verified ones are checked again. A file that cannot be read or has a bad line
-    changes nothing (logged with the line number)."""
+    """Make the keys of `path` exactly the accepted ones (SIGHUP). Removed and replaced keys
+    stop working first, at once and without hashing anything (`Broker.use_keys`: the next
+    call with one is refused, and its WatchDeployment streams end); only then is the state
+    brought in line, hashing the keys that are new or changed since the last reload
+    (`StateStore.replace_client_keys`). A file that cannot be read or has a bad line changes
+    nothing (logged with the line number). Returns once both are done."""
     if path is None:
         logger.warning("SIGHUP: the broker runs without --api-keys-file; nothing to reload")
         return
     try:
         keys = parse_api_keys_file(await asyncio.to_thread(path.read_text), str(path))
-        changes = await asyncio.to_thread(running.store.replace_client_keys, keys)
-    except (OSError, ValueError, StateError) as err:
+    except (OSError, ValueError) as err:
         logger.error("API keys not reloaded, the current ones stay: %s", err)
         return
-    running.broker.forget_keys()
+    stopped = running.broker.use_keys(keys)
+    logger.info(
+        "API keys from %s in effect: %d key(s); stopped working: %s",
+        path,
+        len(keys),
+        ", ".join(stopped) or "none",
+    )
+    try:
+        changes = await asyncio.to_thread(running.store.replace_client_keys, keys)
+    except StateError as err:
+        # The file's keys are in effect already; the state catches up at the next reload
+        # or start.
+        logger.error("API keys from %s in effect, but the state was not updated: %s", path, err)
+        return
     _log_key_changes(changes, f"reloaded from {path}")
 
 

@@ -670,10 +670,12 @@ class Broker:
             return None
         return await self._keys.client_for(authorization.removeprefix("Bearer "), peer)
 
-    def forget_keys(self) -> None:
-        """Drop every verified key from memory: call after the store's keys changed (a
-        reload of `--api-keys-file`), so a revoked key is checked against the store again."""
-        self._keys.forget()
+    def use_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
+        """Make `keys` (a parsed `--api-keys-file`) exactly the valid API keys, at once and
+        without hashing (`KeyVerifier.use_keys`): a removed or replaced key is refused from
+        the next call on, and the WatchDeployment streams opened with it end UNAUTHENTICATED.
+        The ids of the clients whose key stopped working."""
+        return self._keys.use_keys(keys)
 
     # --- nodes ---------------------------------------------------------------------------
 
@@ -2141,14 +2143,32 @@ class Broker:
                 ),
             )
 
-    async def watch(self, client_id: str, deployment_id: str) -> AsyncIterator[PlacementUpdate]:
-        """The current placement, then one update per change; ends when it is deleted."""
+    async def watch(
+        self, client_id: str, deployment_id: str, authorization: str | None = None
+    ) -> AsyncIterator[PlacementUpdate]:
+        """The current placement, then one update per change; ends when it is deleted.
+        Unauthenticated, ending it, when the key of `authorization` (the one the stream was
+        opened with, as `client_for` takes it) stops working (`use_keys`)."""
         record = await self.get(client_id, deployment_id)
         queue = self.watchers.add(deployment_id)
+        revoked = False
+
+        def revoke() -> None:
+            nonlocal revoked
+            revoked = True
+            queue.put_nowait(None)
+
+        api_key = (authorization or "").removeprefix("Bearer ")
         try:
-            yield placement_update(record, "current")
-            while (update := await queue.get()) is not None:
-                yield update
+            with self._keys.on_revoke(api_key, revoke) if api_key else contextlib.nullcontext():
+                yield placement_update(record, "current")
+                while (update := await queue.get()) is not None:
+                    yield update
+                if revoked:
+                    raise Unauthenticated(
+                        "the API key this stream was opened with was revoked; open it again "
+                        "with the client's current key"
+                    )
         finally:
             self.watchers.remove(deployment_id, queue)
 

@@ -368,7 +368,8 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         client_id = await self._client(context)
         deployment_id = validate.identifier("deployment_id", request.deployment_id)
         with self._broker.limits.watch_streams.hold(client_id):
-            async for update in self._broker.watch(client_id, deployment_id):
+            updates = self._broker.watch(client_id, deployment_id, _authorization(context))
+            async for update in updates:
                 yield pb.PlacementUpdate(
                     deployment_id=update.deployment_id,
                     endpoint=update.endpoint,

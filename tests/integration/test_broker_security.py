@@ -39,7 +39,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from broker.quotas import Quotas
-from broker.server import BrokerConfig, RunningBroker, start_broker
+from broker.server import BrokerConfig, RunningBroker, reload_api_keys, start_broker
 from broker.service import BrokerSettings
 from broker.state import (
     DB_FILENAME,
@@ -52,6 +52,8 @@ from broker.state import (
     NodeRecord,
     NodeState,
     StateStore,
+    api_keys,
+    new_api_key,
 )
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
@@ -201,6 +203,50 @@ async def test_a_removed_key_stops_working_on_sighup_and_after_restart(cluster: 
     log = cluster.broker_log.read_text()
     for secret in (alice, bob):
         assert secret.partition(".")[2] not in log
+
+
+async def call_status(stub: pb_grpc.EdgeBrokerStub, api_key: str) -> grpc.StatusCode:
+    try:
+        await stub.ListDeployments(pb.ListDeploymentsRequest(), metadata=key(api_key), timeout=15)
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+async def test_with_1000_keys_a_removed_or_replaced_key_is_refused_once_the_reload_returns(
+    broker_at: BrokerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Cheap hashes, so that 1,000 keys start in a second: what is tested is when a key stops
+    # working, which waits for no hash (a reload hashes only changed keys, and after).
+    monkeypatch.setattr(api_keys, "_N", 2**4)
+    keys = [new_api_key(f"client{n:04}") for n in range(1000)]
+    removed, replaced = keys[500], keys[600]
+    async with broker_at(api_keys=tuple(keys)) as running, edge(running) as stub:
+        await upload(stub, removed, MODEL_A)
+    seed(tmp_path / "state", pending("d-1", "client0500", sha(MODEL_A)))
+    async with broker_at(api_keys=tuple(keys)) as running, edge(running) as stub:
+        for api_key in (removed, replaced):
+            assert await call_status(stub, api_key) == grpc.StatusCode.OK  # verified, cached
+        watch = stub.WatchDeployment(
+            pb.WatchDeploymentRequest(deployment_id="d-1"), metadata=key(removed)
+        )
+        assert (await watch.read()).deployment_id == "d-1"
+        replacement = new_api_key("client0600")
+        keys_file = tmp_path / "api-keys"
+        now = [replacement if k == replaced else k for k in keys if k != removed]
+        keys_file.write_text("\n".join(now) + "\n")
+
+        await reload_api_keys(running, keys_file)
+        assert await call_status(stub, removed) == grpc.StatusCode.UNAUTHENTICATED
+        assert await call_status(stub, replaced) == grpc.StatusCode.UNAUTHENTICATED
+        assert await call_status(stub, replacement) == grpc.StatusCode.OK
+        assert await call_status(stub, keys[0]) == grpc.StatusCode.OK
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await watch.read()
+        assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "was revoked" in (ended.value.details() or "")
+        # The state followed: the same keys again change nothing.
+        assert not await asyncio.to_thread(running.store.replace_client_keys, now)
 
 
 # -- the state dir and the ops token ---------------------------------------------------------

@@ -158,3 +158,38 @@ async def test_a_check_under_way_when_keys_are_forgotten_is_not_cached(checks: C
         assert checks.calls == {GOOD: 2}
     finally:
         verifier.close()
+
+
+async def test_keys_of_a_file_decide_at_once_and_a_reload_revokes_without_a_check(
+    checks: Checks,
+) -> None:
+    """With a keys file, no key waits for a hash: the file's keys are valid, any other is
+    refused; a reload drops a removed or replaced key from the cache before any check."""
+    bob, bob_rotated = "bob.secret-of-bob-00000000000", "bob.secret-of-bob-11111111111"
+    carol = "carol.secret-of-carol-000000000"
+    verifier = KeyVerifier(checks)
+    revoked: list[str] = []
+    try:
+        assert verifier.use_keys([GOOD, bob, carol]) == ()
+        for key, client in ((GOOD, "alice"), (bob, "bob"), (carol, "carol")):
+            assert await verifier.client_for(key, "ipv4:10.0.0.1:1") == client
+        assert await verifier.client_for(bob_rotated, "ipv4:10.0.0.1:1") is None
+        with (
+            verifier.on_revoke(bob, lambda: revoked.append("bob")),
+            verifier.on_revoke(GOOD, lambda: revoked.append("alice")),
+        ):
+            # carol removed, bob's key replaced: both refused from the next call on.
+            assert verifier.use_keys([GOOD, bob_rotated]) == ("bob", "carol")
+            assert revoked == ["bob"]
+            assert await verifier.client_for(carol, "ipv4:10.0.0.1:1") is None
+            assert await verifier.client_for(bob, "ipv4:10.0.0.1:1") is None
+            assert await verifier.client_for(bob_rotated, "ipv4:10.0.0.1:1") == "bob"
+            assert await verifier.client_for(GOOD, "ipv4:10.0.0.1:1") == "alice"
+        assert checks.calls == {}  # not one key went to the store's check
+        # A refusal by the file is a failed check for the address's budget all the same.
+        for n in range(20):
+            assert await verifier.client_for(f"dave.wrong-{n:016}", "ipv4:10.0.0.7:1") is None
+        with pytest.raises(ResourceExhausted, match="API key checks from this address"):
+            await verifier.client_for("dave.wrong-again-000000", "ipv4:10.0.0.7:1")
+    finally:
+        verifier.close()

@@ -46,6 +46,7 @@ from broker.state import (
     StandbyRecord,
     StateStore,
     StorageError,
+    api_keys,
     new_api_key,
     open_store,
     parse_api_key,
@@ -392,6 +393,24 @@ def test_replacing_the_keys_makes_exactly_them_work(store: StateStore, database:
     store.replace_client_keys([bob])
     assert store.client_for_api_key(bob) == "bob"
     assert key_hashes(database)["alice"] == key_hashes(database)["carol"] == ""
+
+
+def test_a_reload_hashes_only_the_keys_that_changed(
+    store: StateStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = [new_api_key(f"client{n}") for n in range(5)]
+    store.replace_client_keys(keys)
+    hashed: list[str] = []
+    verified: list[str] = []
+    hash_secret, verify_secret = api_keys.hash_secret, api_keys.verify_secret
+    monkeypatch.setattr(api_keys, "hash_secret", lambda s: hashed.append(s) or hash_secret(s))
+    monkeypatch.setattr(
+        api_keys, "verify_secret", lambda s, h: verified.append(s) or verify_secret(s, h)
+    )
+    rotated = new_api_key("client1")
+    changes = store.replace_client_keys([keys[0], rotated, *keys[3:]])
+    assert (changes.added, changes.replaced, changes.revoked) == ((), ("client1",), ("client2",))
+    assert (hashed, verified) == ([rotated.partition(".")[2]], [])
 
 
 def key_hashes(database: Database) -> dict[str, str]:
