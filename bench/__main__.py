@@ -28,6 +28,7 @@ import onnxruntime
 from bench import (
     control_plane,
     gpu_allocation,
+    key_reload,
     loopback_stall,
     migration,
     mobility,
@@ -40,6 +41,7 @@ from bench import (
     resize,
     runtime_latency,
     serving,
+    upload_memory,
 )
 
 BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
@@ -57,6 +59,8 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "peers": peers.main,
     "serving": serving.main,
     "control_plane": control_plane.main,
+    "key_reload": key_reload.main,
+    "upload_memory": upload_memory.main,
 }
 
 
