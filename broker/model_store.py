@@ -43,6 +43,7 @@ import onnx
 from broker.state.permissions import PRIVATE_FILE, private_dir, tighten
 from common import replica_memory
 from common.content import InvalidDigest, PutResult, check_sha256
+from common.private_files import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,6 @@ def _checked(sha256: str, what: str = "sha256") -> str:
         return check_sha256(sha256, what)
     except InvalidDigest as err:
         raise InvalidModel(str(err)) from None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Upload:
@@ -141,7 +134,7 @@ class Upload:
                 return PutResult(self.sha256, self._size, deduplicated=True)
             self._check_onnx()
             os.replace(self._tmp, target)
-            _fsync_dir(self._store.root)
+            fsync_dir(self._store.root)
         finally:
             self.abort()
         logger.info("model store: stored %s (%d bytes)", self.sha256[:12], self._size)

@@ -23,6 +23,8 @@ import re
 import secrets
 from pathlib import Path
 
+from common.private_files import fsync_dir
+
 logger = logging.getLogger(__name__)
 
 NODE_SECRET_HEADER = "offload-node-secret"
@@ -83,7 +85,7 @@ def load_or_create_secret(state_dir: Path) -> str:
         return _read(path)
     finally:
         staging.unlink(missing_ok=True)
-    _sync_dir(state_dir)
+    fsync_dir(state_dir)
     logger.info("node secret made: %s (0600)", path)
     return secret
 
@@ -100,11 +102,3 @@ def _read(path: Path) -> str:
             "this node id (offload retire NODE_ID) before the node joins again"
         )
     return secret
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

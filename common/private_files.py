@@ -102,3 +102,13 @@ def read_secret(path: Path, flag: str) -> str:
         raise ValueError(f"{flag} {path} is empty")
     warn_if_readable(path, flag)
     return text
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush folder `path`'s entries to disk: a file renamed or created in it survives a
+    crash only once its folder is synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
