@@ -320,6 +320,16 @@ def _listing(counts: Counter[str]) -> str:
     return ", ".join(f"{n} {state}" for state, n in counts.items()) or "none"
 
 
+def _operator_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a command only an operator may run: the broker, the join token, TLS."""
+    p.add_argument(
+        "--broker",
+        help="the broker's gRPC address HOST:PORT, or several, comma-separated ($OFFLOAD_BROKER)",
+    )
+    p.add_argument("--join-token-file", help="the cluster's join token ($OFFLOAD_JOIN_TOKEN_FILE)")
+    tls_flag(p)
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--broker",
@@ -393,12 +403,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("drain", help="move every deployment off a node (operator)")
     p.add_argument("node")
-    p.add_argument(
-        "--broker",
-        help="the broker's gRPC address HOST:PORT, or several, comma-separated ($OFFLOAD_BROKER)",
-    )
-    p.add_argument("--join-token-file", help="the cluster's join token ($OFFLOAD_JOIN_TOKEN_FILE)")
-    tls_flag(p)
+    _operator_flags(p)
     p.set_defaults(func=_run(_drain))
 
     p = subparsers.add_parser(
@@ -406,12 +411,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="free a node id whose host is gone for good, or lost its state dir (operator)",
     )
     p.add_argument("node")
-    p.add_argument(
-        "--broker",
-        help="the broker's gRPC address HOST:PORT, or several, comma-separated ($OFFLOAD_BROKER)",
-    )
-    p.add_argument("--join-token-file", help="the cluster's join token ($OFFLOAD_JOIN_TOKEN_FILE)")
-    tls_flag(p)
+    _operator_flags(p)
     p.set_defaults(func=_run(_retire))
 
     for name, helptext, handler in (
