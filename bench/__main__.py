@@ -32,6 +32,7 @@ from bench import (
     loopback_stall,
     migration,
     mobility,
+    node_failure,
     offload,
     peers,
     placement,
@@ -61,6 +62,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "control_plane": control_plane.main,
     "key_reload": key_reload.main,
     "upload_memory": upload_memory.main,
+    "node_failure": node_failure.main,
 }
 
 
