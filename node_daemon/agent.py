@@ -27,6 +27,7 @@ from pathlib import Path
 
 from common import replica_memory
 from common.content import check_sha256
+from common.inventory import Gpu, Inventory
 from common.replica_memory import ModelMemory
 from common.topology import Topology
 from node_daemon.errors import (
@@ -41,10 +42,10 @@ from node_daemon.errors import (
     Unsupported,
 )
 from node_daemon.gpu_allocator import GpuAllocator
-from node_daemon.inventory import Gpu, Inventory, InventoryUnavailable
+from node_daemon.inventory.errors import InventoryUnavailable
 from node_daemon.model_cache import ModelCache
 from node_daemon.resources import ResourceManager
-from node_daemon.runtimes import (
+from node_daemon.runtimes.base import (
     LimitUnavailable,
     Replica,
     ReplicaFailed,

@@ -29,7 +29,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.inventory import Gpu
-from node_daemon.runtimes import ReplicaStats
+from node_daemon.runtimes.base import ReplicaStats
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from node_daemon.runtimes.base import (
     Runtime,
     RuntimeUnavailable,
     uncancellable,
-    wait_ready,
 )
 from node_daemon.runtimes.docker_runtime import DockerRuntime
 from node_daemon.runtimes.process_runtime import ProcessRuntime
+from node_daemon.runtimes.readiness import wait_ready
 
 __all__ = [
     "DockerRuntime",

@@ -1,22 +1,18 @@
-"""What both runtimes share: the replica spec and handle, errors, and the readiness probe."""
+"""What both runtimes share and the node agent plans with: the replica spec and handle, the
+`Runtime` protocol and its errors. Plain Python (no gRPC, Docker or NVML): the readiness
+probe, which speaks gRPC to a replica, is `node_daemon.runtimes.readiness`."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import re
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-import grpc
-
-from protos.inference import grpc_service_pb2 as pb
-from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.pem import TlsIdentity
-from runtime.tls import open_channel
 
 T = TypeVar("T")
 
@@ -213,49 +209,3 @@ async def uncancellable(awaitable: Awaitable[T]) -> T:
         if cancelled:
             raise asyncio.CancelledError
         return result
-
-
-async def wait_ready(
-    endpoint: str,
-    token: str,
-    model_name: str,
-    timeout_s: float,
-    alive: Callable[[], Awaitable[None]] | None = None,
-    interval_s: float = 0.05,
-    tls: TlsIdentity | None = None,
-) -> float:
-    """Poll ServerReady and ModelReady until both are true; returns the seconds it took.
-
-    Each probe uses a fresh channel: a reused one would sit in gRPC's reconnect backoff
-    (about a second) after the first refused connection and hide the true ready time.
-    `alive` is awaited between probes and raises ReplicaFailed when the replica died.
-    `tls`: the replica serves TLS, its certificate chains to `tls.ca`. TimeoutError after
-    `timeout_s`.
-    """
-    started = time.monotonic()
-    metadata = (("authorization", f"Bearer {token}"),)
-    while True:
-        async with open_channel(endpoint, tls) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            try:
-                server = await stub.ServerReady(
-                    pb.ServerReadyRequest(), metadata=metadata, timeout=1.0
-                )
-                model = await stub.ModelReady(
-                    pb.ModelReadyRequest(name=model_name), metadata=metadata, timeout=1.0
-                )
-                if server.ready and model.ready:
-                    return time.monotonic() - started
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ):
-                    raise ReplicaFailed(
-                        f"readiness probe on {endpoint} failed: {err.code().name} {err.details()}"
-                    ) from err
-        if alive is not None:
-            await alive()
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"replica at {endpoint} not ready after {timeout_s:.0f}s")
-        await asyncio.sleep(interval_s)

@@ -69,9 +69,9 @@ from node_daemon.runtimes.base import (
     priority_args,
     tls_args,
     uncancellable,
-    wait_ready,
     write_tls_files,
 )
+from node_daemon.runtimes.readiness import wait_ready
 
 logger = logging.getLogger(__name__)
 
