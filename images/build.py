@@ -40,8 +40,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from node_daemon.runtimes.base import RuntimeUnavailable
-from node_daemon.runtimes.docker_runtime import connect_docker
+from images.engine import EngineUnavailable, connect_engine
 from runtime.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -314,8 +313,8 @@ def download_wheels(variant: str = "cpu", *, progress: Progress = _print_progres
 
 def _connect() -> docker.DockerClient:
     try:
-        return connect_docker()
-    except RuntimeUnavailable as err:
+        return connect_engine()
+    except EngineUnavailable as err:
         raise ImageBuildError(str(err)) from err
 
 

@@ -41,7 +41,6 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -54,6 +53,7 @@ import docker.types
 import requests.exceptions
 from docker.models.containers import Container
 
+from images.engine import EngineUnavailable, connect_engine
 from node_daemon.runtimes import cgroup_limits, cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
@@ -91,10 +91,6 @@ LINEAR_WEIGHT_OF_NORMAL = 39
 """What runc before 1.3.2 makes of `NORMAL_CPU_SHARES`: 1 + (shares - 2) * 9999 // 262142."""
 LINEAR_SHARES_FOR_DEFAULT = 2598
 """The shares that formula maps to `DEFAULT_CPU_WEIGHT`."""
-_ENGINE_HINT = (
-    "start one with `make docker-engine` (installs and starts Debian's engine, as root) or "
-    "`sudo dockerd &`, or point DOCKER_HOST at a running engine"
-)
 # Labels this runtime owns (the caller's labels must not use them).
 _OWN = ("replica", "host", "secrets", "gpu-mode", "background", "metrics-port")
 
@@ -103,42 +99,14 @@ SECRETS = "/run/secrets"
 
 
 def connect_docker() -> docker.DockerClient:
-    """A client for the local engine; RuntimeUnavailable (saying how to get one) if none.
+    """A client for the local engine (`images.engine.connect_engine`); RuntimeUnavailable
+    (saying how to get one) if none.
 
     Blocking. When it raises, it leaves nothing open: no client, no socket."""
-    client: docker.DockerClient | None = None
     try:
-        client = docker.from_env(timeout=30)
-        client.ping()
-    except (docker.errors.DockerException, requests.exceptions.RequestException) as err:
-        if client is not None:
-            client.close()
-        _close_sockets_left_in(err)
-        raise RuntimeUnavailable(f"no Docker engine is reachable ({err}); {_ENGINE_HINT}") from err
-    return client
-
-
-def _close_sockets_left_in(err: BaseException) -> None:
-    """Close the sockets still held by the frames of `err`'s tracebacks (and its causes').
-
-    docker-py's unix-socket connection opens its socket and leaves it open when the connect
-    fails (no engine listening; docker/docker-py#3356, not merged): the socket lives on in
-    the traceback, out of reach of `client.close()`, and is reported unclosed (a
-    ResourceWarning, an error under `-W error`) wherever it is collected, far from here."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [err]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        tb = current.__traceback__
-        while tb is not None:
-            for value in tb.tb_frame.f_locals.values():
-                if isinstance(value, socket.socket):
-                    value.close()
-            tb = tb.tb_next
-        pending += [current.__cause__, current.__context__]
+        return connect_engine()
+    except EngineUnavailable as err:
+        raise RuntimeUnavailable(str(err)) from err
 
 
 def require_images(client: docker.DockerClient, tags: Iterable[str]) -> None:
