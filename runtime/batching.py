@@ -148,6 +148,9 @@ BatchObserver = Callable[[PriorityClass, int, float, Sequence[float]], None]
 """Called on the event loop after each batch: its class, its rows, its compute time (s) and
 each request's wait in the queue (s)."""
 
+RefusalObserver = Callable[[PriorityClass], None]
+"""Called on the event loop for each request refused `QueueFull`, with its class."""
+
 Key = tuple[tuple[str, ...], tuple[tuple[str, str, tuple[int, ...]], ...]]
 
 
@@ -191,13 +194,15 @@ class Batcher:
         inline_below_s: float,
         observe: BatchObserver | None = None,
         pad_to: Sequence[int] = (),
+        on_refused: RefusalObserver | None = None,
     ) -> None:
         """`instances`: `policy.instances` sessions of one model with a dynamic batch axis;
         `compute_s`: its compute time for one request (warm-up), the least a request's
         deadline must leave; `inline_below_s`: a lone request of a model computing within it
         runs on the loop (negative: never, as a CUDA session must not: each session keeps to
         its own thread); `pad_to`: the batch sizes to run (a batch is padded to the least of
-        them that holds it; one larger than all runs as it is), empty for any size.
+        them that holds it; one larger than all runs as it is), empty for any size;
+        `on_refused`: told of each request refused because its class's queue was full.
 
         Why pad: CUDA's convolutions are tuned per input shape at their first run (ONNX
         Runtime's exhaustive cuDNN search, tens of milliseconds a shape), so every new batch
@@ -209,6 +214,7 @@ class Batcher:
         self._compute_s = compute_s
         self._inline = compute_s <= inline_below_s
         self._observe = observe
+        self._on_refused = on_refused
         self._classes = {c: _ClassState() for c in CLASSES}
         self._queued = 0
         self._decayed_at = time.monotonic()
@@ -259,6 +265,8 @@ class Batcher:
             raise _shutting_down()
         state = self._classes[cls]
         if len(state.queue) >= self._policy.max_queued_per_class:
+            if self._on_refused is not None:
+                self._on_refused(cls)
             raise QueueFull(
                 f"{len(state.queue)} {cls} requests are queued already, the most this replica "
                 f"holds per class (--max-queued-per-class); retry with backoff"

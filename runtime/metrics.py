@@ -21,7 +21,9 @@ live load. These names are a contract with that scraper; change both together:
   the batches of each priority class (critical, standard, best-effort), whose rates give
   the classes' shares; ``offload_runtime_class_requests_total{model, class}`` (counter):
   requests computed per class; ``offload_runtime_class_queued{model, class}`` (gauge):
-  requests waiting per class.
+  requests waiting per class; ``offload_runtime_class_refused_total{model, class}``
+  (counter): requests refused RESOURCE_EXHAUSTED because their class already had
+  --max-queued-per-class waiting (each class's series appears at its first refusal).
 
 Calls refused before the handler are not counted: those without the right token (so that a
 caller without it cannot move a replica's load figures) and those gRPC itself refuses (a
@@ -77,11 +79,13 @@ class ModelMetrics:
         "_by_class",
         "_class_compute",
         "_class_queued",
+        "_class_refused",
         "_class_requests",
         "_failures",
         "_failures_by_code",
         "_model",
         "_queue_delay",
+        "_refused_by_class",
         "compute",
         "duration",
         "in_flight",
@@ -105,6 +109,8 @@ class ModelMetrics:
         self._class_queued = family.class_queued
         self._by_class: dict[str, tuple[Counter, Counter]] = {}
         """Each class's compute and request counters, resolved at its first batch."""
+        self._class_refused = family.class_refused
+        self._refused_by_class: dict[str, Counter] = {}
 
     def count_queued(
         self, total: Callable[[], float], per_class: Sequence[tuple[str, Callable[[], float]]]
@@ -131,6 +137,14 @@ class ModelMetrics:
             )
         counters[0].inc(compute_s)
         counters[1].inc(len(waits_s))
+
+    def refused_full(self, cls: str) -> None:
+        """One request of priority class `cls` refused: its class's queue was full
+        (`runtime.batching.RefusalObserver`). Event loop only."""
+        counter = self._refused_by_class.get(cls)
+        if counter is None:
+            counter = self._refused_by_class[cls] = self._class_refused.labels(self._model, cls)
+        counter.inc()
 
     def failed(self, code: str) -> None:
         """Count one call answered with the gRPC status `code` (its name). Event loop only.
@@ -217,6 +231,14 @@ class RuntimeMetrics:
         self.class_queued = Gauge(
             "offload_runtime_class_queued",
             "Requests waiting for a batch per priority class (batching).",
+            ["model", "class"],
+            registry=r,
+        )
+
+        self.class_refused = Counter(
+            "offload_runtime_class_refused",
+            "Requests refused RESOURCE_EXHAUSTED per priority class: their class already had "
+            "--max-queued-per-class waiting (batching).",
             ["model", "class"],
             registry=r,
         )

@@ -368,6 +368,7 @@ async def _batcher(
         settings.inline_below_ms / 1000 if on_cpu else -1.0,
         metrics.observe_batch,
         pad_to,
+        on_refused=metrics.refused_full,
     )
     if not on_cpu:
         sizes = pad_to

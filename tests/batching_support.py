@@ -141,3 +141,54 @@ async def send_mixed(
 
     await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
     return outcome
+
+
+SPINNER_WIDTH = 64
+
+
+def build_spinner(path: Path) -> Path:
+    """Inputs `x` FP32 [N, 64] and `turns` INT64 [N]; output `y` FP32 [N, 64]: x through
+    tanh(x @ W) as many times as the largest of `turns` (an ONNX Loop). A request's compute
+    time is what its `turns` ask for: a test holds a batch running, for as long as it
+    chooses, with one request of many turns (turns 0 computes nothing: y = x)."""
+    weights = np.random.default_rng(0).standard_normal((SPINNER_WIDTH, SPINNER_WIDTH)) * 0.1
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("MatMul", ["v_in", "w"], ["product"]),
+            helper.make_node("Tanh", ["product"], ["v_out"]),
+        ],
+        "spin",
+        [
+            helper.make_tensor_value_info("iteration", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_in", TensorProto.FLOAT, ["N", SPINNER_WIDTH]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_out", TensorProto.FLOAT, ["N", SPINNER_WIDTH]),
+        ],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMax", ["turns"], ["most"], keepdims=0),
+            helper.make_node("Loop", ["most", "go", "x"], ["y"], body=body),
+        ],
+        "spinner",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", SPINNER_WIDTH]),
+            helper.make_tensor_value_info("turns", TensorProto.INT64, ["N"]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", SPINNER_WIDTH])],
+        initializer=[
+            helper.make_tensor("go", TensorProto.BOOL, [], [True]),
+            helper.make_tensor(
+                "w", TensorProto.FLOAT, weights.shape, weights.astype(np.float32).ravel()
+            ),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path

@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from edge_client.rpc.tensors import infer_request
+from edge_client.rpc.tensors import infer_request, response_arrays
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.batching import BatchPolicy, PriorityClass
 from runtime.metrics import DURATION_BUCKETS_S
+from runtime.model import OnnxModel
 from runtime.server import (
     DEFAULT_METRICS_PORT,
     RunningServer,
@@ -30,6 +32,7 @@ from runtime.server import (
     settings_from_args,
     start_server,
 )
+from tests.batching_support import SPINNER_WIDTH, build_spinner
 
 TOKEN = "metrics-test-token-0123456789"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -334,3 +337,90 @@ async def test_a_queued_call_is_checked_against_its_deadline_when_a_thread_takes
     assert value(samples, "offload_runtime_compute_duration_seconds_count") == 0
     assert value(samples, "offload_runtime_queued") == 0
     assert failures(samples) == {"DEADLINE_EXCEEDED": 1}
+
+
+HELD_S = 3.0
+"""How long the spinner's blocking request computes, as measured before: the test's calls
+and scrapes while it runs take a small part of it."""
+
+
+def turns_for(spinner: Path, seconds: float) -> int:
+    """The spinner's turns that compute for about `seconds` on one thread here."""
+    model = OnnxModel.load(spinner, "spinner", device="cpu", intra_op_threads=1)
+    x = np.zeros((1, SPINNER_WIDTH), np.float32)
+    started = time.perf_counter()
+    model.run({"x": x, "turns": np.array([20_000])}, ["y"])
+    return int(20_000 * seconds / max(time.perf_counter() - started, 1e-6))
+
+
+async def test_a_full_class_is_refused_while_another_class_is_still_admitted(
+    tmp_path: Path,
+) -> None:
+    """`--max-queued-per-class 2`, over gRPC: while one best-effort batch runs (the spinner,
+    held by its turns), two best-effort requests wait, a third is refused RESOURCE_EXHAUSTED
+    naming the flag and counted for its class, and a critical request (a token of that class)
+    is still admitted and answered; so is every admitted request, once the batch is done."""
+    spinner = build_spinner(tmp_path / "spinner.onnx")
+    critical_token = "critical-client-token-0123"
+    settings = settings_for(
+        spinner,
+        max_batch_size=4,
+        batching=BatchPolicy(max_queued_per_class=2),
+        inline_below_ms=0,  # every batch in its session's thread: the loop stays free
+        intra_op_threads=1,
+        priority_class=PriorityClass.BEST_EFFORT,
+        class_tokens={critical_token: PriorityClass.CRITICAL},
+    )
+    turns = await asyncio.to_thread(turns_for, spinner, HELD_S)
+    running = await start_server(settings)
+    try:
+        await load_model(running, settings)
+        assert running.state.batcher is not None
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        rng = np.random.default_rng(0)
+
+        def call(spin: int, metadata: tuple[tuple[str, str], ...] = AUTH) -> asyncio.Future:
+            x = rng.standard_normal((1, SPINNER_WIDTH)).astype(np.float32)
+            request = infer_request(MODEL, {"x": x, "turns": np.array([spin])})
+            return asyncio.ensure_future(stub.ModelInfer(request, metadata=metadata, timeout=60))
+
+        def queued(cls: PriorityClass, count: int) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                samples = await scrape(running)
+                return value(samples, "offload_runtime_class_queued", **{"class": cls}) == count
+
+            return check
+
+        async with channel:
+            held = call(turns)
+
+            async def running_alone() -> bool:
+                samples = await scrape(running)
+                return (
+                    value(samples, "offload_runtime_in_flight") == 1
+                    and value(samples, "offload_runtime_queued") == 0
+                )
+
+            await until(running_alone, "the held batch to start")
+            waiting = [call(0), call(0)]
+            await until(queued(PriorityClass.BEST_EFFORT, 2), "two best-effort requests queued")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(0)
+            critical = call(0, (("authorization", f"Bearer {critical_token}"),))
+            await until(queued(PriorityClass.CRITICAL, 1), "the critical request admitted")
+            samples = await scrape(running)
+            answers = await asyncio.gather(held, critical, *waiting)
+    finally:
+        await running.drain(10.0)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "2 best-effort requests are queued already" in (refused.value.details() or "")
+    assert "--max-queued-per-class" in (refused.value.details() or "")
+    refusals = {
+        dict(labels)["class"]: count
+        for (name, labels), count in samples.items()
+        if name == "offload_runtime_class_refused_total"
+    }
+    assert refusals == {"best-effort": 1}
+    assert failures(samples) == {"RESOURCE_EXHAUSTED": 1}
+    assert [response_arrays(a)["y"].shape for a in answers] == [(1, SPINNER_WIDTH)] * 4
