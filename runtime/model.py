@@ -27,7 +27,10 @@ logger = logging.getLogger(__name__)
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
-DEVICES = ("auto", "cpu", "cuda")
+TENSORRT = "TensorrtExecutionProvider"
+DEVICES = ("auto", "cpu", "cuda", "tensorrt")
+ON_GPU = (CUDA, TENSORRT)
+"""The providers that compute on the GPU, with their inputs in device memory."""
 MAX_BOUND_BUFFERS = 64
 """Device input buffers one session keeps with IO binding (one per input and batch shape)."""
 
@@ -48,24 +51,43 @@ def _gpu_visible() -> bool:
 
 
 def choose_providers(device: str, gpu_mem_limit_mib: int = 0) -> list[str | tuple[str, dict]]:
-    """The execution providers for `device` ("auto", "cpu" or "cuda"), best first.
+    """The execution providers for `device` ("auto", "cpu", "cuda" or "tensorrt"), best
+    first.
 
-    "auto" takes CUDA when this onnxruntime build has it and a GPU is visible, else the CPU.
-    "cuda" insists: ModelLoadError when CUDA is not possible here.
+    "auto" takes CUDA when this onnxruntime build has it and a GPU is visible, else the CPU
+    (never TensorRT: its engines take long to build at load, and its libraries are in no
+    image of ours). "cuda" and "tensorrt" insist: ModelLoadError, naming the providers this
+    onnxruntime has, when it lacks the one asked for. "tensorrt" falls back to CUDA, then
+    the CPU, for the nodes TensorRT cannot run (ONNX Runtime splits the graph).
     """
     if device not in DEVICES:
         raise ModelLoadError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
-    cuda_built = CUDA in ort.get_available_providers()
+    available = ort.get_available_providers()
+    cuda_built = CUDA in available
     if device == "cpu" or (device == "auto" and not (cuda_built and _gpu_visible())):
         return [CPU]
+    if device == "tensorrt" and TENSORRT not in available:
+        raise ModelLoadError(
+            "device 'tensorrt' asked for, but this onnxruntime has no TensorRT execution "
+            f"provider; it has {', '.join(available)} (install onnxruntime-gpu and TensorRT's "
+            "libraries, or use --device cuda)"
+        )
     if not cuda_built:
         raise ModelLoadError(
-            "device 'cuda' asked for, but this onnxruntime has no CUDA execution provider "
-            "(install onnxruntime-gpu, or use the runtime image's cuda variant)"
+            f"device {device!r} asked for, but this onnxruntime has no CUDA execution provider; "
+            f"it has {', '.join(available)} (install onnxruntime-gpu, or use the runtime "
+            "image's cuda variant)"
         )
     options: dict[str, int] = {"device_id": 0}
     if gpu_mem_limit_mib > 0:
         options["gpu_mem_limit"] = gpu_mem_limit_mib * 1024 * 1024
+    if device == "tensorrt":
+        trt_options: dict[str, int] = {"device_id": 0}
+        if gpu_mem_limit_mib > 0:
+            # TensorRT's scratch space while it builds and runs its engines, out of the
+            # share (its default is 1 GiB): half, the rest for the engines and CUDA's arena.
+            trt_options["trt_max_workspace_size"] = gpu_mem_limit_mib * 1024 * 1024 // 2
+        return [(TENSORRT, trt_options), (CUDA, options), CPU]
     return [(CUDA, options), CPU]
 
 
@@ -131,6 +153,12 @@ class OnnxModel:
                 "device 'cuda' asked for, but ONNX Runtime could not start its CUDA provider "
                 "(see the log above: driver, CUDA or cuDNN libraries missing?)"
             )
+        if device == "tensorrt" and model.provider != TENSORRT:
+            raise ModelLoadError(
+                "device 'tensorrt' asked for, but ONNX Runtime could not start its TensorRT "
+                f"provider and fell back to {model.provider} (see the log above: TensorRT's "
+                "libraries, libnvinfer, missing?); use --device cuda to run on CUDA"
+            )
         if model.provider != wanted:
             logger.warning("model=%s wanted %s, fell back to %s", name, wanted, model.provider)
         logger.info(
@@ -184,9 +212,10 @@ class OnnxModel:
 
     def bind_io(self) -> bool:
         """From now on run through IO binding with device input buffers kept per shape and
-        refilled in place (`_run_bound`), when the session runs on CUDA; whether it does.
-        After this, `run` must have one caller at a time (a batcher's instance)."""
-        if self.provider != CUDA:
+        refilled in place (`_run_bound`), when the session runs on the GPU (CUDA or
+        TensorRT); whether it does. After this, `run` must have one caller at a time (a
+        batcher's instance)."""
+        if self.provider not in ON_GPU:
             return False
         self._binding = self._session.io_binding()
         return True

@@ -357,7 +357,7 @@ async def _batcher(
         logger.info(
             "model=%s IO binding %s",
             settings.name,
-            "on (device input buffers kept per shape)" if bound else "off: not on CUDA",
+            "on (device input buffers kept per shape)" if bound else "off: not on the GPU",
         )
     metrics = running.model_metrics
     batcher = Batcher(
@@ -592,7 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         choices=DEVICES,
         default="auto",
-        help="auto: CUDA when a GPU is visible and onnxruntime-gpu is installed",
+        help="auto: CUDA when a GPU is visible and onnxruntime-gpu is installed; cuda and "
+        "tensorrt (TensorRT's execution provider, falling back to CUDA for what it cannot "
+        "run) refuse to start without them, naming the providers this onnxruntime has",
     )
     p.add_argument(
         "--gpu-mem-limit-mib",

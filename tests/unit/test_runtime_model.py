@@ -12,9 +12,11 @@ import onnxruntime as ort
 import pytest
 
 from runtime.errors import ModelLoadError
-from runtime.model import CPU, CUDA, OnnxModel, choose_providers
+from runtime.model import CPU, CUDA, TENSORRT, OnnxModel, choose_providers
+from runtime.server import settings_from_args
 
 HAS_CUDA_BUILD = CUDA in ort.get_available_providers()
+HAS_TENSORRT_BUILD = TENSORRT in ort.get_available_providers()
 
 
 def test_cpu_is_cpu() -> None:
@@ -26,6 +28,25 @@ def test_auto_without_cuda_build_is_cpu_and_cuda_is_refused() -> None:
     assert choose_providers("auto") == [CPU]
     with pytest.raises(ModelLoadError, match="no CUDA execution provider"):
         choose_providers("cuda")
+
+
+@pytest.mark.skipif(HAS_TENSORRT_BUILD, reason="this onnxruntime has a TensorRT provider")
+def test_tensorrt_without_its_provider_is_refused_naming_what_there_is(
+    probe_model: Path, tmp_path: Path
+) -> None:
+    """`--device tensorrt` is a flag the runtime takes; on an onnxruntime without TensorRT's
+    provider (this machine's) the load is refused, saying so and naming the providers it
+    has, never quietly served on another."""
+    token = tmp_path / "token"
+    token.write_text("t")
+    flags = ["--model", str(probe_model), "--token-file", str(token), "--host", "127.0.0.1"]
+    assert settings_from_args([*flags, "--device", "tensorrt"]).device == "tensorrt"
+    with pytest.raises(ModelLoadError) as refused:
+        OnnxModel.load(probe_model, "probe", device="tensorrt")
+    message = str(refused.value)
+    assert "device 'tensorrt' asked for, but this onnxruntime has no TensorRT" in message
+    assert f"it has {', '.join(ort.get_available_providers())}" in message
+    assert "--device cuda" in message
 
 
 def test_unknown_device_is_refused() -> None:
