@@ -15,7 +15,9 @@
    bound is its penalty with its latency lowered to d + min_access; a bucket's first node
    bounds the bucket, and a bucket with load 0 bounds every later bucket. Nodes whose bound
    exceeds the worst top candidate are skipped (`OUTSCORED`), as are those whose bound equals
-   it with a larger node id (ties go to the smallest id). Only the rest are scored in full.
+   it with a larger node id (ties go to the smallest id): with the nodes after it of the same
+   load, in one step, so a site of idle nodes costs a few bounds, not one per node. Only the
+   rest are scored in full.
 
 All bounds are evaluated with `scoring.penalty` in the same operation order as the score
 itself, so they hold in floating point too (IEEE rounding is monotonic) and the fast path
@@ -212,16 +214,23 @@ class _Search:
             if top.full() and penalty(strategy, closest, 0.0, rest) > top.worst()[0]:
                 self.counts[RejectReason.OUTSCORED] += sum(len(b) for _, b, _ in fitting[i:])
                 break
-            for j, (load, node_id) in enumerate(bucket):
+            j, size = 0, len(bucket)
+            while j < size:
+                load, node_id = bucket[j]
                 if top.full():
                     worst_penalty, worst_id = top.worst()
                     bound = penalty(strategy, closest, load, rest)
                     if bound > worst_penalty:
-                        self.counts[RejectReason.OUTSCORED] += len(bucket) - j
+                        self.counts[RejectReason.OUTSCORED] += size - j
                         break
                     if bound == worst_penalty and node_id > worst_id:
-                        self.counts[RejectReason.OUTSCORED] += 1
+                        # The nodes after it of the same load have larger ids and the same
+                        # bound: all outscored (a cluster of idle nodes is one such run).
+                        end = bisect.bisect_right(bucket, load, j, key=_load)
+                        self.counts[RejectReason.OUTSCORED] += end - j
+                        j = end
                         continue
+                j += 1
                 latency = distance + self.network.access_ms(node_id)
                 if slo is not None and latency > slo:
                     self._reject(RejectReason.LATENCY_SLO, 1, (node_id,), f"{latency:.2f} ms")
@@ -530,6 +539,10 @@ def _describe(request: PlacementRequest) -> str:
     if request.min_cuda is not None:
         words.append(f"with CUDA >= {request.min_cuda}")
     return " ".join(words)
+
+
+def _load(item: tuple[float, str]) -> float:
+    return item[0]
 
 
 def _ids(index: SiteIndex) -> Iterator[str]:

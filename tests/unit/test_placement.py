@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import itertools
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -26,7 +27,9 @@ from broker.placement import (
     largest_possible,
     place,
     place_brute_force,
+    search,
 )
+from broker.placement.scoring import penalty
 from broker.placement.search import TOP_CANDIDATES
 from common.inventory import P2P_KINDS
 from common.topology import Topology
@@ -254,6 +257,29 @@ def test_at_scale_rejections_are_counted_by_reason_and_far_nodes_are_not_examine
     assert "1,000 node(s): not examined" in explanation.render()
     assert len(explanation.rejected) <= 20
     assert place_brute_force(snapshot, request(), line(50)).node_id == "near-0"
+
+
+def test_a_site_of_idle_identical_nodes_costs_a_few_bounds_not_one_per_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Hollow nodes (bench.control_plane) all report load 0: after the top fills, every other
+    # node ties its bound with the worst candidate and loses on its id, in one step.
+    pair = POOL["pair"]()
+    nodes = [NodeSnapshot.idle(f"n-{i:04d}", "s0", pair) for i in range(1000)]
+    snapshot = ClusterSnapshot.of(nodes)
+    bounds = []
+
+    def counted(*args: Any) -> float:
+        bounds.append(args)
+        return penalty(*args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(search, "penalty", counted)
+        decision = place(snapshot, request(), line(5))
+    assert len(bounds) <= 4 * TOP_CANDIDATES
+    assert decision.node_id == "n-0000"
+    assert reasons(decision) == {RejectReason.OUTSCORED: 1000 - TOP_CANDIDATES}
+    check_equal_to_brute_force(snapshot, line(5), request())
 
 
 # --- filters and nothing fits --------------------------------------------------------------
