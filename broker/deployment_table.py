@@ -15,6 +15,7 @@ few callers that want one read it there.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Iterable
 
 from broker.state import DeploymentRecord, DeploymentState
@@ -32,6 +33,9 @@ class DeploymentTable:
     def __init__(self) -> None:
         self._records: dict[str, DeploymentRecord] = {}
         self._by_client: dict[str, set[str]] = {}
+        self._states: dict[str, Counter[DeploymentState]] = {}
+        """client id -> how many of its deployments are in each state (`count`, every
+        deploy's quota check, without a pass over the client's deployments)."""
         self._on_node: dict[str, set[str]] = {}
         """node id -> the active deployments placed on it."""
 
@@ -42,6 +46,7 @@ class DeploymentTable:
         """Replace the contents with `records` (the store's, at start)."""
         self._records.clear()
         self._by_client.clear()
+        self._states.clear()
         self._on_node.clear()
         for record in records:
             self.put(record)
@@ -55,6 +60,9 @@ class DeploymentTable:
             self._by_client[old.client_id].discard(old.deployment_id)
             if not self._by_client[old.client_id]:
                 del self._by_client[old.client_id]
+                del self._states[old.client_id]
+            else:
+                self._states[old.client_id][old.state] -= 1
             if old.node_id and old.state in ACTIVE:
                 self._on_node[old.node_id].discard(old.deployment_id)
                 if not self._on_node[old.node_id]:
@@ -64,6 +72,7 @@ class DeploymentTable:
             return touched
         self._records[record.deployment_id] = record
         self._by_client.setdefault(record.client_id, set()).add(record.deployment_id)
+        self._states.setdefault(record.client_id, Counter())[record.state] += 1
         if record.node_id and record.state in ACTIVE:
             self._on_node.setdefault(record.node_id, set()).add(record.deployment_id)
             touched.add(record.node_id)
@@ -87,7 +96,8 @@ class DeploymentTable:
 
     def count(self, client_id: str, states: Collection[DeploymentState]) -> int:
         """How many of the client's deployments are in `states`."""
-        return sum(self._records[i].state in states for i in self._by_client.get(client_id, ()))
+        counts = self._states.get(client_id)
+        return 0 if counts is None else sum(counts[state] for state in set(states))
 
     def on_node(self, node_id: str) -> list[DeploymentRecord]:
         """The active (starting, running) deployments placed on the node, oldest first."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.placement import CAPTURES
-from broker.deployment_table import DeploymentTable
+from broker.deployment_table import ACTIVE, DeploymentTable
 from broker.errors import ResourceExhausted, StateUnavailable
 from broker.placement import ClusterSnapshot, PriorityClass
 from broker.quotas import ClientLimits, Quotas
@@ -73,6 +73,25 @@ def test_the_table_indexes_by_client_and_node_and_drops_deleted() -> None:
     assert table.get("d-2") is None
     assert [r.deployment_id for r in table.select()] == ["d-1", "d-3"]
     assert table.count("alice", (DeploymentState.PENDING,)) == 1
+
+
+def test_counts_by_state_follow_every_change_as_a_recount_does() -> None:
+    # `count` is every deploy's quota check: kept per client and state, never a pass over
+    # the client's deployments; after any changes it equals counting them.
+    rng = random.Random(7)
+    table = DeploymentTable()
+    states = list(DeploymentState)
+    for step in range(2000):
+        deployment_id = f"d-{rng.randrange(60)}"
+        client = table.get(deployment_id).client_id if table.get(deployment_id) else None
+        client = client or rng.choice(["alice", "bob", "carol"])
+        state = rng.choice(states)
+        node = rng.choice(["n1", "n2"]) if state in ACTIVE else None
+        table.put(record(deployment_id, client, state, node, float(step)))
+        for who in ("alice", "bob", "carol"):
+            for asked in (VISIBLE, (state,), (), (state, state)):
+                mine = table.select(client_id=who)
+                assert table.count(who, asked) == sum(r.state in asked for r in mine)
 
 
 @pytest.fixture
