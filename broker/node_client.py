@@ -5,7 +5,6 @@ own (they never leave this module)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 
@@ -17,6 +16,7 @@ from broker.errors import (
     Unfit,
     client_text,
 )
+from broker.node_link import ReplicaResources
 from common.certs import TlsIdentity
 from common.replica_memory import REFUSALS
 from protos.offload.v1 import node_pb2 as pb
@@ -28,20 +28,6 @@ _REPLICA_FAULTS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_
 """What a node answers when the replica itself cannot run (StartFailed: its model does not
 load or it exits; a spec the node refuses)."""
 CALL_TIMEOUT_S = 15.0
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaResources:
-    """What a replica is given (node.proto `ReplicaSpec`): GPU memory share, CPU and memory
-    limits, and what the node's resource manager needs to re-divide CPU (priority class,
-    CPU floor and ceiling; 0: the node's defaults)."""
-
-    gpu_memory_mib: int = 0
-    cpus: float = 0.0
-    memory_mib: int = 0
-    priority: int = 0
-    cpus_min: float = 0.0
-    cpus_max: float = 0.0
 
 
 class NodeClient:

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 
 from broker.deployment_table import ACTIVE
+from broker.nodes import NodeEntry
 from broker.ops import (
     BatchingInfo,
     DeploymentFigures,
@@ -23,7 +24,7 @@ from broker.ops import (
     StandbyInfo,
 )
 from broker.placement import PriorityClass
-from broker.service import Broker, DeploySpec, NodeEntry
+from broker.service import Broker, DeploySpec
 from broker.state import DeploymentRecord, OffloadReportRecord
 from broker.telemetry import DeploymentPoint
 
@@ -341,6 +342,6 @@ class BrokerOpsView:
                     "policy": r.policy,
                     "reason": r.reason,
                 }
-                for r in await self._broker.resizes()
+                for r in await self._broker.registry.resizes()
             ],
         }

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -49,6 +50,7 @@ from broker.leadership import (
 from broker.migrations import Migrations
 from broker.model_store import ModelStore
 from broker.network import ClusterConfigError, EdgeNetwork
+from broker.node_client import NodeClient
 from broker.ops import (
     BrokerMetrics,
     OpsAuth,
@@ -202,7 +204,7 @@ async def start_broker(
             config.join_token,
             config.settings,
             metrics,
-            node_tls=config.tls,
+            functools.partial(NodeClient, tls=config.tls),
         )
         broker.use_keys(config.api_keys)
         await broker.load()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import hmac
 import json
@@ -31,18 +30,16 @@ from collections.abc import (
     AsyncIterator,
     Callable,
     Collection,
-    Coroutine,
     Iterator,
     Mapping,
     Sequence,
 )
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any, TypeGuard, TypeVar
 
+from broker.core import Core, retrieve
 from broker.deployment_table import ACTIVE, DeploymentTable
 from broker.errors import (
-    AlreadyExists,
     Busy,
     Impossible,
     InvalidRequest,
@@ -51,19 +48,19 @@ from broker.errors import (
     PermissionDenied,
     ReplicaFailed,
     ResourceExhausted,
-    StateUnavailable,
     Unauthenticated,
     Unfit,
     quote,
 )
+from broker.ids import NodeId, replica_id
 from broker.key_verifier import KeyVerifier
-from broker.loop_lag import LoopLag
 from broker.model_store import InvalidModel, ModelStore, Upload
 from broker.model_store import ModelNotFound as StoredModelNotFound
 from broker.model_store import ModelTooLarge as StoredModelTooLarge
 from broker.network import EdgeNetwork, UnknownSite
-from broker.node_client import NodeClient, ReplicaResources
-from broker.ops import BrokerMetrics
+from broker.node_link import NodeLinkFactory, ReplicaResources
+from broker.nodes import LIVE_REPLICA, MAX_GPUS, NodeEntry, NodeRegistry, ReplicaState, Reported
+from broker.ops.metrics import BrokerMetrics
 from broker.placement import (
     Allocation,
     ClusterSnapshot,
@@ -84,27 +81,20 @@ from broker.quotas import (
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
-    GroupCommitter,
     MigrationRecord,
     MigrationState,
     ModelRecord,
-    NodeRecord,
     NodeState,
     OffloadReportRecord,
     OffloadSummary,
-    ResizeRecord,
     StandbyRecord,
     StateStore,
-    StorageError,
 )
-from broker.telemetry import LoadHistory, NodeSample, Resize
+from broker.telemetry import NodeSample
 from broker.timed_lock import TimedLock
 from common import heap
-from common.certs import TlsIdentity
-from common.inventory import Gpu, Inventory, Link, LinkKind
-from common.node_identity import NODE_SECRET_HEADER, proves, secret_sha256, well_formed
+from common.inventory import Inventory
 from common.replica_memory import share_too_small
-from common.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -118,32 +108,7 @@ VISIBLE = (
 )
 
 
-class ReplicaState(enum.StrEnum):
-    """A replica as its node reports it."""
-
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    EXITED = "exited"
-    UNKNOWN = "unknown"
-    """A state this broker does not know (a newer node's)."""
-
-
-LIVE_REPLICA = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.STOPPING})
-"""Replica states in which the process or container is there."""
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-NODE_ID = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")
-"""What a node id may be (it names the node in logs, metrics and replica endpoints)."""
-_ADDRESS = re.compile(r"[^\s:]{1,253}:(\d{1,5})")
-MAX_GPUS = 64
-RESIZES_KEPT = 100
-"""Resizes the store keeps per deployment (the most recent)."""
-RESIZES_LISTED = 500
-"""Resizes `Broker.resizes` returns at most."""
-RESIZES_REMEMBERED = 4096
-"""(node, event) pairs the broker remembers as recorded, to skip the store for the ones a
-node repeats; one it forgot is recorded again harmlessly (the store ignores duplicates)."""
-
 OFFLOAD_SESSIONS_KEPT = 8
 """Offload summaries kept per deployment: those of the client's most recently reported
 sessions (a client that restarts begins a new session)."""
@@ -386,11 +351,6 @@ placement decision of standby priority), or None for no standby. Pure: it runs u
 placement lock."""
 
 
-def replica_id(deployment_id: str, epoch: int) -> str:
-    """The id of a deployment's replica at `epoch`: the name nodes know it by."""
-    return f"{deployment_id}-{epoch}"
-
-
 @dataclass(slots=True)
 class _Reconciliation:
     """What reconciling a node's report found to do (`Broker._reconcile_plan`)."""
@@ -403,21 +363,6 @@ class _Reconciliation:
 
     def __bool__(self) -> bool:
         return bool(self.requeue or self.retire or self.stop)
-
-
-@dataclass(slots=True)
-class NodeEntry:
-    """A node the broker knows, as of its last registration and heartbeat."""
-
-    record: NodeRecord
-    inventory: Inventory
-    topology: Topology
-    client: NodeClient
-    last_heartbeat: float
-    """time.monotonic() of the last registration or heartbeat."""
-    replicas: frozenset[str] = frozenset()
-    """The replica ids the node reported last."""
-    load: float = 0.0
 
 
 @dataclass(slots=True)
@@ -437,41 +382,6 @@ class _Watchers:
             queue.put_nowait(update)
 
 
-def inventory_to_json(inventory: Inventory) -> str:
-    return json.dumps(
-        {
-            "gpus": [
-                {
-                    "index": g.index,
-                    "uuid": g.uuid,
-                    "name": g.name,
-                    "memory_total_mib": g.memory_total_mib,
-                    "numa_node": g.numa_node,
-                }
-                for g in inventory.gpus
-            ],
-            "links": [[a, b, str(link)] for (a, b), link in sorted(inventory.links.items())],
-            "driver_version": inventory.driver_version,
-            "cuda_version": inventory.cuda_version,
-        }
-    )
-
-
-def inventory_from_json(text: str) -> Inventory:
-    data = json.loads(text)
-    links = {}
-    for a, b, kind in data["links"]:
-        links[(a, b)] = (
-            Link(LinkKind.NV, int(kind[2:])) if kind.startswith("NV") else Link(LinkKind(kind))
-        )
-    return Inventory(
-        gpus=tuple(Gpu(**g) for g in data["gpus"]),
-        links=links,
-        driver_version=data["driver_version"],
-        cuda_version=data["cuda_version"],
-    )
-
-
 class Broker:
     def __init__(
         self,
@@ -481,24 +391,31 @@ class Broker:
         join_token: str,
         settings: BrokerSettings,
         metrics: BrokerMetrics,
-        node_tls: TlsIdentity | None = None,
+        node_links: NodeLinkFactory,
     ) -> None:
-        """`node_tls`: the broker's certificate and CA for its calls to nodes (mutual TLS);
-        None: plaintext."""
+        """`node_links`: how the broker gets its link to a node (`NodeClient`, over mutual
+        TLS when the broker has a certificate)."""
+        self._core = Core(store, metrics)
         self._store = store
-        self._node_tls = node_tls
+        self._db = self._core.db
+        self._db_queued = self._core.db_queued
+        self._durable = self._core.durable
+        self.background = self._core.background
+        self._own = self._core.own
+        self.registry = NodeRegistry(
+            self._core,
+            network,
+            node_links,
+            metrics,
+            lost_after_s=settings.lost_after_s,
+            on_change=self._node_changed,
+        )
+        """The nodes (`broker.nodes`): their entries, secrets, liveness and resizes."""
         self.models = models
         self.network = network
         self.settings = settings
         self.metrics = metrics
         self._join_token = join_token
-        self._db_executor = GroupCommitter(store, metrics.observe_state_commit)
-        """The store's one thread: the calls queued together commit together."""
-        self._nodes: dict[str, NodeEntry] = {}
-        """The nodes the broker knows; others read them through `nodes`."""
-        self._node_secrets: dict[str, str] = {}
-        """node id -> the sha256 of the node secret it is bound to (`common.node_identity`),
-        as in the store: read on every heartbeat, so never a store round trip."""
         self._placing = TimedLock(metrics.observe_placement_lock)
         """Held by every decision that reads and changes placement (deploy, place again,
         evict, reserve a move, switch, give up a move): one at a time, each naming its use
@@ -538,48 +455,21 @@ class Broker:
         self._retiring: set[Standby] = set()
         """Standbys being stopped: they hold their GPUs (and count against the budget)
         until their replica is gone."""
-        self._tasks: set[asyncio.Task[Any]] = set()
-        """Background work started by a change (placing again, publishing updates)."""
-        self.load_history = LoadHistory()
-        """What nodes reported in their heartbeats, the last few minutes of it."""
-        self.loop_lag = LoopLag(window_s=self.settings.lost_after_s)
-        """How late this event loop has run lately (its monitor, `LoopLag.run`, is started
-        with the lost-node check): a node gets that much more silence before it is lost."""
-        self._resizes_seen: dict[tuple[str, str], None] = {}
-        """(node id, event id) of resizes recorded already, oldest first (bounded): a node
-        repeats its recent ones in every heartbeat, and they need no store round trip."""
+        self.load_history = self.registry.load_history
+        self.loop_lag = self.registry.loop_lag
 
     @property
     def nodes(self) -> Mapping[str, NodeEntry]:
-        """The nodes the broker knows, read-only: only the broker changes them."""
-        return MappingProxyType(self._nodes)
+        """The nodes the broker knows, read-only: only the registry changes them."""
+        return self.registry.nodes
+
+    def _node_changed(self, node_id: str, load_only: bool) -> None:
+        """The registry's news: placement's entry for the node is stale."""
+        (self._reloaded if load_only else self._stale).add(node_id)
 
     async def visible_deployments(self) -> list[DeploymentRecord]:
         """Every deployment a client can see (pending, starting, running, failed)."""
         return self._deployments.select(states=VISIBLE)
-
-    async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn` on the state thread, durable when it returns (the calls queued together
-        commit together: `broker.state.group_commit`). A StorageError (the store's
-        transaction undone) is StateUnavailable to the caller, its detail (which names the
-        database) logged here."""
-        return await self._durable(self._db_queued(fn, *args, **kwargs))
-
-    def _db_queued(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
-        """`fn` queued on the state thread now, behind every call queued before it (so a
-        decision queues its write under the placement lock and awaits it after releasing
-        the lock, and the next decision's writes still land after it); await it with
-        `_durable`."""
-        return asyncio.wrap_future(self._db_executor.submit(fn, *args, **kwargs))
-
-    async def _durable(self, queued: asyncio.Future[T]) -> T:
-        """The outcome of a `_db_queued` call, as `_db` gives it."""
-        try:
-            return await queued
-        except StorageError as err:
-            logger.warning("the state store failed: %s", err)
-            unavailable = "the broker cannot reach its state store; retry shortly"
-            raise StateUnavailable(unavailable) from err
 
     # --- start-up and shutdown -----------------------------------------------------------
 
@@ -590,26 +480,7 @@ class Broker:
         whether its replica came up is unknown, and nothing is waiting for it. It becomes
         pending (placed again by `retry_pending`, at the next epoch); a replica it may have
         left is claimed by nothing and stopped after the orphan grace."""
-        self._node_secrets = await self._db(self._store.node_secrets)
-        for record in await self._db(self._store.list_nodes):
-            if record.state is NodeState.LOST:
-                continue
-            try:
-                inventory = inventory_from_json(record.inventory_json)
-                self.network.add_node(record.node_id, record.site)
-            except (ValueError, KeyError) as err:
-                logger.error("node=%s in the state cannot be restored: %s", record.node_id, err)
-                continue
-            self._nodes[record.node_id] = NodeEntry(
-                record,
-                inventory,
-                Topology.from_inventory(inventory),
-                # No node secret until the node registers again: without TLS the broker
-                # cannot call it before then (it keeps only the secret's hash).
-                NodeClient(record.node_id, record.address, None, self._node_tls),
-                time.monotonic(),
-            )
-        self._stale.update(self._nodes)
+        await self.registry.load()
         self._deployments.load(await self._db(self._store.list_deployments, states=VISIBLE))
         for starting in self._deployments.select(states=(DeploymentState.STARTING,)):
             async with self._placing.use("load"):
@@ -629,31 +500,16 @@ class Broker:
                 f"retire-{standby.replica}",
             )
         logger.info(
-            "state loaded: %d node(s), %d deployment(s)", len(self._nodes), len(self._deployments)
+            "state loaded: %d node(s), %d deployment(s)", len(self.nodes), len(self._deployments)
         )
 
-    def background(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
-        """Run `coro` as the broker's own task (cancelled by `close`); a failure is logged."""
-        task = self._own(coro, name)
-        task.add_done_callback(_log_failure)
-        return task
-
-    def _own(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for entry in self._nodes.values():
-            await entry.client.close()
+        await self._core.cancel_tasks()
+        await self.registry.close()
         for deployment_id in list(self.watchers.queues):
             self.watchers.push(deployment_id, None)
         self._keys.close()
-        self._db_executor.shutdown()
+        self._core.close()
 
     # --- authentication ------------------------------------------------------------------
 
@@ -686,66 +542,16 @@ class Broker:
         site: str,
         inventory: Inventory,
         runtimes: Sequence[str],
-        replicas: Sequence[tuple[str, ReplicaState]],
+        replicas: Reported,
         *,
         secret: str,
         certified: bool = False,
     ) -> None:
-        """Record (or refresh) a node, then reconcile the replicas it reports, given as
-        (replica id, state), in the background. InvalidRequest for an unknown site or bad
-        fields.
-
-        `secret` is the node's secret (`common.node_identity`), `certified` whether the
-        caller presented a TLS certificate for `node_id`. An unbound id (new, or retired) is
-        bound to `secret`; a bound one registers only with its secret, or, `certified`, once
-        the node holding it is no longer live (then bound to the new secret). Anything else
-        is AlreadyExists naming the holder's address, and changes nothing: the broker never
-        repoints a node without proof. Unauthenticated for a missing or malformed secret."""
-        if not NODE_ID.fullmatch(node_id):
-            raise InvalidRequest(f"node_id {quote(node_id)} must be 1-63 of a-z, 0-9, '.', '-'")
-        address_match = _ADDRESS.fullmatch(address)
-        if address_match is None or not 1 <= int(address_match.group(1)) <= 65535:
-            raise InvalidRequest(f"address {quote(address)} is not host:port (port 1..65535)")
-        if site not in self.network.sites:
-            raise InvalidRequest(
-                f"site {quote(site)} is not in the cluster file; known sites: "
-                f"{', '.join(self.network.sites)}"
-            )
-        try:
-            topology = Topology.from_inventory(inventory)
-        except ValueError as err:
-            raise InvalidRequest(f"inventory: {err}") from err
-        if not well_formed(secret):
-            raise Unauthenticated(
-                f"missing or malformed node secret: send '{NODE_SECRET_HEADER}: <secret>' "
-                "(offload node keeps it in its state dir)"
-            )
-        await self._claim_node(node_id, secret, certified)
-        now = time.time()
-        previous = self._nodes.get(node_id)
-        record = NodeRecord(
-            node_id=node_id,
-            address=address,
-            site=site,
-            state=NodeState.READY,
-            inventory_json=inventory_to_json(inventory),
-            runtimes=tuple(runtimes),
-            registered_at=now,
-            last_heartbeat_at=now,
-            usage_json="{}",
+        """Record (or refresh) a node (`NodeRegistry.register`), then reconcile the replicas
+        it reports, given as (replica id, state), in the background."""
+        await self.registry.register(
+            node_id, address, site, inventory, runtimes, secret=secret, certified=certified
         )
-        await self._db(self._store.upsert_node, record)
-        self.network.add_node(node_id, site)
-        if previous is not None and previous.record.address == address:
-            client = previous.client
-            client.secret = secret
-        else:
-            if previous is not None:
-                await previous.client.close()
-            client = NodeClient(node_id, address, secret, self._node_tls)
-        entry = NodeEntry(record, inventory, topology, client, time.monotonic())
-        self._nodes[node_id] = entry
-        self._stale.add(node_id)
         logger.info(
             "node=%s registered site=%s gpus=%d replicas=%d",
             node_id,
@@ -755,147 +561,12 @@ class Broker:
         )
         self._schedule_reconcile(node_id, replicas)
 
-    async def _claim_node(self, node_id: str, secret: str, certified: bool) -> None:
-        """Check that the caller may register `node_id` (see `register_node`), binding the
-        id to `secret` when it is unbound, or taken over with a certificate."""
-        bound = self._node_secrets.get(node_id)
-        if proves(secret, bound):
-            return
-        holder = self._nodes.get(node_id)
-        live = holder is not None and self.is_live(holder)
-        if bound is not None and (live or not certified):
-            # A lost node is not in memory after a broker restart: its address is in the store.
-            record = holder.record if holder is not None else None
-            record = record or await self._db(self._store.get_node, node_id)
-            where = f"at {record.address}" if record is not None else "(address unknown)"
-            if live:
-                raise AlreadyExists(
-                    f"node id {node_id} is held by the live node {where}, and this daemon "
-                    "does not have its node secret: give this daemon another --node-id (a "
-                    "cloned host keeps the hostname as its id), or stop the other one"
-                )
-            raise AlreadyExists(
-                f"node id {node_id} belongs to the node last {where}, no longer live, and "
-                "this daemon does not have its node secret: if that host is gone for good "
-                f"(or lost its state dir), retire the id (offload retire {node_id}) and "
-                "start this daemon again"
-            )
-        fresh = secret_sha256(secret)
-        if not await self._db(self._store.bind_node_secret, node_id, bound, fresh, time.time()):
-            raise AlreadyExists(
-                f"node id {node_id} was claimed by another daemon at the same moment"
-            )
-        self._node_secrets[node_id] = fresh
-        if bound is None:
-            logger.info("node=%s bound to its node secret", node_id)
-        else:
-            logger.warning(
-                "node=%s taken over by a daemon with its certificate and a new node secret "
-                "(the previous holder was not live)",
-                node_id,
-            )
-
-    def is_live(self, entry: NodeEntry) -> bool:
-        """Whether the node heartbeats: not lost, and heard within `lost_after_s`."""
-        silent = time.monotonic() - entry.last_heartbeat
-        return entry.record.state is not NodeState.LOST and silent < self.settings.lost_after_s
-
-    def check_node(self, node_id: str, secret: str | None) -> None:
-        """Check that `secret` is the one `node_id` is bound to, before a heartbeat is
-        taken; no store round trip. NotFound otherwise (an unbound id: retired; another
-        secret: the id was taken over): the node registers again, which tells it why. A
-        broker that restarted learns the secret it calls the node's NodeAgent with here."""
-        if not proves(secret, self._node_secrets.get(node_id)):
-            raise NotFound(
-                f"node {node_id} is not registered with this node secret; register again"
-            )
-        entry = self._nodes.get(node_id)
-        if entry is not None and entry.client.secret is None:
-            entry.client.secret = secret
-
-    async def retire_node(self, node_id: str) -> None:
-        """Free `node_id` for good: forget the secret it is bound to, so that the next daemon
-        to register it binds it afresh (a host gone for good, or one that lost its state
-        dir). Impossible while the node is live (stop its daemon, wait `lost_after_s`);
-        NotFound for an id the broker never saw. Idempotent for a known id."""
-        entry = self._nodes.get(node_id)
-        if entry is not None and self.is_live(entry):
-            raise Impossible(
-                f"node {node_id} is live at {entry.record.address}: stop its daemon first; "
-                f"it can be retired once it has been silent {self.settings.lost_after_s:g}s"
-            )
-        known = await self._db(self._store.get_node, node_id)
-        if known is None and node_id not in self._node_secrets:
-            raise NotFound(f"node {node_id} is unknown")
-        await self._db(self._store.forget_node_secret, node_id)
-        self._node_secrets.pop(node_id, None)
-        logger.warning("node=%s retired: the next daemon to register this id binds it", node_id)
-
-    def heartbeat(
-        self, node_id: str, sample: NodeSample, replicas: Sequence[tuple[str, ReplicaState]]
-    ) -> None:
-        """Record that the node is alive and its load, at once and before anything that can
-        wait: the liveness path never queues behind the store, placement or client calls.
-        Reconciling the replicas it reports, and recording its resizes, run after, in the
-        background. NotFound when the node is unknown (it registers again)."""
-        entry = self._nodes.get(node_id)
-        if entry is None:
-            raise NotFound(f"node {node_id} is not registered; register again")
-        entry.last_heartbeat = time.monotonic()
-        if entry.load != sample.load:
-            entry.load = sample.load
-            self._reloaded.add(node_id)
-        self.load_history.record(node_id, sample, time.time())
-        fresh = [r for r in sample.resizes if (node_id, r.event_id) not in self._resizes_seen]
-        if fresh:
-            self.background(self._record_resizes(node_id, fresh), f"resizes-{node_id}")
-        if entry.record.state is NodeState.LOST:
-            entry.record = replace(entry.record, state=NodeState.READY)
-            self._stale.add(node_id)
-            self.background(
-                self._db(self._store.set_node_state, node_id, NodeState.READY), f"back-{node_id}"
-            )
-            logger.info("node=%s is back", node_id)
+    def heartbeat(self, node_id: str, sample: NodeSample, replicas: Reported) -> None:
+        """Record that the node is alive and its load (`NodeRegistry.heartbeat`), at once;
+        reconciling the replicas it reports runs after, in the background. NotFound when
+        the node is unknown (it registers again)."""
+        self.registry.heartbeat(node_id, sample)
         self._schedule_reconcile(node_id, replicas)
-
-    async def _record_resizes(self, node_id: str, resizes: Sequence[Resize]) -> None:
-        """Keep the resizes a node reported that the store has not seen, once each."""
-        records = [
-            ResizeRecord(
-                node_id=node_id,
-                event_id=r.event_id,
-                deployment_id=r.deployment_id,
-                replica_id=r.replica_id,
-                cpus_before=r.cpus_before,
-                cpus_after=r.cpus_after,
-                policy=r.policy,
-                reason=r.reason,
-                at=r.at,
-            )
-            for r in resizes
-        ]
-        added = await self._db(self._store.put_resizes, records, keep=RESIZES_KEPT)
-        for r in resizes:
-            self._resizes_seen[(node_id, r.event_id)] = None
-        while len(self._resizes_seen) > RESIZES_REMEMBERED:
-            self._resizes_seen.pop(next(iter(self._resizes_seen)))
-        for record in added:
-            self.metrics.count_resize(record.policy, record.cpus_after > record.cpus_before)
-            logger.info(
-                "deployment=%s replica=%s on node=%s resized %.2f -> %.2f cores (%s): %s",
-                record.deployment_id,
-                record.replica_id,
-                node_id,
-                record.cpus_before,
-                record.cpus_after,
-                record.policy,
-                record.reason,
-            )
-
-    async def resizes(self, deployment_id: str | None = None) -> list[ResizeRecord]:
-        """The recorded resizes of one deployment or all, oldest first (at most
-        `RESIZES_KEPT` per deployment)."""
-        return await self._db(self._store.list_resizes, deployment_id, limit=RESIZES_LISTED)
 
     def _schedule_reconcile(
         self, node_id: str, replicas: Sequence[tuple[str, ReplicaState]]
@@ -906,7 +577,7 @@ class Broker:
         if node_id in self._reconciling:
             self._reconciling[node_id] = replicas
             return
-        entry = self._nodes.get(node_id)
+        entry = self.nodes.get(node_id)
         if entry is None or not self._reconcile_plan(entry, replicas):
             return
         self._reconciling[node_id] = None
@@ -916,7 +587,7 @@ class Broker:
         self, node_id: str, replicas: Sequence[tuple[str, ReplicaState]] | None
     ) -> None:
         try:
-            while replicas is not None and (entry := self._nodes.get(node_id)) is not None:
+            while replicas is not None and (entry := self.nodes.get(node_id)) is not None:
                 await self._reconcile(entry, self._reconcile_plan(entry, replicas))
                 replicas = self._reconciling.get(node_id)
                 self._reconciling[node_id] = None
@@ -936,7 +607,7 @@ class Broker:
         running = {rid for rid, state in replicas if state in LIVE_REPLICA}
         # A heartbeat may have been taken before a switch it is processed after.
         settled_before = time.time() - 2 * self.settings.heartbeat_interval_s
-        entry.replicas = frozenset(rid for rid, _ in replicas)
+        self.registry.reported(node_id, replicas)
         placed = self._deployments.on_node(node_id)
         expected = {
             replica_id(d.deployment_id, d.epoch): d
@@ -1001,36 +672,10 @@ class Broker:
             with contextlib.suppress(NodeUnavailable):
                 await entry.client.stop_replica(replica, self.settings.stop_grace_ms)
 
-    async def mark_lost_nodes(self) -> list[str]:
-        """Mark nodes silent past the timeout, plus how late this event loop ran lately
-        (`loop_lag`), as lost; returns their ids. The decision is taken on the in-memory
-        heartbeat times alone, all nodes at once; only then is it written to the store."""
-        now = time.monotonic()
-        # Heartbeats wait unread while this loop is behind: silence that long is not the
-        # node's (`broker.loop_lag`).
-        lag = self.loop_lag.worst(now)
-        lost, spared = [], 0
-        for node_id, entry in self._nodes.items():
-            silent = now - entry.last_heartbeat
-            if entry.record.state is not NodeState.READY or silent <= self.settings.lost_after_s:
-                continue
-            if silent <= self.settings.lost_after_s + lag:
-                spared += 1
-                continue
-            entry.record = replace(entry.record, state=NodeState.LOST)
-            self._stale.add(node_id)
-            logger.error("node=%s lost: no heartbeat for %.1fs", node_id, silent)
-            lost.append(node_id)
-        if spared:
-            logger.warning(
-                "%d node(s) silent past --lost-after (%.1fs), but this broker's event loop ran "
-                "up to %.1fs late: their heartbeats may be waiting to be read; not lost yet",
-                spared,
-                self.settings.lost_after_s,
-                lag,
-            )
-        for node_id in lost:
-            await self._db(self._store.set_node_state, node_id, NodeState.LOST)
+    async def mark_lost_nodes(self) -> list[NodeId]:
+        """Mark the nodes silent too long as lost (`NodeRegistry.find_lost`) and retire the
+        standbys on them; their ids."""
+        lost = await self.registry.find_lost()
         for standby in list(self._standbys.values()):
             if standby.node_id in lost:
                 self.background(
@@ -1187,14 +832,12 @@ class Broker:
         `standbys`, the standbys too (at the lowest priority: a standby's own placement sees
         them, a real one does not, and takes their GPUs at will: `_standbys_under`)."""
         if self._stale or self._reloaded:
-            nodes = [
-                self._node_snapshot(n, self._nodes[n]) for n in self._stale if n in self._nodes
-            ]
+            nodes = [self._node_snapshot(n, self.nodes[n]) for n in self._stale if n in self.nodes]
             for n in self._reloaded - self._stale:
-                old, entry = self._placement.get(n), self._nodes.get(n)
+                old, entry = self._placement.get(n), self.nodes.get(n)
                 if old is not None and entry is not None:
                     nodes.append(replace(old, load=entry.load))
-            gone = [n for n in self._stale if n not in self._nodes]
+            gone = [n for n in self._stale if n not in self.nodes]
             self._placement = self._placement.updated(nodes, removed=gone)
             self._stale, self._reloaded = set(), set()
         view = self._placement
@@ -1256,10 +899,7 @@ class Broker:
     async def set_node_state(self, node_id: str, state: NodeState) -> None:
         """An operator's change of a node's state (draining): a decision of its own."""
         async with self._placing.use("node state"):
-            entry = self._nodes[node_id]
-            entry.record = replace(entry.record, state=state)
-            self._stale.add(node_id)
-            await self._db(self._store.set_node_state, node_id, state)
+            await self.registry.set_state(node_id, state)
 
     async def deploy(self, client_id: str, spec: DeploySpec) -> DeploymentRecord:
         """Place and start a deployment; returns it once its replica is ready, or pending
@@ -1291,7 +931,7 @@ class Broker:
             )
         deployment_id = f"d-{secrets.token_hex(5)}"
         task = self._own(self._deploy(deployment_id, client_id, spec), f"deploy-{deployment_id}")
-        task.add_done_callback(_retrieve)
+        task.add_done_callback(retrieve)
         return await asyncio.shield(task)
 
     async def _deploy(
@@ -1337,7 +977,7 @@ class Broker:
                 raise ResourceExhausted(
                     f"nothing fits now: {decision.reason}\n{decision.explanation.render()}"
                 )
-            entry = self._nodes[decision.node_id]
+            entry = self.nodes[decision.node_id]
             uuids = tuple(entry.inventory.gpus[i].uuid for i in decision.gpus)
             now = time.time()
             record = DeploymentRecord(
@@ -1465,7 +1105,7 @@ class Broker:
         deleted and the replica stopped."""
         spec = DeploySpec.from_json(record.request_json)
         assert record.node_id is not None
-        entry = self._nodes[record.node_id]
+        entry = self.nodes[record.node_id]
         try:
             endpoint = await entry.client.start_replica(
                 deployment_id=record.deployment_id,
@@ -1662,7 +1302,7 @@ class Broker:
             task = self._own(
                 self._start_standby(standby, record, spec), f"standby-{standby.replica}"
             )
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(retrieve)
             standby.task = task
         self.metrics.count_standby("started")
         logger.info(
@@ -1681,7 +1321,7 @@ class Broker:
         """Start the standby's replica; its endpoint once ready. When the node cannot, the
         standby is retired (unless a move took it already: the move rolls back) and the
         error raised."""
-        entry = self._nodes.get(standby.node_id)
+        entry = self.nodes.get(standby.node_id)
         try:
             if entry is None:
                 raise NodeUnavailable(f"node {standby.node_id} is gone")
@@ -1870,7 +1510,7 @@ class Broker:
                     raise NodeUnavailable("the standby's start was cancelled") from None
                 raise
         record = self._deployments.get(move.deployment_id)
-        entry = self._nodes.get(move.target_node)
+        entry = self.nodes.get(move.target_node)
         if record is None or entry is None:
             raise NodeUnavailable("the deployment or the target node is gone")
         spec = DeploySpec.from_json(record.request_json)
@@ -1891,7 +1531,7 @@ class Broker:
         """Stop a replica (draining it for `grace_ms`, by default the settings'); a node that
         is gone, lost or cannot is left to reconciliation (the replica is unclaimed there and
         stopped after the orphan grace)."""
-        entry = self._nodes.get(node_id or "")
+        entry = self.nodes.get(node_id or "")
         if entry is None or entry.record.state is NodeState.LOST:
             return
         try:
@@ -1915,7 +1555,7 @@ class Broker:
         turned into the record's GPUs and, with `hold_source`, the source's GPUs held until
         `release_move`), then push the update to the client's stream, with the time since
         `decided_at` (time.monotonic() of the migration's decision) as its `prepared_ms`."""
-        entry = self._nodes[move.target_node]
+        entry = self.nodes[move.target_node]
         async with self._placing.use("switch"):
             if hold_source and move.source_node:
                 record = self._deployments.get(move.deployment_id)
@@ -2085,7 +1725,7 @@ class Broker:
         cancelled call) leaves it to finish, never a replica stopped under a deployment
         still recorded running."""
         task = self._own(self._delete(client_id, deployment_id), f"delete-{deployment_id}")
-        task.add_done_callback(_retrieve)
+        task.add_done_callback(retrieve)
         return await asyncio.shield(task)
 
     async def _delete(self, client_id: str, deployment_id: str) -> bool:
@@ -2226,15 +1866,3 @@ def _runs(record: DeploymentRecord | None) -> TypeGuard[DeploymentRecord]:
         and record.state is DeploymentState.RUNNING
         and record.node_id is not None
     )
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Mark the outcome of a task whose caller may have gone away as seen: its caller, if
-    still there, gets it; nobody else must log it."""
-    if not task.cancelled():
-        task.exception()
-
-
-def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("%s failed: %s", task.get_name(), task.exception())

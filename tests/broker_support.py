@@ -12,6 +12,7 @@ from typing import Any
 
 from broker.model_store import ModelStore
 from broker.network import EdgeNetwork
+from broker.node_client import NodeClient
 from broker.ops.metrics import BrokerMetrics
 from broker.service import Broker, BrokerSettings
 from broker.state import ModelRecord, OffloadCount, OffloadSummary, StateStore
@@ -37,6 +38,7 @@ async def local_broker(root: Path) -> AsyncIterator[Broker]:
         "join-token",
         BrokerSettings(),
         BrokerMetrics(),
+        NodeClient,
     )
     try:
         yield broker

@@ -6,8 +6,8 @@ import re
 from collections.abc import Sequence
 
 from broker.errors import InvalidRequest, quote
+from broker.nodes import MAX_GPUS
 from broker.rpc import validate
-from broker.service import MAX_GPUS
 from broker.state import OffloadCount, OffloadSummary
 from broker.telemetry import NodeSample, ReplicaLoad, RequestFigures, Resize
 from common import offload

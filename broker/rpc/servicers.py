@@ -18,11 +18,12 @@ import grpc
 
 from broker.errors import InvalidRequest, PermissionDenied, Unauthenticated, client_text, quote
 from broker.migrations import Migrations
+from broker.nodes import ReplicaState
 from broker.quotas import within_idle_timeout
 from broker.rpc import validate
 from broker.rpc.convert import inventory_from_proto, node_sample_from_proto, offload_from_proto
 from broker.rpc.status import mapped_errors
-from broker.service import Broker, ClientUpload, DeploySpec, ReplicaState
+from broker.service import Broker, ClientUpload, DeploySpec
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
 from common.node_identity import NODE_SECRET_HEADER
 from migration.mechanism import Strategy
@@ -149,7 +150,7 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
 
     def _beat(self, request: pb.HeartbeatRequest, secret: str | None) -> None:
         node_id = validate.node_id("node_id", request.node_id)
-        self._broker.check_node(node_id, secret)
+        self._broker.registry.check(node_id, secret)
         sample = node_sample_from_proto(request.usage)
         self._broker.heartbeat(node_id, sample, _replicas(list(request.replicas)))
 
@@ -325,7 +326,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         message = deployment_message(
             await self._broker.get(client_id, deployment_id), self._endpoint_ca
         )
-        resizes = await self._broker.resizes(deployment_id)
+        resizes = await self._broker.registry.resizes(deployment_id)
         message.resizes.extend(
             npb.ResizeEvent(
                 event_id=r.event_id,
@@ -492,7 +493,7 @@ class OperatorServicer(pb_grpc.OperatorServicer):
         self, request: pb.RetireNodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.RetireNodeResponse:
         self._check(context)
-        await self._migrations.broker.retire_node(validate.node_id("node_id", request.node_id))
+        await self._migrations.broker.registry.retire(validate.node_id("node_id", request.node_id))
         return pb.RetireNodeResponse()
 
     @mapped_errors

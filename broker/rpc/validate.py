@@ -14,8 +14,8 @@ import re
 from collections.abc import Collection, Sized
 
 from broker.errors import InvalidRequest, quote
+from broker.nodes import NODE_ID
 from broker.placement import PriorityClass
-from broker.service import NODE_ID
 
 MAX_CPUS = 1024.0
 """CPUs a deployment may ask for (the largest hosts have a few hundred)."""

@@ -1,4 +1,4 @@
-"""Who may register a node id (`Broker.register_node`, `check_node`, `retire_node`): the
+"""Who may register a node id (`Broker.register_node`, `NodeRegistry.check`, `retire`): the
 rules the integration tests drive with real daemons, each case on its own, TLS takeover
 included (the certificate proves the id once its holder is no longer live)."""
 
@@ -49,9 +49,9 @@ async def test_the_first_secret_binds_and_only_it_registers_or_heartbeats(broker
     await register(broker, secret, "127.0.0.1:2000")
     assert broker.nodes["n1"].record.address == "127.0.0.1:2000"
     assert broker.nodes["n1"].client.secret == secret
-    broker.check_node("n1", secret)
+    broker.registry.check("n1", secret)
     with pytest.raises(NotFound, match="register again"):
-        broker.check_node("n1", new_secret())
+        broker.registry.check("n1", new_secret())
     # Lost: without TLS still only the secret registers; the message says to retire.
     go_silent(broker)
     with pytest.raises(AlreadyExists, match=r"retire the id \(offload retire n1\)"):
@@ -67,22 +67,22 @@ async def test_with_tls_the_certificate_takes_over_an_id_whose_holder_is_gone(
         await register(broker, new, "127.0.0.2:1000", certified=True)
     go_silent(broker)
     await register(broker, new, "127.0.0.2:1000", certified=True)
-    broker.check_node("n1", new)
+    broker.registry.check("n1", new)
     with pytest.raises(NotFound):  # the old daemon's stream, if it comes back
-        broker.check_node("n1", old)
+        broker.registry.check("n1", old)
 
 
 async def test_a_retired_id_binds_afresh_and_a_live_one_is_not_retired(broker: Broker) -> None:
     old, new = new_secret(), new_secret()
     with pytest.raises(NotFound, match="unknown"):
-        await broker.retire_node("n1")
+        await broker.registry.retire("n1")
     await register(broker, old)
     with pytest.raises(Impossible, match="is live"):
-        await broker.retire_node("n1")
+        await broker.registry.retire("n1")
     go_silent(broker)
-    await broker.retire_node("n1")
-    await broker.retire_node("n1")  # idempotent
+    await broker.registry.retire("n1")
+    await broker.registry.retire("n1")  # idempotent
     with pytest.raises(NotFound):
-        broker.check_node("n1", old)
+        broker.registry.check("n1", old)
     await register(broker, new, "127.0.0.2:1000")
-    broker.check_node("n1", new)
+    broker.registry.check("n1", new)

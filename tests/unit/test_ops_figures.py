@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from bench.placement import CAPTURES
+from broker.ids import replica_id
+from broker.nodes import ReplicaState
 from broker.ops_view import BrokerOpsView
 from broker.placement import PriorityClass
-from broker.service import Broker, DeploySpec, ReplicaState, replica_id
+from broker.service import Broker, DeploySpec
 from broker.state import DeploymentState
 from broker.telemetry import NodeSample, ReplicaLoad, RequestFigures
 from common.node_identity import new_secret

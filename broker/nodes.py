@@ -1,0 +1,447 @@
+"""The node registry: the nodes the broker knows, the secrets they are bound to, whether each
+is live, and the resizes they report. It alone writes them (memory and the store's node
+rows); the rest of the broker reads `NodeRegistry.nodes` and asks it by intent (register,
+heartbeat, retire, find the lost, set a state).
+
+A change placement must see (a node registered, lost, back, drained, its load) is told to
+`on_change(node_id, load_only)`: the placement applier (`broker.applier`) marks the node's
+entry in its view stale.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from broker.core import Core
+from broker.errors import (
+    AlreadyExists,
+    Impossible,
+    InvalidRequest,
+    NotFound,
+    Unauthenticated,
+    quote,
+)
+from broker.ids import NodeId
+from broker.loop_lag import LoopLag
+from broker.network import EdgeNetwork
+from broker.node_link import NodeLink, NodeLinkFactory
+from broker.ops.metrics import BrokerMetrics
+from broker.state import NodeRecord, NodeState, ResizeRecord
+from broker.telemetry import LoadHistory, NodeSample, Resize
+from common.inventory import Gpu, Inventory, Link, LinkKind
+from common.node_identity import NODE_SECRET_HEADER, proves, secret_sha256, well_formed
+from common.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+NODE_ID = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")
+"""What a node id may be (it names the node in logs, metrics and replica endpoints)."""
+_ADDRESS = re.compile(r"[^\s:]{1,253}:(\d{1,5})")
+MAX_GPUS = 64
+RESIZES_KEPT = 100
+"""Resizes the store keeps per deployment (the most recent)."""
+RESIZES_LISTED = 500
+"""Resizes `NodeRegistry.resizes` returns at most."""
+RESIZES_REMEMBERED = 4096
+"""(node, event) pairs the broker remembers as recorded, to skip the store for the ones a
+node repeats; one it forgot is recorded again harmlessly (the store ignores duplicates)."""
+
+
+class ReplicaState(enum.StrEnum):
+    """A replica as its node reports it."""
+
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    UNKNOWN = "unknown"
+    """A state this broker does not know (a newer node's)."""
+
+
+LIVE_REPLICA = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.STOPPING})
+"""Replica states in which the process or container is there."""
+
+Reported = Sequence[tuple[str, ReplicaState]]
+"""The replicas a node reports, as (replica id, state)."""
+
+
+@dataclass(slots=True)
+class NodeEntry:
+    """A node the broker knows, as of its last registration and heartbeat. Written by the
+    registry alone (the reconciler records `replicas`, through `NodeRegistry.reported`)."""
+
+    record: NodeRecord
+    inventory: Inventory
+    topology: Topology
+    client: NodeLink
+    last_heartbeat: float
+    """time.monotonic() of the last registration or heartbeat."""
+    replicas: frozenset[str] = frozenset()
+    """The replica ids the node reported last."""
+    load: float = 0.0
+
+
+def inventory_to_json(inventory: Inventory) -> str:
+    return json.dumps(
+        {
+            "gpus": [
+                {
+                    "index": g.index,
+                    "uuid": g.uuid,
+                    "name": g.name,
+                    "memory_total_mib": g.memory_total_mib,
+                    "numa_node": g.numa_node,
+                }
+                for g in inventory.gpus
+            ],
+            "links": [[a, b, str(link)] for (a, b), link in sorted(inventory.links.items())],
+            "driver_version": inventory.driver_version,
+            "cuda_version": inventory.cuda_version,
+        }
+    )
+
+
+def inventory_from_json(text: str) -> Inventory:
+    data = json.loads(text)
+    links = {}
+    for a, b, kind in data["links"]:
+        links[(a, b)] = (
+            Link(LinkKind.NV, int(kind[2:])) if kind.startswith("NV") else Link(LinkKind(kind))
+        )
+    return Inventory(
+        gpus=tuple(Gpu(**g) for g in data["gpus"]),
+        links=links,
+        driver_version=data["driver_version"],
+        cuda_version=data["cuda_version"],
+    )
+
+
+class NodeRegistry:
+    """The nodes, their secrets, their liveness and their resizes (see the module
+    docstring)."""
+
+    def __init__(
+        self,
+        core: Core,
+        network: EdgeNetwork,
+        links: NodeLinkFactory,
+        metrics: BrokerMetrics,
+        *,
+        lost_after_s: float,
+        on_change: Callable[[str, bool], None],
+    ) -> None:
+        self._core = core
+        self._network = network
+        self._links = links
+        self._metrics = metrics
+        self.lost_after_s = lost_after_s
+        """A node silent this long is lost (plus `loop_lag`)."""
+        self._on_change = on_change
+        self._nodes: dict[str, NodeEntry] = {}
+        self._secrets: dict[str, str] = {}
+        """node id -> the sha256 of the node secret it is bound to (`common.node_identity`),
+        as in the store: read on every heartbeat, so never a store round trip."""
+        self._resizes_seen: dict[tuple[str, str], None] = {}
+        """(node id, event id) of resizes recorded already, oldest first (bounded): a node
+        repeats its recent ones in every heartbeat, and they need no store round trip."""
+        self.load_history = LoadHistory()
+        """What nodes reported in their heartbeats, the last few minutes of it."""
+        self.loop_lag = LoopLag(window_s=lost_after_s)
+        """How late this event loop has run lately (its monitor, `LoopLag.run`, is started
+        with the lost-node check): a node gets that much more silence before it is lost."""
+
+    @property
+    def nodes(self) -> Mapping[str, NodeEntry]:
+        """The nodes the broker knows, read-only: only the registry changes them."""
+        return MappingProxyType(self._nodes)
+
+    async def load(self) -> None:
+        """Reload the nodes the store knows (they get a full heartbeat timeout to check in)."""
+        self._secrets = await self._core.db(self._core.store.node_secrets)
+        for record in await self._core.db(self._core.store.list_nodes):
+            if record.state is NodeState.LOST:
+                continue
+            try:
+                inventory = inventory_from_json(record.inventory_json)
+                self._network.add_node(record.node_id, record.site)
+            except (ValueError, KeyError) as err:
+                logger.error("node=%s in the state cannot be restored: %s", record.node_id, err)
+                continue
+            self._nodes[record.node_id] = NodeEntry(
+                record,
+                inventory,
+                Topology.from_inventory(inventory),
+                # No node secret until the node registers again: without TLS the broker
+                # cannot call it before then (it keeps only the secret's hash).
+                self._links(record.node_id, record.address, None),
+                time.monotonic(),
+            )
+            self._on_change(record.node_id, False)
+
+    async def close(self) -> None:
+        for entry in self._nodes.values():
+            await entry.client.close()
+
+    async def register(
+        self,
+        node_id: str,
+        address: str,
+        site: str,
+        inventory: Inventory,
+        runtimes: Sequence[str],
+        *,
+        secret: str,
+        certified: bool = False,
+    ) -> NodeEntry:
+        """Record (or refresh) a node; its entry. InvalidRequest for an unknown site or bad
+        fields.
+
+        `secret` is the node's secret (`common.node_identity`), `certified` whether the
+        caller presented a TLS certificate for `node_id`. An unbound id (new, or retired) is
+        bound to `secret`; a bound one registers only with its secret, or, `certified`, once
+        the node holding it is no longer live (then bound to the new secret). Anything else
+        is AlreadyExists naming the holder's address, and changes nothing: the broker never
+        repoints a node without proof. Unauthenticated for a missing or malformed secret."""
+        if not NODE_ID.fullmatch(node_id):
+            raise InvalidRequest(f"node_id {quote(node_id)} must be 1-63 of a-z, 0-9, '.', '-'")
+        address_match = _ADDRESS.fullmatch(address)
+        if address_match is None or not 1 <= int(address_match.group(1)) <= 65535:
+            raise InvalidRequest(f"address {quote(address)} is not host:port (port 1..65535)")
+        if site not in self._network.sites:
+            raise InvalidRequest(
+                f"site {quote(site)} is not in the cluster file; known sites: "
+                f"{', '.join(self._network.sites)}"
+            )
+        try:
+            topology = Topology.from_inventory(inventory)
+        except ValueError as err:
+            raise InvalidRequest(f"inventory: {err}") from err
+        if not well_formed(secret):
+            raise Unauthenticated(
+                f"missing or malformed node secret: send '{NODE_SECRET_HEADER}: <secret>' "
+                "(offload node keeps it in its state dir)"
+            )
+        await self._claim(node_id, secret, certified)
+        now = time.time()
+        previous = self._nodes.get(node_id)
+        record = NodeRecord(
+            node_id=node_id,
+            address=address,
+            site=site,
+            state=NodeState.READY,
+            inventory_json=inventory_to_json(inventory),
+            runtimes=tuple(runtimes),
+            registered_at=now,
+            last_heartbeat_at=now,
+            usage_json="{}",
+        )
+        await self._core.db(self._core.store.upsert_node, record)
+        self._network.add_node(node_id, site)
+        if previous is not None and previous.record.address == address:
+            client = previous.client
+            client.secret = secret
+        else:
+            if previous is not None:
+                await previous.client.close()
+            client = self._links(node_id, address, secret)
+        entry = NodeEntry(record, inventory, topology, client, time.monotonic())
+        self._nodes[node_id] = entry
+        self._on_change(node_id, False)
+        return entry
+
+    async def _claim(self, node_id: str, secret: str, certified: bool) -> None:
+        """Check that the caller may register `node_id` (see `register`), binding the id to
+        `secret` when it is unbound, or taken over with a certificate."""
+        bound = self._secrets.get(node_id)
+        if proves(secret, bound):
+            return
+        holder = self._nodes.get(node_id)
+        live = holder is not None and self.is_live(holder)
+        if bound is not None and (live or not certified):
+            # A lost node is not in memory after a broker restart: its address is in the store.
+            record = holder.record if holder is not None else None
+            record = record or await self._core.db(self._core.store.get_node, node_id)
+            where = f"at {record.address}" if record is not None else "(address unknown)"
+            if live:
+                raise AlreadyExists(
+                    f"node id {node_id} is held by the live node {where}, and this daemon "
+                    "does not have its node secret: give this daemon another --node-id (a "
+                    "cloned host keeps the hostname as its id), or stop the other one"
+                )
+            raise AlreadyExists(
+                f"node id {node_id} belongs to the node last {where}, no longer live, and "
+                "this daemon does not have its node secret: if that host is gone for good "
+                f"(or lost its state dir), retire the id (offload retire {node_id}) and "
+                "start this daemon again"
+            )
+        fresh = secret_sha256(secret)
+        bind = self._core.store.bind_node_secret
+        if not await self._core.db(bind, node_id, bound, fresh, time.time()):
+            raise AlreadyExists(
+                f"node id {node_id} was claimed by another daemon at the same moment"
+            )
+        self._secrets[node_id] = fresh
+        if bound is None:
+            logger.info("node=%s bound to its node secret", node_id)
+        else:
+            logger.warning(
+                "node=%s taken over by a daemon with its certificate and a new node secret "
+                "(the previous holder was not live)",
+                node_id,
+            )
+
+    def is_live(self, entry: NodeEntry) -> bool:
+        """Whether the node heartbeats: not lost, and heard within `lost_after_s`."""
+        silent = time.monotonic() - entry.last_heartbeat
+        return entry.record.state is not NodeState.LOST and silent < self.lost_after_s
+
+    def check(self, node_id: str, secret: str | None) -> None:
+        """Check that `secret` is the one `node_id` is bound to, before a heartbeat is
+        taken; no store round trip. NotFound otherwise (an unbound id: retired; another
+        secret: the id was taken over): the node registers again, which tells it why. A
+        broker that restarted learns the secret it calls the node's NodeAgent with here."""
+        if not proves(secret, self._secrets.get(node_id)):
+            raise NotFound(
+                f"node {node_id} is not registered with this node secret; register again"
+            )
+        entry = self._nodes.get(node_id)
+        if entry is not None and entry.client.secret is None:
+            entry.client.secret = secret
+
+    async def retire(self, node_id: str) -> None:
+        """Free `node_id` for good: forget the secret it is bound to, so that the next daemon
+        to register it binds it afresh (a host gone for good, or one that lost its state
+        dir). Impossible while the node is live (stop its daemon, wait `lost_after_s`);
+        NotFound for an id the broker never saw. Idempotent for a known id."""
+        entry = self._nodes.get(node_id)
+        if entry is not None and self.is_live(entry):
+            raise Impossible(
+                f"node {node_id} is live at {entry.record.address}: stop its daemon first; "
+                f"it can be retired once it has been silent {self.lost_after_s:g}s"
+            )
+        known = await self._core.db(self._core.store.get_node, node_id)
+        if known is None and node_id not in self._secrets:
+            raise NotFound(f"node {node_id} is unknown")
+        await self._core.db(self._core.store.forget_node_secret, node_id)
+        self._secrets.pop(node_id, None)
+        logger.warning("node=%s retired: the next daemon to register this id binds it", node_id)
+
+    def heartbeat(self, node_id: str, sample: NodeSample) -> NodeEntry:
+        """Record that the node is alive and its load, at once and before anything that can
+        wait: the liveness path never queues behind the store, placement or client calls.
+        Its new resizes are recorded in the background. NotFound when the node is unknown
+        (it registers again)."""
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            raise NotFound(f"node {node_id} is not registered; register again")
+        entry.last_heartbeat = time.monotonic()
+        if entry.load != sample.load:
+            entry.load = sample.load
+            self._on_change(node_id, True)
+        self.load_history.record(node_id, sample, time.time())
+        fresh = [r for r in sample.resizes if (node_id, r.event_id) not in self._resizes_seen]
+        if fresh:
+            self._core.background(self._record_resizes(node_id, fresh), f"resizes-{node_id}")
+        if entry.record.state is NodeState.LOST:
+            entry.record = replace(entry.record, state=NodeState.READY)
+            self._on_change(node_id, False)
+            set_state = self._core.store.set_node_state
+            self._core.background(
+                self._core.db(set_state, node_id, NodeState.READY), f"back-{node_id}"
+            )
+            logger.info("node=%s is back", node_id)
+        return entry
+
+    def reported(self, node_id: str, replicas: Reported) -> None:
+        """Remember the replica ids the node reported last (reconciliation's record)."""
+        entry = self._nodes.get(node_id)
+        if entry is not None:
+            entry.replicas = frozenset(rid for rid, _ in replicas)
+
+    async def _record_resizes(self, node_id: str, resizes: Sequence[Resize]) -> None:
+        """Keep the resizes a node reported that the store has not seen, once each."""
+        records = [
+            ResizeRecord(
+                node_id=node_id,
+                event_id=r.event_id,
+                deployment_id=r.deployment_id,
+                replica_id=r.replica_id,
+                cpus_before=r.cpus_before,
+                cpus_after=r.cpus_after,
+                policy=r.policy,
+                reason=r.reason,
+                at=r.at,
+            )
+            for r in resizes
+        ]
+        added = await self._core.db(self._core.store.put_resizes, records, keep=RESIZES_KEPT)
+        for r in resizes:
+            self._resizes_seen[(node_id, r.event_id)] = None
+        while len(self._resizes_seen) > RESIZES_REMEMBERED:
+            self._resizes_seen.pop(next(iter(self._resizes_seen)))
+        for record in added:
+            self._metrics.count_resize(record.policy, record.cpus_after > record.cpus_before)
+            logger.info(
+                "deployment=%s replica=%s on node=%s resized %.2f -> %.2f cores (%s): %s",
+                record.deployment_id,
+                record.replica_id,
+                node_id,
+                record.cpus_before,
+                record.cpus_after,
+                record.policy,
+                record.reason,
+            )
+
+    async def resizes(self, deployment_id: str | None = None) -> list[ResizeRecord]:
+        """The recorded resizes of one deployment or all, oldest first (at most
+        `RESIZES_KEPT` per deployment)."""
+        list_resizes = self._core.store.list_resizes
+        return await self._core.db(list_resizes, deployment_id, limit=RESIZES_LISTED)
+
+    async def set_state(self, node_id: str, state: NodeState) -> None:
+        """An operator's change of a node's state (draining); call under the placement
+        lock (a decision of its own)."""
+        entry = self._nodes[node_id]
+        entry.record = replace(entry.record, state=state)
+        self._on_change(node_id, False)
+        await self._core.db(self._core.store.set_node_state, node_id, state)
+
+    async def find_lost(self) -> list[NodeId]:
+        """Mark nodes silent past the timeout, plus how late this event loop ran lately
+        (`loop_lag`), as lost; returns their ids. The decision is taken on the in-memory
+        heartbeat times alone, all nodes at once; only then is it written to the store."""
+        now = time.monotonic()
+        # Heartbeats wait unread while this loop is behind: silence that long is not the
+        # node's (`broker.loop_lag`).
+        lag = self.loop_lag.worst(now)
+        lost: list[NodeId] = []
+        spared = 0
+        for node_id, entry in self._nodes.items():
+            silent = now - entry.last_heartbeat
+            if entry.record.state is not NodeState.READY or silent <= self.lost_after_s:
+                continue
+            if silent <= self.lost_after_s + lag:
+                spared += 1
+                continue
+            entry.record = replace(entry.record, state=NodeState.LOST)
+            self._on_change(node_id, False)
+            logger.error("node=%s lost: no heartbeat for %.1fs", node_id, silent)
+            lost.append(NodeId(node_id))
+        if spared:
+            logger.warning(
+                "%d node(s) silent past --lost-after (%.1fs), but this broker's event loop ran "
+                "up to %.1fs late: their heartbeats may be waiting to be read; not lost yet",
+                spared,
+                self.lost_after_s,
+                lag,
+            )
+        for node_id in lost:
+            await self._core.db(self._core.store.set_node_state, node_id, NodeState.LOST)
+        return lost
