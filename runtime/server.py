@@ -58,6 +58,7 @@ from runtime.errors import ModelLoadError
 from runtime.metrics import MetricsEndpoint, ModelMetrics, RuntimeMetrics
 from runtime.model import CPU, DEVICES, OnnxModel
 from runtime.pem import TlsIdentity, read_pem
+from runtime.precision import FP16_MAX_DEVIATION, Precision, check_fp16
 from runtime.rpc.auth import CallerTokens, require_token
 from runtime.rpc.measurement import measure_calls
 from runtime.rpc.registration import add_servicer, raw_messages
@@ -132,6 +133,18 @@ class RuntimeSettings:
     """The class of calls made with `token` (the deployment's)."""
     class_tokens: Mapping[str, PriorityClass] = field(default_factory=dict)
     """More tokens the replica takes, each with its caller's class (clients sharing it)."""
+    precision: Precision = Precision.FP32
+    """FP16: serve `fp16_model`, once checked against `model` at load (`runtime.precision`)."""
+    fp16_model: Path | None = None
+    """`model`'s FP16 copy (`python -m modelzoo.fp16`), served with `precision` FP16."""
+
+    def served_file(self) -> Path:
+        """The .onnx file the sessions load: `model`, or its FP16 copy."""
+        if self.precision is Precision.FP32:
+            return self.model
+        if self.fp16_model is None:
+            raise ModelLoadError("--precision fp16 needs --fp16-model, the model's FP16 copy")
+        return self.fp16_model
 
     def caller_tokens(self) -> CallerTokens:
         return CallerTokens({**self.class_tokens, self.token: self.priority_class})
@@ -257,6 +270,8 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
     model, compute_ms = await asyncio.to_thread(
         _load_warm, settings, settings.intra_op_threads, warmup_inputs
     )
+    if settings.precision is Precision.FP16:
+        await asyncio.to_thread(check_fp16, model, settings.model, warmup_inputs)
     threads = model.intra_op_threads
     if settings.intra_op_threads == 0 and threads > 1 and compute_ms < SINGLE_THREAD_BELOW_MS:
         single, single_ms = await asyncio.to_thread(_load_warm, settings, 1, warmup_inputs)
@@ -294,10 +309,11 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
             f"(over --inline-below-ms {settings.inline_below_ms:g})"
         )
     logger.info(
-        "model=%s ready provider=%s intra-op threads %d (load and warm-up %.2fs); "
-        "compute %.2f ms: %s",
+        "model=%s ready provider=%s precision %s intra-op threads %d (load and warm-up "
+        "%.2fs); compute %.2f ms: %s",
         settings.name,
         model.provider,
+        settings.precision,
         threads,
         time.monotonic() - started,
         compute_ms,
@@ -442,7 +458,7 @@ def _load_warm(
 ) -> tuple[OnnxModel, float]:
     """A loaded, warmed-up session and its compute time in ms. Blocking."""
     model = OnnxModel.load(
-        settings.model,
+        settings.served_file(),
         settings.name,
         settings.device,
         settings.gpu_mem_limit_mib,
@@ -597,6 +613,21 @@ def build_parser() -> argparse.ArgumentParser:
         "run) refuse to start without them, naming the providers this onnxruntime has",
     )
     p.add_argument(
+        "--precision",
+        choices=[str(p) for p in Precision],
+        default=str(Precision.FP32),
+        help="fp16: serve --fp16-model, the model's FP16 copy (python -m modelzoo.fp16), "
+        "after checking it against --model at load: refused when an output deviates past "
+        f"{FP16_MAX_DEVIATION:g} of its scale (default fp32)",
+    )
+    p.add_argument(
+        "--fp16-model",
+        type=Path,
+        metavar="PATH",
+        help="with --precision fp16: the FP16 copy of --model to serve (FP32 inputs and "
+        "outputs; the runtime carries no converter)",
+    )
+    p.add_argument(
         "--gpu-mem-limit-mib",
         type=_positive(int),
         default=0,
@@ -747,6 +778,17 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         parser.error(f"--token-file {args.token_file} is empty; write the deployment token in it")
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    precision = Precision(args.precision)
+    if precision is Precision.FP16 and args.fp16_model is None:
+        parser.error(
+            "--precision fp16 needs --fp16-model PATH, the model's FP16 copy: make it with "
+            "python -m modelzoo.fp16 MODEL PATH (where onnx is installed: the runtime image "
+            "carries no converter)"
+        )
+    if precision is Precision.FP32 and args.fp16_model is not None:
+        parser.error("--fp16-model goes with --precision fp16")
+    if args.fp16_model is not None and not args.fp16_model.is_file():
+        parser.error(f"--fp16-model {args.fp16_model}: no such file")
     tls = None
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
@@ -799,6 +841,8 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         io_binding=args.io_binding,
         priority_class=PriorityClass(args.priority_class),
         class_tokens=class_tokens,
+        precision=precision,
+        fp16_model=args.fp16_model,
     )
 
 
