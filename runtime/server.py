@@ -216,7 +216,13 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
     add_servicer(
         server,
         pb_grpc.add_GRPCInferenceServiceServicer_to_server,
-        InferenceServicer(state, settings.name, executor, model_metrics),
+        InferenceServicer(
+            state,
+            settings.name,
+            executor,
+            model_metrics,
+            settings.batching.max_queued_per_class,
+        ),
         # The token is checked first: a refused call's request is never parsed (nor
         # counted); the measurement then includes the parsing.
         [

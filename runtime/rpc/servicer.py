@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
@@ -15,8 +16,8 @@ from google.protobuf.message import DecodeError
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from runtime.batching import Batcher, PriorityClass
-from runtime.errors import InvalidInput, ModelNotFound, NotReady, TooLate, quote
+from runtime.batching import CLASSES, Batcher, PriorityClass
+from runtime.errors import InvalidInput, ModelNotFound, NotReady, QueueFull, TooLate, quote
 from runtime.metrics import ModelMetrics
 from runtime.model import OnnxModel
 from runtime.rpc import convert
@@ -82,16 +83,29 @@ class ServingState:
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(
-        self, state: ServingState, model_name: str, executor: Executor, metrics: ModelMetrics
+        self,
+        state: ServingState,
+        model_name: str,
+        executor: Executor,
+        metrics: ModelMetrics,
+        max_queued_per_class: int,
     ) -> None:
         """`metrics`: where ModelInfer records its compute time and its waits for a worker
-        thread (the call as a whole is measured around the handler: `measure_calls`)."""
+        thread (the call as a whole is measured around the handler: `measure_calls`);
+        `max_queued_per_class`: the calls of one priority class that may wait for a worker
+        thread (a batching model's queues have the same bound: `runtime.batching`)."""
         self._state = state
         self._name = model_name
         self._executor = executor
+        self._metrics = metrics
         self._compute = metrics.compute
         self._queued = metrics.queued
         self._plans = Plans()
+        self._max_queued = max_queued_per_class
+        self._waiting = dict.fromkeys(CLASSES, 0)
+        """Calls per class waiting for a worker thread: raised on the loop, lowered by the
+        thread that takes the call (or on the loop for one none took), under `_lock`."""
+        self._lock = threading.Lock()
 
     def _model(self, name: str, version: str) -> OnnxModel:
         if name != self._name or version not in ("", MODEL_VERSION):
@@ -187,7 +201,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return await batcher.infer(feeds, names, PriorityClass(CALLER.get()), deadline)
         if not self._state.inline:
             deadline = None if left is None else time.monotonic() + left
-            return await self._run_in_worker(model, feeds, names, deadline)
+            cls = PriorityClass(CALLER.get())
+            return await self._run_in_worker(model, feeds, names, deadline, cls)
         self._check_in_time(left)
         started = time.perf_counter()
         try:
@@ -209,8 +224,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         feeds: Mapping[str, np.ndarray],
         names: Sequence[str],
         deadline: float | None,
+        cls: PriorityClass,
     ) -> list[np.ndarray]:
-        """`model.run` in a worker thread, counted as queued until a thread takes it.
+        """`model.run` in a worker thread, counted as queued (in all and in its caller's
+        class `cls`) until a thread takes it; QueueFull (RESOURCE_EXHAUSTED) when `cls` has
+        `max_queued_per_class` calls waiting already.
 
         The executor's queue is where calls wait for the concurrency limit (its thread
         count). A call that never reaches a thread (cancelled by its client, or by the
@@ -218,17 +236,33 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         thread: a concurrent future that was not cancelled has run or will run. `deadline`
         (`time.monotonic()`, None for none) is checked when the thread takes the call.
         """
+        with self._lock:
+            waiting = self._waiting[cls]
+            if waiting < self._max_queued:
+                self._waiting[cls] = waiting + 1
+        if waiting >= self._max_queued:
+            self._metrics.refused_full(cls)
+            raise QueueFull(
+                f"{waiting} {cls} requests are waiting for a worker thread already, the most "
+                f"this replica holds per class (--max-queued-per-class); retry with backoff"
+            )
         self._queued.inc()
         try:
-            future = self._executor.submit(self._run_queued, model, feeds, names, deadline)
+            future = self._executor.submit(self._run_queued, model, feeds, names, deadline, cls)
         except BaseException:
-            self._queued.dec()
+            self._taken(cls)
             raise
         try:
             return await asyncio.wrap_future(future)
         finally:
             if future.cancelled():
-                self._queued.dec()
+                self._taken(cls)
+
+    def _taken(self, cls: PriorityClass) -> None:
+        """A call of `cls` waits no longer: a thread took it, or none will."""
+        self._queued.dec()
+        with self._lock:
+            self._waiting[cls] -= 1
 
     def _run_queued(
         self,
@@ -236,10 +270,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         feeds: Mapping[str, np.ndarray],
         names: Sequence[str],
         deadline: float | None,
+        cls: PriorityClass,
     ) -> list[np.ndarray]:
         """In the worker thread: no longer queued; TooLate if too little of the deadline is
         left (the wait for a thread may have used it up); else run, timed."""
-        self._queued.dec()
+        self._taken(cls)
         self._check_in_time(None if deadline is None else deadline - time.monotonic())
         started = time.perf_counter()
         try:

@@ -424,3 +424,60 @@ async def test_a_full_class_is_refused_while_another_class_is_still_admitted(
     assert refusals == {"best-effort": 1}
     assert failures(samples) == {"RESOURCE_EXHAUSTED": 1}
     assert [response_arrays(a)["y"].shape for a in answers] == [(1, SPINNER_WIDTH)] * 4
+
+
+async def test_a_model_run_in_worker_threads_bounds_each_class_too(serve, probe_inputs) -> None:
+    """A model that does not batch (the probe: its `m` has no batch axis) and runs in worker
+    threads holds at most --max-queued-per-class calls of one class waiting for a thread:
+    the next of that class is refused RESOURCE_EXHAUSTED and counted, another class's call
+    is still admitted, and every admitted call is answered once the thread is free."""
+    critical_token = "critical-client-token-4567"
+    running = await serve(
+        inline_below_ms=0,
+        concurrency=1,
+        batching=BatchPolicy(max_queued_per_class=2),
+        class_tokens={critical_token: PriorityClass.CRITICAL},
+    )
+    assert running.state.batcher is None and not running.state.inline
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    request = infer_request(MODEL, probe_inputs)
+    async with channel:
+        with worker_held(running) as release:
+            held = [
+                asyncio.ensure_future(stub.ModelInfer(request, metadata=AUTH, timeout=30))
+                for _ in range(2)
+            ]
+
+            def waiting(count: int) -> Callable[[], Awaitable[bool]]:
+                async def check() -> bool:
+                    return value(await scrape(running), "offload_runtime_queued") == count
+
+                return check
+
+            await until(waiting(2), "two standard calls waiting for the thread")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ModelInfer(request, metadata=AUTH, timeout=30)
+            critical = asyncio.ensure_future(
+                stub.ModelInfer(
+                    request,
+                    metadata=(("authorization", f"Bearer {critical_token}"),),
+                    timeout=30,
+                )
+            )
+            await until(waiting(3), "the critical call admitted")
+            release.set()
+            answers = await asyncio.gather(*held, critical)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = refused.value.details() or ""
+    assert "2 standard requests are waiting for a worker thread already" in details, details
+    assert "--max-queued-per-class" in details
+    assert all(len(a.outputs) == 3 for a in answers)
+    samples = await scrape(running)
+    assert value(samples, "offload_runtime_class_refused_total", **{"class": "standard"}) == 1
+    assert value(samples, "offload_runtime_queued") == 0
+    # Freed slots are counted back: the class is admitted again.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as again:
+        stub = pb_grpc.GRPCInferenceServiceStub(again)
+        for _ in range(3):
+            await stub.ModelInfer(request, metadata=AUTH, timeout=30)
