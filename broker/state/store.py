@@ -125,6 +125,16 @@ def _assignments(columns: str, key: str) -> str:
     return ", ".join(f"{name} = :{name}" for name in names if name != key)
 
 
+_INSERT_DEPLOYMENT = (
+    f"INSERT INTO deployments ({_DEPLOYMENT_COLUMNS}) "
+    f"VALUES ({_placeholders(_DEPLOYMENT_COLUMNS)})"
+)
+_UPDATE_DEPLOYMENT = (
+    f"UPDATE deployments SET {_assignments(_DEPLOYMENT_COLUMNS, 'deployment_id')} "
+    "WHERE deployment_id = :deployment_id"
+)
+
+
 def _enum(cls: type[_E], value: str, what: str) -> _E:
     try:
         return cls(value)
@@ -603,47 +613,55 @@ class StateStore:
     def create_deployment(self, record: DeploymentRecord) -> None:
         """Store a new deployment. ConstraintError if its id exists already (in any state,
         deleted included), or its client, model or node (when set) is unknown."""
-        with self.transaction():
-            if self._exists("deployments", "deployment_id", record.deployment_id):
-                raise ConstraintError(f"deployment {record.deployment_id!r} exists already")
-            self._check_deployment_refs(record)
-            self._execute(
-                f"INSERT INTO deployments ({_DEPLOYMENT_COLUMNS}) "
-                f"VALUES ({_placeholders(_DEPLOYMENT_COLUMNS)})",
-                _deployment_params(record),
-            )
+        try:
+            with self.transaction():
+                self._execute(_INSERT_DEPLOYMENT, _deployment_params(record))
+        except ConstraintError as err:
+            raise self._refused(record, None, err) from err
 
-    def _check_deployment_refs(
-        self, record: DeploymentRecord, before: DeploymentRecord | None = None
-    ) -> None:
-        """Each client, model and node `record` names exists (ConstraintError, by name);
-        with `before`, the record as stored, only those it changes: the database's foreign
-        keys kept the others (a round trip less each, on the state thread's every write)."""
-        if before is None or record.client_id != before.client_id:
-            self._require("clients", "client_id", record.client_id, "client")
-        if before is None or record.model_sha256 != before.model_sha256:
-            self._require("models", "sha256", record.model_sha256, "model")
-        if record.node_id is not None and (before is None or record.node_id != before.node_id):
-            self._require("nodes", "node_id", record.node_id, "node")
+    def _refused(
+        self, record: DeploymentRecord, before: DeploymentRecord | None, err: ConstraintError
+    ) -> ConstraintError:
+        """Why the database refused to write `record` (`before`: the row it replaces; None:
+        a new one), by name: its id taken, or a client, model or node it names (only those
+        it changes) unknown; else `err` itself. Called after the write's transaction is
+        undone: the schema's keys did the checking, and these reads are paid only by a write
+        that failed, not by every write on the state thread."""
+        if before is None and self._exists("deployments", "deployment_id", record.deployment_id):
+            return ConstraintError(f"deployment {record.deployment_id!r} exists already")
+        references = (
+            ("clients", "client_id", record.client_id, before and before.client_id, "client"),
+            ("models", "sha256", record.model_sha256, before and before.model_sha256, "model"),
+            ("nodes", "node_id", record.node_id, before and before.node_id, "node"),
+        )
+        for table, column, value, was, what in references:
+            if value is not None and value != was and not self._exists(table, column, value):
+                return ConstraintError(f"{what} {value!r} is unknown")
+        return err
 
     def update_deployment(self, deployment_id: str, **changes: Any) -> DeploymentRecord:
         """Change the given fields of a deployment and set `updated_at` to now; returns the
         deployment as stored. TypeError for a field that does not exist or cannot change
         (`deployment_id`, `created_at`, `updated_at`); KeyError for an unknown deployment;
         ConstraintError for a value the schema refuses (an unknown node, a negative epoch)."""
-        with self.transaction():
-            current = self._deployment_to_change(deployment_id)
-            updated = self._changed(current, changes, "deployment_id")
-            self._check_deployment_refs(updated, current)
-            self._execute(
-                f"UPDATE deployments SET "
-                f"{_assignments(_DEPLOYMENT_COLUMNS, 'deployment_id')} "
-                "WHERE deployment_id = :deployment_id",
-                _deployment_params(updated),
-            )
-            stored = self.get_deployment(deployment_id)
-            assert stored is not None
-            return stored
+        current = updated = None
+        try:
+            with self.transaction():
+                current = self._deployment_to_change(deployment_id)
+                updated = self._changed(current, changes, "deployment_id")
+                return self._rewrite_deployment(updated)
+        except ConstraintError as err:
+            if updated is None:
+                raise
+            raise self._refused(updated, current, err) from err
+
+    def _rewrite_deployment(self, updated: DeploymentRecord) -> DeploymentRecord:
+        """Inside a transaction that holds the deployment's row (`_deployment_to_change`):
+        write `updated` over it; the record as stored. The row is not read back: it is the
+        values written, parsed as a read parses them (a round trip less on every update)."""
+        params = _deployment_params(updated)
+        self._execute(_UPDATE_DEPLOYMENT, params)
+        return _deployment(params)
 
     def _changed(self, record: _Record, changes: dict[str, Any], key: str) -> _Record:
         fixed = {key, "created_at", "updated_at"}
@@ -710,7 +728,8 @@ class StateStore:
                 self._execute(f"DELETE FROM {table} WHERE deployment_id = ?", (deployment_id,))
             if current.state is DeploymentState.DELETED:
                 return current
-            return self.update_deployment(deployment_id, state=DeploymentState.DELETED)
+            deleted = {"state": DeploymentState.DELETED}
+            return self._rewrite_deployment(self._changed(current, deleted, "deployment_id"))
 
     # -- migrations -----------------------------------------------------------------------
 
@@ -730,7 +749,9 @@ class StateStore:
     def _check_migration_refs(
         self, record: MigrationRecord, before: MigrationRecord | None = None
     ) -> None:
-        """As `_check_deployment_refs`, for a migration's deployment and nodes."""
+        """Each deployment and node `record` names exists (ConstraintError, by name); with
+        `before`, the record as stored, only those it changes: the database's foreign keys
+        kept the others."""
         if before is None or record.deployment_id != before.deployment_id:
             self._require("deployments", "deployment_id", record.deployment_id, "deployment")
         if before is None or record.source_node != before.source_node:

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from broker.state import GroupCommitter, StateStore, StorageError, new_api_key, open_store
+from broker.state import (
+    ConstraintError,
+    GroupCommitter,
+    StateStore,
+    StorageError,
+    new_api_key,
+    open_store,
+)
+from tests.unit.test_state import deployment, model, node
 
 WAIT_S = 30.0
 
@@ -151,3 +159,40 @@ def test_shutdown_runs_what_is_queued_and_then_refuses_calls(store: StateStore) 
     with pytest.raises(RuntimeError, match="shut down"):
         committer.thread.submit(put(store, "late"))
     committer.thread.shutdown()  # again: nothing to do
+
+
+def test_a_refused_deployment_write_in_a_batch_is_named_and_the_others_commit(
+    store: StateStore,
+) -> None:
+    # The store leaves the checks to the schema's keys and names what was unknown only once
+    # a write failed: inside a batch's savepoint too (on PostgreSQL the failed statement
+    # aborts the savepoint, and the naming reads run after it is undone).
+    store.put_client("alice", new_api_key("alice"))
+    store.put_model(model())
+    store.upsert_node(node("n1"))
+    committer = Committer(store)
+    go = committer.hold()
+    writes = {
+        "d1": deployment("d1", node_id="n1"),
+        "ghost": deployment("d2", node_id="ghost"),
+        "mallory": deployment("d3", client_id="mallory"),
+        "again": deployment("d1"),
+        "d4": deployment("d4"),
+    }
+    futures = {k: committer.thread.submit(store.create_deployment, r) for k, r in writes.items()}
+    moved = committer.thread.submit(store.update_deployment, "d4", node_id="ghost")
+    go.set()
+    assert futures["d1"].result(WAIT_S) is None and futures["d4"].result(WAIT_S) is None
+    for key, message in [
+        ("ghost", "node 'ghost' is unknown"),
+        ("mallory", "client 'mallory' is unknown"),
+        ("again", "deployment 'd1' exists already"),
+    ]:
+        with pytest.raises(ConstraintError, match=message):
+            futures[key].result(WAIT_S)
+    with pytest.raises(ConstraintError, match="node 'ghost' is unknown"):
+        moved.result(WAIT_S)
+    committer.thread.shutdown()
+    assert committer.commits == [1, 6]
+    assert [d.deployment_id for d in store.list_deployments()] == ["d1", "d4"]
+    assert store.get_deployment("d4") == deployment("d4")
