@@ -21,9 +21,10 @@ live load. These names are a contract with that scraper; change both together:
   the batches of each priority class (critical, standard, best-effort), whose rates give
   the classes' shares; ``offload_runtime_class_requests_total{model, class}`` (counter):
   requests computed per class; ``offload_runtime_class_queued{model, class}`` (gauge):
-  requests waiting per class; ``offload_runtime_class_refused_total{model, class}``
-  (counter): requests refused RESOURCE_EXHAUSTED because their class already had
-  --max-queued-per-class waiting (each class's series appears at its first refusal).
+  requests waiting per class;
+- ``offload_runtime_class_refused_total{model, class}`` (counter): requests refused
+  RESOURCE_EXHAUSTED because their class already had --max-queued-per-class waiting, for a
+  batch or for a worker thread (each class's series appears at its first refusal).
 
 Calls refused before the handler are not counted: those without the right token (so that a
 caller without it cannot move a replica's load figures) and those gRPC itself refuses (a
@@ -139,8 +140,8 @@ class ModelMetrics:
         counters[1].inc(len(waits_s))
 
     def refused_full(self, cls: str) -> None:
-        """One request of priority class `cls` refused: its class's queue was full
-        (`runtime.batching.RefusalObserver`). Event loop only."""
+        """One request of priority class `cls` refused: its class's queue (for a batch or a
+        worker thread) was full (`runtime.batching.RefusalObserver`). Event loop only."""
         counter = self._refused_by_class.get(cls)
         if counter is None:
             counter = self._refused_by_class[cls] = self._class_refused.labels(self._model, cls)
@@ -238,7 +239,7 @@ class RuntimeMetrics:
         self.class_refused = Counter(
             "offload_runtime_class_refused",
             "Requests refused RESOURCE_EXHAUSTED per priority class: their class already had "
-            "--max-queued-per-class waiting (batching).",
+            "--max-queued-per-class waiting for a batch or a worker thread.",
             ["model", "class"],
             registry=r,
         )

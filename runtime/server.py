@@ -736,7 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bounded(int, 1, MAX_QUEUED_LIMIT),
         default=DEFAULT_MAX_QUEUED_PER_CLASS,
         metavar="N",
-        help="requests one priority class may have waiting; more get RESOURCE_EXHAUSTED "
+        help="requests one priority class may have waiting (for a batch, or for a worker "
+        "thread when the model does not batch); more get RESOURCE_EXHAUSTED "
         f"(default {DEFAULT_MAX_QUEUED_PER_CLASS})",
     )
     batching.add_argument(
