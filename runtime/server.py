@@ -620,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--precision",
-        choices=[str(p) for p in Precision],
+        choices=[str(c) for c in Precision],
         default=str(Precision.FP32),
         help="fp16: serve --fp16-model, the model's FP16 copy (python -m modelzoo.fp16), "
         "after checking it against --model at load: refused when an output deviates past "
