@@ -36,22 +36,26 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., site: _Optional[str] = ..., inventory: _Optional[_Union[_node_pb2.Inventory, _Mapping]] = ..., runtimes: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "lost_after_ms")
+    __slots__ = ("heartbeat_interval_ms", "lost_after_ms", "lease_renew_ms")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     LOST_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_RENEW_MS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     lost_after_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lost_after_ms: _Optional[int] = ...) -> None: ...
+    lease_renew_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lost_after_ms: _Optional[int] = ..., lease_renew_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "usage", "replicas")
+    __slots__ = ("node_id", "usage", "replicas", "lease_only")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ONLY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     usage: _node_pb2.UsageResponse
     replicas: _containers.RepeatedCompositeFieldContainer[_node_pb2.Replica]
-    def __init__(self, node_id: _Optional[str] = ..., usage: _Optional[_Union[_node_pb2.UsageResponse, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ...) -> None: ...
+    lease_only: bool
+    def __init__(self, node_id: _Optional[str] = ..., usage: _Optional[_Union[_node_pb2.UsageResponse, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ..., lease_only: bool = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()

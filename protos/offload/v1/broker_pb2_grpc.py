@@ -94,7 +94,11 @@ class NodeRegistryServicer(object):
 
     def Heartbeats(self, request_iterator, context):
         """Heartbeat as a stream, one call for a node's life: the node writes a HeartbeatRequest
-        each interval and the broker answers each with a HeartbeatResponse. A message on an open
+        each interval (with leases: a renewal each lease_renew_ms, a full one on change) and the
+        broker answers each with a HeartbeatResponse. The stream is the node's liveness too: the
+        broker notes when it breaks, and a node whose stream broke is lost unless it renews
+        within heartbeat_interval_ms (a node daemon killed is noticed at once, not after
+        lost_after_ms). A message on an open
         stream costs the broker a fraction of a unary call (no call set-up, metadata or
         interceptors per beat). The stream ends with NOT_FOUND when the broker does not know the
         node (register again, then open a new stream). Nodes fall back to Heartbeat when a broker
