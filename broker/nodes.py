@@ -3,6 +3,13 @@ is live, and the resizes they report. It alone writes them (memory and the store
 rows); the rest of the broker reads `NodeRegistry.nodes` and asks it by intent (register,
 heartbeat, retire, find the lost, set a state).
 
+Liveness is a lease: every heartbeat renews it, and so does a lease renewal (`renew`), which
+a node sends between its usage samples. A node is lost when its lease runs out
+(`lost_after_s` without a renewal or heartbeat: a daemon paused or hung keeps its connection
+but stops renewing), or when its heartbeat stream broke (`stream_closed`) and it did not open
+another, or renew, within `stream_grace_s` (a daemon killed, its host gone: noticed at the
+next check, not a whole lease later).
+
 A change placement must see (a node registered, lost, back, drained, its load) is told to
 `on_change(node_id, load_only)`: the placement applier (`broker.applier`) marks the node's
 entry in its view stale.
@@ -24,6 +31,7 @@ from broker.errors import (
     AlreadyExists,
     Impossible,
     InvalidRequest,
+    NodeUnavailable,
     NotFound,
     Unauthenticated,
     quote,
@@ -49,6 +57,13 @@ RESIZES_KEPT = 100
 """Resizes the store keeps per deployment (the most recent)."""
 RESIZES_LISTED = 500
 """Resizes `NodeRegistry.resizes` returns at most."""
+LEASE_RENEWALS = 2.5
+"""Lease renewals a lease lasts (`NodeRegistry.renew_s`): one late renewal, or a node's event
+loop stalled a second or two, is not a lost node."""
+STREAM_GRACE_S = 2.0
+"""How long a node whose heartbeat stream broke has to open another or renew (at most
+`lost_after_s`): a node reopens a broken stream at once, and the lost-node check runs every
+second."""
 RESIZES_REMEMBERED = 4096
 """(node, event) pairs the broker remembers as recorded, to skip the store for the ones a
 node repeats; one it forgot is recorded again harmlessly (the store ignores duplicates)."""
@@ -86,6 +101,12 @@ class NodeEntry:
     replicas: frozenset[str] = frozenset()
     """The replica ids the node reported last."""
     load: float = 0.0
+    stream: object | None = None
+    """The node's open heartbeat stream (the token `stream_opened` was given); None when it
+    has none."""
+    stream_broken_at: float | None = None
+    """time.monotonic() when its heartbeat stream broke, while it has opened no other since;
+    None otherwise (and for a node on unary heartbeats, whose lease alone counts)."""
 
 
 def inventory_to_json(inventory: Inventory) -> str:
@@ -135,14 +156,19 @@ class NodeRegistry:
         metrics: BrokerMetrics,
         *,
         lost_after_s: float,
+        stop_grace_ms: int,
         on_change: Callable[[str, bool], None],
+        stream_grace_s: float = STREAM_GRACE_S,
     ) -> None:
         self._core = core
         self._network = network
         self._links = links
         self._metrics = metrics
         self.lost_after_s = lost_after_s
-        """A node silent this long is lost (plus `loop_lag`)."""
+        """A node silent this long is lost (plus `loop_lag`): the lease."""
+        self.stream_grace_s = min(stream_grace_s, lost_after_s)
+        """A node whose heartbeat stream broke is lost after this long without another."""
+        self._stop_grace_ms = stop_grace_ms
         self._on_change = on_change
         self._nodes: dict[str, NodeEntry] = {}
         self._secrets: dict[str, str] = {}
@@ -252,6 +278,8 @@ class NodeRegistry:
                 await previous.client.close()
             client = self._links(node_id, address, secret)
         entry = NodeEntry(record, inventory, topology, client, time.monotonic())
+        if previous is not None:  # its stream, if any, goes on (a stream outlives a record)
+            entry.stream, entry.stream_broken_at = previous.stream, previous.stream_broken_at
         self._nodes[node_id] = entry
         self._on_change(node_id, False)
         return entry
@@ -333,22 +361,18 @@ class NodeRegistry:
         self._secrets.pop(node_id, None)
         logger.warning("node=%s retired: the next daemon to register this id binds it", node_id)
 
-    def heartbeat(self, node_id: str, sample: NodeSample) -> NodeEntry:
-        """Record that the node is alive and its load, at once and before anything that can
-        wait: the liveness path never queues behind the store, placement or client calls.
-        Its new resizes are recorded in the background. NotFound when the node is unknown
-        (it registers again)."""
+    @property
+    def renew_s(self) -> float:
+        """How often nodes renew their lease (RegisterResponse's `lease_renew_ms`)."""
+        return self.lost_after_s / LEASE_RENEWALS
+
+    def renew(self, node_id: str) -> NodeEntry:
+        """Renew the node's lease, at once (the liveness path never waits); a lost node is
+        back. NotFound when the node is unknown (it registers again)."""
         entry = self._nodes.get(node_id)
         if entry is None:
             raise NotFound(f"node {node_id} is not registered; register again")
         entry.last_heartbeat = time.monotonic()
-        if entry.load != sample.load:
-            entry.load = sample.load
-            self._on_change(node_id, True)
-        self.load_history.record(node_id, sample, time.time())
-        fresh = [r for r in sample.resizes if (node_id, r.event_id) not in self._resizes_seen]
-        if fresh:
-            self._core.background(self._record_resizes(node_id, fresh), f"resizes-{node_id}")
         if entry.record.state is NodeState.LOST:
             entry.record = replace(entry.record, state=NodeState.READY)
             self._on_change(node_id, False)
@@ -357,6 +381,51 @@ class NodeRegistry:
                 self._core.db(set_state, node_id, NodeState.READY), f"back-{node_id}"
             )
             logger.info("node=%s is back", node_id)
+        return entry
+
+    def stream_opened(self, node_id: str, stream: object) -> None:
+        """The node heartbeats on `stream` now (any token the caller keeps for it)."""
+        entry = self._nodes.get(node_id)
+        if entry is not None:
+            entry.stream, entry.stream_broken_at = stream, None
+
+    def stream_closed(self, node_id: str, stream: object) -> None:
+        """`stream` ended, however (the node's connection reset, the node went, the broker
+        refused it): when it is the node's stream, the node has `stream_grace_s` to open
+        another or renew its lease. A stream the node has replaced already changes nothing."""
+        entry = self._nodes.get(node_id)
+        if entry is not None and entry.stream is stream:
+            entry.stream, entry.stream_broken_at = None, time.monotonic()
+
+    async def stop_replica(
+        self, node_id: str | None, replica: str, grace_ms: int | None = None
+    ) -> None:
+        """Stop a replica (draining it for `grace_ms`, by default `--stop-grace`); a node that
+        is gone, lost or cannot is left to reconciliation (the replica is unclaimed there and
+        stopped after the orphan grace)."""
+        entry = self._nodes.get(node_id or "")
+        if entry is None or entry.record.state is NodeState.LOST:
+            return
+        try:
+            await entry.client.stop_replica(
+                replica, self._stop_grace_ms if grace_ms is None else grace_ms
+            )
+        except NodeUnavailable as err:
+            logger.warning("replica=%s: %s (the node reconciles it)", replica, err)
+
+    def heartbeat(self, node_id: str, sample: NodeSample) -> NodeEntry:
+        """Record that the node is alive (`renew`) and its load, at once and before anything
+        that can wait: the liveness path never queues behind the store, placement or client
+        calls. Its new resizes are recorded in the background. NotFound when the node is
+        unknown (it registers again)."""
+        entry = self.renew(node_id)
+        if entry.load != sample.load:
+            entry.load = sample.load
+            self._on_change(node_id, True)
+        self.load_history.record(node_id, sample, time.time())
+        fresh = [r for r in sample.resizes if (node_id, r.event_id) not in self._resizes_seen]
+        if fresh:
+            self._core.background(self._record_resizes(node_id, fresh), f"resizes-{node_id}")
         return entry
 
     def reported(self, node_id: str, replicas: Reported) -> None:
@@ -414,9 +483,11 @@ class NodeRegistry:
         await self._core.db(self._core.store.set_node_state, node_id, state)
 
     async def find_lost(self) -> list[NodeId]:
-        """Mark nodes silent past the timeout, plus how late this event loop ran lately
-        (`loop_lag`), as lost; returns their ids. The decision is taken on the in-memory
-        heartbeat times alone, all nodes at once; only then is it written to the store."""
+        """Mark as lost the nodes whose lease ran out (silent past `lost_after_s`) or whose
+        heartbeat stream broke `stream_grace_s` ago with no other since, either plus how late
+        this event loop ran lately (`loop_lag`); returns their ids. The decision is taken on
+        the in-memory times alone, all nodes at once; only then is it written to the
+        store."""
         now = time.monotonic()
         # Heartbeats wait unread while this loop is behind: silence that long is not the
         # node's (`broker.loop_lag`).
@@ -424,20 +495,31 @@ class NodeRegistry:
         lost: list[NodeId] = []
         spared = 0
         for node_id, entry in self._nodes.items():
-            silent = now - entry.last_heartbeat
-            if entry.record.state is not NodeState.READY or silent <= self.lost_after_s:
+            if entry.record.state is not NodeState.READY:
                 continue
-            if silent <= self.lost_after_s + lag:
+            silent = now - entry.last_heartbeat
+            broken = None if entry.stream_broken_at is None else now - entry.stream_broken_at
+            if silent > self.lost_after_s:
+                why, past = f"no heartbeat for {silent:.1f}s", silent - self.lost_after_s
+            elif broken is not None and broken > self.stream_grace_s:
+                why = (
+                    f"no heartbeat for {silent:.1f}s, its heartbeat stream broke {broken:.1f}s ago"
+                )
+                past = broken - self.stream_grace_s
+            else:
+                continue
+            if past <= lag:
                 spared += 1
                 continue
             entry.record = replace(entry.record, state=NodeState.LOST)
             self._on_change(node_id, False)
-            logger.error("node=%s lost: no heartbeat for %.1fs", node_id, silent)
+            logger.error("node=%s lost: %s", node_id, why)
             lost.append(NodeId(node_id))
         if spared:
             logger.warning(
-                "%d node(s) silent past --lost-after (%.1fs), but this broker's event loop ran "
-                "up to %.1fs late: their heartbeats may be waiting to be read; not lost yet",
+                "%d node(s) silent past --lost-after (%.1fs) or with a broken stream, but this "
+                "broker's event loop ran up to %.1fs late: their heartbeats may be waiting to "
+                "be read; not lost yet",
                 spared,
                 self.lost_after_s,
                 lag,
