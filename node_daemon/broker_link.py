@@ -1,14 +1,22 @@
 """The node's link to the broker: register, heartbeat, and fetch models by sha256.
 
 `BrokerLink.run` registers (retrying with backoff while the broker is unreachable), then
-heartbeats every interval the broker asked for, with the node's usage and replicas, as
-messages on one `Heartbeats` stream (a unary `Heartbeat` call each, from a broker that has no
-stream: UNIMPLEMENTED); when the broker answers NOT_FOUND (it lost its state, or marked the
-node lost and dropped it) the node registers again. Heartbeats on the stream do not wait
-for the answers to those before them; one unanswered for too long (`_answer_deadline`: 2 s
-with several brokers, ten heartbeats with one) ends the stream, and the next heartbeat opens
-a new one. Every call has a deadline; only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED are
-retried, except a failed TLS handshake (the broker's certificate does not chain to the
+heartbeats as messages on one `Heartbeats` stream (a unary `Heartbeat` call each, from a
+broker that has no stream: UNIMPLEMENTED); when the broker answers NOT_FOUND (it lost its
+state, or marked the node lost and dropped it) the node registers again. Heartbeats on the
+stream do not wait for the answers to those before them; one unanswered for too long
+(`_answer_deadline`: 2 s with several brokers, ten heartbeat intervals with one) ends the
+stream, and the next heartbeat opens a new one.
+
+What a heartbeat carries (`Cadence`): to a broker that takes leases (its RegisterResponse
+has `lease_renew_ms`), the node's usage sample and replicas only when they changed
+(`node_daemon.telemetry.usage_digest`, the replicas' states) or every `--sample-interval`
+seconds, and in between a lease renewal (node id alone) every `lease_renew_ms`; the stream
+itself is the node's liveness, so a stream that broke is replaced at once. To an older
+broker, a full heartbeat every interval it asked for, as before leases.
+
+Every call has a deadline; only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED are retried,
+except a failed TLS handshake (the broker's certificate does not chain to the
 node's CA), which no retry mends: it stops the daemon. Over TLS the node presents its
 certificate (mutual TLS); the broker checks that it is for this node id.
 
@@ -29,9 +37,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -41,7 +51,7 @@ from common.node_identity import NODE_SECRET_HEADER
 from node_daemon.agent import NodeAgent
 from node_daemon.errors import ModelNotCached
 from node_daemon.rpc import convert
-from node_daemon.telemetry import NodeSample
+from node_daemon.telemetry import NodeSample, usage_digest
 from protos.offload.v1 import broker_pb2 as bpb
 from protos.offload.v1 import broker_pb2_grpc as bpb_grpc
 from protos.offload.v1 import node_pb2 as npb
@@ -62,7 +72,22 @@ FETCH_TIMEOUT_S = 300.0
 """A model fetch's deadline; a paced one has the largest model's time at its rate on top."""
 HEARTBEAT_TIMEOUT_MIN_S = 2.0
 STALL_HEARTBEATS = 10
-"""With one broker, heartbeats unanswered before the stream is given up (`_answer_deadline`)."""
+"""With one broker, heartbeat intervals a heartbeat may go unanswered before the stream is
+given up (`_answer_deadline`)."""
+SAMPLE_INTERVAL_S = 10.0
+"""`--sample-interval`'s default: a usage sample that did not change goes to a broker with
+leases this often (docs/OPERATIONS.md, "Liveness and usage samples", says why 10 s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cadence:
+    """What the broker asked for at registration."""
+
+    interval_s: float
+    """How often the node looks at its replicas and sample (a full heartbeat each time to a
+    broker without leases)."""
+    renew_s: float = 0.0
+    """How often a lease renewal goes when nothing else does; 0: the broker takes no leases."""
 
 
 class BrokerLink:
@@ -78,6 +103,7 @@ class BrokerLink:
         on_heartbeat: Callable[[float | None], None] | None = None,
         background_fetch_bytes_per_s: float = 0.0,
         node_secret: str = "",
+        sample_interval_s: float = SAMPLE_INTERVAL_S,
     ) -> None:
         """`brokers`: the NodeRegistry address of every broker, as a sequence or "A,B,..."
         (ValueError when one is not host:port); `tls`: the node's certificate (presented) and
@@ -86,9 +112,14 @@ class BrokerLink:
         told each heartbeat's round trip in ms, or None for one that failed;
         `background_fetch_bytes_per_s`: the average rate a background start's model is
         fetched at (`fetch_model`), 0 for as fast as it comes; `node_secret`: the node's
-        secret (`common.node_identity.load_or_create_secret`), which a broker requires."""
+        secret (`common.node_identity.load_or_create_secret`), which a broker requires;
+        `sample_interval_s`: how often an unchanged usage sample goes to a broker with leases
+        (> 0; ValueError otherwise)."""
         if background_fetch_bytes_per_s < 0:
             raise ValueError(f"a negative fetch rate: {background_fetch_bytes_per_s}")
+        if not sample_interval_s > 0:
+            raise ValueError(f"a sample interval must be positive: {sample_interval_s}")
+        self._sample_interval_s = sample_interval_s
         self._background_rate = background_fetch_bytes_per_s
         self._channel_options = [
             ("grpc.max_receive_message_length", 8 * 1024 * 1024),
@@ -133,8 +164,8 @@ class BrokerLink:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _register(self) -> float:
-        """Register until it succeeds; returns the heartbeat interval in seconds."""
+    async def _register(self) -> Cadence:
+        """Register until it succeeds; returns what the broker asked for."""
         backoff = 0.2
         while True:
             replicas = await self._agent.list_replicas()
@@ -172,15 +203,17 @@ class BrokerLink:
                 len(replicas),
             )
             self.registered.set()
-            return max(0.05, reply.heartbeat_interval_ms / 1000)
+            interval = max(0.05, reply.heartbeat_interval_ms / 1000)
+            renew = max(interval, reply.lease_renew_ms / 1000) if reply.lease_renew_ms else 0.0
+            return Cadence(interval, renew)
 
     async def run(self) -> None:
         """Register, then heartbeat until cancelled. Raises on a non-retryable refusal
         (a wrong join token: UNAUTHENTICATED), which stops the daemon."""
-        interval = await self._register()
-        sampler = asyncio.create_task(self._sample_usage(interval), name="usage-sampler")
+        cadence = await self._register()
+        sampler = asyncio.create_task(self._sample_usage(cadence.interval_s), name="usage-sampler")
         try:
-            await self._heartbeat(interval)
+            await self._heartbeat(cadence)
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
@@ -203,30 +236,50 @@ class BrokerLink:
                 logger.warning("reading the replicas' usage took %.1fs", took)
             await asyncio.sleep(interval)
 
-    async def _heartbeat(self, interval: float) -> None:
+    async def _heartbeat(self, cadence: Cadence) -> None:
         stream: HeartbeatStream | None = None
         streaming = True
+        report = _Reported()
+        now_again = False  # the stream broke under a heartbeat: replace it at once
         try:
             while True:
-                await asyncio.sleep(interval)
-                request = await self._heartbeat_request(interval)
+                if now_again:
+                    force, now_again = True, False
+                elif stream is not None:  # woken early when the stream ends
+                    await stream.ended_within(cadence.interval_s)
+                    force = stream.ended
+                else:
+                    await asyncio.sleep(cadence.interval_s)
+                    force = False
+                request = await self._next_heartbeat(cadence, report, streaming, force)
+                if request is None:
+                    continue
                 try:
+                    worked = False
                     if streaming:
                         if stream is None:
                             call = self._stub.Heartbeats(metadata=self._metadata)
                             stream = HeartbeatStream(call, self._on_heartbeat)
-                        await stream.beat(request, self._answer_deadline(interval))
+                        worked = stream.answered > 0
+                        await stream.beat(request, self._answer_deadline(cadence.interval_s))
                     else:
                         started = time.perf_counter()
                         await self._stub.Heartbeat(
-                            request, metadata=self._metadata, timeout=_heartbeat_timeout(interval)
+                            request,
+                            metadata=self._metadata,
+                            timeout=_heartbeat_timeout(cadence.interval_s),
                         )
                         if self._on_heartbeat is not None:
                             self._on_heartbeat((time.perf_counter() - started) * 1000)
+                    report.sent(request, time.monotonic())
                 except grpc.aio.AioRpcError as err:
                     if stream is not None:
                         stream.cancel()
                         stream = None
+                        # A stream that worked and broke (the broker restarted, a connection
+                        # reset): the broker counts the node lost unless it hears from it
+                        # soon (`NodeRegistry.stream_grace_s`), so the next one opens now.
+                        now_again = worked and err.code() == grpc.StatusCode.UNAVAILABLE
                     if self._on_heartbeat is not None:
                         self._on_heartbeat(None)
                     if streaming and err.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -236,7 +289,8 @@ class BrokerLink:
                         streaming = False
                     elif err.code() == grpc.StatusCode.NOT_FOUND:
                         self.registered.clear()
-                        interval = await self._register()
+                        cadence = await self._register()
+                        report = _Reported()  # a full heartbeat first, to the new record
                     elif err.code() in RETRYABLE:
                         logger.warning(
                             "heartbeat to %s failed: %s (%s)",
@@ -251,6 +305,39 @@ class BrokerLink:
             if stream is not None:
                 stream.cancel()
 
+    async def _next_heartbeat(
+        self, cadence: Cadence, report: _Reported, streaming: bool, force: bool
+    ) -> bpb.HeartbeatRequest | None:
+        """The heartbeat due now: a full one to a broker without leases, or when the replicas
+        or the sample changed since the last full one or `sample_interval_s` has passed;
+        else a lease renewal when `cadence.renew_s` has passed since the last heartbeat, or
+        `force` (the stream ended, or a new one must tell the broker at once); else none."""
+        replicas = await self._replicas(cadence.interval_s)
+        digest = self._digest()
+        now = time.monotonic()
+        if (
+            not cadence.renew_s
+            or not streaming
+            or report.changed(replicas, digest)
+            or now - report.full_at >= self._sample_interval_s
+        ):
+            report.full(replicas, digest)
+            return bpb.HeartbeatRequest(
+                node_id=self._agent.node_id, usage=self._usage_message(), replicas=replicas
+            )
+        if force or now - report.sent_at >= cadence.renew_s - cadence.interval_s / 2:
+            return bpb.HeartbeatRequest(node_id=self._agent.node_id, lease_only=True)
+        return None
+
+    def _digest(self) -> tuple[object, ...]:
+        """The sample's digest and the resizes the heartbeat would carry: a new resize is a
+        change too."""
+        resizer = self._agent.resizer
+        return (
+            None if self._usage is None else usage_digest(self._usage),
+            tuple(e.event_id for e in resizer.events()) if resizer is not None else (),
+        )
+
     def _answer_deadline(self, interval: float) -> float:
         """How late the oldest unanswered heartbeat on the stream may be before the stream is
         dropped. With several brokers, soon (`_heartbeat_timeout`): a paused leader is left
@@ -262,7 +349,7 @@ class BrokerLink:
             return _heartbeat_timeout(interval)
         return max(HEARTBEAT_TIMEOUT_MIN_S, STALL_HEARTBEATS * interval)
 
-    async def _heartbeat_request(self, interval: float) -> bpb.HeartbeatRequest:
+    async def _replicas(self, interval: float) -> list[npb.Replica]:
         checking = time.monotonic()
         replicas = await self._agent.list_replicas()
         if (took := time.monotonic() - checking) > interval:
@@ -272,11 +359,7 @@ class BrokerLink:
                 took,
                 interval,
             )
-        return bpb.HeartbeatRequest(
-            node_id=self._agent.node_id,
-            usage=self._usage_message(),
-            replicas=[convert.replica(v) for v in replicas],
-        )
+        return [convert.replica(v) for v in replicas]
 
     def _usage_message(self) -> npb.UsageResponse:
         if self._usage is None:  # no sample yet: the GPUs as at startup
@@ -355,14 +438,26 @@ class HeartbeatStream:
         self._call = call
         self._on_answer = on_answer
         self._sent: deque[float] = deque()
+        self.answered = 0
+        """Heartbeats the broker answered on this stream."""
         self._reader = asyncio.create_task(self._read(), name="heartbeat-answers")
 
     async def _read(self) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):  # the call's status says why
             while await self._call.read() is not grpc.aio.EOF:
+                self.answered += 1
                 started = self._sent.popleft() if self._sent else None
                 if self._on_answer is not None and started is not None:
                     self._on_answer((time.perf_counter() - started) * 1000)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the broker's side of the stream has ended (`beat` raises why)."""
+        return self._reader.done()
+
+    async def ended_within(self, timeout_s: float) -> None:
+        """Wait `timeout_s`, or less when the stream ends meanwhile."""
+        await asyncio.wait([self._reader], timeout=timeout_s)
 
     async def beat(self, request: bpb.HeartbeatRequest, deadline_s: float) -> None:
         """Write one heartbeat. AioRpcError when the stream has ended (the broker's status:
@@ -416,6 +511,34 @@ def _broken(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
         err.trailing_metadata(),
         f"the heartbeat stream broke: {err.details()}",
     )
+
+
+class _Reported:
+    """What the node last told the broker on its heartbeats (`BrokerLink._next_heartbeat`)."""
+
+    def __init__(self) -> None:
+        self.full_at = -math.inf
+        """time.monotonic() of the last full heartbeat (-inf: none yet)."""
+        self.sent_at = -math.inf
+        """time.monotonic() of the last heartbeat of any kind the broker took."""
+        self._replicas: list[npb.Replica] | None = None
+        self._digest: tuple[object, ...] | None = None
+        self._pending: tuple[list[npb.Replica], tuple[object, ...]] | None = None
+
+    def changed(self, replicas: list[npb.Replica], digest: tuple[object, ...]) -> bool:
+        """Whether the replicas or the sample's digest differ from the last full heartbeat's."""
+        return self._replicas != replicas or self._digest != digest
+
+    def full(self, replicas: list[npb.Replica], digest: tuple[object, ...]) -> None:
+        """A full heartbeat with these is about to go (`sent` once it went)."""
+        self._pending = (replicas, digest)
+
+    def sent(self, request: bpb.HeartbeatRequest, now: float) -> None:
+        self.sent_at = now
+        if not request.lease_only and self._pending is not None:
+            self._replicas, self._digest = self._pending
+            self.full_at = now
+        self._pending = None
 
 
 def _deadline(details: str) -> grpc.aio.AioRpcError:

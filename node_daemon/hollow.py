@@ -5,8 +5,9 @@ Each hollow node is the real node daemon but for its runtime: its own `NodeAgent
 `NullRuntime`, its own `ModelCache` folder and `GpuAllocator`, the inventory of a real
 `nvidia-smi topo -m` capture), its own `offload.v1.NodeAgent` gRPC server on a loopback port
 (the servicer, the malformed-request and token interceptors of `offload node`), and its own
-`BrokerLink` registering, heartbeating every interval the broker asks for with the node's
-sample and replicas, and fetching models from the broker into the node's cache. The broker
+`BrokerLink` registering, heartbeating as `offload node` does (to a broker with leases: a
+lease renewal as often as it asks, the node's sample and replicas when they change or every
+`sample_interval_s`), and fetching models from the broker into the node's cache. The broker
 cannot tell a hollow node from a real one but by its runtime name ("null").
 
 One gRPC server per hollow node rather than one shared server: the broker dials each node at
@@ -38,7 +39,7 @@ import grpc
 
 from common.node_identity import load_or_create_secret
 from node_daemon.agent import NodeAgent
-from node_daemon.broker_link import BrokerLink
+from node_daemon.broker_link import SAMPLE_INTERVAL_S, BrokerLink
 from node_daemon.inventory import Inventory
 from node_daemon.model_cache import ModelCache
 from node_daemon.resources import ResourceManager
@@ -117,8 +118,10 @@ class HollowFleet:
         inventories: Sequence[Inventory],
         prefix: str = "hollow",
         host: str = "127.0.0.1",
+        sample_interval_s: float = SAMPLE_INTERVAL_S,
     ) -> None:
-        """ValueError without a site or an inventory."""
+        """ValueError without a site or an inventory. `sample_interval_s`: each node's
+        `offload node --sample-interval`."""
         if not sites or not inventories:
             raise ValueError("a hollow fleet needs at least one site and one inventory")
         self.broker = broker
@@ -127,6 +130,7 @@ class HollowFleet:
         self.inventories = tuple(inventories)
         self.prefix = prefix
         self.host = host
+        self.sample_interval_s = sample_interval_s
         self.heartbeats = HeartbeatLog()
         self._join_token = join_token
         self._nodes: list[_HollowNode] = []
@@ -206,6 +210,7 @@ class HollowFleet:
             ],
             on_heartbeat=self.heartbeats.record,
             node_secret=secret,
+            sample_interval_s=self.sample_interval_s,
         )
         agent.fetch_model = link.fetch_model
         return _HollowNode(agent, runtime, server, link)

@@ -40,7 +40,7 @@ from common.node_identity import load_or_create_secret
 from common.private_files import private_dir, read_secret
 from images.build import runtime_image_tag
 from node_daemon.agent import NodeAgent
-from node_daemon.broker_link import BrokerLink
+from node_daemon.broker_link import SAMPLE_INTERVAL_S, BrokerLink
 from node_daemon.inventory import (
     GpuSpec,
     Inventory,
@@ -107,6 +107,9 @@ class NodeSettings:
     background_fetch_mb_s: float = 0.0
     """The average rate, in MB/s, a background start's model is fetched from the broker at;
     0: as fast as it comes."""
+    sample_interval_s: float = SAMPLE_INTERVAL_S
+    """How often the usage sample goes to the broker when it has not changed (a broker with
+    leases; `BrokerLink`); a changed one goes at once."""
     replica_shares: int = 0
     """Docker: the CPU weight of the cgroup all replicas' containers are created in (v1
     `cpu.shares` units); 0: the engine's default group."""
@@ -287,6 +290,7 @@ async def serve(settings: NodeSettings) -> int:
             settings.tls,
             background_fetch_bytes_per_s=settings.background_fetch_mb_s * 1e6,
             node_secret=node_secret or "",
+            sample_interval_s=settings.sample_interval_s,
         )
         agent.fetch_model = link.fetch_model
     failed = False
@@ -416,6 +420,18 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "(default 0)",
     )
     p.add_argument(
+        "--sample-interval",
+        type=float,
+        default=SAMPLE_INTERVAL_S,
+        metavar="SECONDS",
+        help="send the broker this node's usage sample this often when it has not changed; a "
+        "changed one (a replica's CPU, memory or request rate, a GPU's use, the replicas "
+        "themselves) goes at once, and between samples a small lease renewal keeps the node "
+        "live. Shorter: the broker's load figures and charts are fresher, at a heartbeat's "
+        f"cost each (default {SAMPLE_INTERVAL_S:g}; a broker from before leases gets a full "
+        "heartbeat every interval it asks for regardless)",
+    )
+    p.add_argument(
         "--replica-cpu-shares",
         type=int,
         default=0,
@@ -441,6 +457,12 @@ def _replica_shares(shares: int, runtime: str) -> int:
     if shares and runtime == "process":
         raise ValueError("--replica-cpu-shares weighs Docker containers, not --runtime process")
     return shares
+
+
+def _sample_interval(seconds: float) -> float:
+    if not math.isfinite(seconds) or not 0.05 <= seconds <= 3600:
+        raise ValueError(f"--sample-interval {seconds!r}: give seconds, 0.05 to 3600")
+    return seconds
 
 
 def _fetch_rate(mb_s: float) -> float:
@@ -513,6 +535,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         tls=tls,
         insecure=args.insecure,
         background_fetch_mb_s=_fetch_rate(args.background_fetch_rate),
+        sample_interval_s=_sample_interval(args.sample_interval),
         replica_shares=_replica_shares(args.replica_cpu_shares, args.runtime),
     )
 

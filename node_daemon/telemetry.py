@@ -388,3 +388,30 @@ class Telemetry:
         except (aiohttp.ClientError, TimeoutError, ValueError) as err:
             logger.debug("replica=%s: metrics not read: %r", info.replica_id, err)
             return None
+
+
+def usage_digest(sample: NodeSample) -> tuple[object, ...]:
+    """A coarse fingerprint of `sample`: two samples with the same digest tell the broker the
+    same thing, so the node sends a sample when the digest changes and otherwise only every
+    `--sample-interval` (`node_daemon.broker_link`). Coarse on purpose, or every sample
+    would differ: per replica its CPU to a tenth of a core, its quota, its memory to 64 MiB,
+    its request rate to a factor of two and whether it fails requests or queues them; per
+    GPU its utilization to 5 points and its memory to 256 MiB; the node's cores."""
+    replicas = tuple(
+        (
+            r.replica_id,
+            round(r.cpu_used_cores, 1),
+            r.cpu_limit,
+            r.memory_used_mib // 64,
+            None
+            if r.requests is None
+            else (
+                round(math.log2(1 + r.requests.rate_per_s)),
+                r.requests.failure_rate_per_s > 0,
+                r.requests.queued > 0,
+            ),
+        )
+        for r in sample.replicas
+    )
+    gpus = tuple((g.utilization_pct // 5, g.memory_used_mib // 256) for g in sample.gpus)
+    return (sample.cpu_cores, replicas, gpus)

@@ -1,0 +1,106 @@
+"""The node's side of leases (`node_daemon.broker_link`, issue 51 item 4): to a broker that
+asks for renewals, a full heartbeat (sample and replicas) first and then on change or every
+sample interval, lease renewals between; to one that does not, a full heartbeat every
+interval as before; a stream that broke replaced at once. Real gRPC on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from node_daemon.broker_link import BrokerLink
+from node_daemon.model_cache import ModelCache
+from protos.offload.v1 import broker_pb2 as bpb
+from tests.cluster_support import until
+from tests.unit.test_broker_link import Registry, null_node, serve
+
+
+class LeaseRegistry(Registry):
+    """Gives leases (`renew_ms`; 0: none, as an older broker) and counts what comes."""
+
+    def __init__(self, renew_ms: int, end_first_after: int = 0) -> None:
+        super().__init__(streams=True)
+        self.renew_ms = renew_ms
+        self.end_first_after = end_first_after
+        self.kinds: list[str] = []
+        """"full" or "renewal", per message, in order."""
+
+    async def Register(self, request: bpb.RegisterRequest, context: object) -> object:
+        self.registers += 1
+        return bpb.RegisterResponse(
+            heartbeat_interval_ms=self.interval_ms,
+            lost_after_ms=5000,
+            lease_renew_ms=self.renew_ms,
+        )
+
+    async def Heartbeats(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.opened += 1
+        first = self.opened == 1
+        taken = 0
+        async for request in requests:
+            self.kinds.append("renewal" if request.lease_only else "full")
+            if request.lease_only:
+                assert not request.HasField("usage") and not request.replicas
+            taken += 1
+            yield bpb.HeartbeatResponse()
+            if first and taken == self.end_first_after:
+                return  # the broker ends the stream (as a restart or a reset would)
+
+
+async def run(tmp_path: Path, registry: LeaseRegistry, done: Any, sample_s: float) -> None:
+    server, port = await serve(registry)
+    link = BrokerLink(
+        f"127.0.0.1:{port}",
+        "join-token",
+        null_node(ModelCache(tmp_path / "m")),
+        "127.0.0.1:2",
+        sample_interval_s=sample_s,
+    )
+    running = asyncio.create_task(link.run())
+    try:
+        await until(lambda: done() or running.done(), "the link's heartbeats", timeout_s=30)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await link.close()
+        await server.stop(None)
+
+
+async def test_a_quiet_node_sends_its_sample_then_renewals_then_its_sample_again(
+    tmp_path: Path,
+) -> None:
+    registry = LeaseRegistry(renew_ms=100)
+    await run(
+        tmp_path,
+        registry,
+        lambda: registry.kinds.count("full") >= 2,
+        sample_s=1.0,
+    )
+    kinds = registry.kinds
+    assert kinds[0] == "full"
+    second = kinds.index("full", 1)
+    assert kinds[1:second] and set(kinds[1:second]) == {"renewal"}
+    assert registry.opened == 1
+
+
+async def test_a_broker_without_leases_gets_a_full_heartbeat_each_interval(
+    tmp_path: Path,
+) -> None:
+    registry = LeaseRegistry(renew_ms=0)
+    await run(tmp_path, registry, lambda: len(registry.kinds) >= 5, sample_s=3600)
+    assert set(registry.kinds) == {"full"}
+
+
+async def test_a_stream_that_ends_is_replaced_and_renewed_on(tmp_path: Path) -> None:
+    registry = LeaseRegistry(renew_ms=100, end_first_after=2)
+    await run(
+        tmp_path,
+        registry,
+        lambda: registry.opened >= 2 and len(registry.kinds) >= 5,
+        sample_s=3600,
+    )
+    assert registry.registers == 1
+    assert registry.kinds[0] == "full" and "renewal" in registry.kinds[2:]
