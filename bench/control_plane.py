@@ -1,7 +1,11 @@
 """The scale of one control plane, measured as Kubernetes measures its own (kubemark): hollow
 nodes (`node_daemon.hollow`: the real node daemon, agent, broker link and NodeAgent server,
-over a runtime that runs nothing) registering and heartbeating every second into one real
-broker process (`offload broker`, its real state), while clients deploy, migrate and delete.
+over a runtime that runs nothing) registering and heartbeating into one real broker process
+(`offload broker`, its real state), while clients deploy, migrate and delete. A hollow node
+heartbeats as `offload node` does: a lease renewal as often as the broker asks (every 2 s at
+its defaults), its usage sample and replicas when they change or every --sample-interval
+seconds; against a broker from before leases, a full heartbeat every second. "Heartbeats"
+below count every message of the Heartbeats streams, renewals and samples alike.
 
 The cluster grows in steps (250, 500, 1,000, 2,000 hollow nodes; 100 and 250 with --quick)
 against the same broker, each node one of five real 8-GPU servers (the `nvidia-smi topo -m`
@@ -21,12 +25,13 @@ a batch, then deleted at once; the burst of median pace is reported, with each o
 Reported per step:
 - heartbeat round trip p50/p99/max (ms) as the hollow nodes see it (the broker exposes no
   heartbeat metric), and heartbeats that failed;
-- what the heartbeats alone cost the broker, over the second half of --settle (nothing else
-  asks it anything then): heartbeats answered per second, its CPU cores, and its CPU time
-  per heartbeat in microseconds; and, after the last step (the broker stopped), the same
-  figures for the same hollow nodes against `bench.null_registry`, which only parses each
-  heartbeat and answers it: the floor gRPC and asyncio in Python put under any broker's
-  figure (--no-floor skips it);
+- what the heartbeats alone cost the broker, over the second half of --settle or one
+  --sample-interval when that is longer (nothing else asks it anything then): heartbeats
+  answered per second, its CPU cores, and its CPU time per heartbeat in microseconds; and,
+  after the last step (the broker stopped), the same figures for the same hollow nodes
+  against `bench.null_registry`, which only parses each heartbeat and answers it (it gives
+  no lease, so nodes send it a full heartbeat every second): the floor gRPC and asyncio in
+  Python put under any broker's figure (--no-floor skips it);
 - nodes falsely marked lost: the broker's "lost" log lines during the step (every hollow node
   heartbeats all along, so every one is false), and the nodes it shows lost (`/api/nodes`);
 - Deploy throughput with the state committed: deployments answered `running` per second,
@@ -113,6 +118,7 @@ from broker.state.api_keys import new_api_key
 from common import collector
 from edge_client.client import OffloadClient
 from edge_client.demo.cluster import ClusterError, LocalCluster
+from node_daemon.broker_link import SAMPLE_INTERVAL_S
 from node_daemon.hollow import FleetStatus, HollowFleet
 from node_daemon.inventory import Inventory, inventory_from_capture
 from protos.offload.v1 import broker_pb2 as pb
@@ -183,6 +189,8 @@ class FleetConfig:
     root: Path
     sites: tuple[str, ...]
     prefix: str
+    sample_interval_s: float = SAMPLE_INTERVAL_S
+    """Each hollow node's `offload node --sample-interval`."""
 
 
 def fleet_process(config: FleetConfig, conn: multiprocessing.connection.Connection) -> None:
@@ -202,7 +210,13 @@ async def _serve_fleet(config: FleetConfig, conn: multiprocessing.connection.Con
     # Thousands of nodes in one process: the heap of a broker's, the collector's settings too.
     collector.settle()
     fleet = HollowFleet(
-        config.broker, config.join_token, config.root, config.sites, inventories, config.prefix
+        config.broker,
+        config.join_token,
+        config.root,
+        config.sites,
+        inventories,
+        config.prefix,
+        sample_interval_s=config.sample_interval_s,
     )
     lags: list[float] = []
     worst = [0.0]
@@ -619,26 +633,36 @@ async def heartbeat_floor(
         str(round(LOST_AFTER_S * 1000)),
     ) as (address, process):
         fleets = [
-            FleetProcess(FleetConfig(address, "no-token", root / "floor", sites, f"f{k}"))
+            FleetProcess(
+                FleetConfig(
+                    address, "no-token", root / "floor", sites, f"f{k}", args.sample_interval
+                )
+            )
             for k in range(args.hollow_processes)
         ]
         try:
             late = await grow(fleets, nodes)
-            figures = await heartbeats_alone(CpuProbe(process.pid, fleets), args.settle)
+            figures = await heartbeats_alone(
+                CpuProbe(process.pid, fleets), args.settle, args.sample_interval
+            )
         finally:
             for fleet in fleets:
                 await fleet.close()
     return {"nodes": nodes, **figures, **({"late": late} if late else {})}
 
 
-async def heartbeats_alone(probe: CpuProbe, settle_s: float) -> dict[str, float]:
-    """Sleep `settle_s`, measuring over its second half what the heartbeats alone cost the
-    broker (nothing else asks it anything then): heartbeats answered per second, the broker's
-    CPU cores, and so its CPU time per heartbeat in microseconds (0 with no heartbeat)."""
+async def heartbeats_alone(
+    probe: CpuProbe, settle_s: float, sample_interval_s: float
+) -> dict[str, float]:
+    """Sleep `settle_s`, measuring over its second half, or over one `sample_interval_s`
+    when that is longer (every node's sample once, beside its lease renewals), what the
+    heartbeats alone cost the broker (nothing else asks it anything then): heartbeats
+    answered per second (lease renewals and samples alike), the broker's CPU cores, and so
+    its CPU time per heartbeat in microseconds (0 with no heartbeat)."""
     await asyncio.sleep(settle_s / 2)
     await probe.heartbeats()  # forget the joining
     cpu, started = cpu_seconds(probe.broker), time.monotonic()
-    await asyncio.sleep(settle_s / 2)
+    await asyncio.sleep(max(settle_s / 2, sample_interval_s))
     answered = await probe.heartbeats()
     took = time.monotonic() - started
     used = cpu_seconds(probe.broker) - cpu
@@ -665,7 +689,7 @@ async def run_step(
     joined_s = time.monotonic() - joining
     await asyncio.gather(*(f.ask("worst lag") for f in fleets))  # from here on
     probe = CpuProbe(broker_pid, fleets)
-    idle = await heartbeats_alone(probe, args.settle)
+    idle = await heartbeats_alone(probe, args.settle, args.sample_interval)
     bursts = [
         await run_burst(clients, args.burst, http, cluster, probe, idle["broker_us_per_heartbeat"])
         for _ in range(args.bursts if args.burst else 0)
@@ -816,7 +840,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         join_token = cluster.join_token_file.read_text().strip()
         fleets = [
             FleetProcess(
-                FleetConfig(cluster.broker_address, join_token, root / "hollow", sites, f"h{k}")
+                FleetConfig(
+                    cluster.broker_address,
+                    join_token,
+                    root / "hollow",
+                    sites,
+                    f"h{k}",
+                    args.sample_interval,
+                )
             )
             for k in range(args.hollow_processes)
         ]
@@ -1085,6 +1116,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--sites", type=int, default=10, help="edge sites (10)")
     parser.add_argument(
+        "--sample-interval",
+        type=float,
+        default=SAMPLE_INTERVAL_S,
+        metavar="SECONDS",
+        help="each hollow node's `offload node --sample-interval` (its default, "
+        f"{SAMPLE_INTERVAL_S:g}): an unchanged usage sample goes this often, lease renewals "
+        "between",
+    )
+    parser.add_argument(
         "--state",
         default="",
         metavar="VALUE",
@@ -1115,10 +1155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         and 1 <= args.sites <= 100
         and 0 <= args.burst <= 100_000
         and 1 <= args.bursts <= 20
+        and 0.05 <= args.sample_interval <= 3600
     ):
         parser.error(
             "--window 0..3600 s, --settle 0..600 s, --clients 1..256, --hollow-processes "
-            "1..64, --sites 1..100, --burst 0..100000, --bursts 1..20"
+            "1..64, --sites 1..100, --burst 0..100000, --bursts 1..20, --sample-interval "
+            "0.05..3600 s"
         )
     if args.state and not args.state.isprintable():
         parser.error("--state must be printable text")
