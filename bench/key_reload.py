@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.server import BrokerConfig, reload_api_keys, start_broker
-from broker.state import StateStore, new_api_key, parse_api_keys_file
+from broker.state import new_api_key, open_store, parse_api_keys_file
 from edge_client.demo.cluster import CLUSTER_FILE
 
 PEER = "ipv4:127.0.0.1:1"
@@ -88,7 +88,7 @@ async def run(keys_count: int, reloads: int) -> dict[str, Any]:
                     raise AssertionError("the replacement key does not work after the reload")
         finally:
             await running.stop()
-        baseline_store = StateStore(root / "state")
+        baseline_store = open_store("", root / "state")
         try:
             begin = time.perf_counter()
             await asyncio.to_thread(baseline_store.replace_client_keys, current)

@@ -14,9 +14,10 @@ from broker.model_store import ModelStore
 from broker.network import EdgeNetwork
 from broker.node_client import NodeClient
 from broker.ops.metrics import BrokerMetrics
-from broker.service import Broker, BrokerSettings
-from broker.state import ModelRecord, OffloadCount, OffloadSummary, StateStore
+from broker.service import Broker
+from broker.state import ModelRecord, OffloadCount, OffloadSummary, open_store
 from broker.state.api_keys import new_api_key
+from broker.values import BrokerSettings
 from edge_client.demo.cluster import CLUSTER_FILE
 
 SHA = "ab" * 32
@@ -26,7 +27,7 @@ SHA = "ab" * 32
 @contextlib.asynccontextmanager
 async def local_broker(root: Path) -> AsyncIterator[Broker]:
     """A broker over the demo's sites, its state and models under `root`."""
-    store = StateStore(root / "state")
+    store = open_store("", root / "state")
     store.put_client("alice", new_api_key("alice"))
     store.put_model(ModelRecord(SHA, "m", 10, time.time()))
     store.add_model_owner(SHA, "alice")

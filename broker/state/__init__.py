@@ -8,7 +8,8 @@ versioned.
         store.append_event("deployment.created", record.deployment_id, "{}")
 
 `store` has the logic, `backend` the seam to a database, `sqlite_backend` and
-`postgres_backend` the adapters (the only `sqlite3` and `psycopg` users), `records` the values
+`postgres_backend` the adapters (the only `sqlite3` and `psycopg` users), `opener` the one
+module that chooses an adapter by the location and hands it to the store, `records` the values
 it keeps, `schema` the migration scripts of both, `api_keys` the key format and its hashing,
 `errors` the exceptions, `group_commit` the thread the broker runs its calls on (the calls
 queued together commit together).
@@ -23,6 +24,7 @@ from broker.state.errors import (
     StorageError,
 )
 from broker.state.group_commit import GroupCommitter
+from broker.state.opener import is_shared, open_store
 from broker.state.records import (
     ClientRecord,
     DeploymentRecord,
@@ -44,7 +46,7 @@ from broker.state.records import (
     StandbyRecord,
 )
 from broker.state.sqlite_backend import DB_FILENAME
-from broker.state.store import StateStore, open_store
+from broker.state.store import StateStore
 
 __all__ = [
     "DB_FILENAME",
@@ -73,6 +75,7 @@ __all__ = [
     "StateError",
     "StateStore",
     "StorageError",
+    "is_shared",
     "new_api_key",
     "open_store",
     "parse_api_key",

@@ -1,11 +1,12 @@
 """`StateStore`: the broker's durable state, in SQLite or PostgreSQL.
 
-    store = open_store(location, state_dir)   # "" (SQLite) or a postgresql:// URL
+    store = open_store(location, state_dir)   # "" (SQLite) or a postgresql:// URL (`opener`)
 
 Backends. One store, two databases: an SQLite file in the state dir (`sqlite_backend`, the
 default) or a PostgreSQL database (`postgres_backend`). Every rule of the state lives here,
-with its SQL written once; a backend (`backend.Backend`) supplies the connection, the dialect
-and the mapping of the driver's errors. Their docstrings say what each guarantees beyond this.
+with its SQL written once; a backend (`backend.Backend`), chosen and opened by `opener` and
+handed to the store, supplies the connection, the dialect and the mapping of the driver's
+errors. Their docstrings say what each guarantees beyond this.
 
 Durability. Every change runs in a transaction (`transaction()`), committed before the method
 returns: a crash at any point (a SIGKILL, a lost connection) leaves each change either whole
@@ -49,7 +50,6 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, TypeVar
 
 from broker.state import api_keys
@@ -61,7 +61,6 @@ from broker.state.errors import (
     StateError,
     StorageError,
 )
-from broker.state.postgres_backend import SCHEMES, PostgresBackend, redact
 from broker.state.records import (
     ClientRecord,
     DeploymentRecord,
@@ -83,7 +82,6 @@ from broker.state.records import (
     StandbyRecord,
 )
 from broker.state.schema import MIGRATIONS
-from broker.state.sqlite_backend import SqliteBackend
 
 logger = logging.getLogger(__name__)
 
@@ -152,38 +150,18 @@ def _in_states(cls: type[_E], states: Collection[_E], what: str) -> tuple[str, l
     return f"state IN ({', '.join('?' * len(values))})", values
 
 
-def open_store(
-    location: str, state_dir: Path, *, clock: Callable[[], float] = time.time
-) -> StateStore:
-    """Open the broker's state where `location` says: "" for the SQLite file in `state_dir`
-    (`<state_dir>/broker.sqlite3`, created if absent), a `postgresql://` or `postgres://` URL
-    for that PostgreSQL database (its tables created if absent), or any other text for the
-    SQLite file in that folder. StorageError, quoting `location` without its password, for
-    another URL scheme, a malformed URL or a server that cannot be reached; SchemaError as
-    `StateStore`. Blocking."""
-    if location.startswith(SCHEMES):
-        return StateStore(PostgresBackend(location), clock=clock)
-    if "://" in location:
-        raise StorageError(
-            f"the state {redact(location)!r} is neither a folder nor a PostgreSQL URL "
-            f"({' or '.join(SCHEMES)})"
-        )
-    return StateStore(Path(location) if location else state_dir, clock=clock)
-
-
 class StateStore:
-    """The broker's durable state. Open with `open_store(location, state_dir)` (or
-    `StateStore(state_dir)` for SQLite), `close()` when done (or use it as a context manager).
-    See the module docstring for durability, blocking and what "missing" means."""
+    """The broker's durable state, on the database of the backend it is given. Open with
+    `broker.state.open_store(location, state_dir)`, which chooses the backend; `close()` when
+    done (or use it as a context manager). See the module docstring for durability, blocking
+    and what "missing" means."""
 
-    def __init__(
-        self, database: Path | Backend, *, clock: Callable[[], float] = time.time
-    ) -> None:
-        """Open the state: the SQLite file of the state dir `database` (created if absent),
-        or the database of an opened backend, which the store then owns; bring its schema up
-        to date. SchemaError if its schema is newer than this broker knows or a migration
-        fails; StorageError if it cannot be opened. Blocking."""
-        self._backend = SqliteBackend(database) if isinstance(database, Path) else database
+    def __init__(self, backend: Backend, *, clock: Callable[[], float] = time.time) -> None:
+        """Open the state on an opened `backend` (the store owns it from here: closing the
+        store closes it; so does a failure to open); bring its schema up to date.
+        SchemaError if its schema is newer than this broker knows or a migration fails;
+        StorageError if it cannot be opened. Blocking."""
+        self._backend = backend
         self.location = self._backend.location
         """Where the state is, for messages: never holds a password."""
         self.path = self._backend.path

@@ -40,7 +40,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from broker.quotas import Quotas
 from broker.server import BrokerConfig, RunningBroker, reload_api_keys, start_broker
-from broker.service import BrokerSettings
 from broker.state import (
     DB_FILENAME,
     DeploymentRecord,
@@ -51,10 +50,11 @@ from broker.state import (
     MigrationTrigger,
     NodeRecord,
     NodeState,
-    StateStore,
     api_keys,
     new_api_key,
+    open_store,
 )
+from broker.values import BrokerSettings
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
@@ -398,7 +398,7 @@ def pending(deployment_id: str, client_id: str, model_sha256: str) -> Deployment
 def seed(state_dir: Path, *records: DeploymentRecord | NodeRecord | MigrationRecord) -> None:
     """Write records into a stopped broker's state (a running broker is the only writer of
     its deployments: it keeps them in memory)."""
-    store = StateStore(state_dir)
+    store = open_store("", state_dir)
     try:
         for record in records:
             if isinstance(record, NodeRecord):

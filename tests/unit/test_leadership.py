@@ -13,7 +13,7 @@ import pytest
 
 from broker.leadership import LEASE_NAME, Holder, Leadership, Standby, acquire
 from broker.server import config_from_args
-from broker.state import StateStore
+from broker.state import open_store
 from edge_client.cli import build_parser
 from tests.cluster_support import until
 
@@ -27,7 +27,7 @@ def test_the_holder_text_round_trips_and_foreign_text_is_no_holder() -> None:
 
 
 async def test_a_leader_whose_lease_was_taken_gives_up(tmp_path: Path) -> None:
-    with StateStore(tmp_path) as store:
+    with open_store("", tmp_path) as store:
         holder, other = Holder.new("b1:1", "b1:2"), Holder.new("b2:1", "b2:2")
         standby = Standby()
         lease, sent = await acquire(store, holder, 0.6, standby)
@@ -54,7 +54,7 @@ async def test_a_leader_whose_lease_was_taken_gives_up(tmp_path: Path) -> None:
 
 async def test_a_leader_not_renewed_for_a_whole_ttl_gives_up(tmp_path: Path) -> None:
     now = [time.monotonic()]
-    with StateStore(tmp_path) as store:
+    with open_store("", tmp_path) as store:
         lease = store.acquire_lease(LEASE_NAME, Holder.new("b1:1", "b1:1").text(), 60)
         assert lease is not None
         reasons: list[str] = []

@@ -244,7 +244,7 @@ def test_a_new_state_is_at_the_latest_schema(store: StateStore, database: Databa
 
 
 def test_sqlite_a_new_file_is_in_wal_mode_with_its_pragmas(tmp_path: Path) -> None:
-    with StateStore(tmp_path) as store:
+    with open_store("", tmp_path) as store:
         path = tmp_path / DB_FILENAME
         assert store.path == path
         assert inspect(path, "PRAGMA journal_mode") == [("wal",)]
@@ -270,7 +270,7 @@ def test_sqlite_a_newer_schema_is_refused_and_left_untouched(tmp_path: Path) -> 
     with closing(sqlite3.connect(path)) as conn:
         conn.execute(f"PRAGMA user_version = {LATEST + 1}")
     with pytest.raises(SchemaError, match=f"schema version {LATEST + 1}, newer than"):
-        StateStore(tmp_path)
+        open_store("", tmp_path)
     assert inspect(path, "SELECT name FROM sqlite_master") == []
     assert inspect(path, "PRAGMA journal_mode") == [("delete",)]
 
@@ -316,7 +316,7 @@ def test_sqlite_a_location_that_is_not_a_url_is_the_folder_of_the_file(tmp_path:
 def test_sqlite_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
     (tmp_path / DB_FILENAME).write_bytes(b"not a database" * 100)
     with pytest.raises(StorageError, match="cannot open the state file"):
-        StateStore(tmp_path)
+        open_store("", tmp_path)
 
 
 # -- clients and API keys -----------------------------------------------------------------
@@ -442,7 +442,7 @@ def test_a_keys_file_is_parsed_with_line_numbers() -> None:
 
 def test_sqlite_the_state_dir_and_its_files_are_private(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
-    with StateStore(state_dir) as opened:
+    with open_store("", state_dir) as opened:
         opened.put_client("alice", KEY)
         modes = {p.name: p.stat().st_mode & 0o777 for p in state_dir.iterdir()}
     assert state_dir.stat().st_mode & 0o777 == 0o700
@@ -454,13 +454,13 @@ def test_sqlite_looser_modes_are_tightened_at_open_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     state_dir = tmp_path / "state"
-    StateStore(state_dir).close()
+    open_store("", state_dir).close()
     wal = state_dir / f"{DB_FILENAME}-wal"
     wal.write_bytes(b"")
     state_dir.chmod(0o755)
     (state_dir / DB_FILENAME).chmod(0o644)
     wal.chmod(0o666)
-    with StateStore(state_dir):
+    with open_store("", state_dir):
         pass
     assert state_dir.stat().st_mode & 0o777 == 0o700
     assert (state_dir / DB_FILENAME).stat().st_mode & 0o777 == 0o600
