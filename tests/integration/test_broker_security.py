@@ -40,6 +40,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from broker.quotas import Quotas
 from broker.server import BrokerConfig, RunningBroker, reload_api_keys, start_broker
+from broker.service import BrokerSettings
 from broker.state import (
     DB_FILENAME,
     DeploymentRecord,
@@ -54,7 +55,6 @@ from broker.state import (
     new_api_key,
     open_store,
 )
-from broker.values import BrokerSettings
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb
