@@ -247,7 +247,11 @@ class BrokerLink:
                     force, now_again = True, False
                 elif stream is not None:  # woken early when the stream ends
                     await stream.ended_within(cadence.interval_s)
-                    force = stream.ended
+                    # Between renewals too, a stream that ended or whose broker stopped
+                    # answering is dropped now (the heartbeat forced raises why).
+                    force = stream.ended or stream.overdue(
+                        self._answer_deadline(cadence.interval_s)
+                    )
                 else:
                     await asyncio.sleep(cadence.interval_s)
                     force = False
@@ -455,6 +459,10 @@ class HeartbeatStream:
         """Whether the broker's side of the stream has ended (`beat` raises why)."""
         return self._reader.done()
 
+    def overdue(self, deadline_s: float) -> bool:
+        """Whether the oldest heartbeat unanswered is older than `deadline_s`."""
+        return bool(self._sent) and time.perf_counter() - self._sent[0] > deadline_s
+
     async def ended_within(self, timeout_s: float) -> None:
         """Wait `timeout_s`, or less when the stream ends meanwhile."""
         await asyncio.wait([self._reader], timeout=timeout_s)
@@ -466,7 +474,7 @@ class HeartbeatStream:
         drops the stream)."""
         if self._reader.done():
             raise await self._ended()
-        if self._sent and time.perf_counter() - self._sent[0] > deadline_s:
+        if self.overdue(deadline_s):
             raise _deadline(f"no answer to a heartbeat within {deadline_s:.1f}s")
         # Noted before the write: its answer may be read before the write returns here.
         self._sent.append(time.perf_counter())
