@@ -918,7 +918,8 @@ def _print_step(step: Step) -> None:
         flush=True,
     )
     print(
-        f"   heartbeats alone (the settle's second half): {f['idle_heartbeats_per_s']}/s, "
+        "   heartbeats alone (the settle's second half, or a sample interval): "
+        f"{f['idle_heartbeats_per_s']}/s, "
         f"broker {f['idle_broker_cpu_cores']} cores, {f['broker_us_per_heartbeat']} us of "
         "its CPU per heartbeat",
         flush=True,
