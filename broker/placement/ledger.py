@@ -5,14 +5,14 @@ registered or changed (`put_node`: its site, topology, readiness, runtimes, CUDA
 (`set_load`), a node gone (`remove_node`), an allocation added or re-prioritised
 (`allocate`: a deployment placed, pinned while it starts or moves, a hold) and one released
 (`release`). `snapshot()` hands placement a `ClusterSnapshot` with the nodes changed since
-the last call applied in one copy-on-write pass (`ClusterSnapshot.updated`).
+the last call made again and applied in one copy-on-write pass (`ClusterSnapshot.updated`).
 
-What it replaces: marking a node stale and, at the next decision, making its entry again
-from the broker's records (every deployment on the node parsed back from its stored request,
-every hold of the cluster scanned for the node's). Here a change costs one `NodeSnapshot` of
-the node it touches, made from the allocations the ledger already holds; nothing is parsed
-or scanned, and a change is checked when it is made (ValueError: it does not fit), not at
-the next decision.
+What it replaces: making a changed node's entry again from the broker's records at the next
+decision (every deployment on the node parsed back from its stored request, every hold of
+the cluster scanned for the node's). Here a change only records the allocation; a node
+changed several times between two decisions (a first decision's hold, then its record, then
+the hold dropped) is made once, from the allocations the ledger holds, when placement next
+reads it; nothing is parsed or scanned.
 
 Allocations may name a node the ledger does not know yet (a deployment loaded from the
 store before its node registers again): they are kept, and the node holds them once
@@ -34,13 +34,11 @@ from common.topology import Topology
 class PlacementLedger:
     """Nodes and their allocations as placement sees them (see the module docstring)."""
 
-    __slots__ = ("_allocations", "_bases", "_changed", "_nodes", "_snapshot")
+    __slots__ = ("_allocations", "_bases", "_changed", "_snapshot")
 
     def __init__(self) -> None:
         self._bases: dict[str, NodeSnapshot] = {}
         """node id -> the node with nothing on it (what `put_node` and `set_load` said)."""
-        self._nodes: dict[str, NodeSnapshot] = {}
-        """node id -> the node as placement sees it now: its base holding its allocations."""
         self._allocations: dict[str, dict[str, Allocation]] = {}
         """node id -> allocation id -> allocation, known nodes or not."""
         self._changed: set[str] = set()
@@ -48,11 +46,7 @@ class PlacementLedger:
         self._snapshot = ClusterSnapshot.empty()
 
     def __len__(self) -> int:
-        return len(self._nodes)
-
-    def node(self, node_id: str) -> NodeSnapshot | None:
-        """The node as placement sees it now; None for a node the ledger does not know."""
-        return self._nodes.get(node_id)
+        return len(self._bases)
 
     def allocations(self, node_id: str) -> Mapping[str, Allocation]:
         """The allocations on a node (known or not), by id."""
@@ -70,8 +64,8 @@ class PlacementLedger:
         load: float,
     ) -> None:
         """Add the node, or change what it is (registered again, drained, lost, back); the
-        allocations on it stay. ValueError (nothing changed) when they do not fit it."""
-        base = NodeSnapshot.idle(
+        allocations on it stay. ValueError for fields `NodeSnapshot` refuses."""
+        self._bases[node_id] = NodeSnapshot.idle(
             node_id,
             site,
             topology,
@@ -80,62 +74,60 @@ class PlacementLedger:
             cuda_version=cuda_version,
             load=load,
         )
-        self._nodes[node_id] = _holding(base, self._allocations.get(node_id, {}))
-        self._bases[node_id] = base
         self._changed.add(node_id)
 
     def set_load(self, node_id: str, load: float) -> None:
         """The node's latest load (0..1); nothing for a node the ledger does not know.
         ValueError for a load outside 0..1."""
-        node = self._nodes.get(node_id)
-        if node is not None and node.load != load:
-            self._nodes[node_id] = replace(node, load=load)
-            self._bases[node_id] = replace(self._bases[node_id], load=load)
+        base = self._bases.get(node_id)
+        if base is not None and base.load != load:
+            self._bases[node_id] = replace(base, load=load)
             self._changed.add(node_id)
 
     def remove_node(self, node_id: str) -> None:
         """Take the node out of placement's view (its allocations are kept, should it come
         back); idempotent."""
-        if self._nodes.pop(node_id, None) is not None:
-            del self._bases[node_id]
+        if self._bases.pop(node_id, None) is not None:
             self._changed.add(node_id)
 
     def allocate(self, node_id: str, allocation: Allocation) -> None:
         """Hold `allocation` on the node, replacing the one of the same id there if any (the
         same deployment at another priority: pinned while it starts or is moved, unpinned
-        after). ValueError (nothing changed) when it does not fit the node."""
-        held = {**self._allocations.get(node_id, {}), allocation.deployment_id: allocation}
-        self._apply(node_id, held)
+        after). Whether it fits is the decision's to know: `snapshot` refuses a node whose
+        allocations do not fit it."""
+        self._allocations.setdefault(node_id, {})[allocation.deployment_id] = allocation
+        if node_id in self._bases:
+            self._changed.add(node_id)
 
     def release(self, node_id: str, allocation_id: str) -> None:
         """Give back the allocation of that id on the node; idempotent."""
-        held = self._allocations.get(node_id, {})
-        if allocation_id in held:
-            self._apply(node_id, {k: a for k, a in held.items() if k != allocation_id})
+        held = self._allocations.get(node_id)
+        if held is None or held.pop(allocation_id, None) is None:
+            return
+        if not held:
+            del self._allocations[node_id]
+        if node_id in self._bases:
+            self._changed.add(node_id)
 
     def snapshot(self) -> ClusterSnapshot:
         """Every known node with its allocations, as one `ClusterSnapshot`: the previous one
-        with the nodes changed since applied (the rest shared with it)."""
+        with the nodes changed since made again (the rest shared with it). ValueError, the
+        previous snapshot kept and the changes still pending, when a node's allocations do
+        not fit it (two holding one whole GPU: the records contradict each other)."""
         if self._changed:
-            nodes = [self._nodes[n] for n in self._changed if n in self._nodes]
-            gone = [n for n in self._changed if n not in self._nodes]
+            nodes = [
+                _holding(self._bases[n], self._allocations.get(n, {}))
+                for n in self._changed
+                if n in self._bases
+            ]
+            gone = [n for n in self._changed if n not in self._bases]
             self._snapshot = self._snapshot.updated(nodes, removed=gone)
             self._changed.clear()
         return self._snapshot
 
-    def _apply(self, node_id: str, held: dict[str, Allocation]) -> None:
-        """The node's allocations become `held` (checked first: ValueError, nothing changed,
-        when they do not fit a known node)."""
-        base = self._bases.get(node_id)
-        if base is not None:
-            self._nodes[node_id] = _holding(base, held)
-            self._changed.add(node_id)
-        if held:
-            self._allocations[node_id] = held
-        else:
-            self._allocations.pop(node_id, None)
-
 
 def _holding(base: NodeSnapshot, held: Mapping[str, Allocation]) -> NodeSnapshot:
     """`base` holding `held`, in order of id. ValueError when they do not fit."""
+    if not held:
+        return base
     return base.with_allocations(held[key] for key in sorted(held))
