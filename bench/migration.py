@@ -317,7 +317,7 @@ async def finished_record(
     RuntimeError when it rolled back or failed."""
     deadline = time.monotonic() + STEP_TIMEOUT_S
     while time.monotonic() < deadline:
-        records = await running.broker.list_migrations(deployment_id)
+        records = await running.broker.moves.list_migrations(deployment_id)
         record = next(m for m in records if m.migration_id == migration_id)
         if record.state in ENDED and record.state is not MigrationState.COMPLETED:
             raise RuntimeError(f"migration {migration_id} {record.state}: {record.reason}")
@@ -372,7 +372,7 @@ async def bench_model(
             load.process.kill()
             await load.process.wait()
         await reader
-    await running.broker.delete(CLIENT_ID, deployment_id)
+    await running.broker.deployments.delete(CLIENT_ID, deployment_id)
     observed = {o["migration_id"]: o for o in stats["migrations"]}
     for moved in runs:
         moved["requests_in_window"] = observed[moved["migration_id"]]["requests"]

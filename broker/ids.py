@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NewType
 
 DeploymentId = NewType("DeploymentId", str)
-"""`d-` and 10 hex digits, made by `Broker.deploy`."""
+"""`d-` and 10 hex digits, made by `Deployments.deploy`."""
 NodeId = NewType("NodeId", str)
 """What a node registered as (`broker.nodes.NODE_ID`)."""
 ReplicaId = NewType("ReplicaId", str)

@@ -2,7 +2,7 @@
 
 Triggers: a client's location report past the hysteresis (`migration.policy`), an operator's
 migrate, a node drain, a node lost. Each becomes a `Move` reserved through
-`Broker.reserve_move`: one decision under the broker's placement lock checks that the
+`Moves.reserve_move`: one decision under the broker's placement lock checks that the
 deployment runs and no other move or delete holds it, chooses the target, and holds the
 target's GPUs. The mechanism (`migration.mechanism.run_migration`) then drives it through
 this host, which calls only the broker's intent-level operations (start the target, commit
@@ -26,7 +26,7 @@ from collections.abc import Awaitable
 from broker.errors import Impossible, InvalidRequest, NodeUnavailable, NotFound, ResourceExhausted
 from broker.placement import ClusterSnapshot, Decision, PlacementRequest, place
 from broker.prewarm import Prewarm
-from broker.service import Broker, DeploySpec, Move
+from broker.service import Broker
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
@@ -35,6 +35,7 @@ from broker.state import (
     MigrationTrigger,
     NodeState,
 )
+from broker.values import Move, spec_of
 from migration.mechanism import (
     MigrationPlan,
     Outcome,
@@ -84,16 +85,16 @@ class Migrations:
         """The client is at `site` now: move each of its running deployments whose best
         node is past the hysteresis. Returns the migrations started."""
         broker = self.broker
-        await broker.report_location(client_id, site)
+        await broker.deployments.report_location(client_id, site)
         self.prewarm.observe(client_id, site)
         started = []
-        for record in await broker.list(client_id):
+        for record in await broker.deployments.list(client_id):
             if record.state is not DeploymentState.RUNNING:
                 continue
             deployment_id = record.deployment_id
-            await broker.set_site(deployment_id, site)
+            await broker.deployments.set_site(deployment_id, site)
             try:
-                move = await broker.reserve_move(
+                move = await broker.moves.reserve_move(
                     deployment_id,
                     lambda r, snapshot: self._mobility_choice(r, snapshot, site),
                     client_id=client_id,
@@ -109,16 +110,16 @@ class Migrations:
                     await self._launch(move, MigrationTrigger.MOBILITY, Strategy.MAKE_BEFORE_BREAK)
                 )
                 continue
-            if broker.is_busy(deployment_id):
+            if broker.applier.is_busy(deployment_id):
                 continue  # a move under way: pre-warm plans again when it ends
-            standby = broker.standby_of(deployment_id)
+            standby = broker.standbys.standby_of(deployment_id)
             if standby is not None and site != record.site:
                 # The client moved and no move was made: what the standby was for is over.
                 why = f"the client reported {site}" + (
                     " and stays on its node" if site == standby.site else ""
                 )
                 broker.background(
-                    self._replan(deployment_id, broker.retire_standby(standby, why, "lapsed")),
+                    self._replan(deployment_id, broker.standbys.retire(standby, why, "lapsed")),
                     f"prewarm-{deployment_id}",
                 )
             else:
@@ -136,7 +137,7 @@ class Migrations:
         if current is None:
             return None
         current_ms = self.broker.network.latency_ms(site, current.site, record.node_id)
-        standby = self.broker.standby_of(record.deployment_id)
+        standby = self.broker.standbys.standby_of(record.deployment_id)
         if standby is not None and standby.site == site and standby.node_id in snapshot:
             node = snapshot.node(standby.node_id)
             standby_ms = self.broker.network.latency_ms(site, node.site, standby.node_id)
@@ -209,7 +210,7 @@ class Migrations:
                 )
             return decision, f"{trigger} migration"
 
-        move = await self.broker.reserve_move(deployment_id, choose, client_id=client_id)
+        move = await self.broker.moves.reserve_move(deployment_id, choose, client_id=client_id)
         assert move is not None
         return await self._launch(move, trigger, strategy)
 
@@ -230,7 +231,7 @@ class Migrations:
             return None if decision.node_id is None else (decision, why)
 
         try:
-            move = await self.broker.reserve_move(deployment_id, choose, if_idle=True)
+            move = await self.broker.moves.reserve_move(deployment_id, choose, if_idle=True)
         except (NotFound, ResourceExhausted) as err:
             logger.info("rebalance of deployment=%s not started: %s", deployment_id, err)
             return None
@@ -257,7 +258,7 @@ class Migrations:
             raise NotFound(f"node {node_id} is not registered")
         await broker.set_node_state(node_id, NodeState.DRAINING)
         started = []
-        for record in await broker.running_on(node_id):
+        for record in await broker.deployments.running_on(node_id):
             try:
                 started.append(
                     await self.migrate(
@@ -285,9 +286,9 @@ class Migrations:
             )
             return (decision, f"node {node_id} was lost") if decision.node_id else None
 
-        for record in await broker.running_on(node_id):
+        for record in await broker.deployments.running_on(node_id):
             try:
-                move = await broker.reserve_move(record.deployment_id, choose, if_idle=True)
+                move = await broker.moves.reserve_move(record.deployment_id, choose, if_idle=True)
             except NotFound:
                 continue
             except ResourceExhausted:
@@ -298,7 +299,9 @@ class Migrations:
                     record.deployment_id,
                     node_id,
                 )
-                await broker.requeue(record, f"node {node_id} was lost and nothing fits now")
+                await broker.deployments.requeue(
+                    record, f"node {node_id} was lost and nothing fits now"
+                )
                 continue
             started.append(await self._launch(move, MigrationTrigger.NODE_LOST, Strategy.FAILOVER))
         return started
@@ -335,15 +338,15 @@ class Migrations:
         Values are checked by the caller (`broker.rpc.validate`); negative ones are refused
         here too."""
         broker = self.broker
-        await broker.get(client_id, deployment_id)
+        await broker.deployments.get(client_id, deployment_id)
         if gap_ms < 0 or failed < 0 or (span_gap_ms is not None and span_gap_ms < 0):
             raise InvalidRequest(
                 "longest_gap_ms, span_gap_ms and failed_requests must not be negative"
             )
-        records = await broker.list_migrations(deployment_id)
+        records = await broker.moves.list_migrations(deployment_id)
         if not any(m.migration_id == migration_id for m in records):
             raise NotFound(f"migration {migration_id} of deployment {deployment_id} not found")
-        await broker.update_migration(
+        await broker.moves.update_migration(
             migration_id, downtime_ms=gap_ms, span_gap_ms=span_gap_ms, failed_requests=failed
         )
         broker.metrics.observe_downtime(gap_ms / 1000)
@@ -363,10 +366,10 @@ class Migrations:
         back (the target replica is unclaimed and stopped after the orphan grace); after it,
         it is complete (the old replica is unclaimed and stopped likewise)."""
         broker = self.broker
-        for m in await broker.list_migrations(states=UNFINISHED):
-            record = await broker.deployment(m.deployment_id)
+        for m in await broker.moves.list_migrations(states=UNFINISHED):
+            record = await broker.deployments.deployment(m.deployment_id)
             switched = record is not None and record.node_id == m.target_node
-            await broker.update_migration(
+            await broker.moves.update_migration(
                 m.migration_id,
                 state=MigrationState.COMPLETED if switched else MigrationState.ROLLED_BACK,
                 outcome=str(Outcome.SUCCEEDED if switched else Outcome.ROLLED_BACK),
@@ -420,7 +423,7 @@ class Migrations:
             if outcome is Outcome.FAILED or (outcome is Outcome.ROLLED_BACK and source_lost):
                 # No replica serves any more (failover, stop-start, or a rollback to a node
                 # lost meanwhile): place it again.
-                await self.broker.abandon_move(
+                await self.broker.moves.abandon_move(
                     self._moves[plan.migration_id], f"{plan.strategy} migration failed"
                 )
         finally:
@@ -433,7 +436,7 @@ class Migrations:
         move = self._moves.pop(plan.migration_id, None)
         self._decided.pop(plan.migration_id, None)
         if move is not None:
-            self.broker.release_move(move)
+            self.broker.moves.release_move(move)
         self._acks.pop((plan.deployment_id, plan.epoch), None)
         self._last[plan.deployment_id] = time.monotonic()
 
@@ -445,7 +448,7 @@ class Migrations:
         serving meanwhile may share the target's CPUs. Nothing serves during the start of
         the other strategies; they start it at full speed."""
         try:
-            return await self.broker.start_move_target(
+            return await self.broker.moves.start_move_target(
                 self._moves[plan.migration_id],
                 background=self.background_targets and plan.strategy is Strategy.MAKE_BEFORE_BREAK,
             )
@@ -453,10 +456,10 @@ class Migrations:
             raise TargetFailed(str(err)) from err
 
     async def stop_replica(self, node_id: str, replica_id: str, grace_ms: int) -> None:
-        await self.broker.stop_replica(node_id, replica_id, grace_ms)
+        await self.broker.registry.stop_replica(node_id, replica_id, grace_ms)
 
     async def switch(self, plan: MigrationPlan, endpoint: str) -> None:
-        await self.broker.commit_switch(
+        await self.broker.moves.commit_switch(
             self._moves[plan.migration_id],
             endpoint,
             # The old replica keeps its GPUs until it is stopped.
@@ -482,9 +485,9 @@ class Migrations:
         broker = self.broker
         now = time.time()
         reason = "; ".join(r for r in (plan.cause, reason) if r)
-        existing = await broker.list_migrations(plan.deployment_id)
+        existing = await broker.moves.list_migrations(plan.deployment_id)
         if any(m.migration_id == plan.migration_id for m in existing):
-            await broker.update_migration(
+            await broker.moves.update_migration(
                 plan.migration_id,
                 state=MigrationState(state),
                 timeline_json=timeline.to_json(),
@@ -492,7 +495,7 @@ class Migrations:
                 reason=reason,
             )
             return
-        await broker.record_migration(
+        await broker.moves.record_migration(
             MigrationRecord(
                 migration_id=plan.migration_id,
                 deployment_id=plan.deployment_id,
@@ -516,5 +519,5 @@ class Migrations:
 
 def _request(record: DeploymentRecord, site: str) -> PlacementRequest:
     """What placement is asked for the deployment's replica at the next epoch."""
-    spec = DeploySpec.from_json(record.request_json)
+    spec = spec_of(record)
     return spec.placement_request(f"{record.deployment_id}@{record.epoch + 1}", site)

@@ -31,6 +31,7 @@ from broker.errors import (
     AlreadyExists,
     Impossible,
     InvalidRequest,
+    NodeUnavailable,
     NotFound,
     Unauthenticated,
     quote,
@@ -51,7 +52,6 @@ logger = logging.getLogger(__name__)
 NODE_ID = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")
 """What a node id may be (it names the node in logs, metrics and replica endpoints)."""
 _ADDRESS = re.compile(r"[^\s:]{1,253}:(\d{1,5})")
-MAX_GPUS = 64
 RESIZES_KEPT = 100
 """Resizes the store keeps per deployment (the most recent)."""
 RESIZES_LISTED = 500
@@ -155,6 +155,7 @@ class NodeRegistry:
         metrics: BrokerMetrics,
         *,
         lost_after_s: float,
+        stop_grace_ms: int,
         on_change: Callable[[str, bool], None],
         stream_grace_s: float = STREAM_GRACE_S,
     ) -> None:
@@ -166,6 +167,7 @@ class NodeRegistry:
         """A node silent this long is lost (plus `loop_lag`): the lease."""
         self.stream_grace_s = min(stream_grace_s, lost_after_s)
         """A node whose heartbeat stream broke is lost after this long without another."""
+        self._stop_grace_ms = stop_grace_ms
         self._on_change = on_change
         self._nodes: dict[str, NodeEntry] = {}
         self._secrets: dict[str, str] = {}
@@ -393,6 +395,22 @@ class NodeRegistry:
         entry = self._nodes.get(node_id)
         if entry is not None and entry.stream is stream:
             entry.stream, entry.stream_broken_at = None, time.monotonic()
+
+    async def stop_replica(
+        self, node_id: str | None, replica: str, grace_ms: int | None = None
+    ) -> None:
+        """Stop a replica (draining it for `grace_ms`, by default `--stop-grace`); a node that
+        is gone, lost or cannot is left to reconciliation (the replica is unclaimed there and
+        stopped after the orphan grace)."""
+        entry = self._nodes.get(node_id or "")
+        if entry is None or entry.record.state is NodeState.LOST:
+            return
+        try:
+            await entry.client.stop_replica(
+                replica, self._stop_grace_ms if grace_ms is None else grace_ms
+            )
+        except NodeUnavailable as err:
+            logger.warning("replica=%s: %s (the node reconciles it)", replica, err)
 
     def heartbeat(self, node_id: str, sample: NodeSample) -> NodeEntry:
         """Record that the node is alive (`renew`) and its load, at once and before anything

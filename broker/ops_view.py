@@ -24,9 +24,10 @@ from broker.ops import (
     StandbyInfo,
 )
 from broker.placement import PriorityClass
-from broker.service import Broker, DeploySpec
+from broker.service import Broker
 from broker.state import DeploymentRecord, OffloadReportRecord
 from broker.telemetry import DeploymentPoint
+from broker.values import spec_of
 
 
 def topology_matrix(entry: NodeEntry) -> str:
@@ -123,7 +124,7 @@ class BrokerOpsView:
         self._prewarm_budget = prewarm_budget
 
     async def _active(self) -> list[DeploymentRecord]:
-        return await self._broker.visible_deployments()
+        return await self._broker.deployments.visible()
 
     async def nodes(self) -> list[NodeInfo]:
         holders = _holders(await self._active())
@@ -162,7 +163,7 @@ class BrokerOpsView:
     async def deployments(self) -> list[DeploymentInfo]:
         now = time.time()
         offload: dict[str, list[OffloadInfo]] = {}
-        for report in await self._broker.offload_reports():
+        for report in await self._broker.reports.offload_reports():
             offload.setdefault(report.deployment_id, []).append(offload_info(report, now))
         return [
             {
@@ -184,7 +185,7 @@ class BrokerOpsView:
         ]
 
     async def migrations(self) -> list[MigrationInfo]:
-        records = await self._broker.list_migrations()
+        records = await self._broker.moves.list_migrations()
         out: list[MigrationInfo] = []
         for m in sorted(records, key=lambda m: m.created_at, reverse=True)[:50]:
             out.append(
@@ -208,8 +209,10 @@ class BrokerOpsView:
 
     async def prewarm(self) -> PrewarmInfo:
         now = time.monotonic()
-        held_now = self._broker.standbys()
-        active = {id(s) for s in held_now if self._broker.standby_of(s.deployment_id) is s}
+        held_now = self._broker.standbys.held()
+        active = {
+            id(s) for s in held_now if self._broker.standbys.standby_of(s.deployment_id) is s
+        }
         standbys: list[StandbyInfo] = []
         for standby in sorted(held_now, key=lambda s: s.created):
             held = id(standby) in active
@@ -236,7 +239,7 @@ class BrokerOpsView:
         visible = {record.deployment_id for record in active}
         requests: Counter[tuple[str, str, str]] = Counter()
         reachable: dict[str, bool] = {}
-        for report in await broker.offload_reports():  # the most recent first
+        for report in await broker.reports.offload_reports():  # the most recent first
             deployment = report.deployment_id
             if deployment not in visible:
                 continue
@@ -265,8 +268,7 @@ class BrokerOpsView:
             replica = latest.replica
             served = replica.requests
             load_deployments[record.deployment_id] = DeploymentFigures(
-                latency_slo_seconds=DeploySpec.from_json(record.request_json).latency_slo_ms
-                / 1000,
+                latency_slo_seconds=spec_of(record).latency_slo_ms / 1000,
                 cpu_used_cores=replica.cpu_used_cores,
                 cpu_limit_cores=replica.cpu_limit_cores or 0.0,
                 request_rate=served.rate_per_s if served else None,
@@ -279,7 +281,7 @@ class BrokerOpsView:
             gpus_free=len(gpus) - used,
             gpus_used=used,
             deployments=Counter(str(record.state) for record in active),
-            standbys=len(broker.standbys()),
+            standbys=len(broker.standbys.held()),
             standby_budget=self._prewarm_budget,
             offload_requests=requests,
             remote_reachable=reachable,
@@ -315,7 +317,7 @@ class BrokerOpsView:
             points = history.deployment_points(record.deployment_id)
             if not points:
                 continue
-            spec = DeploySpec.from_json(record.request_json)
+            spec = spec_of(record)
             deployments.append(
                 {
                     "deployment_id": record.deployment_id,

@@ -7,12 +7,12 @@ sweep), `plan` asks the model for the client's most likely next site, has placem
 best node for a client there (standby priority: it preempts nothing and anything preempts
 it), and starts a standby there when `migration.policy.prewarm_verdict` says the move would
 be made and is worth it (probability x gain), within the operator's budget of standbys held
-at once (`PrewarmSettings`). The broker (`Broker.reserve_standby`) records it before asking
+at once (`PrewarmSettings`). The broker (`StandbyPool.reserve`) records it before asking
 the node, holds it in the snapshot, and starts it at background CPU priority.
 
 The standby is the deployment's replica at its next epoch. When the client reports the
 predicted site, the mobility choice moves to the standby's node if that passes the
-hysteresis (no cooldown: the move starts nothing), and `Broker.reserve_move` turns the
+hysteresis (no cooldown: the move starts nothing), and `Moves.reserve_move` turns the
 standby into the move's target: the migration switches as soon as it is decided, recorded
 with `prewarmed`. A standby lapses when the client reports another site (or the move goes
 elsewhere), expires after `ttl_s`, is preempted by any deployment that needs its GPUs, and
@@ -31,8 +31,9 @@ import logging
 from broker.network import UnknownSite
 from broker.placement import ClusterSnapshot, Decision, PriorityClass, place
 from broker.placement import Strategy as PlacementStrategy
-from broker.service import Broker, DeploySpec, Standby
+from broker.service import Broker
 from broker.state import DeploymentRecord, DeploymentState
+from broker.values import Standby, spec_of
 from migration.policy import Hysteresis, PrewarmSettings, prewarm_verdict
 from migration.prediction import Prediction, TransitionModel
 
@@ -63,16 +64,16 @@ class Prewarm:
         if not self.settings.enabled:
             return None
         broker = self.broker
-        record = await broker.deployment(deployment_id)
+        record = await broker.deployments.deployment(deployment_id)
         if record is None or record.state is not DeploymentState.RUNNING:
             return None
-        if broker.standby_of(deployment_id) is not None:
+        if broker.standbys.standby_of(deployment_id) is not None:
             return None
         self.model.observe(record.client_id, record.site)  # its deploy site, say
         prediction = self.model.predict(record.client_id)
         if prediction is None or prediction.probability < self.settings.min_probability:
             return None
-        standby = await broker.reserve_standby(
+        standby = await broker.standbys.reserve(
             deployment_id,
             prediction.site,
             prediction.probability,
@@ -93,7 +94,7 @@ class Prewarm:
         if current is None:
             return None
         network = self.broker.network
-        spec = DeploySpec.from_json(record.request_json)
+        spec = spec_of(record)
         # Spread: a standby goes where deployments, which pack, would go last (they take
         # the GPUs of a standby in their way, and it is lost).
         request = dataclasses.replace(
@@ -130,7 +131,7 @@ class Prewarm:
 
     async def _expire(self, standby: Standby) -> None:
         await asyncio.sleep(self.settings.ttl_s)
-        await self.broker.retire_standby(
+        await self.broker.standbys.retire(
             standby,
             f"the client did not reach {standby.site} in {self.settings.ttl_s:g}s",
             "expired",
@@ -142,10 +143,10 @@ class Prewarm:
         if not self.settings.enabled:
             return
         broker = self.broker
-        for record in await broker.visible_deployments():
-            if len(broker.standbys()) >= self.settings.budget:
+        for record in await broker.deployments.visible():
+            if len(broker.standbys.held()) >= self.settings.budget:
                 return  # nothing more fits the budget: not refused, just not tried
-            if record.state is DeploymentState.RUNNING and not broker.is_busy(
+            if record.state is DeploymentState.RUNNING and not broker.applier.is_busy(
                 record.deployment_id
             ):
                 await self.plan(record.deployment_id)

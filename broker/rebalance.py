@@ -23,8 +23,8 @@ from collections.abc import Callable
 from broker.migrations import UNFINISHED, Migrations
 from broker.network import UnknownSite
 from broker.placement import ClusterSnapshot
-from broker.service import DeploySpec
 from broker.state import DeploymentRecord, MigrationTrigger, NodeState
+from broker.values import spec_of
 from migration.rebalance import (
     DeploymentView,
     MoveRecord,
@@ -79,8 +79,8 @@ class Rebalancer:
         snapshot = await broker.snapshot()
         records = {
             r.deployment_id: r
-            for r in await broker.running()
-            if not broker.is_busy(r.deployment_id)
+            for r in await broker.deployments.running()
+            if not broker.applier.is_busy(r.deployment_id)
         }
         deployments = [
             view for r in records.values() if (view := self._view(r, snapshot, now)) is not None
@@ -88,12 +88,12 @@ class Rebalancer:
         cooldown_start = now - self.settings.cooldown_s
         in_flight = [
             MoveRecord(m.deployment_id, m.source_node, m.target_node, m.created_at)
-            for m in await broker.list_migrations(states=UNFINISHED)
+            for m in await broker.moves.list_migrations(states=UNFINISHED)
             if m.trigger is MigrationTrigger.REBALANCE
         ]
         recent = [
             MoveRecord(m.deployment_id, m.source_node, m.target_node, m.updated_at)
-            for m in await broker.list_migrations(updated_since=cooldown_start)
+            for m in await broker.moves.list_migrations(updated_since=cooldown_start)
             if m.state not in UNFINISHED
         ]
         verdict = plan_rebalances(nodes, deployments, self.settings, now, recent, in_flight)
@@ -161,7 +161,7 @@ class Rebalancer:
             ],
             latency_ms=latency,
             fits=lambda target: self.migrations.fits(record, target, snapshot),
-            latency_slo_ms=DeploySpec.from_json(record.request_json).latency_slo_ms,
+            latency_slo_ms=spec_of(record).latency_slo_ms,
             p99_ms=p99 or 0.0,
             cpu_used_cores=sum(recent) / len(recent) if recent else 0.0,
         )

@@ -63,7 +63,7 @@ from broker.quotas import DEFAULT_MAX_STAGED_BYTES, Quotas
 from broker.rebalance import REBALANCE_SWEEP_S, Rebalancer
 from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer, OperatorServicer
 from broker.rpc.status import MalformedRequests
-from broker.service import Broker, BrokerSettings
+from broker.service import Broker
 from broker.state import (
     KeyChanges,
     StateError,
@@ -74,6 +74,7 @@ from broker.state import (
 )
 from broker.state.permissions import create_private_file
 from broker.state.postgres_backend import SCHEMES
+from broker.values import BrokerSettings
 from common import collector, heap
 from common.certs import TlsIdentity, add_tls_arguments, identity_from_args
 from common.private_files import read_secret, warn_if_readable
@@ -485,7 +486,7 @@ async def _serve_leading(
                 tasks.create_task(_every(1.0, fail_over), name="lost-node-check"),
                 tasks.create_task(broker.loop_lag.run(), name="loop-lag"),
                 tasks.create_task(
-                    _every(config.settings.pending_retry_s, broker.retry_pending),
+                    _every(config.settings.pending_retry_s, broker.deployments.retry_pending),
                     name="pending-retry",
                 ),
                 tasks.create_task(

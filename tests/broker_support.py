@@ -14,9 +14,10 @@ from broker.model_store import ModelStore
 from broker.network import EdgeNetwork
 from broker.node_client import NodeClient
 from broker.ops.metrics import BrokerMetrics
-from broker.service import Broker, BrokerSettings
+from broker.service import Broker
 from broker.state import ModelRecord, OffloadCount, OffloadSummary, open_store
 from broker.state.api_keys import new_api_key
+from broker.values import BrokerSettings
 from edge_client.demo.cluster import CLUSTER_FILE
 
 SHA = "ab" * 32

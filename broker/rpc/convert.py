@@ -6,10 +6,10 @@ import re
 from collections.abc import Sequence
 
 from broker.errors import InvalidRequest, quote
-from broker.nodes import MAX_GPUS
 from broker.rpc import validate
 from broker.state import OffloadCount, OffloadSummary
 from broker.telemetry import NodeSample, ReplicaLoad, RequestFigures, Resize
+from broker.values import MAX_GPUS
 from common import offload
 from common.inventory import Gpu, Inventory, Link, LinkKind, Nic
 from protos.offload.v1 import broker_pb2 as pb

@@ -23,8 +23,10 @@ from broker.quotas import within_idle_timeout
 from broker.rpc import validate
 from broker.rpc.convert import inventory_from_proto, node_sample_from_proto, offload_from_proto
 from broker.rpc.status import mapped_errors
-from broker.service import Broker, ClientUpload, DeploySpec
+from broker.service import Broker
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
+from broker.uploads import ClientUpload
+from broker.values import DeploySpec
 from common.node_identity import NODE_SECRET_HEADER
 from migration.mechanism import Strategy
 from protos.offload.v1 import broker_pb2 as pb
@@ -179,7 +181,7 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
     ) -> AsyncIterator[npb.ModelChunk]:
         self._check(context)
         sha256 = validate.sha256("sha256", request.sha256)
-        chunks = self._broker.model_chunks(sha256)
+        chunks = self._broker.uploads.model_chunks(sha256)
         first = True
         while (data := await asyncio.to_thread(next, chunks, None)) is not None:
             yield npb.ModelChunk(sha256=sha256 if first else "", data=data)
@@ -276,7 +278,7 @@ def _strategy(name: str) -> Strategy:
 
 
 async def _migration(migrations: Migrations, migration_id: str) -> pb.Migration:
-    return migration_message(await migrations.broker.get_migration(migration_id))
+    return migration_message(await migrations.broker.moves.get_migration(migration_id))
 
 
 class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
@@ -312,18 +314,18 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
                         if not chunk.sha256:
                             raise InvalidRequest("the first chunk must carry the model's sha256")
                         name = validate.name("name", chunk.name) if chunk.name else ""
-                        upload = await self._broker.begin_upload(
+                        upload = await self._broker.uploads.begin_upload(
                             client_id, validate.sha256("sha256", chunk.sha256)
                         )
                     elif chunk.sha256 and chunk.sha256 != upload.upload.sha256:
                         raise InvalidRequest("a later chunk declares a different sha256")
-                    await self._broker.write_upload(upload, chunk.data)
+                    await self._broker.uploads.write_upload(upload, chunk.data)
                 if upload is None:
                     raise InvalidRequest("the upload stream is empty")
-                sha, size, deduplicated = await self._broker.finish_upload(upload, name)
+                sha, size, deduplicated = await self._broker.uploads.finish_upload(upload, name)
         finally:
             if upload is not None:
-                self._broker.end_upload(upload)
+                self._broker.uploads.end_upload(upload)
         return pb.UploadModelResponse(sha256=sha, size_bytes=size, deduplicated=deduplicated)
 
     @mapped_errors
@@ -332,7 +334,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     ) -> pb.Deployment:
         client_id = await self._client(context)
         _same_client(request.client_id, client_id)
-        record = await self._broker.deploy(client_id, deploy_spec(request))
+        record = await self._broker.deployments.deploy(client_id, deploy_spec(request))
         self._migrations.on_deployed(record)
         return deployment_message(record, self._endpoint_ca)
 
@@ -343,7 +345,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         client_id = await self._client(context)
         deployment_id = validate.identifier("deployment_id", request.deployment_id)
         message = deployment_message(
-            await self._broker.get(client_id, deployment_id), self._endpoint_ca
+            await self._broker.deployments.get(client_id, deployment_id), self._endpoint_ca
         )
         resizes = await self._broker.registry.resizes(deployment_id)
         message.resizes.extend(
@@ -366,7 +368,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.ListDeploymentsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDeploymentsResponse:
         client_id = await self._client(context)
-        records = await self._broker.list(client_id)
+        records = await self._broker.deployments.list(client_id)
         return pb.ListDeploymentsResponse(
             deployments=[deployment_message(r, self._endpoint_ca) for r in records]
         )
@@ -376,7 +378,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         self, request: pb.DeleteDeploymentRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteDeploymentResponse:
         client_id = await self._client(context)
-        deleted = await self._broker.delete(
+        deleted = await self._broker.deployments.delete(
             client_id, validate.identifier("deployment_id", request.deployment_id)
         )
         return pb.DeleteDeploymentResponse(already_deleted=not deleted)
@@ -388,7 +390,9 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         client_id = await self._client(context)
         deployment_id = validate.identifier("deployment_id", request.deployment_id)
         with self._broker.limits.watch_streams.hold(client_id):
-            updates = self._broker.watch(client_id, deployment_id, _authorization(context))
+            updates = self._broker.deployments.watch(
+                client_id, deployment_id, _authorization(context)
+            )
             async for update in updates:
                 yield pb.PlacementUpdate(
                     deployment_id=update.deployment_id,
@@ -420,7 +424,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         client_id = await self._client(context)
         deployment_id = validate.identifier("deployment_id", request.deployment_id)
         epoch = validate.epoch("epoch", request.epoch)
-        await self._broker.get(client_id, deployment_id)
+        await self._broker.deployments.get(client_id, deployment_id)
         self._migrations.on_ack(deployment_id, epoch)
         return pb.AckSwitchResponse()
 
@@ -461,7 +465,7 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
                 "migration: give its migration_id"
             )
         if summary is not None:
-            await self._broker.record_offload(client_id, deployment_id, summary)
+            await self._broker.reports.record_offload(client_id, deployment_id, summary)
         return pb.ObservationAck()
 
     @mapped_errors
@@ -484,8 +488,8 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
     ) -> pb.ListMigrationsResponse:
         client_id = await self._client(context)
         deployment_id = validate.identifier("deployment_id", request.deployment_id)
-        await self._broker.get(client_id, deployment_id)
-        records = await self._broker.list_migrations(deployment_id)
+        await self._broker.deployments.get(client_id, deployment_id)
+        records = await self._broker.moves.list_migrations(deployment_id)
         return pb.ListMigrationsResponse(migrations=[migration_message(m) for m in records])
 
 
@@ -536,5 +540,5 @@ class OperatorServicer(pb_grpc.OperatorServicer):
         deployment_id = request.deployment_id
         if deployment_id:
             validate.identifier("deployment_id", deployment_id)
-        records = await broker.list_migrations(deployment_id or None)
+        records = await broker.moves.list_migrations(deployment_id or None)
         return pb.ListMigrationsResponse(migrations=[migration_message(m) for m in records])

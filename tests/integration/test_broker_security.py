@@ -40,7 +40,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from broker.quotas import Quotas
 from broker.server import BrokerConfig, RunningBroker, reload_api_keys, start_broker
-from broker.service import BrokerSettings
 from broker.state import (
     DB_FILENAME,
     DeploymentRecord,
@@ -55,6 +54,7 @@ from broker.state import (
     new_api_key,
     open_store,
 )
+from broker.values import BrokerSettings
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc
 from protos.offload.v1 import node_pb2 as npb

@@ -17,14 +17,15 @@ from bench.placement import CAPTURES
 from broker.deployment_table import ACTIVE, DeploymentTable
 from broker.errors import ResourceExhausted, StateUnavailable
 from broker.placement import ClusterSnapshot, PriorityClass
-from broker.quotas import ClientLimits, Quotas
-from broker.service import VISIBLE, Broker, DeploySpec, Hold
+from broker.quotas import Quotas
+from broker.service import Broker
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
     StorageError,
 )
 from broker.telemetry import NodeSample
+from broker.values import VISIBLE, DeploySpec, Hold
 from common.node_identity import new_secret
 from node_daemon.inventory.topo_file import inventory_from_capture
 from tests.broker_support import SHA, local_broker
@@ -102,7 +103,9 @@ async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
 
 def from_scratch(broker: Broker) -> dict[str, object]:
     """Every node as a rebuild of the whole view makes it."""
-    rebuilt = ClusterSnapshot.of(broker._node_snapshot(n, e) for n, e in broker.nodes.items())
+    rebuilt = ClusterSnapshot.of(
+        broker.applier._node_snapshot(n, e) for n, e in broker.nodes.items()
+    )
     return {node.node_id: node for node in rebuilt}
 
 
@@ -136,43 +139,45 @@ async def test_the_view_kept_node_by_node_is_the_one_a_rebuild_makes(broker: Bro
                 site=rng.choice(sites),
             )
             try:
-                rec, _ = await broker._reserve(f"d-{step}", "alice", spec, epoch=1)
+                rec, _ = await broker.deployments._reserve(f"d-{step}", "alice", spec, epoch=1)
             except ResourceExhausted:
                 continue
             placed.append(rec.deployment_id)
             if rng.random() < 0.7:
-                await broker._update(
+                await broker.deployments.update(
                     rec.deployment_id, state=DeploymentState.RUNNING, endpoint="e:1"
                 )
         elif action == "pending" and placed:
-            await broker._write_pending(rng.choice(placed), "test")
+            await broker.deployments.write_pending(rng.choice(placed), "test")
         elif action == "take" and placed:
             chosen = rng.choice(placed)
-            if broker.is_busy(chosen):
-                broker._untake(chosen)
+            if broker.applier.is_busy(chosen):
+                broker.applier.untake(chosen)
             else:
-                broker._take(chosen)
+                broker.applier.claim(chosen)
         elif action == "hold":
             if holds and rng.random() < 0.5:
-                broker._unhold(holds.pop())
+                broker.applier.unhold(holds.pop())
             else:
                 node = rng.choice(list(broker.nodes))
-                free = sorted(broker._placement_view().node(node).free)
+                free = sorted(broker.applier.view().node(node).free)
                 if free:
                     key = (f"h-{step}", 2)
-                    broker._hold(key, Hold(node, (free[0],), 0, PriorityClass.STANDARD))
+                    broker.applier.hold(key, Hold(node, (free[0],), 0, PriorityClass.STANDARD))
                     holds.append(key)
         elif action == "load":
             node = rng.choice(list(broker.nodes))
             broker.heartbeat(node, NodeSample(cpu_cores=4, cpu_used_cores=rng.random() * 4), [])
         elif action == "delete" and placed:
             gone = placed.pop(rng.randrange(len(placed)))
-            broker._keep(await broker._db(broker._store.delete_deployment, gone))
-        view = broker._placement_view()
+            broker.deployments.keep(
+                await broker._core.db(broker._core.store.delete_deployment, gone)
+            )
+        view = broker.applier.view()
         assert {node.node_id: node for node in view} == from_scratch(broker), action
-    stored = broker._store.list_deployments(states=VISIBLE)
-    assert await broker.visible_deployments() == stored
-    assert any(n.allocations for n in broker._placement_view())
+    stored = broker._core.store.list_deployments(states=VISIBLE)
+    assert await broker.deployments.visible() == stored
+    assert any(n.allocations for n in broker.applier.view())
 
 
 async def one_node(broker: Broker) -> None:
@@ -185,7 +190,7 @@ async def one_node(broker: Broker) -> None:
 def block_the_state_thread(broker: Broker) -> threading.Event:
     """Hold the state thread until the event is set: every store call queues behind."""
     go = threading.Event()
-    broker._db_queued(go.wait, 10.0)
+    broker._core.db_queued(go.wait, 10.0)
     return go
 
 
@@ -198,20 +203,25 @@ async def test_a_decision_holds_its_gpus_until_its_write_is_durable(broker: Brok
     next decision does not take its GPUs, and the record is in the table only once stored."""
     await one_node(broker)
     go = block_the_state_thread(broker)
-    first = asyncio.create_task(broker._reserve("d-1", "alice", spec(), epoch=1))
-    second = asyncio.create_task(broker._reserve("d-2", "alice", spec(), epoch=1))
+    first = asyncio.create_task(broker.deployments._reserve("d-1", "alice", spec(), epoch=1))
+    second = asyncio.create_task(broker.deployments._reserve("d-2", "alice", spec(), epoch=1))
     # Both decided, neither written: the lock is free.
-    await until(lambda: len(broker._holds) == 2, "both decisions")
-    assert broker._deployments.get("d-1") is None and broker._deployments.get("d-2") is None
+    await until(lambda: len(broker.applier.holds) == 2, "both decisions")
+    assert (
+        broker.deployments._table.get("d-1") is None
+        and broker.deployments._table.get("d-2") is None
+    )
     assert not first.done() and not second.done()
-    held = [hold.gpus for hold in broker._holds.values()]
+    held = [hold.gpus for hold in broker.applier.holds.values()]
     assert not set(held[0]) & set(held[1])
     go.set()
     (one, _), (two, _) = await first, await second
     assert {one.gpus, two.gpus} == set(held)
-    assert broker._deployments.get("d-1") is one and broker._deployments.get("d-2") is two
-    assert broker._store.get_deployment("d-1") == one
-    assert not broker._holds and not broker._creating
+    assert (
+        broker.deployments._table.get("d-1") is one and broker.deployments._table.get("d-2") is two
+    )
+    assert broker._core.store.get_deployment("d-1") == one
+    assert not broker.applier.holds and not broker.applier._creating
 
 
 async def test_a_decision_whose_write_fails_frees_its_gpus_and_leaves_no_record(
@@ -223,46 +233,49 @@ async def test_a_decision_whose_write_fails_frees_its_gpus_and_leaves_no_record(
         raise StorageError("database or disk is full")
 
     with monkeypatch.context() as patched:
-        patched.setattr(broker._store, "create_deployment", disk_full)
+        patched.setattr(broker._core.store, "create_deployment", disk_full)
         with pytest.raises(StateUnavailable):
-            await broker._reserve("d-1", "alice", spec(), epoch=1)
-    assert broker._deployments.get("d-1") is None and broker._store.get_deployment("d-1") is None
-    assert not broker._holds and not broker._creating
-    largest, _ = broker._placement_view().largest()
-    placed, _ = await broker._reserve("d-2", "alice", spec(gpus=largest), epoch=1)
+            await broker.deployments._reserve("d-1", "alice", spec(), epoch=1)
+    assert (
+        broker.deployments._table.get("d-1") is None
+        and broker._core.store.get_deployment("d-1") is None
+    )
+    assert not broker.applier.holds and not broker.applier._creating
+    largest, _ = broker.applier.view().largest()
+    placed, _ = await broker.deployments._reserve("d-2", "alice", spec(gpus=largest), epoch=1)
     assert len(placed.gpus) == largest  # every GPU free again
 
 
 async def test_decisions_not_yet_written_count_against_the_quota(broker: Broker) -> None:
     await one_node(broker)
-    broker.limits = ClientLimits(Quotas(deployments=1))
+    broker.limits.quotas = Quotas(deployments=1)
     go = block_the_state_thread(broker)
-    first = asyncio.create_task(broker._reserve("d-1", "alice", spec(), epoch=1))
-    await until(lambda: bool(broker._holds), "the first decision")
+    first = asyncio.create_task(broker.deployments._reserve("d-1", "alice", spec(), epoch=1))
+    await until(lambda: bool(broker.applier.holds), "the first decision")
     with pytest.raises(ResourceExhausted, match="has 1 deployments"):
-        await broker._reserve("d-2", "alice", spec(), epoch=1)
+        await broker.deployments._reserve("d-2", "alice", spec(), epoch=1)
     go.set()
     await first
-    assert not broker._creating
+    assert not broker.applier._creating
 
 
 async def test_a_delete_awaits_its_commit_outside_the_placement_lock(broker: Broker) -> None:
     """While a delete's write waits on the state thread, another decision is taken (the
     lock is free) and the deployment is still in the table; once durable, it is gone."""
     await one_node(broker)
-    record, _ = await broker._reserve("d-1", "alice", spec(), epoch=1)
-    async with broker._placing.use("test"):
-        await broker._write_pending(record.deployment_id, "test")  # no replica to stop
+    record, _ = await broker.deployments._reserve("d-1", "alice", spec(), epoch=1)
+    async with broker.applier._lock.use("test"):
+        await broker.deployments.write_pending(record.deployment_id, "test")  # no replica to stop
     go = block_the_state_thread(broker)
-    deleting = asyncio.create_task(broker.delete("alice", "d-1"))
-    await until(lambda: broker.is_busy("d-1"), "the delete's claim")
+    deleting = asyncio.create_task(broker.deployments.delete("alice", "d-1"))
+    await until(lambda: broker.applier.is_busy("d-1"), "the delete's claim")
     await asyncio.sleep(0.05)  # the delete is at its write
-    deciding = asyncio.create_task(broker._reserve("d-2", "alice", spec(), epoch=1))
-    await until(lambda: bool(broker._holds), "a decision beside the delete's write")
-    assert broker._deployments.get("d-1") is not None and not deleting.done()
+    deciding = asyncio.create_task(broker.deployments._reserve("d-2", "alice", spec(), epoch=1))
+    await until(lambda: bool(broker.applier.holds), "a decision beside the delete's write")
+    assert broker.deployments._table.get("d-1") is not None and not deleting.done()
     go.set()
     await deleting
     await deciding
-    assert broker._deployments.get("d-1") is None
-    stored = broker._store.get_deployment("d-1")
+    assert broker.deployments._table.get("d-1") is None
+    stored = broker._core.store.get_deployment("d-1")
     assert stored is not None and stored.state is DeploymentState.DELETED

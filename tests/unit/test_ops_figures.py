@@ -16,9 +16,10 @@ from broker.ids import replica_id
 from broker.nodes import ReplicaState
 from broker.ops_view import BrokerOpsView
 from broker.placement import PriorityClass
-from broker.service import Broker, DeploySpec
+from broker.service import Broker
 from broker.state import DeploymentState
 from broker.telemetry import NodeSample, ReplicaLoad, RequestFigures
+from broker.values import DeploySpec
 from common.node_identity import new_secret
 from node_daemon.inventory.topo_file import inventory_from_capture
 from tests.broker_support import SHA, local_broker, offload_summary
@@ -65,13 +66,17 @@ async def test_the_metric_figures_are_the_ones_the_views_show(broker: Broker) ->
             site=sites[k % len(sites)],
             latency_slo_ms=50.0 * k,
         )
-        record, _ = await broker._reserve(f"d-{k}", "alice", spec, epoch=1)
+        record, _ = await broker.deployments._reserve(f"d-{k}", "alice", spec, epoch=1)
         placed.append(record)
     for record in placed[:3]:  # running; d-3 stays starting
-        await broker._update(record.deployment_id, state=DeploymentState.RUNNING, endpoint="e:1")
+        await broker.deployments.update(
+            record.deployment_id, state=DeploymentState.RUNNING, endpoint="e:1"
+        )
     # Neither holds a GPU: one waits for a node, one failed on its node.
-    await broker._write_pending(placed[4].deployment_id, "test")
-    await broker._update(placed[5].deployment_id, state=DeploymentState.FAILED, reason="test")
+    await broker.deployments.write_pending(placed[4].deployment_id, "test")
+    await broker.deployments.update(
+        placed[5].deployment_id, state=DeploymentState.FAILED, reason="test"
+    )
     # Two heartbeats per node: the first has the broker attribute each replica to its
     # deployment, the second's replica figures are then kept as the deployment's.
     for _ in range(2):
@@ -93,9 +98,11 @@ async def test_the_metric_figures_are_the_ones_the_views_show(broker: Broker) ->
         "s-new": (7, 1, False),
     }.items():
         reported = offload_summary(session, remote, local, remote_reachable=reachable)
-        await broker.record_offload("alice", placed[0].deployment_id, reported)
+        await broker.reports.record_offload("alice", placed[0].deployment_id, reported)
         await asyncio.sleep(0.01)  # distinct report times: the newer session is listed first
-    await broker.record_offload("alice", placed[1].deployment_id, offload_summary("s-b", 3, 0))
+    await broker.reports.record_offload(
+        "alice", placed[1].deployment_id, offload_summary("s-b", 3, 0)
+    )
 
     view = BrokerOpsView(broker, prewarm_budget=2)
     got = await view.figures()
@@ -106,7 +113,7 @@ async def test_the_metric_figures_are_the_ones_the_views_show(broker: Broker) ->
     assert dict(got.deployments) == dict(expected.deployments)
     assert dict(got.deployments) == {"running": 3, "starting": 1, "pending": 1, "failed": 1}
     assert (got.gpus_free, got.gpus_used) == (expected.gpus_free, expected.gpus_used)
-    failed = broker._deployments.get(placed[5].deployment_id)
+    failed = broker.deployments._table.get(placed[5].deployment_id)
     assert failed is not None and failed.node_id  # failed where it was placed
     assert got.gpus_used == sum(len(r.gpus) for r in placed[:4])
     assert (got.standbys, got.standby_budget) == (expected.standbys, expected.standby_budget)
