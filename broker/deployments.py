@@ -16,7 +16,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar, Unpack
 
 from broker.applier import PlacementApplier
 from broker.core import Core, retrieve
@@ -55,6 +55,7 @@ from broker.uploads import Uploads
 from broker.values import (
     VISIBLE,
     BrokerSettings,
+    DeploymentChanges,
     DeploymentReader,
     DeploySpec,
     PlacementUpdate,
@@ -165,7 +166,9 @@ class Deployments:
         self._applier.records_changed(self._table.put(record))
         return record
 
-    async def update(self, deployment_id: str, **changes: Any) -> DeploymentRecord:
+    async def update(
+        self, deployment_id: str, **changes: Unpack[DeploymentChanges]
+    ) -> DeploymentRecord:
         """Change a deployment in the store, then in the table; the record as stored."""
         return self.keep(
             await self._core.db(self._core.store.update_deployment, deployment_id, **changes)

@@ -11,7 +11,7 @@ import time
 from collections.abc import (
     Collection,
 )
-from typing import Any, TypeVar
+from typing import TypeVar, Unpack
 
 from broker.applier import PlacementApplier
 from broker.core import Core
@@ -34,6 +34,7 @@ from broker.state import (
 )
 from broker.values import (
     Hold,
+    MigrationChanges,
     Move,
     MoveChoice,
     explanation_json,
@@ -246,7 +247,9 @@ class Moves:
     async def record_migration(self, record: MigrationRecord) -> None:
         await self._core.db(self._core.store.create_migration, record)
 
-    async def update_migration(self, migration_id: str, **changes: Any) -> None:
+    async def update_migration(
+        self, migration_id: str, **changes: Unpack[MigrationChanges]
+    ) -> None:
         """KeyError for an unknown migration."""
         await self._core.db(self._core.store.update_migration, migration_id, **changes)
 

@@ -16,7 +16,7 @@ from collections.abc import (
     Collection,
 )
 from dataclasses import dataclass, field
-from typing import Protocol, TypeGuard, TypeVar
+from typing import Protocol, TypedDict, TypeGuard, TypeVar
 
 from broker.errors import (
     InvalidRequest,
@@ -37,6 +37,7 @@ from broker.quotas import (
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
+    MigrationState,
     StandbyRecord,
 )
 
@@ -337,6 +338,35 @@ def runs(record: DeploymentRecord | None) -> TypeGuard[DeploymentRecord]:
         and record.state is DeploymentState.RUNNING
         and record.node_id is not None
     )
+
+
+class DeploymentChanges(TypedDict, total=False):
+    """What a decision may change in a stored deployment (`Deployments.update`); the
+    store stamps `updated_at`."""
+
+    state: DeploymentState
+    node_id: str | None
+    gpus: tuple[int, ...]
+    gpu_uuids: tuple[str, ...]
+    endpoint: str
+    epoch: int
+    explanation_json: str
+    reason: str
+    site: str
+
+
+class MigrationChanges(TypedDict, total=False):
+    """What a migration's steps may change in its record (`Moves.update_migration`)."""
+
+    state: MigrationState
+    timeline_json: str
+    outcome: str
+    reason: str
+    downtime_ms: float | None
+    failed_requests: int | None
+    span_gap_ms: float | None
+    prewarmed: bool
+    target_node: str
 
 
 class DeploymentReader(Protocol):
