@@ -8,10 +8,9 @@ node id) and explains (`Explanation`); when nothing fits, a higher priority clas
 lower ones. `search` says how it avoids looking at most of a 10,000-node cluster and stays
 equal to `place_brute_force`. Modules: `model` (the values), `scoring` (the terms and
 weights), `kinds` (memoized group choices per node model), `snapshot` (the cluster index),
-`search` (filter, score, choose, preempt), `ledger` (the broker's view kept change by change).
+`search` (filter, score, choose, preempt).
 """
 
-from broker.placement.ledger import PlacementLedger
 from broker.placement.model import (
     Allocation,
     Candidate,
@@ -40,7 +39,6 @@ __all__ = [
     "Decision",
     "Explanation",
     "NodeSnapshot",
-    "PlacementLedger",
     "PlacementRequest",
     "PriorityClass",
     "RejectReason",
