@@ -311,9 +311,15 @@ class NodeRegistry:
         fresh = secret_sha256(secret)
         bind = self._core.store.bind_node_secret
         if not await self._core.db(bind, node_id, bound, fresh, time.time()):
-            raise AlreadyExists(
-                f"node id {node_id} was claimed by another daemon at the same moment"
-            )
+            # Bound meanwhile by a registration that was in flight: this daemon's own, retried
+            # (a slow broker), proves the id; another daemon's does not.
+            now = (await self._core.db(self._core.store.node_secrets)).get(node_id)
+            if not proves(secret, now):
+                raise AlreadyExists(
+                    f"node id {node_id} was claimed by another daemon at the same moment"
+                )
+            assert now is not None
+            fresh = now
         self._secrets[node_id] = fresh
         if bound is None:
             logger.info("node=%s bound to its node secret", node_id)

@@ -4,6 +4,7 @@ included (the certificate proves the id once its holder is no longer live)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,6 +32,30 @@ async def register(
     await broker.register_node(
         "n1", address, "site-a", NO_GPUS, ["process"], [], secret=secret, certified=certified
     )
+
+
+async def test_a_registration_retried_while_its_first_is_in_flight_binds_once(
+    broker: Broker,
+) -> None:
+    """A slow broker: the node retries its registration before the first one is answered.
+    Both carry the same secret; the second sees the id unbound, and its compare-and-swap
+    finds it bound by the first: that proves it, so both succeed. Another daemon's secret
+    in the same race does not."""
+    secret = new_secret()
+    await asyncio.gather(register(broker, secret), register(broker, secret))
+    broker.registry.check("n1", secret)
+    rival = new_secret()
+    outcomes = await asyncio.gather(
+        register(broker, secret, "127.0.0.1:1000"),
+        broker.register_node("n2", "127.0.0.1:3000", "site-a", NO_GPUS, [], [], secret=rival),
+        broker.register_node(
+            "n2", "127.0.0.1:3001", "site-a", NO_GPUS, [], [], secret=new_secret()
+        ),
+        return_exceptions=True,
+    )
+    assert outcomes[0] is None and outcomes[1] is None
+    assert isinstance(outcomes[2], AlreadyExists), outcomes[2]
+    assert broker.nodes["n2"].record.address == "127.0.0.1:3000"
 
 
 def go_silent(broker: Broker) -> None:
