@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from broker.server import BrokerConfig, reload_api_keys, start_broker
-from broker.state import new_api_key, open_store, parse_api_keys_file
+from broker.state import new_api_key, parse_api_keys_file
+from broker.state.opener import open_store
 from edge_client.demo.cluster import CLUSTER_FILE
 
 PEER = "ipv4:127.0.0.1:1"

@@ -64,14 +64,8 @@ from broker.rebalance import REBALANCE_SWEEP_S, Rebalancer
 from broker.rpc.servicers import EdgeBrokerServicer, NodeRegistryServicer, OperatorServicer
 from broker.rpc.status import MalformedRequests
 from broker.service import Broker
-from broker.state import (
-    KeyChanges,
-    StateError,
-    StateStore,
-    new_api_key,
-    open_store,
-    parse_api_keys_file,
-)
+from broker.state import KeyChanges, StateError, StateStore, new_api_key, parse_api_keys_file
+from broker.state.opener import open_store
 from broker.state.permissions import create_private_file
 from broker.state.postgres_backend import SCHEMES
 from broker.values import BrokerSettings

@@ -15,8 +15,9 @@ from broker.network import EdgeNetwork
 from broker.node_client import NodeClient
 from broker.ops.metrics import BrokerMetrics
 from broker.service import Broker
-from broker.state import ModelRecord, OffloadCount, OffloadSummary, open_store
+from broker.state import ModelRecord, OffloadCount, OffloadSummary
 from broker.state.api_keys import new_api_key
+from broker.state.opener import open_store
 from broker.values import BrokerSettings
 from edge_client.demo.cluster import CLUSTER_FILE
 

@@ -1,7 +1,8 @@
 """The broker's durable state: an SQLite file in WAL mode or a PostgreSQL database, schema
 versioned.
 
-    from broker.state import open_store, DeploymentRecord, DeploymentState
+    from broker.state import DeploymentRecord, DeploymentState
+    from broker.state.opener import open_store
     store = open_store(location, state_dir)  # "" or a URL; blocking: use asyncio.to_thread
     with store.transaction():                # several changes, all or none
         store.create_deployment(record)
@@ -24,7 +25,6 @@ from broker.state.errors import (
     StorageError,
 )
 from broker.state.group_commit import GroupCommitter
-from broker.state.opener import is_shared, open_store
 from broker.state.records import (
     ClientRecord,
     DeploymentRecord,
@@ -45,11 +45,9 @@ from broker.state.records import (
     ResizeRecord,
     StandbyRecord,
 )
-from broker.state.sqlite_backend import DB_FILENAME
 from broker.state.store import StateStore
 
 __all__ = [
-    "DB_FILENAME",
     "ClientRecord",
     "ConstraintError",
     "DeploymentRecord",
@@ -75,9 +73,7 @@ __all__ = [
     "StateError",
     "StateStore",
     "StorageError",
-    "is_shared",
     "new_api_key",
-    "open_store",
     "parse_api_key",
     "parse_api_keys_file",
 ]

@@ -41,7 +41,6 @@ from onnx import TensorProto, helper, numpy_helper
 from broker.quotas import Quotas
 from broker.server import BrokerConfig, RunningBroker, reload_api_keys, start_broker
 from broker.state import (
-    DB_FILENAME,
     DeploymentRecord,
     DeploymentState,
     MigrationRecord,
@@ -52,8 +51,9 @@ from broker.state import (
     NodeState,
     api_keys,
     new_api_key,
-    open_store,
 )
+from broker.state.opener import open_store
+from broker.state.sqlite_backend import DB_FILENAME
 from broker.values import BrokerSettings
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import broker_pb2_grpc as pb_grpc

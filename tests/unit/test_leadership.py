@@ -13,7 +13,7 @@ import pytest
 
 from broker.leadership import LEASE_NAME, Holder, Leadership, Standby, acquire
 from broker.server import config_from_args
-from broker.state import open_store
+from broker.state.opener import open_store
 from edge_client.cli import build_parser
 from tests.cluster_support import until
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.state import open_store
+from broker.state.opener import open_store
 from common.node_identity import (
     SECRET_FILE,
     load_or_create_secret,

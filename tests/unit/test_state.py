@@ -28,7 +28,6 @@ import psycopg
 import pytest
 
 from broker.state import (
-    DB_FILENAME,
     ConstraintError,
     DeploymentRecord,
     DeploymentState,
@@ -48,11 +47,12 @@ from broker.state import (
     StorageError,
     api_keys,
     new_api_key,
-    open_store,
     parse_api_key,
     parse_api_keys_file,
 )
+from broker.state.opener import open_store
 from broker.state.schema import MIGRATIONS
+from broker.state.sqlite_backend import DB_FILENAME
 from tests.broker_support import offload_summary
 from tests.pg_support import PostgresServer
 
@@ -857,7 +857,7 @@ CRASHING_WRITER = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    from broker.state import open_store
+    from broker.state.opener import open_store
     from tests.unit.test_state import KEY, deployment, model, node
 
     store = open_store(sys.argv[1], Path(sys.argv[2]))
