@@ -13,18 +13,12 @@ first decision's until durable) and which deployments a move or a delete has tak
 from __future__ import annotations
 
 import logging
-from collections.abc import (
-    Iterable,
-    Mapping,
-)
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from types import MappingProxyType
-from typing import TypeVar
 
-from broker.errors import (
-    Busy,
-)
+from broker.errors import Busy
 from broker.nodes import NodeEntry, NodeRegistry
 from broker.ops.metrics import BrokerMetrics
 from broker.placement import (
@@ -47,8 +41,6 @@ from broker.values import (
 )
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class PlacementApplier:

@@ -11,12 +11,9 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import (
-    AsyncIterator,
-    Sequence,
-)
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar, Unpack
+from typing import Unpack
 
 from broker.applier import PlacementApplier
 from broker.core import Core, retrieve
@@ -39,18 +36,10 @@ from broker.model_store import ModelStore
 from broker.network import EdgeNetwork, UnknownSite
 from broker.nodes import NodeRegistry
 from broker.ops.metrics import BrokerMetrics
-from broker.placement import (
-    place,
-)
-from broker.quotas import (
-    ClientLimits,
-    check_deployments,
-)
+from broker.placement import place
+from broker.quotas import ClientLimits, check_deployments
 from broker.standbys import StandbyPool
-from broker.state import (
-    DeploymentRecord,
-    DeploymentState,
-)
+from broker.state import DeploymentRecord, DeploymentState
 from broker.uploads import Uploads
 from broker.values import (
     VISIBLE,
@@ -67,8 +56,6 @@ from broker.values import (
 from common.replica_memory import share_too_small
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)

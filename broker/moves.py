@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import (
-    Collection,
-)
-from typing import TypeVar, Unpack
+from collections.abc import Collection
+from typing import Unpack
 
 from broker.applier import PlacementApplier
 from broker.core import Core
@@ -23,9 +21,7 @@ from broker.errors import (
 )
 from broker.nodes import NodeRegistry
 from broker.ops.metrics import BrokerMetrics
-from broker.placement import (
-    Decision,
-)
+from broker.placement import Decision
 from broker.standbys import StandbyPool
 from broker.state import (
     DeploymentState,
@@ -44,8 +40,6 @@ from broker.values import (
 )
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class Moves:

@@ -11,33 +11,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import (
-    Sequence,
-)
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from broker.applier import PlacementApplier
 from broker.core import Core
 from broker.deployments import Deployments
-from broker.errors import (
-    NodeUnavailable,
-)
+from broker.errors import NodeUnavailable
 from broker.ids import replica_id
 from broker.nodes import LIVE_REPLICA, NodeEntry, NodeRegistry, ReplicaState, Reported
 from broker.standbys import StandbyPool
-from broker.state import (
-    DeploymentRecord,
-    DeploymentState,
-)
-from broker.values import (
-    BrokerSettings,
-    Standby,
-)
+from broker.state import DeploymentRecord, DeploymentState
+from broker.values import BrokerSettings, Standby
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)

@@ -5,23 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TypeVar
 
 from broker.core import Core
-from broker.errors import (
-    NotFound,
-)
-from broker.state import (
-    OffloadReportRecord,
-    OffloadSummary,
-)
-from broker.values import (
-    VISIBLE,
-)
+from broker.errors import NotFound
+from broker.state import OffloadReportRecord, OffloadSummary
+from broker.values import VISIBLE
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 OFFLOAD_SESSIONS_KEPT = 8

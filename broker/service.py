@@ -31,6 +31,7 @@ report. Heartbeats are kept in memory only (a lost node is written when it is lo
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Coroutine, Mapping, Sequence
@@ -139,7 +140,7 @@ class Broker:
         """How late this event loop has run lately (`NodeRegistry.loop_lag`)."""
         return self.registry.loop_lag
 
-    def background(self, coro: Coroutine[Any, Any, T], name: str) -> Any:
+    def background(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         """Run `coro` as the broker's own task (cancelled by `close`); a failure is logged."""
         return self._core.background(coro, name)
 

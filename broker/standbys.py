@@ -7,27 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import (
-    Collection,
-    Sequence,
-)
-from typing import TypeVar
+from collections.abc import Collection, Sequence
 
 from broker.applier import PlacementApplier
 from broker.core import Core, retrieve
-from broker.errors import (
-    NodeUnavailable,
-    ResourceExhausted,
-)
+from broker.errors import NodeUnavailable, ResourceExhausted
 from broker.nodes import NodeRegistry
 from broker.ops.metrics import BrokerMetrics
-from broker.placement import (
-    PriorityClass,
-)
-from broker.state import (
-    DeploymentRecord,
-    StandbyRecord,
-)
+from broker.placement import PriorityClass
+from broker.state import DeploymentRecord, StandbyRecord
 from broker.values import (
     DeploymentReader,
     DeploySpec,
@@ -38,8 +26,6 @@ from broker.values import (
 )
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class StandbyPool:

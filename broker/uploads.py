@@ -8,11 +8,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import (
-    Iterator,
-)
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 from broker.core import Core
 from broker.errors import (
@@ -28,14 +25,10 @@ from broker.quotas import (
     check_model_bytes,
     check_model_bytes_while_staging,
 )
-from broker.state import (
-    ModelRecord,
-)
+from broker.state import ModelRecord
 from common import heap
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 HEAP_TRIM_DELAY_S = 1.0

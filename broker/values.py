@@ -11,17 +11,11 @@ import functools
 import json
 import logging
 import re
-from collections.abc import (
-    Callable,
-    Collection,
-)
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Protocol, TypedDict, TypeGuard, TypeVar
+from typing import Protocol, TypedDict, TypeGuard
 
-from broker.errors import (
-    InvalidRequest,
-    quote,
-)
+from broker.errors import InvalidRequest, quote
 from broker.ids import replica_id
 from broker.node_link import ReplicaResources
 from broker.placement import (
@@ -30,10 +24,7 @@ from broker.placement import (
     PlacementRequest,
     PriorityClass,
 )
-from broker.quotas import (
-    DEFAULT_MAX_STAGED_BYTES,
-    Quotas,
-)
+from broker.quotas import DEFAULT_MAX_STAGED_BYTES, Quotas
 from broker.state import (
     DeploymentRecord,
     DeploymentState,
@@ -42,8 +33,6 @@ from broker.state import (
 )
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 MAX_GPUS = 64
