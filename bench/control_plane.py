@@ -151,9 +151,9 @@ BURST = 500
 BURSTS = 3
 """Bursts at each step (`--bursts`): the one of median pace is reported."""
 PLACED_LINE = re.compile(
-    r"^(?P<at>\S+ \S+) INFO broker\.service: deployment=(?P<id>\S+) placed on node=", re.M
+    r"^(?P<at>\S+ \S+) INFO broker\.deployments: deployment=(?P<id>\S+) placed on node=", re.M
 )
-"""The broker's log line of a decision committed (`Broker._reserve`)."""
+"""The broker's log line of a decision committed (`Deployments._reserve`)."""
 LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
 """Its time (`logging`'s asctime, local time)."""
 ANSWER_GRACE_S = 15.0
