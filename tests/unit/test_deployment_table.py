@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.placement import CAPTURES
+from broker import values
 from broker.deployment_table import ACTIVE, DeploymentTable
 from broker.errors import ResourceExhausted, StateUnavailable
 from broker.placement import ClusterSnapshot, PriorityClass
@@ -25,7 +26,7 @@ from broker.state import (
     StorageError,
 )
 from broker.telemetry import NodeSample
-from broker.values import VISIBLE, DeploySpec, Hold
+from broker.values import VISIBLE, DeploySpec, Hold, spec_of
 from common.node_identity import new_secret
 from node_daemon.inventory.topo_file import inventory_from_capture
 from tests.broker_support import SHA, local_broker
@@ -279,3 +280,38 @@ async def test_a_delete_awaits_its_commit_outside_the_placement_lock(broker: Bro
     assert broker.deployments._table.get("d-1") is None
     stored = broker._core.store.get_deployment("d-1")
     assert stored is not None and stored.state is DeploymentState.DELETED
+
+
+async def test_a_deployments_request_is_parsed_once_however_often_it_is_read(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`values.spec_of`: the stored request of a deployment is parsed the first time it is
+    read; placement's view made again, a requeue and the owners' reads after that reuse it
+    (the same frozen value)."""
+    parsed: list[str] = []
+    parse = DeploySpec.from_json
+
+    def counted(text: str) -> DeploySpec:
+        parsed.append(text)
+        return parse(text)
+
+    monkeypatch.setattr(DeploySpec, "from_json", staticmethod(counted))
+    values._parsed.cache_clear()
+    await one_node(broker)
+    wanted = [spec(), spec(gpus=2)]
+    records = [
+        (await broker.deployments._reserve(f"d-{i}", "alice", s, epoch=1))[0]
+        for i, s in enumerate(wanted)
+    ]
+    for record in records:
+        await broker.deployments.update(
+            record.deployment_id, state=DeploymentState.RUNNING, endpoint="e:1"
+        )
+        broker.applier.claim(record.deployment_id)  # the node's entry made again
+        broker.applier.view()
+        broker.applier.untake(record.deployment_id)
+        broker.applier.view()
+        stored = broker.deployments.table.get(record.deployment_id)
+        assert stored is not None and spec_of(stored) is spec_of(record)
+    assert [spec_of(r) for r in records] == wanted
+    assert sorted(parsed) == sorted({r.request_json for r in records})
