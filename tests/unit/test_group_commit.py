@@ -18,8 +18,8 @@ from broker.state import (
     StateStore,
     StorageError,
     new_api_key,
-    open_store,
 )
+from broker.state.opener import open_store
 from tests.unit.test_state import deployment, model, node
 
 WAIT_S = 30.0
