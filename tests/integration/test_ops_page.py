@@ -614,7 +614,14 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     cluster = Cluster(tmp_path)
     try:
         await cluster.start_broker()
-        await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES[:2]))
+        # A sample with every heartbeat: an idle node's otherwise goes every 10 s (its
+        # --sample-interval), and the chart below wants a few seconds of them.
+        await asyncio.gather(
+            *(
+                cluster.start_node(plan, "process", "--sample-interval", "0.2")
+                for plan in THREE_NODES[:2]
+            )
+        )
         yield cluster
     finally:
         await cluster.stop()
