@@ -12,7 +12,6 @@ first decision's until durable) and which deployments a move or a delete has tak
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
@@ -39,8 +38,6 @@ from broker.values import (
     Standby,
     allocation_terms,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class PlacementApplier:

@@ -6,7 +6,6 @@ records in the store; the deployment records it changes through `broker.deployme
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Collection
 from typing import Unpack
@@ -38,8 +37,6 @@ from broker.values import (
     runs,
     spec_of,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class Moves:

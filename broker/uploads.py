@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,9 +26,6 @@ from broker.quotas import (
 )
 from broker.state import ModelRecord
 from common import heap
-
-logger = logging.getLogger(__name__)
-
 
 HEAP_TRIM_DELAY_S = 1.0
 """How long after the last upload under way ended the broker trims its C heap."""

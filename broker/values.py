@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import logging
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -31,9 +30,6 @@ from broker.state import (
     MigrationState,
     StandbyRecord,
 )
-
-logger = logging.getLogger(__name__)
-
 
 MAX_GPUS = 64
 """The most GPUs a node may have, and a deployment ask for."""
