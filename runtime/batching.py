@@ -16,9 +16,13 @@ When a batch starts (the event loop, no thread):
   has waited `max_class_wait_s` (a bounded wait: no class starves), else the class that used
   the least compute for its weight (weighted fair sharing, 4/2/1: the resize policy's
   weights). So a critical request waits behind at most one running batch per instance;
-- the batch takes that class's requests with the head's key, oldest first, up to
-  `max_batch_size` rows (one request of more rows runs alone). Classes are not mixed: a
-  critical batch is as small, and as quick, as the critical load;
+- the batch takes that class's requests with one key, up to `max_batch_size` rows (one
+  request of more rows runs alone), round-robin across the class's callers (the clients of
+  a shared replica, `runtime.clients`; the deployment's own calls are one more caller): the
+  caller served least recently first, then one request of each caller in turn, each
+  caller's oldest first; the key is that of the first caller's oldest request. So a client
+  flooding its class has one request in each batch while others wait, never all of them.
+  Classes are not mixed: a critical batch is as small, and as quick, as the critical load;
 - a request whose deadline leaves less than the model's compute time is answered `TooLate`
   (DEADLINE_EXCEEDED) and dropped, never computed for nobody; a cancelled one (its caller
   gone) is dropped too.
@@ -33,8 +37,10 @@ requests while it computes. A session is run from that one thread only: ONNX Run
 provider keeps state per thread, and a session run from alternating threads was 10-60x
 slower on an H200. On CUDA batches are also padded to sizes warmed at load (`pad_to`).
 
-Each class's queue holds at most `max_queued_per_class` requests: past it `QueueFull`
-(RESOURCE_EXHAUSTED). Plain Python over numpy and asyncio: nothing here knows about gRPC.
+Each class's queue holds at most `max_queued_per_class` requests, and one client (not the
+deployment's own calls) at most `CLIENT_QUEUE_SHARE` of them: past either `QueueFull`
+(RESOURCE_EXHAUSTED), so a flooding client leaves room for the rest of its class. Plain
+Python over numpy and asyncio: nothing here knows about gRPC.
 """
 
 from __future__ import annotations
@@ -84,6 +90,12 @@ MAX_QUEUE_DELAY_LIMIT_S = 1.0
 MAX_QUEUED_LIMIT = 100_000
 MAX_INSTANCES_LIMIT = 64
 MAX_CLASS_WAIT_LIMIT_S = 60.0
+CLIENT_QUEUE_SHARE = 0.5
+"""The part of its class's queue bound one client may fill (rounded up): one flooding
+client leaves the other half to the others of its class."""
+DEPLOYMENT = ""
+"""The caller id of the deployment's own calls (`runtime.clients.DEPLOYMENT`), to which
+`CLIENT_QUEUE_SHARE` does not apply."""
 
 
 SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -149,7 +161,12 @@ BatchObserver = Callable[[PriorityClass, int, float, Sequence[float]], None]
 each request's wait in the queue (s)."""
 
 RefusalObserver = Callable[[PriorityClass], None]
-"""Called on the event loop for each request refused `QueueFull`, with its class."""
+"""Called on the event loop for each request refused `QueueFull` because its class's queue
+was full, with its class."""
+
+ClientComputeObserver = Callable[[str, float], None]
+"""Called on the event loop after each batch, once per request of a client (not the
+deployment's): its client id and its part of the batch's compute time (s), by rows."""
 
 Key = tuple[tuple[str, ...], tuple[tuple[str, str, tuple[int, ...]], ...]]
 
@@ -164,6 +181,7 @@ class _Pending:
     """`time.monotonic()` after which nobody waits for the answer; None: no deadline."""
     arrived: float
     future: asyncio.Future[list[np.ndarray]]
+    client: str = DEPLOYMENT
 
 
 @dataclass(slots=True)
@@ -173,6 +191,11 @@ class _ClassState:
     """Compute time used, decayed by `SHARE_HALF_LIFE_S`."""
     total_s: float = 0.0
     """Compute time used since the start (for the metrics)."""
+    served: dict[str, int] = field(default_factory=dict)
+    """The turn at which each caller with requests queued was last served (round-robin);
+    a caller with none queued is forgotten, and goes first when it comes back."""
+    per_client: dict[str, int] = field(default_factory=dict)
+    """Requests queued per caller (those with some)."""
 
 
 def batch_key(feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> tuple[Key, int]:
@@ -195,6 +218,7 @@ class Batcher:
         observe: BatchObserver | None = None,
         pad_to: Sequence[int] = (),
         on_refused: RefusalObserver | None = None,
+        on_client_compute: ClientComputeObserver | None = None,
     ) -> None:
         """`instances`: `policy.instances` sessions of one model with a dynamic batch axis;
         `compute_s`: its compute time for one request (warm-up), the least a request's
@@ -202,7 +226,8 @@ class Batcher:
         runs on the loop (negative: never, as a CUDA session must not: each session keeps to
         its own thread); `pad_to`: the batch sizes to run (a batch is padded to the least of
         them that holds it; one larger than all runs as it is), empty for any size;
-        `on_refused`: told of each request refused because its class's queue was full.
+        `on_refused`: told of each request refused because its class's queue was full;
+        `on_client_compute`: told of each client's part of each batch's compute.
 
         Why pad: CUDA's convolutions are tuned per input shape at their first run (ONNX
         Runtime's exhaustive cuDNN search, tens of milliseconds a shape), so every new batch
@@ -215,6 +240,9 @@ class Batcher:
         self._inline = compute_s <= inline_below_s
         self._observe = observe
         self._on_refused = on_refused
+        self._on_client_compute = on_client_compute
+        self._client_bound = math.ceil(policy.max_queued_per_class * CLIENT_QUEUE_SHARE)
+        self._turn = 0
         self._classes = {c: _ClassState() for c in CLASSES}
         self._queued = 0
         self._decayed_at = time.monotonic()
@@ -255,9 +283,11 @@ class Batcher:
         names: Sequence[str],
         cls: PriorityClass,
         deadline: float | None,
+        client: str = DEPLOYMENT,
     ) -> list[np.ndarray]:
         """The outputs `names` for checked `feeds`, computed in a batch with others of the
-        same key. QueueFull when `cls` has `max_queued_per_class` waiting; TooLate when the
+        same key. QueueFull when `cls` has `max_queued_per_class` waiting, or `client` (a
+        client's id; `DEPLOYMENT` for the deployment's calls) its share; TooLate when the
         deadline (`time.monotonic()`) leaves less than the compute time before it starts;
         NotReady once closed; the model's own errors (InvalidInput, InferenceFailed) pass
         through. Cancelling the caller drops the request if its batch has not started."""
@@ -271,14 +301,23 @@ class Batcher:
                 f"{len(state.queue)} {cls} requests are queued already, the most this replica "
                 f"holds per class (--max-queued-per-class); retry with backoff"
             )
+        held = state.per_client.get(client, 0)
+        if client != DEPLOYMENT and held >= self._client_bound:
+            raise QueueFull(
+                f"client {client} has {held} {cls} requests queued already, the most one "
+                f"client may hold ({CLIENT_QUEUE_SHARE:.0%} of --max-queued-per-class "
+                f"{self._policy.max_queued_per_class}); retry with backoff"
+            )
         key, rows = batch_key(feeds, names)
         if self._idle_inline(rows):
-            return self._run_now(feeds, names, cls, deadline, rows)
+            return self._run_now(feeds, names, cls, deadline, rows, client)
         loop = asyncio.get_running_loop()
+        arrived = time.monotonic()
         pending = _Pending(
-            feeds, tuple(names), key, rows, deadline, time.monotonic(), loop.create_future()
+            feeds, tuple(names), key, rows, deadline, arrived, loop.create_future(), client
         )
         state.queue.append(pending)
+        state.per_client[client] = held + 1
         self._queued += 1
         self._schedule(loop)
         return await pending.future
@@ -306,6 +345,8 @@ class Batcher:
                 pending = state.queue.popleft()
                 if not pending.future.done():
                     pending.future.set_exception(_shutting_down())
+            state.per_client.clear()
+            state.served.clear()
         self._queued = 0
         for thread in self._threads.values():
             thread.shutdown(wait=False, cancel_futures=True)
@@ -329,12 +370,12 @@ class Batcher:
             cls = self._lead(now)
             if cls is None:
                 return
-            batch, rows, full = self._take(self._classes[cls].queue, now, peek=True)
-            wait_until = batch[0].arrived + self._policy.max_queue_delay_s
+            batch, rows, full = self._take(self._classes[cls], peek=True)
+            wait_until = min(p.arrived for p in batch) + self._policy.max_queue_delay_s
             if not full and now < wait_until:
                 self._timer = loop.call_at(loop.time() + (wait_until - now), self._schedule, loop)
                 return
-            batch, rows, _ = self._take(self._classes[cls].queue, now, peek=False)
+            batch, rows, _ = self._take(self._classes[cls], peek=False)
             self._queued -= len(batch)
             runner = self._free.pop()
             waits = [now - p.arrived for p in batch]
@@ -362,6 +403,7 @@ class Batcher:
             kept: deque[_Pending] = deque()
             for pending in state.queue:
                 if pending.future.done():
+                    _forget(state, pending)
                     continue
                 if pending.deadline is not None and pending.deadline - now < self._compute_s:
                     left = max(pending.deadline - now, 0.0)
@@ -373,6 +415,7 @@ class Batcher:
                             f"({self._compute_s * 1000:.1f} ms); not computed"
                         )
                     )
+                    _forget(state, pending)
                     continue
                 kept.append(pending)
             self._queued -= len(state.queue) - len(kept)
@@ -413,33 +456,32 @@ class Batcher:
             state.used_s *= factor
         self._decayed_at = now
 
-    def _take(
-        self, queue: deque[_Pending], now: float, peek: bool
-    ) -> tuple[list[_Pending], int, bool]:
-        """The head of `queue` and the requests of its key behind it, up to the batch size:
-        (them, their rows, whether the batch is full). Removed from `queue` unless `peek`."""
-        head = queue[0]
+    def _take(self, state: _ClassState, peek: bool) -> tuple[list[_Pending], int, bool]:
+        """The class's next batch, round-robin across its callers (see the module
+        docstring): (its requests, their rows, whether it is full). Removed from the queue,
+        and the callers' turns recorded, unless `peek`."""
+        by_caller: dict[str, list[_Pending]] = {}
+        for pending in state.queue:  # oldest first, so each caller's list is too
+            if not pending.future.done():
+                by_caller.setdefault(pending.client, []).append(pending)
+        # Least recently served first; ties (never served) in the order they queued.
+        order = sorted(by_caller, key=lambda caller: state.served.get(caller, -1))
+        head = by_caller[order[0]][0]
         limit = self._policy.max_batch_size
         batch = [head]
         rows = head.rows
-        if rows >= limit:
-            if not peek:
-                queue.popleft()
-            return batch, rows, True
-        for pending in list(queue)[1:]:
-            if pending.key != head.key or pending.future.done():
-                continue
-            if rows + pending.rows > limit:
-                break
-            batch.append(pending)
-            rows += pending.rows
-            if rows == limit:
-                break
+        if rows < limit:
+            same_key = [[p for p in by_caller[c] if p.key == head.key] for c in order]
+            batch, rows = _round_robin(same_key, limit)
         if not peek:
             taken = set(map(id, batch))
-            remaining = deque(p for p in queue if id(p) not in taken)
-            queue.clear()
-            queue.extend(remaining)
+            remaining = deque(p for p in state.queue if id(p) not in taken)
+            state.queue.clear()
+            state.queue.extend(remaining)
+            for pending in batch:
+                state.served[pending.client] = self._turn
+                self._turn += 1
+                _forget(state, pending)
         return batch, rows, rows >= limit
 
     def _idle_inline(self, rows: int) -> bool:
@@ -462,6 +504,7 @@ class Batcher:
         cls: PriorityClass,
         deadline: float | None,
         rows: int,
+        client: str,
     ) -> list[np.ndarray]:
         """A lone request of an inline model, with nothing else to do: run it here, with no
         queue, future or hop through the loop (on a CPU a tiny model's requests never queue,
@@ -478,7 +521,8 @@ class Batcher:
         try:
             return runner.run(feeds, names)
         finally:
-            self._account(runner, cls, rows, time.perf_counter() - started, [0.0])
+            seconds = time.perf_counter() - started
+            self._account(runner, cls, seconds, [(client, rows)], [0.0])
 
     def _run_inline(
         self, runner: Runner, cls: PriorityClass, pending: _Pending, waits: list[float]
@@ -492,7 +536,8 @@ class Batcher:
             if not pending.future.done():
                 pending.future.set_result(result)
         finally:
-            self._account(runner, cls, pending.rows, time.perf_counter() - started, waits)
+            seconds = time.perf_counter() - started
+            self._account(runner, cls, seconds, [(pending.client, pending.rows)], waits)
 
     def _finished(
         self,
@@ -520,11 +565,19 @@ class Batcher:
                 pending.future.set_exception(answer)
             else:
                 pending.future.set_result(answer)
-        self._account(runner, cls, sum(p.rows for p in batch), seconds, waits)
+        self._account(runner, cls, seconds, [(p.client, p.rows) for p in batch], waits)
 
     def _account(
-        self, runner: Runner, cls: PriorityClass, rows: int, seconds: float, waits: list[float]
+        self,
+        runner: Runner,
+        cls: PriorityClass,
+        seconds: float,
+        callers: Sequence[tuple[str, int]],
+        waits: list[float],
     ) -> None:
+        """Record a batch's compute time (each caller's part by its rows) and free the
+        instance. `callers`: each request's caller and rows."""
+        rows = sum(r for _, r in callers)
         self._decay(time.monotonic())
         state = self._classes[cls]
         state.used_s += seconds
@@ -532,8 +585,42 @@ class Batcher:
         self._free.append(runner)
         if self._observe is not None:
             self._observe(cls, rows, seconds, waits)
+        if self._on_client_compute is not None:
+            for client, client_rows in callers:
+                if client != DEPLOYMENT:
+                    self._on_client_compute(client, seconds * client_rows / rows)
         if self._queued and not self._closed:
             self._schedule(asyncio.get_running_loop())
+
+
+def _round_robin(lists: Sequence[Sequence[_Pending]], limit: int) -> tuple[list[_Pending], int]:
+    """The first of each list in turn, then the second of each ... until `limit` rows, or
+    one that does not fit: (them, their rows)."""
+    batch: list[_Pending] = []
+    rows = 0
+    for depth in range(max(map(len, lists))):
+        for requests in lists:
+            if depth >= len(requests):
+                continue
+            pending = requests[depth]
+            if rows + pending.rows > limit:
+                return batch, rows
+            batch.append(pending)
+            rows += pending.rows
+            if rows == limit:
+                return batch, rows
+    return batch, rows
+
+
+def _forget(state: _ClassState, pending: _Pending) -> None:
+    """`pending` has left `state`'s queue: count it off its caller's, and forget the
+    caller's turn when it has none left."""
+    left = state.per_client[pending.client] - 1
+    if left:
+        state.per_client[pending.client] = left
+    else:
+        del state.per_client[pending.client]
+        state.served.pop(pending.client, None)
 
 
 def _shutting_down() -> NotReady:

@@ -7,7 +7,9 @@ Hierarchy::
     ├── ModelNotFound         the request names a model or version this server does not serve
     ├── NotReady              the model is loading, warming up, or the server is draining
     ├── TooLate               the call's deadline leaves less than the model's compute time
-    ├── QueueFull             the request's priority class has as many queued as allowed
+    ├── QueueFull             the request's priority class (or its client) has as many
+    │                         queued as allowed
+    ├── RateLimited           the request's client is over its rate limit (--clients-file)
     ├── InferenceFailed       ONNX Runtime failed while running valid inputs
     └── ModelLoadError        the model file cannot be loaded or warmed up (start-up only)
 
@@ -110,7 +112,13 @@ class TooLate(RuntimeServerError):
 
 class QueueFull(RuntimeServerError):
     """The request's priority class already has `--max-queued-per-class` requests waiting
-    for a batch: the replica holds no more (RESOURCE_EXHAUSTED; retry with backoff)."""
+    for a batch, or its client its share of them: the replica holds no more
+    (RESOURCE_EXHAUSTED; retry with backoff)."""
+
+
+class RateLimited(RuntimeServerError):
+    """The calling client is over its rate limit (its line's MAX_RPS in the clients file,
+    `runtime.clients`): RESOURCE_EXHAUSTED; retry later."""
 
 
 class InferenceFailed(RuntimeServerError):

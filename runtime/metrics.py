@@ -26,6 +26,18 @@ live load. These names are a contract with that scraper; change both together:
   RESOURCE_EXHAUSTED because their class already had --max-queued-per-class waiting, for a
   batch or for a worker thread (each class's series appears at its first refusal).
 
+Per client of a shared replica (`--clients-file`, `runtime.clients`; the deployment's own
+calls are not among them), with a series for each client of the file's last reading and
+none for a client no longer in it (so at most the file's `MAX_CLIENTS` per name):
+
+- ``offload_runtime_client_requests_total{model, client, code}`` (counter): its inference
+  calls answered, `code` the gRPC status name (OK for a success; RESOURCE_EXHAUSTED for
+  one over its rate limit or its share of the queue), each code's series from its first;
+- ``offload_runtime_client_request_duration_seconds{model, client}`` (histogram): from a
+  call's arrival in the handler to its answer;
+- ``offload_runtime_client_compute_seconds_total{model, client}`` (counter): the compute
+  time of its requests (a batch's time split by rows among its requests).
+
 Calls refused before the handler are not counted: those without the right token (so that a
 caller without it cannot move a replica's load figures) and those gRPC itself refuses (a
 message over --max-message-bytes).
@@ -48,8 +60,8 @@ from __future__ import annotations
 import socket
 import socketserver
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -82,6 +94,10 @@ class ModelMetrics:
         "_class_queued",
         "_class_refused",
         "_class_requests",
+        "_client_compute",
+        "_client_duration",
+        "_client_requests",
+        "_clients",
         "_failures",
         "_failures_by_code",
         "_model",
@@ -112,6 +128,49 @@ class ModelMetrics:
         """Each class's compute and request counters, resolved at its first batch."""
         self._class_refused = family.class_refused
         self._refused_by_class: dict[str, Counter] = {}
+        self._client_requests = family.client_requests
+        self._client_duration = family.client_duration
+        self._client_compute = family.client_compute
+        self._clients: dict[str, ClientMetrics] = {}
+        """Each client's children, for the clients of the clients file's last reading."""
+
+    def use_clients(self, ids: Iterable[str]) -> None:
+        """Keep series for exactly the clients `ids`: a new one's appear at zero, those of
+        a client no longer listed are removed. Event loop only."""
+        kept = {}
+        for client in ids:
+            kept[client] = self._clients.get(client) or ClientMetrics(
+                self._client_duration.labels(self._model, client),
+                self._client_compute.labels(self._model, client),
+            )
+        for client, gone in self._clients.items():
+            if client not in kept:
+                self._client_duration.remove(self._model, client)
+                self._client_compute.remove(self._model, client)
+                for code in gone.requests_by_code:
+                    self._client_requests.remove(self._model, client, code)
+        self._clients = kept  # one assignment: a worker thread reads one table or the other
+
+    def client_answered(self, client: str, code: str, seconds: float) -> None:
+        """A call of `client` answered with the gRPC status `code` (its name) after
+        `seconds`; nothing for a client not listed (removed while its call ran). Event loop
+        only."""
+        children = self._clients.get(client)
+        if children is None:
+            return
+        counter = children.requests_by_code.get(code)
+        if counter is None:
+            counter = self._client_requests.labels(self._model, client, code)
+            children.requests_by_code[code] = counter
+        counter.inc()
+        children.duration.observe(seconds)
+
+    def client_computed(self, client: str, seconds: float) -> None:
+        """`client`'s requests computed for `seconds` (`runtime.batching.
+        ClientComputeObserver`); nothing for a client not listed. Any thread."""
+        children = self._clients.get(client)
+        if children is not None:
+            children.compute.inc(seconds)
 
     def count_queued(
         self, total: Callable[[], float], per_class: Sequence[tuple[str, Callable[[], float]]]
@@ -156,6 +215,15 @@ class ModelMetrics:
         if counter is None:
             counter = self._failures_by_code[code] = self._failures.labels(self._model, code)
         counter.inc()
+
+
+@dataclass(slots=True)
+class ClientMetrics:
+    """One client's children of one model's per-client metrics."""
+
+    duration: Histogram
+    compute: Counter
+    requests_by_code: dict[str, Counter] = field(default_factory=dict)
 
 
 class RuntimeMetrics:
@@ -241,6 +309,27 @@ class RuntimeMetrics:
             "Requests refused RESOURCE_EXHAUSTED per priority class: their class already had "
             "--max-queued-per-class waiting for a batch or a worker thread.",
             ["model", "class"],
+            registry=r,
+        )
+
+        self.client_requests = Counter(
+            "offload_runtime_client_requests",
+            "Inference calls answered per client of the clients file, by gRPC status code name "
+            "(OK for a success).",
+            ["model", "client", "code"],
+            registry=r,
+        )
+        self.client_duration = Histogram(
+            "offload_runtime_client_request_duration_seconds",
+            "From a client's inference call's arrival in the handler to its answer.",
+            ["model", "client"],
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
+        self.client_compute = Counter(
+            "offload_runtime_client_compute_seconds",
+            "Compute time of each client's requests (a batch's split by rows).",
+            ["model", "client"],
             registry=r,
         )
 

@@ -11,6 +11,9 @@ plain HTTP on --metrics-port, without a token: the page holds counts and duratio
 tensor, the token or the model's path. It is up from the start (the node daemon reads its
 port from the log line before `runtime listening on`) until gRPC has stopped.
 
+With `--clients-file PATH` the replica also takes the calls of the clients listed there, each
+with its own class and rate limit, and follows the file as it changes (`runtime.clients`).
+
 With `--tls-cert` and `--tls-key` (the node's certificate, which the node hands its replicas)
 gRPC serves TLS; without them, a --host other hosts can reach needs `--insecure` (the node
 passes it when it serves plaintext itself).
@@ -53,6 +56,14 @@ from runtime.batching import (
     BatchPolicy,
     PriorityClass,
     choose_batch_size,
+)
+from runtime.clients import (
+    MAX_CLIENTS,
+    POLL_INTERVAL_S,
+    ClientEntry,
+    ClientTable,
+    read_clients_file,
+    watch_clients_file,
 )
 from runtime.errors import ModelLoadError
 from runtime.metrics import MetricsEndpoint, ModelMetrics, RuntimeMetrics
@@ -133,6 +144,10 @@ class RuntimeSettings:
     """The class of calls made with `token` (the deployment's)."""
     class_tokens: Mapping[str, PriorityClass] = field(default_factory=dict)
     """More tokens the replica takes, each with its caller's class (clients sharing it)."""
+    clients_file: Path | None = None
+    """The clients file the replica follows (`runtime.clients`); None: no clients."""
+    clients: tuple[ClientEntry, ...] = ()
+    """Its clients as read at start."""
     precision: Precision = Precision.FP32
     """FP16: serve `fp16_model`, once checked against `model` at load (`runtime.precision`)."""
     fp16_model: Path | None = None
@@ -159,6 +174,9 @@ class RunningServer:
     metrics: RuntimeMetrics
     model_metrics: ModelMetrics
     """The served model's children of `metrics`: the only ones the per-call paths touch."""
+    tokens: CallerTokens
+    clients: ClientTable
+    """The clients the replica takes now (`use_clients`)."""
     metrics_endpoint: MetricsEndpoint | None = None
     """None when the settings ask for no metrics port."""
 
@@ -192,6 +210,12 @@ class RunningServer:
             time.monotonic() - started,
         )
 
+    def use_clients(self, table: ClientTable) -> None:
+        """Take `table`'s clients from the next call on, and keep metrics for them."""
+        self.clients = table
+        self.tokens.use_clients(table)
+        self.model_metrics.use_clients(table.ids)
+
     async def close_metrics(self) -> None:
         """Stop serving the metrics page (idempotent); last, so scrapes see a drain end."""
         endpoint, self.metrics_endpoint = self.metrics_endpoint, None
@@ -205,6 +229,7 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
     state = ServingState()
     metrics = RuntimeMetrics()
     model_metrics = metrics.for_model(settings.name)
+    tokens = settings.caller_tokens()
     executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="infer")
     limit = settings.max_message_bytes
     server = grpc.aio.server(
@@ -229,7 +254,7 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
             raw_messages(RAW_METHODS),
             parse_in_handler,
             measure_calls(model_metrics),
-            require_token(settings.caller_tokens()),
+            require_token(tokens),
         ],
     )
     tls = settings.tls
@@ -256,7 +281,13 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
         logger.info("metrics served at %s (no token needed)", endpoint.url)
     await server.start()
     logger.info("runtime listening on %s:%d%s", settings.host, port, " (TLS)" if tls else "")
-    return RunningServer(server, port, state, executor, metrics, model_metrics, endpoint)
+    running = RunningServer(
+        server, port, state, executor, metrics, model_metrics, tokens, ClientTable(), endpoint
+    )
+    running.use_clients(ClientTable(settings.clients))
+    if settings.clients_file is not None:
+        logger.info("clients file %s: %d clients", settings.clients_file, len(settings.clients))
+    return running
 
 
 async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
@@ -391,6 +422,7 @@ async def _batcher(
         metrics.observe_batch,
         pad_to,
         on_refused=metrics.refused_full,
+        on_client_compute=metrics.client_computed,
     )
     if not on_cpu:
         sizes = pad_to
@@ -484,12 +516,30 @@ def _read_warmup_inputs(path: Path | None) -> dict[str, np.ndarray] | None:
 
 
 async def serve(settings: RuntimeSettings) -> int:
-    """Run until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+    """Run until SIGTERM/SIGINT, then drain. Returns the process exit code. With a clients
+    file, its watch runs beside (`runtime.clients.watch_clients_file`) until the drain."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     running = await start_server(settings)
+    async with asyncio.TaskGroup() as background:
+        watching = None
+        if settings.clients_file is not None:
+            watching = background.create_task(
+                watch_clients_file(settings.clients_file, running.clients, running.use_clients),
+                name="watch-clients-file",
+            )
+        code = await _until_stopped(running, settings, stop)
+        if watching is not None:
+            watching.cancel()
+    return code
+
+
+async def _until_stopped(
+    running: RunningServer, settings: RuntimeSettings, stop: asyncio.Event
+) -> int:
+    """Load the model, serve until `stop` is set, then drain; the exit code."""
     loading = asyncio.create_task(load_model(running, settings), name="load-model")
     stopping = asyncio.create_task(stop.wait(), name="wait-for-signal")
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -762,6 +812,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="more tokens this replica takes, one 'CLASS TOKEN' per line (clients sharing "
         "it, each with its class); keep it 0600",
     )
+    batching.add_argument(
+        "--clients-file",
+        type=Path,
+        metavar="PATH",
+        help="the clients sharing this replica, one 'CLIENT_ID CLASS TOKEN_SHA256 [MAX_RPS]' "
+        "per line (TOKEN_SHA256: the lowercase hex SHA-256 of the client's bearer token; "
+        "MAX_RPS: its calls per second, bursts of max(1, MAX_RPS); 0 or absent: no limit); "
+        f"at most {MAX_CLIENTS} clients. Read again within {POLL_INTERVAL_S:g} s of each "
+        "change: a client removed is refused from its next call; a file that does not "
+        "parse keeps the clients read before; a missing file: no clients",
+    )
     p.add_argument(
         "--warmup-inputs",
         type=Path,
@@ -815,6 +876,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         parser.error(str(err))
     try:
         class_tokens = {} if args.class_tokens is None else _class_tokens(args.class_tokens)
+        clients = () if args.clients_file is None else read_clients_file(args.clients_file)
     except ValueError as err:
         parser.error(str(err))
     metrics_port = args.metrics_port
@@ -848,6 +910,8 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         io_binding=args.io_binding,
         priority_class=PriorityClass(args.priority_class),
         class_tokens=class_tokens,
+        clients_file=args.clients_file,
+        clients=clients,
         precision=precision,
         fp16_model=args.fp16_model,
     )

@@ -1,4 +1,5 @@
-"""Per-deployment bearer-token check on every call but the health check."""
+"""The bearer-token check on every call but the health check: the deployment's token, and
+those of the clients sharing the replica (`runtime.clients`)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ from typing import Any
 
 import grpc
 
+from runtime.batching import PriorityClass
+from runtime.clients import DEPLOYMENT, Caller, ClientTable
+
 OPEN_METHODS = frozenset({"/inference.GRPCInferenceService/ServerLive"})
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
-CALLER: ContextVar[str] = ContextVar("caller", default="")
-"""What the token of the call being handled says its caller is (`CallerTokens`); set by
-`require_token` before the handler runs, in the handler's own context."""
+_UNCHECKED = Caller(DEPLOYMENT, PriorityClass.STANDARD)
+CALLER: ContextVar[Caller] = ContextVar("caller", default=_UNCHECKED)
+"""Who the call being handled comes from, as its token says (`CallerTokens`): its client
+id and priority class; set by `require_token` before the handler runs, in the handler's own
+context."""
 
 
 def _supplied(metadata: Metadata | None) -> bytes | None:
@@ -28,6 +34,7 @@ def _supplied(metadata: Metadata | None) -> bytes | None:
 
 
 MISSING_TOKEN = "missing authorization metadata: send 'authorization: Bearer <token>'"
+INVALID_TOKEN = "invalid token for this deployment"
 
 
 class BearerToken:
@@ -45,35 +52,43 @@ class BearerToken:
         if supplied is None:
             return MISSING_TOKEN
         if not hmac.compare_digest(supplied, self._expected):
-            return "invalid token for this deployment"
+            return INVALID_TOKEN
         return None
 
 
 class CallerTokens:
-    """The bearer tokens a replica takes, each with what it says of its caller (its priority
-    class): the deployment's token, and those of the clients sharing the replica.
+    """The bearer tokens a replica takes, each with what it says of its caller: the
+    deployment's token and those of `--class-tokens` (fixed at start, caller id ""), and the
+    clients of the clients file (`runtime.clients`, swapped whole by `use_clients`).
 
     A supplied token is looked up by its SHA-256 digest, so the time a look-up takes tells
-    nothing of how much of a valid token a guess got right."""
+    nothing of how much of a valid token a guess got right. A fixed token wins over a
+    client's of the same digest."""
 
-    def __init__(self, tokens: Mapping[str, str]) -> None:
+    def __init__(self, tokens: Mapping[str, PriorityClass]) -> None:
         if not tokens or any(not token for token in tokens):
             raise ValueError("a replica's tokens must not be empty")
-        self._callers = {self._digest(f"Bearer {t}".encode()): c for t, c in tokens.items()}
+        self._fixed = {
+            hashlib.sha256(t.encode()).digest(): Caller(DEPLOYMENT, c) for t, c in tokens.items()
+        }
+        self._clients: Mapping[bytes, Caller] = {}
 
-    @staticmethod
-    def _digest(value: bytes) -> bytes:
-        return hashlib.sha256(value).digest()
+    def use_clients(self, table: ClientTable) -> None:
+        """Take the clients of `table` from the next call on, instead of those before."""
+        self._clients = table.callers
 
-    def caller(self, metadata: Metadata | None) -> tuple[str, str | None]:
-        """(What the call's token says of its caller, None) for a known token, else
-        ("", why the call is refused)."""
+    def caller(self, metadata: Metadata | None) -> tuple[Caller | None, str | None]:
+        """(Who the call's token says its caller is, None) for a known token, else
+        (None, why the call is refused)."""
         supplied = _supplied(metadata)
         if supplied is None:
-            return "", MISSING_TOKEN
-        found = self._callers.get(self._digest(supplied))
+            return None, MISSING_TOKEN
+        if not supplied.startswith(b"Bearer "):
+            return None, INVALID_TOKEN
+        digest = hashlib.sha256(supplied[len(b"Bearer ") :]).digest()
+        found = self._fixed.get(digest) or self._clients.get(digest)
         if found is None:
-            return "", "invalid token for this deployment"
+            return None, INVALID_TOKEN
         return found, None
 
 
@@ -93,8 +108,9 @@ def require_token(
 
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
             caller, refusal = tokens.caller(context.invocation_metadata())
-            if refusal is not None:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
+            if caller is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal or INVALID_TOKEN)
+                raise AssertionError("context.abort returned")  # it always raises
             CALLER.set(caller)
             return await inner(request, context)
 

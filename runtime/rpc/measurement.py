@@ -16,16 +16,20 @@ from typing import Any
 import grpc
 
 from runtime.metrics import ModelMetrics
+from runtime.rpc.auth import CALLER
 from runtime.rpc.registration import HandlerWrapper
 
 MEASURED_METHODS = frozenset({"/inference.GRPCInferenceService/ModelInfer"})
+_OK = grpc.StatusCode.OK.name
+_UNKNOWN = grpc.StatusCode.UNKNOWN.name
 
 
 def measure_calls(
     metrics: ModelMetrics, methods: Collection[str] = MEASURED_METHODS
 ) -> HandlerWrapper:
     """A handler wrapper that counts each call of `methods` (unary-unary) in `metrics`: in
-    flight while it runs; then answered, how long it took and, when it failed, its status.
+    flight while it runs; then answered, how long it took and, when it failed, its status;
+    and per client for a client's call (`CALLER`, set by the token check before it).
 
     The figures move before the answer leaves: a client that scrapes after its call sees it.
     """
@@ -43,26 +47,35 @@ def measure_calls(
         in_flight_inc = metrics.in_flight.inc
         in_flight_dec = metrics.in_flight.dec
         failed = metrics.failed
+        client_answered = metrics.client_answered
 
         async def measured(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = clock()
             in_flight_inc()
+            code = _OK
             try:
                 return await inner(request, context)
             except grpc.aio.AbortError:
-                code = context.code()
-                failed(code.name if code is not None else grpc.StatusCode.UNKNOWN.name)
+                aborted = context.code()
+                code = aborted.name if aborted is not None else _UNKNOWN
+                failed(code)
                 raise
             except asyncio.CancelledError:
-                failed(grpc.StatusCode.CANCELLED.name)
+                code = grpc.StatusCode.CANCELLED.name
+                failed(code)
                 raise
             except BaseException:  # grpc answers UNKNOWN; mapped_errors leaves none such
-                failed(grpc.StatusCode.UNKNOWN.name)
+                code = _UNKNOWN
+                failed(code)
                 raise
             finally:
                 in_flight_dec()
-                observe(clock() - started)
+                seconds = clock() - started
+                observe(seconds)
                 requests_inc()
+                client = CALLER.get().client_id
+                if client:
+                    client_answered(client, code, seconds)
 
         return grpc.unary_unary_rpc_method_handler(
             measured,

@@ -17,7 +17,16 @@ from google.protobuf.message import DecodeError
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.batching import CLASSES, Batcher, PriorityClass
-from runtime.errors import InvalidInput, ModelNotFound, NotReady, QueueFull, TooLate, quote
+from runtime.clients import Caller
+from runtime.errors import (
+    InvalidInput,
+    ModelNotFound,
+    NotReady,
+    QueueFull,
+    RateLimited,
+    TooLate,
+    quote,
+)
 from runtime.metrics import ModelMetrics
 from runtime.model import OnnxModel
 from runtime.rpc import convert
@@ -153,7 +162,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Registered without a (de)serializer (`RAW_METHODS`): a request whose header has a
         plan skips parsing and response building (`runtime.rpc.plans`); any other takes the
-        full path, which makes the plan for the next one."""
+        full path, which makes the plan for the next one. A client over its rate limit
+        (`runtime.clients`) is refused first, RateLimited."""
+        caller = CALLER.get()
+        limit = caller.limit
+        if limit is not None and not limit.take():
+            raise RateLimited(
+                f"client {caller.client_id} is over its rate limit of {limit.rate:g} "
+                "requests/s; retry later"
+            )
         split = split_request(raw)
         if split is not None:
             plan = self._plans.get(split[0])
@@ -195,20 +212,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         When the model batches, the call joins the queue of its caller's priority class (what
         its token says: `CALLER`) and is computed in a batch (`runtime.batching`)."""
         left = context.time_remaining()
+        caller = CALLER.get()
         batcher = self._state.batcher
         if batcher is not None:
             deadline = None if left is None else time.monotonic() + left
-            return await batcher.infer(feeds, names, PriorityClass(CALLER.get()), deadline)
+            return await batcher.infer(
+                feeds, names, caller.priority_class, deadline, caller.client_id
+            )
         if not self._state.inline:
             deadline = None if left is None else time.monotonic() + left
-            cls = PriorityClass(CALLER.get())
-            return await self._run_in_worker(model, feeds, names, deadline, cls)
+            return await self._run_in_worker(model, feeds, names, deadline, caller)
         self._check_in_time(left)
         started = time.perf_counter()
         try:
             return model.run(feeds, names)
         finally:
-            self._compute.observe(time.perf_counter() - started)
+            self._computed(caller.client_id, time.perf_counter() - started)
+
+    def _computed(self, client: str, seconds: float) -> None:
+        """Record an unbatched inference's compute time (any thread)."""
+        self._compute.observe(seconds)
+        if client:
+            self._metrics.client_computed(client, seconds)
 
     def _check_in_time(self, left: float | None) -> None:
         """TooLate when `left` seconds (None: no deadline) are under the compute time."""
@@ -224,10 +249,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         feeds: Mapping[str, np.ndarray],
         names: Sequence[str],
         deadline: float | None,
-        cls: PriorityClass,
+        caller: Caller,
     ) -> list[np.ndarray]:
         """`model.run` in a worker thread, counted as queued (in all and in its caller's
-        class `cls`) until a thread takes it; QueueFull (RESOURCE_EXHAUSTED) when `cls` has
+        class) until a thread takes it; QueueFull (RESOURCE_EXHAUSTED) when `cls` has
         `max_queued_per_class` calls waiting already.
 
         The executor's queue is where calls wait for the concurrency limit (its thread
@@ -236,6 +261,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         thread: a concurrent future that was not cancelled has run or will run. `deadline`
         (`time.monotonic()`, None for none) is checked when the thread takes the call.
         """
+        cls = caller.priority_class
         with self._lock:
             waiting = self._waiting[cls]
             if waiting < self._max_queued:
@@ -248,7 +274,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         self._queued.inc()
         try:
-            future = self._executor.submit(self._run_queued, model, feeds, names, deadline, cls)
+            future = self._executor.submit(self._run_queued, model, feeds, names, deadline, caller)
         except BaseException:
             self._taken(cls)
             raise
@@ -270,14 +296,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         feeds: Mapping[str, np.ndarray],
         names: Sequence[str],
         deadline: float | None,
-        cls: PriorityClass,
+        caller: Caller,
     ) -> list[np.ndarray]:
         """In the worker thread: no longer queued; TooLate if too little of the deadline is
         left (the wait for a thread may have used it up); else run, timed."""
-        self._taken(cls)
+        self._taken(caller.priority_class)
         self._check_in_time(None if deadline is None else deadline - time.monotonic())
         started = time.perf_counter()
         try:
             return model.run(feeds, names)
         finally:
-            self._compute.observe(time.perf_counter() - started)
+            self._computed(caller.client_id, time.perf_counter() - started)

@@ -34,6 +34,7 @@ from runtime.errors import (
     ModelNotFound,
     NotReady,
     QueueFull,
+    RateLimited,
     TooLate,
     client_text,
 )
@@ -209,6 +210,7 @@ STATUS_TABLE: StatusTable = (
     (NotReady, grpc.StatusCode.UNAVAILABLE),
     (TooLate, grpc.StatusCode.DEADLINE_EXCEEDED),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RateLimited, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (InferenceFailed, grpc.StatusCode.INTERNAL),
 )

@@ -248,3 +248,84 @@ async def test_a_lone_request_of_an_inline_model_runs_at_once_on_the_loop(
     assert threads == [threading.get_ident()]  # the loop's own thread, no hand-off
     assert observed == [(CRITICAL, 2, [0.0])]
     assert queue.compute_seconds(CRITICAL) > 0
+
+
+async def test_a_class_is_served_round_robin_across_its_clients(mixer: OnnxModel) -> None:
+    gate = Gate(mixer)
+    computed: list[tuple[str, float]] = []
+    queue = Batcher(
+        [gate],
+        BatchPolicy(max_batch_size=1),
+        0.0,
+        -1.0,
+        on_client_compute=lambda client, s: computed.append((client, s)),
+    )
+    try:
+        first = asyncio.ensure_future(queue.infer(feeds(0), ("y",), STANDARD, None, "flood"))
+        await wait_for(gate.started.is_set, "the first batch never started")
+        flood = [
+            asyncio.ensure_future(queue.infer(feeds(v), ("y",), STANDARD, None, "flood"))
+            for v in (1, 2, 3)
+        ]
+        quiet = asyncio.ensure_future(queue.infer(feeds(9), ("y",), STANDARD, None, "quiet"))
+        own = asyncio.ensure_future(queue.infer(feeds(7), ("y",), STANDARD, None))
+        await wait_for(lambda: queue.queued == 5, "the requests never queued")
+        gate.allow(6)
+        await asyncio.gather(first, quiet, own, *flood)
+    finally:
+        queue.close()
+    # One request of each caller in turn (the deployment's own calls are one more caller),
+    # not the flood's three before the others' one each.
+    assert gate.runs == [[0.0], [1.0], [9.0], [7.0], [2.0], [3.0]]
+    assert [client for client, _ in computed] == ["flood", "flood", "quiet", "flood", "flood"]
+
+
+async def test_a_batch_takes_one_request_of_each_client_in_turn(mixer: OnnxModel) -> None:
+    gate = Gate(mixer)
+    queue = batcher(gate, max_batch_size=4)
+    try:
+        first = asyncio.ensure_future(queue.infer(feeds(0), ("y",), STANDARD, None, "a"))
+        await wait_for(gate.started.is_set, "the first batch never started")
+        waiting = [
+            asyncio.ensure_future(queue.infer(feeds(v), ("y",), STANDARD, None, "a"))
+            for v in (1, 2, 3, 4, 5)
+        ]
+        waiting.append(asyncio.ensure_future(queue.infer(feeds(9), ("y",), STANDARD, None, "b")))
+        await wait_for(lambda: queue.queued == 6, "the requests never queued")
+        gate.allow(3)
+        await asyncio.gather(first, *waiting)
+    finally:
+        queue.close()
+    assert gate.runs == [[0.0], [1.0, 9.0, 2.0, 3.0], [4.0, 5.0]]
+
+
+async def test_one_client_holds_at_most_half_of_its_class_queue(mixer: OnnxModel) -> None:
+    gate = Gate(mixer)
+    queue = batcher(gate, max_batch_size=1, max_queued_per_class=4)
+    try:
+        first = asyncio.ensure_future(queue.infer(feeds(0), ("y",), STANDARD, None, "a"))
+        await wait_for(gate.started.is_set, "the first batch never started")
+        held = [
+            asyncio.ensure_future(queue.infer(feeds(v), ("y",), STANDARD, None, "a"))
+            for v in (1, 2)
+        ]
+        await wait_for(lambda: queue.queued_in(STANDARD) == 2, "never queued")
+        with pytest.raises(QueueFull) as caught:
+            await queue.infer(feeds(3), ("y",), STANDARD, None, "a")
+        assert str(caught.value) == (
+            "client a has 2 standard requests queued already, the most one client may hold "
+            "(50% of --max-queued-per-class 4); retry with backoff"
+        )
+        # Another client, and the deployment's own calls, still queue.
+        others = [
+            asyncio.ensure_future(queue.infer(feeds(4), ("y",), STANDARD, None, "b")),
+            asyncio.ensure_future(queue.infer(feeds(5), ("y",), STANDARD, None)),
+        ]
+        await wait_for(lambda: queue.queued_in(STANDARD) == 4, "the others never queued")
+        gate.allow(5)
+        await asyncio.gather(first, *held, *others)
+        # Its queued requests done, the client may queue again.
+        gate.allow(1)
+        await queue.infer(feeds(6), ("y",), STANDARD, None, "a")
+    finally:
+        queue.close()

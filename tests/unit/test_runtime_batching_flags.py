@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from runtime.batching import PriorityClass
+from runtime.clients import DEPLOYMENT, Caller
 from runtime.rpc.auth import MISSING_TOKEN, CallerTokens
 from runtime.server import settings_from_args
 
@@ -85,12 +86,14 @@ def test_a_bad_class_tokens_line_is_named_without_its_token(
 
 def test_each_token_says_its_callers_class() -> None:
     tokens = CallerTokens({"dep": PriorityClass.STANDARD, "crit": PriorityClass.CRITICAL})
-    assert tokens.caller([("authorization", "Bearer crit")]) == (PriorityClass.CRITICAL, None)
-    assert tokens.caller([("authorization", b"Bearer dep")]) == (PriorityClass.STANDARD, None)
+    critical = Caller(DEPLOYMENT, PriorityClass.CRITICAL)
+    assert tokens.caller([("authorization", "Bearer crit")]) == (critical, None)
+    standard = Caller(DEPLOYMENT, PriorityClass.STANDARD)
+    assert tokens.caller([("authorization", b"Bearer dep")]) == (standard, None)
     assert tokens.caller([("authorization", "Bearer critical")])[1] == (
         "invalid token for this deployment"
     )
-    assert tokens.caller([]) == ("", MISSING_TOKEN)
+    assert tokens.caller([]) == (None, MISSING_TOKEN)
     with pytest.raises(ValueError, match="must not be empty"):
         CallerTokens({"": PriorityClass.STANDARD})
 

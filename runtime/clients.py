@@ -1,0 +1,261 @@
+"""The clients of a shared replica: who may call it, with which class and rate limit.
+
+A replica started with `--clients-file PATH` takes, beside the deployment's own token, the
+bearer tokens of the clients listed in that file, one per line::
+
+    CLIENT_ID CLASS TOKEN_SHA256 [MAX_RPS]
+
+- ``CLIENT_ID``: the broker's client id (`check_client_id`: 1 to 64 characters of
+  ``A-Z a-z 0-9 _ -``), unique in the file;
+- ``CLASS``: the priority class of the client's calls (critical, standard, best-effort);
+- ``TOKEN_SHA256``: the lowercase hex SHA-256 of the client's bearer token (the text after
+  ``Bearer``), unique in the file: the file holds no secret;
+- ``MAX_RPS``: optional, the client's inference calls per second (a token bucket holding
+  ``max(1, MAX_RPS)`` calls, full at first: a client may burst one second's worth); 0 or
+  absent for no limit.
+
+Blank lines and lines starting ``#`` are skipped; at most `MAX_CLIENTS` clients and
+`MAX_FILE_BYTES` bytes. An error names the line, never its token hash.
+
+The replica polls the file's status every `POLL_INTERVAL_S` (`watch_clients_file`) and, when
+it changed, reads it again and swaps its table whole: a client added is taken from its next
+call, one removed refused (UNAUTHENTICATED) from its next call. A file that does not parse
+keeps the table read before (logged with the line); a missing file means no clients.
+
+Plain Python (no gRPC): the node daemon writes these files with `format_clients`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from runtime.batching import PriorityClass
+from runtime.errors import quote
+
+logger = logging.getLogger(__name__)
+
+MAX_CLIENTS = 10_000
+"""The most clients one replica's file may list."""
+MAX_FILE_BYTES = 4 * 1024 * 1024
+"""The largest clients file read (10,000 lines of about 160 bytes fit well within)."""
+MAX_RPS_LIMIT = 1_000_000.0
+"""The largest per-client rate limit (calls per second)."""
+POLL_INTERVAL_S = 0.5
+"""How often the replica looks at the clients file's status (one `stat` call)."""
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_client_id(client_id: str) -> str:
+    """`client_id` if it is a valid client id; ValueError saying the rule otherwise. The
+    broker's API keys carry the same ids (``<client_id>.<secret>``)."""
+    if not _CLIENT_ID.fullmatch(client_id):
+        raise ValueError(
+            f"client id {quote(client_id)} must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'"
+        )
+    return client_id
+
+
+def check_token_sha256(token_sha256: str) -> str:
+    """`token_sha256` if it is 64 lowercase hex digits; ValueError otherwise (never quoting
+    it: a wrong value may be the token itself)."""
+    if not _SHA256.fullmatch(token_sha256):
+        raise ValueError("a token's SHA-256 must be 64 lowercase hex digits")
+    return token_sha256
+
+
+def check_max_rps(max_rps: float) -> float:
+    """`max_rps` if it is a finite number within 0..`MAX_RPS_LIMIT`; ValueError otherwise."""
+    if not (math.isfinite(max_rps) and 0 <= max_rps <= MAX_RPS_LIMIT):
+        raise ValueError(f"a rate limit must be a number within 0..{MAX_RPS_LIMIT:g}")
+    return max_rps
+
+
+@dataclass(frozen=True, slots=True)
+class ClientEntry:
+    """One line of a clients file."""
+
+    client_id: str
+    priority_class: PriorityClass
+    token_sha256: str
+    """Lowercase hex SHA-256 of the client's bearer token."""
+    max_rps: float = 0.0
+    """Inference calls per second; 0: no limit."""
+
+
+class RateLimit:
+    """A token bucket: `rate` calls per second, holding `max(1, rate)` (full at first).
+    Event loop only."""
+
+    __slots__ = ("_clock", "_level", "_then", "burst", "rate")
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = max(1.0, rate)
+        self._clock = clock
+        self._level = self.burst
+        self._then = clock()
+
+    def take(self) -> bool:
+        """Whether one more call fits now (and, if so, count it)."""
+        now = self._clock()
+        self._level = min(self.burst, self._level + (now - self._then) * self.rate)
+        self._then = now
+        if self._level < 1.0:
+            return False
+        self._level -= 1.0
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a call comes from, as its token says (`runtime.rpc.auth.CALLER`)."""
+
+    client_id: str
+    """A client of the clients file; "" for the deployment's own token (and those of
+    `--class-tokens`)."""
+    priority_class: PriorityClass
+    limit: RateLimit | None = None
+    """The client's rate limit; None: none."""
+
+
+DEPLOYMENT = ""
+"""The caller id of the deployment's own token."""
+
+
+class ClientTable:
+    """The clients of one reading of the file, by their token's SHA-256 digest (bytes)."""
+
+    def __init__(self, entries: Iterable[ClientEntry] = (), previous: ClientTable | None = None):
+        """A client listed in `previous` with the same rate keeps its bucket: reading the
+        file again does not refill it."""
+        kept = previous.callers_by_id if previous is not None else {}
+        self.entries = tuple(entries)
+        self.callers: dict[bytes, Caller] = {}
+        self.callers_by_id: dict[str, Caller] = {}
+        for entry in self.entries:
+            before = kept.get(entry.client_id)
+            old = before.limit if before is not None else None
+            limit = None
+            if entry.max_rps > 0:
+                same = old is not None and old.rate == entry.max_rps
+                limit = old if same else RateLimit(entry.max_rps)
+            caller = Caller(entry.client_id, entry.priority_class, limit)
+            self.callers[bytes.fromhex(entry.token_sha256)] = caller
+            self.callers_by_id[entry.client_id] = caller
+
+    @property
+    def ids(self) -> frozenset[str]:
+        return frozenset(self.callers_by_id)
+
+
+def parse_clients(text: str, source: str) -> tuple[ClientEntry, ...]:
+    """The entries of a clients file's `text` (see the module docstring). ValueError naming
+    `source` and the first line that does not parse, never quoting a token hash."""
+    entries: list[ClientEntry] = []
+    ids: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        where = f"{source} line {number}"
+        if len(entries) == MAX_CLIENTS:
+            raise ValueError(f"{where}: more than {MAX_CLIENTS} clients; split the service")
+        if len(words) not in (3, 4):
+            raise ValueError(
+                f"{where}: write 'CLIENT_ID CLASS TOKEN_SHA256 [MAX_RPS]' ({len(words)} words)"
+            )
+        client_id, cls, token_sha256 = words[:3]
+        try:
+            check_client_id(client_id)
+            if cls not in set(PriorityClass):
+                raise ValueError(f"class {quote(cls)} must be one of {', '.join(PriorityClass)}")
+            check_token_sha256(token_sha256)
+            max_rps = 0.0
+            if len(words) == 4:
+                try:
+                    max_rps = float(words[3])
+                except ValueError:
+                    raise ValueError(f"MAX_RPS {quote(words[3])} is not a number") from None
+                check_max_rps(max_rps)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        if (first := ids.setdefault(client_id, number)) != number:
+            raise ValueError(f"{where}: client {client_id!r} is listed on line {first} too")
+        if (first := hashes.setdefault(token_sha256, number)) != number:
+            raise ValueError(f"{where}: the same token hash as line {first}")
+        entries.append(ClientEntry(client_id, PriorityClass(cls), token_sha256, max_rps))
+    return tuple(entries)
+
+
+def format_clients(entries: Iterable[ClientEntry]) -> str:
+    """A clients file listing `entries` (which `parse_clients` reads back as they are)."""
+    lines = ["# CLIENT_ID CLASS TOKEN_SHA256 MAX_RPS (written by the node daemon)"]
+    for e in entries:
+        lines.append(f"{e.client_id} {e.priority_class} {e.token_sha256} {e.max_rps!r}")
+    return "\n".join(lines) + "\n"
+
+
+def read_clients_file(path: Path) -> tuple[ClientEntry, ...]:
+    """The entries of the clients file at `path`; none when it does not exist. ValueError
+    naming the path (and the line) when it cannot be read or does not parse. Blocking."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return ()
+    except OSError as err:
+        raise ValueError(f"clients file {path}: cannot be read ({err.strerror})") from err
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"clients file {path}: larger than {MAX_FILE_BYTES} bytes")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"clients file {path}: not UTF-8 text") from err
+    return parse_clients(text, f"clients file {path}")
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    """What changes whenever the file is written or replaced; None when it is missing."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size
+
+
+async def watch_clients_file(
+    path: Path,
+    table: ClientTable,
+    apply: Callable[[ClientTable], None],
+    interval_s: float = POLL_INTERVAL_S,
+) -> NoReturn:
+    """Read `path` again whenever its status changes (and once at first, in case it changed
+    since `table` was read), and `apply` each new table. A reading that fails keeps the
+    table before it (logged with the reason and the line). Runs until cancelled."""
+    seen: object = object()
+    while True:
+        stamp = _stamp(path)
+        if stamp != seen:
+            seen = stamp
+            try:
+                entries = await asyncio.to_thread(read_clients_file, path)
+            except ValueError as err:
+                logger.error("%s; keeping the %d clients read before", err, len(table.entries))
+            else:
+                if entries != table.entries:
+                    table = ClientTable(entries, table)
+                    apply(table)
+                    logger.info("clients file %s: %d clients", path, len(entries))
+        await asyncio.sleep(interval_s)

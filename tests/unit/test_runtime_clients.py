@@ -1,0 +1,215 @@
+"""`runtime.clients`: the clients file's format, its bounds, the rate limit, the tokens a
+replica takes from it, and the watch that follows the file as it changes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runtime.batching import PriorityClass
+from runtime.clients import (
+    MAX_CLIENTS,
+    MAX_RPS_LIMIT,
+    Caller,
+    ClientEntry,
+    ClientTable,
+    RateLimit,
+    format_clients,
+    parse_clients,
+    read_clients_file,
+    watch_clients_file,
+)
+from runtime.rpc.auth import INVALID_TOKEN, CallerTokens
+
+
+def sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+HASH = sha("client-one-token")
+
+
+def test_good_lines_give_their_clients() -> None:
+    text = (
+        "# a comment\n"
+        "\n"
+        f"c1 critical {HASH} 50\n"
+        f"   c_2 best-effort {sha('two')}   \n"
+        f"C-3 standard {sha('three')} 0\n"
+        f"  # indented comment {sha('four')}\n"
+    )
+    assert parse_clients(text, "f") == (
+        ClientEntry("c1", PriorityClass.CRITICAL, HASH, 50.0),
+        ClientEntry("c_2", PriorityClass.BEST_EFFORT, sha("two"), 0.0),
+        ClientEntry("C-3", PriorityClass.STANDARD, sha("three"), 0.0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        pytest.param(f"c1 critical {HASH} 5 extra", "write 'CLIENT_ID CLASS", id="words"),
+        pytest.param("c1 critical", "(2 words)", id="too-few"),
+        pytest.param(f"c.1 critical {HASH}", "client id 'c.1' must be 1 to 64", id="dot"),
+        pytest.param(f"{'c' * 65} critical {HASH}", "must be 1 to 64", id="long-id"),
+        pytest.param(f"c1 urgent {HASH}", "class 'urgent' must be one of", id="class"),
+        pytest.param(f"c1 critical {HASH.upper()}", "64 lowercase hex", id="upper-hash"),
+        pytest.param(f"c1 critical {HASH[:-1]}", "64 lowercase hex", id="short-hash"),
+        pytest.param(f"c1 critical {HASH} fast", "MAX_RPS 'fast' is not a number", id="rps"),
+        pytest.param(f"c1 critical {HASH} nan", "within 0..", id="nan"),
+        pytest.param(f"c1 critical {HASH} -1", "within 0..", id="negative"),
+        pytest.param(f"c1 critical {HASH} inf", "within 0..", id="inf"),
+        pytest.param(f"c1 critical {HASH} {MAX_RPS_LIMIT * 2:g}", "within 0..", id="huge"),
+    ],
+)
+def test_each_bad_line_is_named_without_its_hash(line: str, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_clients(f"# clients\nc0 standard {sha('zero')}\n{line}\n", "clients file F")
+    text = str(caught.value)
+    assert text.startswith("clients file F line 3: ") and message in text, text
+    assert HASH not in text and HASH.upper() not in text and HASH[:-1] not in text
+
+
+def test_a_client_or_a_token_listed_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="line 2: client 'c1' is listed on line 1 too"):
+        parse_clients(f"c1 standard {HASH}\nc1 critical {sha('other')}\n", "f")
+    with pytest.raises(ValueError, match="line 2: the same token hash as line 1") as caught:
+        parse_clients(f"c1 standard {HASH}\nc2 critical {HASH}\n", "f")
+    assert HASH not in str(caught.value)
+
+
+def test_at_most_max_clients_lines() -> None:
+    lines = [f"c{i} standard {sha(str(i))}" for i in range(MAX_CLIENTS)]
+    assert len(parse_clients("\n".join(lines), "f")) == MAX_CLIENTS
+    lines.append(f"one-more standard {sha('more')}")
+    with pytest.raises(ValueError, match=f"line {MAX_CLIENTS + 1}: more than {MAX_CLIENTS}"):
+        parse_clients("\n".join(lines), "f")
+
+
+entries = st.lists(
+    st.builds(
+        ClientEntry,
+        client_id=st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True),
+        priority_class=st.sampled_from(PriorityClass),
+        token_sha256=st.binary(min_size=32, max_size=32).map(bytes.hex),
+        max_rps=st.floats(min_value=0, max_value=MAX_RPS_LIMIT),
+    ),
+    max_size=20,
+    unique_by=(lambda e: e.client_id, lambda e: e.token_sha256),
+)
+
+
+@given(entries)
+def test_what_the_node_writes_reads_back_as_it_was(listed: list[ClientEntry]) -> None:
+    assert parse_clients(format_clients(listed), "f") == tuple(listed)
+
+
+@given(st.text(max_size=300))
+def test_any_text_parses_or_is_refused_with_a_line_number(text: str) -> None:
+    try:
+        parse_clients(text, "f")
+    except ValueError as err:
+        assert str(err).startswith("f line ")
+
+
+def test_a_missing_file_lists_no_clients_and_an_unreadable_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    assert read_clients_file(tmp_path / "absent") == ()
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        read_clients_file(tmp_path / "binary")
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_clients_file(tmp_path)  # a folder
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_rate_limit_allows_a_second_of_burst_then_its_rate() -> None:
+    clock = Clock()
+    limit = RateLimit(4.0, clock)
+    assert [limit.take() for _ in range(5)] == [True] * 4 + [False]
+    clock.now += 0.5  # two calls' worth
+    assert [limit.take() for _ in range(3)] == [True, True, False]
+    clock.now += 60  # never more than the burst
+    assert sum(limit.take() for _ in range(10)) == 4
+    slow = RateLimit(0.5, clock)  # below one per second: a burst of one
+    assert [slow.take(), slow.take()] == [True, False]
+    clock.now += 2
+    assert slow.take()
+
+
+def test_a_client_keeps_its_bucket_while_its_rate_stays() -> None:
+    first = ClientTable([ClientEntry("c1", PriorityClass.STANDARD, HASH, 5.0)])
+    again = ClientTable([ClientEntry("c1", PriorityClass.CRITICAL, HASH, 5.0)], first)
+    faster = ClientTable([ClientEntry("c1", PriorityClass.CRITICAL, HASH, 9.0)], again)
+    assert again.callers_by_id["c1"].limit is first.callers_by_id["c1"].limit
+    assert faster.callers_by_id["c1"].limit is not first.callers_by_id["c1"].limit
+    assert again.callers_by_id["c1"].priority_class is PriorityClass.CRITICAL
+
+
+def test_the_replica_takes_the_clients_of_the_table_it_was_given_last() -> None:
+    tokens = CallerTokens({"deployment-token": PriorityClass.STANDARD})
+    bearer = [("authorization", "Bearer client-one-token")]
+    assert tokens.caller(bearer) == (None, INVALID_TOKEN)
+    tokens.use_clients(ClientTable([ClientEntry("c1", PriorityClass.CRITICAL, HASH)]))
+    assert tokens.caller(bearer) == (Caller("c1", PriorityClass.CRITICAL), None)
+    assert tokens.caller([("authorization", "Bearer deployment-token")])[0] == Caller(
+        "", PriorityClass.STANDARD
+    )
+    assert tokens.caller([("authorization", f"Bearer {HASH}")]) == (None, INVALID_TOKEN)
+    assert tokens.caller([("authorization", "client-one-token")]) == (None, INVALID_TOKEN)
+    tokens.use_clients(ClientTable())
+    assert tokens.caller(bearer) == (None, INVALID_TOKEN)
+
+
+async def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def write(path: Path, text: str) -> None:
+    """As the node does: a new file renamed over the old."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+async def test_the_watch_follows_the_file_and_keeps_the_last_good_table(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "clients"
+    tables: list[ClientTable] = []
+    watch = asyncio.create_task(watch_clients_file(path, ClientTable(), tables.append, 0.01))
+    try:
+        write(path, f"c1 standard {HASH}\n")
+        await wait_for(lambda: bool(tables) and tables[-1].ids == {"c1"}, "c1 never taken")
+        write(path, f"c1 standard {HASH}\nc2 critical {sha('two')} 10\n")
+        await wait_for(lambda: tables[-1].ids == {"c1", "c2"}, "c2 never taken")
+        seen = len(tables)
+        write(path, f"c1 standard {HASH}\nc3 critical {HASH}\n")
+        await wait_for(lambda: "line 2" in caplog.text, "the broken file was not reported")
+        assert len(tables) == seen and "keeping the 2 clients read before" in caplog.text
+        assert HASH not in caplog.text
+        path.unlink()
+        await wait_for(lambda: tables[-1].ids == frozenset(), "a missing file kept clients")
+    finally:
+        watch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watch
