@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from runtime.batching import PriorityClass
-from runtime.clients import DEPLOYMENT, Caller
+from runtime.clients import DEPLOYMENT, Caller, ClientEntry
 from runtime.rpc.auth import MISSING_TOKEN, CallerTokens
 from runtime.server import settings_from_args
 
@@ -105,3 +105,25 @@ def test_help_explains_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-batch-size N" in text and "10 % quicker at load" in text
     assert "--class-tokens FILE" in text and "--max-queued-per-class N" in text
+
+
+def test_the_clients_file_is_read_at_start_and_a_bad_line_stops_it(
+    base: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clients = tmp_path / "clients"
+    digest = "ab" * 32
+    clients.write_text(f"c1 critical {digest} 5\n")
+    settings = settings_from_args([*base, "--clients-file", str(clients)])
+    assert settings.clients_file == clients
+    assert settings.clients == (ClientEntry("c1", PriorityClass.CRITICAL, digest, 5.0),)
+    # Missing at start: no clients yet (the node writes the file before it starts a replica).
+    missing = settings_from_args([*base, "--clients-file", str(tmp_path / "none")])
+    assert missing.clients == ()
+    clients.write_text(f"c1 critical {digest}\nc2 urgent {digest[::-1]}\n")
+    with pytest.raises(SystemExit):
+        settings_from_args([*base, "--clients-file", str(clients)])
+    err = capsys.readouterr().err
+    assert "line 2: class 'urgent' must be one of" in err and digest[::-1] not in err
+    with pytest.raises(SystemExit):
+        settings_from_args(["--help"])
+    assert "--clients-file PATH" in capsys.readouterr().out
