@@ -21,7 +21,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -56,6 +56,7 @@ from node_daemon.runtimes.base import (
     uncancellable,
 )
 from node_daemon.telemetry import NodeSample, ReplicaInfo, Telemetry
+from runtime.clients import MAX_CLIENTS, ClientEntry, check_unique, client_entry, format_clients
 from runtime.errors import quote
 from runtime.pem import TlsIdentity
 
@@ -86,6 +87,29 @@ def check_number(field: str, value: float, low: float, high: float) -> None:
     """InvalidRequest naming `field` and its range unless `value` is finite and within it."""
     if not (math.isfinite(value) and low <= value <= high):
         raise InvalidRequest(f"{field} must be a finite number within {low}..{high}")
+
+
+ClientFields = tuple[str, str, str, float]
+"""One client of a shared replica as the broker sends it, unchecked: (client id, priority
+class, token SHA-256, max requests per second)."""
+
+
+def _client_entries(clients: Sequence[ClientFields]) -> tuple[ClientEntry, ...]:
+    """`clients` checked (`runtime.clients.client_entry`, unique ids and token hashes, at
+    most `MAX_CLIENTS`); InvalidRequest naming the first that is wrong otherwise."""
+    if len(clients) > MAX_CLIENTS:
+        raise InvalidRequest(f"clients has {len(clients)} entries; at most {MAX_CLIENTS}")
+    entries = []
+    for index, fields in enumerate(clients):
+        try:
+            entries.append(client_entry(*fields))
+        except ValueError as err:
+            raise InvalidRequest(f"clients[{index}]: {err}") from None
+    try:
+        check_unique(entries, lambda index: f"clients[{index}]")
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from None
+    return tuple(entries)
 
 
 class ReplicaState(enum.StrEnum):
@@ -245,6 +269,8 @@ class NodeAgent:
         GPU figures). Should it raise InventoryUnavailable, the sample carries the startup
         figures and a warning is logged (once, until it reads again)."""
         self._gpus_unreadable = False
+        self._writing_clients = asyncio.Lock()
+        """One clients file written at a time: a later call's set is the one left."""
         self._sampling = asyncio.Lock()
         """One sample at a time: the heartbeat's sampler and a `Usage` call may both take
         one, and the telemetry's differences need the readings in order."""
@@ -499,6 +525,23 @@ class NodeAgent:
         self._replicas.pop(replica_id, None)
         self.allocator.release(replica_id)
         logger.info("replica=%s stopped exit_code=%s", replica_id, code)
+
+    async def set_replica_clients(self, replica_id: str, clients: Sequence[ClientFields]) -> None:
+        """Replace the clients replica `replica_id` takes (`runtime.clients`): its clients
+        file, written atomically, which the replica reads again within a second. The whole
+        set each call, so a repeated call changes nothing. InvalidRequest naming the first
+        bad client (nothing written); ReplicaNotFound for a replica this node does not have.
+        Calls are applied one at a time, in the order they arrive."""
+        entries = _client_entries(clients)
+        if replica_id not in self._replicas:
+            raise ReplicaNotFound(f"no replica {quote(replica_id)} on node {self.node_id}")
+        async with self._writing_clients:
+            written = await self.runtime.write_clients(replica_id, format_clients(entries))
+        if not written:
+            raise ReplicaNotFound(
+                f"replica {quote(replica_id)} on node {self.node_id} is not running"
+            )
+        logger.info("replica=%s clients=%d", replica_id, len(entries))
 
     async def refresh(self) -> list[ReplicaView]:
         """Check every ready replica; one that died becomes EXITED (exit code, log tail)

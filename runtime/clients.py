@@ -33,7 +33,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -159,12 +159,40 @@ class ClientTable:
         return frozenset(self.callers_by_id)
 
 
+def client_entry(
+    client_id: str, priority_class: str, token_sha256: str, max_rps: float = 0.0
+) -> ClientEntry:
+    """One client, each field checked: ValueError naming the first that is wrong (quoting
+    at most a short prefix of it, never a token hash)."""
+    check_client_id(client_id)
+    if priority_class not in set(PriorityClass):
+        raise ValueError(
+            f"class {quote(priority_class)} must be one of {', '.join(PriorityClass)}"
+        )
+    check_token_sha256(token_sha256)
+    check_max_rps(max_rps)
+    return ClientEntry(client_id, PriorityClass(priority_class), token_sha256, max_rps)
+
+
+def check_unique(entries: Sequence[ClientEntry], where: Callable[[int], str]) -> None:
+    """ValueError when two of `entries` have the same client id or token hash, naming both
+    by `where` (entry index -> its place: a line, a field) and never quoting the hash."""
+    ids: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for index, entry in enumerate(entries):
+        if (first := ids.setdefault(entry.client_id, index)) != index:
+            raise ValueError(
+                f"{where(index)}: client {entry.client_id!r} is listed at {where(first)} too"
+            )
+        if (first := hashes.setdefault(entry.token_sha256, index)) != index:
+            raise ValueError(f"{where(index)}: the same token hash as {where(first)}")
+
+
 def parse_clients(text: str, source: str) -> tuple[ClientEntry, ...]:
     """The entries of a clients file's `text` (see the module docstring). ValueError naming
     `source` and the first line that does not parse, never quoting a token hash."""
     entries: list[ClientEntry] = []
-    ids: dict[str, int] = {}
-    hashes: dict[str, int] = {}
+    numbers: list[int] = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split()
         if not words or words[0].startswith("#"):
@@ -176,26 +204,18 @@ def parse_clients(text: str, source: str) -> tuple[ClientEntry, ...]:
             raise ValueError(
                 f"{where}: write 'CLIENT_ID CLASS TOKEN_SHA256 [MAX_RPS]' ({len(words)} words)"
             )
-        client_id, cls, token_sha256 = words[:3]
+        max_rps = 0.0
+        if len(words) == 4:
+            try:
+                max_rps = float(words[3])
+            except ValueError:
+                raise ValueError(f"{where}: MAX_RPS {quote(words[3])} is not a number") from None
         try:
-            check_client_id(client_id)
-            if cls not in set(PriorityClass):
-                raise ValueError(f"class {quote(cls)} must be one of {', '.join(PriorityClass)}")
-            check_token_sha256(token_sha256)
-            max_rps = 0.0
-            if len(words) == 4:
-                try:
-                    max_rps = float(words[3])
-                except ValueError:
-                    raise ValueError(f"MAX_RPS {quote(words[3])} is not a number") from None
-                check_max_rps(max_rps)
+            entries.append(client_entry(words[0], words[1], words[2], max_rps))
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-        if (first := ids.setdefault(client_id, number)) != number:
-            raise ValueError(f"{where}: client {client_id!r} is listed on line {first} too")
-        if (first := hashes.setdefault(token_sha256, number)) != number:
-            raise ValueError(f"{where}: the same token hash as line {first}")
-        entries.append(ClientEntry(client_id, PriorityClass(cls), token_sha256, max_rps))
+        numbers.append(number)
+    check_unique(entries, lambda index: f"{source} line {numbers[index]}")
     return tuple(entries)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from node_daemon.agent import ReplicaState, ReplicaView, StartRequest
+from collections.abc import Iterable
+
+from node_daemon.agent import ClientFields, ReplicaState, ReplicaView, StartRequest
 from node_daemon.inventory import Gpu, Inventory
 from node_daemon.resources import ResourceManager
 from node_daemon.telemetry import NodeSample, ReplicaSample
@@ -36,6 +38,11 @@ def start_request(spec: pb.ReplicaSpec) -> StartRequest:
         cpus_min=spec.cpus_min,
         cpus_max=spec.cpus_max,
     )
+
+
+def replica_clients(clients: Iterable[pb.ReplicaClient]) -> list[ClientFields]:
+    """A SetReplicaClients request's clients, unchecked (the agent checks them)."""
+    return [(c.client_id, c.priority_class, c.token_sha256, c.max_rps) for c in clients]
 
 
 def replica_spec(request: StartRequest) -> pb.ReplicaSpec:

@@ -72,6 +72,15 @@ class NodeAgentServicer(pb_grpc.NodeAgentServicer):
         return convert.usage(await self._agent.recent_usage(), self._agent.resizer)
 
     @mapped_errors
+    async def SetReplicaClients(
+        self, request: pb.SetReplicaClientsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetReplicaClientsResponse:
+        await self._agent.set_replica_clients(
+            request.replica_id, convert.replica_clients(request.clients)
+        )
+        return pb.SetReplicaClientsResponse()
+
+    @mapped_errors
     async def PutModel(
         self, request_iterator: AsyncIterator[pb.ModelChunk], context: grpc.aio.ServicerContext
     ) -> pb.PutModelResponse:

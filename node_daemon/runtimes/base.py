@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import tempfile
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from common.private_files import PRIVATE_FILE
 from runtime.pem import TlsIdentity
 
 T = TypeVar("T")
@@ -115,6 +117,38 @@ def write_tls_files(spec: ReplicaSpec, folder: Path) -> tuple[Path, Path] | None
     return paths
 
 
+CLIENTS_FILE = "clients"
+"""The name of a replica's clients file (`runtime.clients`) in its folder."""
+
+
+def write_clients_file(
+    folder: Path, text: str, mode: int = PRIVATE_FILE, owner: int | None = None
+) -> None:
+    """Replace `folder`/`CLIENTS_FILE` with `text` atomically: a temporary file in `folder`,
+    flushed to disk with `mode` (and `owner` as its user and group, when given), renamed over
+    the old one, and the folder flushed: the replica, which reads it whenever it changes,
+    sees the old file or the new one, never a part, and a crash leaves one of them. Blocking.
+    """
+    fd, temporary = tempfile.mkstemp(prefix=f".{CLIENTS_FILE}-", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fchmod(out.fileno(), mode)
+            if owner is not None:
+                os.fchown(out.fileno(), owner, owner)
+            os.fsync(out.fileno())
+        os.replace(temporary, folder / CLIENTS_FILE)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 @dataclass(frozen=True, slots=True)
 class Replica:
     """A started (or adopted) replica. `ref` is the container id or the process id."""
@@ -188,6 +222,12 @@ class Runtime(Protocol):
     async def stats(self, replica_id: str) -> ReplicaStats | None: ...
     async def update(self, replica_id: str, cpus: float, memory_mib: int) -> None: ...
     async def adopt(self, selector: Mapping[str, str]) -> list[Replica]: ...
+    async def write_clients(self, replica_id: str, text: str) -> bool:
+        """Replace the replica's clients file (`runtime.clients`; every replica is started
+        with one, empty at first) with `text`, atomically (`write_clients_file`). False when
+        this runtime runs nothing of that id."""
+        ...
+
     async def detach(self) -> None: ...
     async def close(self) -> None: ...
 

@@ -57,6 +57,7 @@ from images.engine import EngineUnavailable, connect_engine
 from node_daemon.runtimes import cgroup_limits, cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
+    CLIENTS_FILE,
     LABEL_PREFIX,
     LISTENING,
     METRICS_SERVED,
@@ -69,9 +70,11 @@ from node_daemon.runtimes.base import (
     priority_args,
     tls_args,
     uncancellable,
+    write_clients_file,
     write_tls_files,
 )
 from node_daemon.runtimes.readiness import wait_ready
+from runtime.clients import format_clients
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,9 @@ _OWN = ("replica", "host", "secrets", "gpu-mode", "background", "metrics-port")
 
 SECRETS = "/run/secrets"
 """Where a container finds its token, certificate and key (mounted read-only)."""
+CLIENTS_DIR = f"{SECRETS}/offload-clients"
+"""Where a container finds its clients file: the folder is mounted (read-only), not the
+file, so that a file renamed over the old one on the host is the one the replica reads."""
 
 
 def connect_docker() -> docker.DockerClient:
@@ -273,7 +279,7 @@ class DockerRuntime:
         return replica
 
     async def _create(self, spec: ReplicaSpec, secrets: Path) -> None:
-        """Write the token, run the container, and track it."""
+        """Write the token and an empty clients file, run the container, and track it."""
         token_file = secrets / "token"
         token_file.write_text(spec.token)
         if os.geteuid() == 0:
@@ -287,6 +293,7 @@ class DockerRuntime:
                 path.chmod(0o400)
             else:
                 path.chmod(0o444)
+        await asyncio.to_thread(self._write_clients, secrets, format_clients(()))
         container = await asyncio.to_thread(self._run, spec, secrets)
         self._started[spec.replica_id] = _Started(container, secrets)
 
@@ -364,6 +371,7 @@ class DockerRuntime:
             "--token-file", "/run/secrets/offload-token",
             "--concurrency", str(spec.concurrency),
             *tls_args(spec, f"{SECRETS}/offload-tls-cert.pem", f"{SECRETS}/offload-tls-key.pem"),
+            "--clients-file", f"{CLIENTS_DIR}/{CLIENTS_FILE}",
             *priority_args(spec),
         ]  # fmt: skip
         if spec.gpu_memory_mib and gpu_mode == "device-request":
@@ -371,6 +379,7 @@ class DockerRuntime:
         volumes = {
             str(spec.model_path.resolve()): {"bind": "/models/model.onnx", "mode": "ro"},
             str(secrets / "token"): {"bind": "/run/secrets/offload-token", "mode": "ro"},
+            str(secrets / CLIENTS_FILE): {"bind": CLIENTS_DIR, "mode": "ro"},
         }
         if spec.tls is not None:
             for name in ("tls-cert.pem", "tls-key.pem"):
@@ -604,6 +613,35 @@ class DockerRuntime:
             await asyncio.to_thread(started.container.update, **kwargs)
         except docker.errors.APIError as err:
             raise ReplicaFailed(f"cannot update replica {replica_id}: {err}") from err
+
+    async def write_clients(self, replica_id: str, text: str) -> bool:
+        """Replace the clients file in the container's clients folder (its own secrets
+        folder's, mounted at `CLIENTS_DIR`); False for a replica it runs nothing of. A
+        container adopted from a daemon that predates clients files has none mounted and
+        does not read it."""
+        started = self._started.get(replica_id)
+        if started is None or not started.secrets.name.startswith("offload-"):
+            return False
+        await asyncio.to_thread(self._write_clients, started.secrets, text)
+        return True
+
+    @staticmethod
+    def _write_clients(secrets: Path, text: str) -> None:
+        """Write `secrets`' clients file (and its folder, the first time). As the token: the
+        runtime's user's own (0700 folder, 0600 file) when the daemon is root, else readable
+        by all (0755, 0644) inside the secrets folder, which stays private to this user on
+        the host. Blocking."""
+        folder = secrets / CLIENTS_FILE
+        root = os.geteuid() == 0
+        if not folder.is_dir():
+            folder.mkdir()
+            if root:
+                os.chown(folder, RUNTIME_UID, RUNTIME_UID)
+            folder.chmod(0o700 if root else 0o755)
+        if root:
+            write_clients_file(folder, text, 0o600, RUNTIME_UID)
+        else:
+            write_clients_file(folder, text, 0o644)
 
     async def stop(self, replica_id: str, grace_s: float = 10.0) -> int | None:
         """`docker stop` (SIGTERM, then SIGKILL after `grace_s`), then remove.

@@ -90,6 +90,11 @@ class NullRuntime:
             if all(r.labels.get(key) == value for key, value in selector.items())
         ]
 
+    async def write_clients(self, replica_id: str, text: str) -> bool:
+        """Accept a clients file for a held replica (nothing reads it: nothing is written);
+        False for one it holds nothing of."""
+        return replica_id in self._replicas
+
     async def detach(self) -> None:
         """Nothing runs outside this object: leaving the replicas means forgetting them."""
         self._replicas.clear()

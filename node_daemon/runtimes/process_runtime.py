@@ -15,10 +15,11 @@ so the limit holds from its interpreter's first allocation; a replica the kernel
 passing it fails its start saying so. Its cgroups are removed when it stops, after a failed
 start, and, for one a killed daemon left behind, by the next daemon's `adopt`.
 
-Each replica has a folder (token, log, `replica.json`). Folders are 0700 and files 0600,
-whatever the umask: the token is the deployment's secret. Replicas run in their own session,
-so they outlive the daemon; a daemon started again with the same `workdir` adopts those
-still running (`adopt`). Without a `workdir`, folders are temporary and nothing is adopted.
+Each replica has a folder (token, clients file, log, `replica.json`). Folders are 0700 and
+files 0600, whatever the umask: the token is the deployment's secret. Replicas run in their
+own session, so they outlive the daemon; a daemon started again with the same `workdir`
+adopts those still running (`adopt`). Without a `workdir`, folders are temporary and nothing
+is adopted.
 
 `replica.json` is written before the process is spawned and rewritten (atomically) with its
 pid and then its endpoint, so a daemon killed between any two steps leaves a folder the next
@@ -68,6 +69,7 @@ from common.private_files import PRIVATE_DIR, PRIVATE_FILE, open_private, privat
 from node_daemon.runtimes import cgroup_limits, cgroups
 from node_daemon.runtimes.base import (
     BACKGROUND_LIMIT_S,
+    CLIENTS_FILE,
     LISTENING,
     METRICS_SERVED,
     LimitUnavailable,
@@ -80,9 +82,11 @@ from node_daemon.runtimes.base import (
     priority_args,
     tls_args,
     uncancellable,
+    write_clients_file,
     write_tls_files,
 )
 from node_daemon.runtimes.readiness import wait_ready
+from runtime.clients import format_clients
 
 logger = logging.getLogger(__name__)
 
@@ -358,10 +362,12 @@ class ProcessRuntime:
         return running.replica
 
     async def _spawn(self, spec: ReplicaSpec, workdir: Path) -> None:
-        """Write the token and the record, start the process, and track it."""
+        """Write the token, an empty clients file and the record, start the process, and
+        track it."""
         token_file = workdir / "token"
         with open_private(token_file) as out:
             out.write(spec.token.encode())
+        write_clients_file(workdir, format_clients(()))
         tls_files = write_tls_files(spec, workdir)
         _write_record(workdir, None, "", spec.labels)
         join = self._join_memory_group(spec) if spec.memory_mib else []
@@ -372,6 +378,7 @@ class ProcessRuntime:
             "--model", str(spec.model_path), "--name", spec.model_name,
             "--host", spec.host, "--port", "0", "--metrics-port", "0",
             "--token-file", str(token_file), "--concurrency", str(spec.concurrency),
+            "--clients-file", str(workdir / CLIENTS_FILE),
             *tls_args(spec, *(str(path) for path in tls_files or ("", ""))),
             *priority_args(spec),
         ]  # fmt: skip
@@ -583,6 +590,16 @@ class ProcessRuntime:
             logger.info("replica=%s pid=%d adopted at %s", replica_id, pid, replica.endpoint)
         return adopted
 
+    async def write_clients(self, replica_id: str, text: str) -> bool:
+        """Replace the clients file in the replica's folder (0600: the replica runs as this
+        daemon's user); False for a replica it runs nothing of. A replica adopted from a
+        daemon that predates clients files was started without one and does not read it."""
+        running = self._running.get(replica_id)
+        if running is None:
+            return False
+        await asyncio.to_thread(write_clients_file, running.workdir, text)
+        return True
+
     async def status(self, replica_id: str) -> ReplicaStatus | None:
         """Running or not, with the exit code and log tail once it exited; None if unknown."""
         running = self._running.get(replica_id)
@@ -675,6 +692,7 @@ class ProcessRuntime:
             shutil.rmtree(running.workdir, ignore_errors=True)
         else:  # keep the log of a stopped replica; the rest goes
             (running.workdir / "token").unlink(missing_ok=True)
+            (running.workdir / CLIENTS_FILE).unlink(missing_ok=True)
             (running.workdir / _RECORD).unlink(missing_ok=True)
         return running.exit_code()
 

@@ -216,21 +216,31 @@ async def test_no_input_makes_the_node_agent_answer_unknown_or_internal(node) ->
     gpus = [g.uuid for g in agent.inventory.gpus]
     words = [sha, "mlp", "dep-fuzz", "dep-fuzz-1", TOKEN, *gpus[:2], "dep-1", "a" * 64]
 
+    clients_file = state_dir / "replicas" / "dep-fuzz-1" / "clients"
+
     async def state() -> tuple[object, ...]:
         listed = await stub.ListReplicas(pb.ListReplicasRequest(), timeout=30)
         models = sorted(p.name for p in (state_dir / "models").iterdir())
-        return tuple(r.SerializeToString() for r in listed.replicas), tuple(models)
+        clients = clients_file.read_text() if clients_file.exists() else None
+        return tuple(r.SerializeToString() for r in listed.replicas), tuple(models), clients
 
     service = pb.DESCRIPTOR.services_by_name["NodeAgent"]
     valid = {
         "StartReplica": pb.StartReplicaRequest(spec=replace_spec(spec, "dep-other")),
         "UpdateResources": pb.UpdateResourcesRequest(replica_id="dep-fuzz-1", cpus=1.0),
         "StopReplica": pb.StopReplicaRequest(replica_id="dep-other-1"),
+        "SetReplicaClients": pb.SetReplicaClientsRequest(
+            replica_id="dep-fuzz-1",
+            clients=[
+                pb.ReplicaClient(client_id="c1", priority_class="standard", token_sha256=sha)
+            ],
+        ),
     }
     seen = await _fuzz(channel, service, Fuzzer(1, words), state, valid)
     # The fuzz reached past the first checks: the domain answered too.
     assert {"OK", "ALREADY_EXISTS"} <= set(seen["StartReplica"]), seen
     assert "NOT_FOUND" in seen["StopReplica"], seen
+    assert "INVALID_ARGUMENT" in seen["SetReplicaClients"], seen
     described = await stub.Describe(pb.DescribeRequest(), timeout=10)
     assert described.node_id == "fuzz-node"
 

@@ -79,9 +79,9 @@ def test_each_bad_line_is_named_without_its_hash(line: str, message: str) -> Non
 
 
 def test_a_client_or_a_token_listed_twice_is_refused() -> None:
-    with pytest.raises(ValueError, match="line 2: client 'c1' is listed on line 1 too"):
+    with pytest.raises(ValueError, match="f line 2: client 'c1' is listed at f line 1 too"):
         parse_clients(f"c1 standard {HASH}\nc1 critical {sha('other')}\n", "f")
-    with pytest.raises(ValueError, match="line 2: the same token hash as line 1") as caught:
+    with pytest.raises(ValueError, match="f line 2: the same token hash as f line 1") as caught:
         parse_clients(f"c1 standard {HASH}\nc2 critical {HASH}\n", "f")
     assert HASH not in str(caught.value)
 

@@ -313,3 +313,27 @@ class PutModelResponse(_message.Message):
     size_bytes: int
     deduplicated: bool
     def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., deduplicated: bool = ...) -> None: ...
+
+class ReplicaClient(_message.Message):
+    __slots__ = ("client_id", "priority_class", "token_sha256", "max_rps")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_CLASS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MAX_RPS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    priority_class: str
+    token_sha256: str
+    max_rps: float
+    def __init__(self, client_id: _Optional[str] = ..., priority_class: _Optional[str] = ..., token_sha256: _Optional[str] = ..., max_rps: _Optional[float] = ...) -> None: ...
+
+class SetReplicaClientsRequest(_message.Message):
+    __slots__ = ("replica_id", "clients")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    clients: _containers.RepeatedCompositeFieldContainer[ReplicaClient]
+    def __init__(self, replica_id: _Optional[str] = ..., clients: _Optional[_Iterable[_Union[ReplicaClient, _Mapping]]] = ...) -> None: ...
+
+class SetReplicaClientsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

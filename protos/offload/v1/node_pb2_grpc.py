@@ -70,6 +70,11 @@ class NodeAgentStub(object):
                 request_serializer=protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.PutModelResponse.FromString,
                 _registered_method=True)
+        self.SetReplicaClients = channel.unary_unary(
+                '/offload.v1.NodeAgent/SetReplicaClients',
+                request_serializer=protos_dot_offload_dot_v1_dot_node__pb2.SetReplicaClientsRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.SetReplicaClientsResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer(object):
@@ -122,6 +127,16 @@ class NodeAgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetReplicaClients(self, request, context):
+        """Replaces the set of clients a replica takes (its clients file, which it follows within
+        a second): a client removed is refused UNAUTHENTICATED from its next call on. Idempotent.
+        NOT_FOUND for a replica this node does not have; INVALID_ARGUMENT naming the first bad
+        field. Added in v1: a node that predates it answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +174,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.PutModel,
                     request_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_node__pb2.PutModelResponse.SerializeToString,
+            ),
+            'SetReplicaClients': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetReplicaClients,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_node__pb2.SetReplicaClientsRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_node__pb2.SetReplicaClientsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +371,33 @@ class NodeAgent(object):
             '/offload.v1.NodeAgent/PutModel',
             protos_dot_offload_dot_v1_dot_node__pb2.ModelChunk.SerializeToString,
             protos_dot_offload_dot_v1_dot_node__pb2.PutModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetReplicaClients(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.NodeAgent/SetReplicaClients',
+            protos_dot_offload_dot_v1_dot_node__pb2.SetReplicaClientsRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_node__pb2.SetReplicaClientsResponse.FromString,
             options,
             channel_credentials,
             insecure,
