@@ -16,7 +16,7 @@ from broker.errors import (
     Unfit,
     client_text,
 )
-from broker.node_link import ReplicaResources
+from broker.node_link import ReplicaClient, ReplicaResources
 from common.certs import TlsIdentity
 from common.replica_memory import REFUSALS
 from protos.offload.v1 import node_pb2 as pb
@@ -123,4 +123,31 @@ class NodeClient:
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 return False
             raise self._error(f"stop replica {replica_id}", err) from err
+        return True
+
+    async def set_replica_clients(self, replica_id: str, clients: Sequence[ReplicaClient]) -> bool:
+        """Replace the set of clients a replica takes (node.proto `SetReplicaClients`; the
+        replica refuses a client removed from its next call on). False when the node does
+        not have the replica; ReplicaFailed when it refuses a client (INVALID_ARGUMENT),
+        NodeUnavailable when it does not answer."""
+        request = pb.SetReplicaClientsRequest(
+            replica_id=replica_id,
+            clients=[
+                pb.ReplicaClient(
+                    client_id=c.client_id,
+                    priority_class=c.priority_class,
+                    token_sha256=c.token_sha256,
+                    max_rps=c.max_rps,
+                )
+                for c in clients
+            ],
+        )
+        try:
+            await self._stub.SetReplicaClients(
+                request, metadata=self._metadata, timeout=CALL_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise self._error(f"set the clients of replica {replica_id}", err) from err
         return True

@@ -24,6 +24,19 @@ class ReplicaResources:
     cpus_max: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaClient:
+    """One client a shared replica takes (node.proto `ReplicaClient`)."""
+
+    client_id: str
+    priority_class: str
+    """The class of its calls in the replica: "critical", "standard" or "best-effort"."""
+    token_sha256: str
+    """Lowercase hex SHA-256 of its bearer token: the node never gets the token."""
+    max_rps: float = 0.0
+    """Its inference calls per second; 0: no limit."""
+
+
 class NodeLink(Protocol):
     """The broker's calls to one node's NodeAgent. Errors are the broker's own
     (`broker.errors`): ReplicaFailed, Unfit, NodeUnavailable, ResourceExhausted."""
@@ -52,6 +65,11 @@ class NodeLink(Protocol):
 
     async def stop_replica(self, replica_id: str, grace_ms: int) -> bool:
         """Stop a replica; False when the node does not have it."""
+        ...
+
+    async def set_replica_clients(self, replica_id: str, clients: Sequence[ReplicaClient]) -> bool:
+        """Replace the set of clients a replica takes (idempotent); False when the node
+        does not have the replica."""
         ...
 
 

@@ -1,0 +1,164 @@
+"""NodeAgent's SetReplicaClients end to end, as the broker calls it (`broker.node_client.
+NodeClient`): a real node daemon (`offload node`) on each runtime checks every field, writes
+the replica's clients file, and the replica takes exactly the clients of the last call."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+import modelzoo
+from broker.node_client import NodeClient
+from broker.node_link import ReplicaClient
+from edge_client.rpc.tensors import infer_request
+from images.build import build_image
+from protos.inference import grpc_service_pb2_grpc as infer_grpc
+from protos.offload.v1 import node_pb2 as pb
+from protos.offload.v1 import node_pb2_grpc as pb_grpc
+from runtime.batching import PriorityClass
+from runtime.clients import MAX_CLIENTS, ClientEntry, read_clients_file
+from tests.docker_support import require_docker
+from tests.integration.test_node_agent import TOKEN, _cleanup, put_model, start_daemon
+
+MODEL = "mlp"
+ONE = "client-one-token-0123456789"
+
+
+def sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
+def runtime_name(request: pytest.FixtureRequest) -> str:
+    if request.param == "docker":
+        require_docker().close()
+        build_image("cpu", progress=lambda _line: None)
+    return request.param
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not await check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def refusal(endpoint: str, token: str) -> grpc.StatusCode | None:
+    """The status of one inference with `token` on the replica; None when answered."""
+    request = infer_request(MODEL, modelzoo.sample_inputs(modelzoo.model_path(MODEL)))
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = infer_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            await stub.ModelInfer(
+                request, metadata=(("authorization", f"Bearer {token}"),), timeout=30
+            )
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+    return None
+
+
+def client(
+    client_id: str = "c1",
+    priority_class: str = "critical",
+    token_sha256: str = sha(ONE),
+    max_rps: float = 0.0,
+) -> pb.ReplicaClient:
+    return pb.ReplicaClient(
+        client_id=client_id,
+        priority_class=priority_class,
+        token_sha256=token_sha256,
+        max_rps=max_rps,
+    )
+
+
+async def test_a_replica_takes_the_clients_the_node_is_given(
+    runtime_name: str, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    daemon = await start_daemon(
+        runtime_name, f"test-node-{runtime_name}-clients", state, tmp_path / "daemon.log"
+    )
+    started: list[str] = []
+    node = NodeClient("clients-node", daemon.address, None)
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            sha256 = await put_model(stub, modelzoo.model_path(MODEL))
+            spec = pb.ReplicaSpec(
+                deployment_id="shared", epoch=1, model_sha256=sha256, model_name=MODEL,
+                token=TOKEN,
+            )  # fmt: skip
+            replica = (await stub.StartReplica(pb.StartReplicaRequest(spec=spec))).replica
+            started.append(replica.replica_id)
+
+            # Every field checked, the first bad one named (a hash never quoted); nothing
+            # written meanwhile.
+            for clients, message in (
+                ([client(client_id="c 1")], "clients[0]: client id 'c 1' must be 1 to 64"),
+                ([client(priority_class="urgent")], "clients[0]: class 'urgent' must be one"),
+                ([client(token_sha256=ONE)], "clients[0]: a token's SHA-256 must be 64"),
+                ([client(max_rps=float("nan"))], "clients[0]: a rate limit must be a number"),
+                ([client(max_rps=-1.0)], "clients[0]: a rate limit must be a number"),
+                (
+                    [client(), client(token_sha256=sha("other"))],
+                    "clients[1]: client 'c1' is listed at clients[0] too",
+                ),
+                (
+                    [client(), client(client_id="c2")],
+                    "clients[1]: the same token hash as clients[0]",
+                ),
+                (
+                    [client(client_id=f"c{i}") for i in range(MAX_CLIENTS + 1)],
+                    f"clients has {MAX_CLIENTS + 1} entries; at most {MAX_CLIENTS}",
+                ),
+            ):
+                request = pb.SetReplicaClientsRequest(
+                    replica_id=replica.replica_id, clients=clients
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.SetReplicaClients(request)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                details = caught.value.details() or ""
+                assert details.startswith(message), details
+                assert ONE not in details and sha(ONE) not in details
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.SetReplicaClients(pb.SetReplicaClientsRequest(replica_id="nope-1"))
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not await node.set_replica_clients("nope-1", [])
+
+        # Not a client yet: refused. Given, taken within the replica's poll.
+        assert await refusal(replica.endpoint, ONE) == grpc.StatusCode.UNAUTHENTICATED
+        c1 = ReplicaClient("c1", "critical", sha(ONE), 25.0)
+        assert await node.set_replica_clients(replica.replica_id, [c1])
+        assert await node.set_replica_clients(replica.replica_id, [c1])  # idempotent
+
+        async def taken() -> bool:
+            return await refusal(replica.endpoint, ONE) is None
+
+        await until(taken, "the client given was never taken")
+        if runtime_name == "process":
+            written = state / "replicas" / replica.replica_id / "clients"
+            assert stat.S_IMODE(written.stat().st_mode) == 0o600
+            expected = ClientEntry("c1", PriorityClass.CRITICAL, sha(ONE), 25.0)
+            assert read_clients_file(written) == (expected,)
+            assert not list(written.parent.glob(".clients-*"))  # no temporary file left
+
+        # The whole set each call: an empty one removes the client; the deployment's own
+        # token still works.
+        assert await node.set_replica_clients(replica.replica_id, [])
+
+        async def refused() -> bool:
+            return await refusal(replica.endpoint, ONE) == grpc.StatusCode.UNAUTHENTICATED
+
+        await until(refused, "the client removed was still served")
+        assert await refusal(replica.endpoint, TOKEN) is None
+    finally:
+        await node.close()
+        await _cleanup(daemon, started)
