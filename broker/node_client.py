@@ -16,11 +16,12 @@ from broker.errors import (
     Unfit,
     client_text,
 )
-from broker.node_link import ReplicaClient, ReplicaResources
+from broker.node_link import ReplicaResources
 from common.certs import TlsIdentity
 from common.replica_memory import REFUSALS
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
+from runtime.clients import ClientEntry
 from runtime.tls import open_channel
 
 START_TIMEOUT_S = 120.0
@@ -125,7 +126,7 @@ class NodeClient:
             raise self._error(f"stop replica {replica_id}", err) from err
         return True
 
-    async def set_replica_clients(self, replica_id: str, clients: Sequence[ReplicaClient]) -> bool:
+    async def set_replica_clients(self, replica_id: str, clients: Sequence[ClientEntry]) -> bool:
         """Replace the set of clients a replica takes (node.proto `SetReplicaClients`; the
         replica refuses a client removed from its next call on). False when the node does
         not have the replica; ReplicaFailed when it refuses a client (INVALID_ARGUMENT),
@@ -135,7 +136,7 @@ class NodeClient:
             clients=[
                 pb.ReplicaClient(
                     client_id=c.client_id,
-                    priority_class=c.priority_class,
+                    priority_class=str(c.priority_class),
                     token_sha256=c.token_sha256,
                     max_rps=c.max_rps,
                 )

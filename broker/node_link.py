@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from runtime.clients import ClientEntry
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaResources:
@@ -22,19 +24,6 @@ class ReplicaResources:
     priority: int = 0
     cpus_min: float = 0.0
     cpus_max: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaClient:
-    """One client a shared replica takes (node.proto `ReplicaClient`)."""
-
-    client_id: str
-    priority_class: str
-    """The class of its calls in the replica: "critical", "standard" or "best-effort"."""
-    token_sha256: str
-    """Lowercase hex SHA-256 of its bearer token: the node never gets the token."""
-    max_rps: float = 0.0
-    """Its inference calls per second; 0: no limit."""
 
 
 class NodeLink(Protocol):
@@ -67,9 +56,10 @@ class NodeLink(Protocol):
         """Stop a replica; False when the node does not have it."""
         ...
 
-    async def set_replica_clients(self, replica_id: str, clients: Sequence[ReplicaClient]) -> bool:
-        """Replace the set of clients a replica takes (idempotent); False when the node
-        does not have the replica."""
+    async def set_replica_clients(self, replica_id: str, clients: Sequence[ClientEntry]) -> bool:
+        """Replace the set of clients a replica takes (idempotent; each as a line of the
+        replica's clients file, `runtime.clients`); False when the node does not have the
+        replica."""
         ...
 
 

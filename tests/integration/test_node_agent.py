@@ -25,7 +25,6 @@ import pytest
 import modelzoo
 from common.content import file_sha256
 from common.replica_memory import MEMORY_LIMIT_UNAVAILABLE
-from images.build import build_image
 from node_daemon.runtimes import cgroup_limits
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
@@ -101,14 +100,6 @@ async def put_model(stub: pb_grpc.NodeAgentStub, path: Path) -> str:
     response = await stub.PutModel(chunks())
     assert response.sha256 == sha
     return sha
-
-
-@pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
-def runtime(request: pytest.FixtureRequest) -> str:
-    if request.param == "docker":
-        require_docker().close()
-        build_image("cpu", progress=lambda _line: None)
-    return request.param
 
 
 @pytest.fixture

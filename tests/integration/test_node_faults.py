@@ -33,14 +33,6 @@ V100 = GpuSpec.parse("Tesla V100-SXM2-16GB:16384")
 TOKEN = "replica-token-for-fault-tests"
 
 
-@pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
-def runtime(request: pytest.FixtureRequest) -> str:
-    if request.param == "docker":
-        require_docker().close()
-        build_image("cpu", progress=lambda _line: None)
-    return request.param
-
-
 def running_replicas(runtime: str, node_id: str, state: Path) -> set[str]:
     """The ids of the replicas of this node whose process or container runs now."""
     if runtime == "docker":

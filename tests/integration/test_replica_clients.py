@@ -16,15 +16,12 @@ import pytest
 
 import modelzoo
 from broker.node_client import NodeClient
-from broker.node_link import ReplicaClient
 from edge_client.rpc.tensors import infer_request
-from images.build import build_image
 from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 from runtime.batching import PriorityClass
 from runtime.clients import MAX_CLIENTS, ClientEntry, read_clients_file
-from tests.docker_support import require_docker
 from tests.integration.test_node_agent import TOKEN, _cleanup, put_model, start_daemon
 
 MODEL = "mlp"
@@ -33,14 +30,6 @@ ONE = "client-one-token-0123456789"
 
 def sha(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-@pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
-def runtime_name(request: pytest.FixtureRequest) -> str:
-    if request.param == "docker":
-        require_docker().close()
-        build_image("cpu", progress=lambda _line: None)
-    return request.param
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
@@ -78,12 +67,10 @@ def client(
     )
 
 
-async def test_a_replica_takes_the_clients_the_node_is_given(
-    runtime_name: str, tmp_path: Path
-) -> None:
+async def test_a_replica_takes_the_clients_the_node_is_given(runtime: str, tmp_path: Path) -> None:
     state = tmp_path / "state"
     daemon = await start_daemon(
-        runtime_name, f"test-node-{runtime_name}-clients", state, tmp_path / "daemon.log"
+        runtime, f"test-node-{runtime}-clients", state, tmp_path / "daemon.log"
     )
     started: list[str] = []
     node = NodeClient("clients-node", daemon.address, None)
@@ -135,7 +122,7 @@ async def test_a_replica_takes_the_clients_the_node_is_given(
 
         # Not a client yet: refused. Given, taken within the replica's poll.
         assert await refusal(replica.endpoint, ONE) == grpc.StatusCode.UNAUTHENTICATED
-        c1 = ReplicaClient("c1", "critical", sha(ONE), 25.0)
+        c1 = ClientEntry("c1", PriorityClass.CRITICAL, sha(ONE), 25.0)
         assert await node.set_replica_clients(replica.replica_id, [c1])
         assert await node.set_replica_clients(replica.replica_id, [c1])  # idempotent
 
@@ -143,11 +130,10 @@ async def test_a_replica_takes_the_clients_the_node_is_given(
             return await refusal(replica.endpoint, ONE) is None
 
         await until(taken, "the client given was never taken")
-        if runtime_name == "process":
+        if runtime == "process":
             written = state / "replicas" / replica.replica_id / "clients"
             assert stat.S_IMODE(written.stat().st_mode) == 0o600
-            expected = ClientEntry("c1", PriorityClass.CRITICAL, sha(ONE), 25.0)
-            assert read_clients_file(written) == (expected,)
+            assert read_clients_file(written) == (c1,)
             assert not list(written.parent.glob(".clients-*"))  # no temporary file left
 
         # The whole set each call: an empty one removes the client; the deployment's own
