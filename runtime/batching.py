@@ -150,6 +150,22 @@ def check_range(name: str, value: float, low: float, high: float) -> None:
         raise ValueError(f"{name} must be between {low:g} and {high:g}, not {value!r}")
 
 
+def client_bound(max_queued_per_class: int) -> int:
+    """The most requests one client may have queued in its class (`CLIENT_QUEUE_SHARE`)."""
+    return math.ceil(max_queued_per_class * CLIENT_QUEUE_SHARE)
+
+
+def client_queue_full(
+    client: str, held: int, cls: PriorityClass, max_queued_per_class: int
+) -> QueueFull:
+    """The refusal of a request of `client`, which has `held` requests of `cls` queued."""
+    return QueueFull(
+        f"client {client} has {held} {cls} requests queued already, the most one client may "
+        f"hold ({CLIENT_QUEUE_SHARE:.0%} of --max-queued-per-class {max_queued_per_class}); "
+        "retry with backoff"
+    )
+
+
 class Runner(Protocol):
     """What the batcher runs a batch on: `OnnxModel` (one session). `run` blocks."""
 
@@ -241,7 +257,7 @@ class Batcher:
         self._observe = observe
         self._on_refused = on_refused
         self._on_client_compute = on_client_compute
-        self._client_bound = math.ceil(policy.max_queued_per_class * CLIENT_QUEUE_SHARE)
+        self._client_bound = client_bound(policy.max_queued_per_class)
         self._turn = 0
         self._classes = {c: _ClassState() for c in CLASSES}
         self._queued = 0
@@ -303,11 +319,7 @@ class Batcher:
             )
         held = state.per_client.get(client, 0)
         if client != DEPLOYMENT and held >= self._client_bound:
-            raise QueueFull(
-                f"client {client} has {held} {cls} requests queued already, the most one "
-                f"client may hold ({CLIENT_QUEUE_SHARE:.0%} of --max-queued-per-class "
-                f"{self._policy.max_queued_per_class}); retry with backoff"
-            )
+            raise client_queue_full(client, held, cls, self._policy.max_queued_per_class)
         key, rows = batch_key(feeds, names)
         if self._idle_inline(rows):
             return self._run_now(feeds, names, cls, deadline, rows, client)

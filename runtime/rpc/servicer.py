@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from runtime.batching import CLASSES, Batcher, PriorityClass
+from runtime.batching import CLASSES, Batcher, PriorityClass, client_bound, client_queue_full
 from runtime.clients import Caller
 from runtime.errors import (
     InvalidInput,
@@ -114,6 +114,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._waiting = dict.fromkeys(CLASSES, 0)
         """Calls per class waiting for a worker thread: raised on the loop, lowered by the
         thread that takes the call (or on the loop for one none took), under `_lock`."""
+        self._client_bound = client_bound(max_queued_per_class)
+        self._waiting_by_client: dict[tuple[PriorityClass, str], int] = {}
+        """Calls of each client (not the deployment's) per class waiting for a worker thread
+        (those with some), kept as `_waiting` is."""
         self._lock = threading.Lock()
 
     def _model(self, name: str, version: str) -> OnnxModel:
@@ -251,9 +255,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         deadline: float | None,
         caller: Caller,
     ) -> list[np.ndarray]:
-        """`model.run` in a worker thread, counted as queued (in all and in its caller's
-        class) until a thread takes it; QueueFull (RESOURCE_EXHAUSTED) when `cls` has
-        `max_queued_per_class` calls waiting already.
+        """`model.run` in a worker thread, counted as queued (in all, in its caller's class
+        and for a client's call in its client's) until a thread takes it; QueueFull
+        (RESOURCE_EXHAUSTED) when the class has `max_queued_per_class` calls waiting
+        already, or the client its share of them (`runtime.batching.client_bound`).
 
         The executor's queue is where calls wait for the concurrency limit (its thread
         count). A call that never reaches a thread (cancelled by its client, or by the
@@ -262,10 +267,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         (`time.monotonic()`, None for none) is checked when the thread takes the call.
         """
         cls = caller.priority_class
+        mine = (cls, caller.client_id)
         with self._lock:
             waiting = self._waiting[cls]
-            if waiting < self._max_queued:
+            held = self._waiting_by_client.get(mine, 0)
+            over = bool(caller.client_id) and held >= self._client_bound
+            if waiting < self._max_queued and not over:
                 self._waiting[cls] = waiting + 1
+                if caller.client_id:
+                    self._waiting_by_client[mine] = held + 1
+        if over:
+            raise client_queue_full(caller.client_id, held, cls, self._max_queued)
         if waiting >= self._max_queued:
             self._metrics.refused_full(cls)
             raise QueueFull(
@@ -276,19 +288,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             future = self._executor.submit(self._run_queued, model, feeds, names, deadline, caller)
         except BaseException:
-            self._taken(cls)
+            self._taken(caller)
             raise
         try:
             return await asyncio.wrap_future(future)
         finally:
             if future.cancelled():
-                self._taken(cls)
+                self._taken(caller)
 
-    def _taken(self, cls: PriorityClass) -> None:
-        """A call of `cls` waits no longer: a thread took it, or none will."""
+    def _taken(self, caller: Caller) -> None:
+        """A call of `caller` waits no longer: a thread took it, or none will."""
         self._queued.dec()
+        cls = caller.priority_class
         with self._lock:
             self._waiting[cls] -= 1
+            if caller.client_id:
+                mine = (cls, caller.client_id)
+                left = self._waiting_by_client[mine] - 1
+                if left:
+                    self._waiting_by_client[mine] = left
+                else:
+                    del self._waiting_by_client[mine]
 
     def _run_queued(
         self,
@@ -300,7 +320,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> list[np.ndarray]:
         """In the worker thread: no longer queued; TooLate if too little of the deadline is
         left (the wait for a thread may have used it up); else run, timed."""
-        self._taken(caller.priority_class)
+        self._taken(caller)
         self._check_in_time(None if deadline is None else deadline - time.monotonic())
         started = time.perf_counter()
         try:

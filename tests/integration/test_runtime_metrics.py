@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ from edge_client.rpc.tensors import infer_request, response_arrays
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.batching import BatchPolicy, PriorityClass
+from runtime.clients import ClientEntry
 from runtime.metrics import DURATION_BUCKETS_S
 from runtime.model import OnnxModel
 from runtime.server import (
@@ -481,3 +483,58 @@ async def test_a_model_run_in_worker_threads_bounds_each_class_too(serve, probe_
         stub = pb_grpc.GRPCInferenceServiceStub(again)
         for _ in range(3):
             await stub.ModelInfer(request, metadata=AUTH, timeout=30)
+
+
+async def test_a_client_waits_for_a_worker_thread_with_at_most_its_share(
+    serve, probe_inputs
+) -> None:
+    """A client of the clients file (`runtime.clients`) holds at most half its class's
+    --max-queued-per-class calls waiting for a thread: its next is refused naming that limit
+    while the deployment's own calls of the same class are still admitted; each client's
+    calls are counted by code."""
+    token = "client-one-token-0123456789"
+    running = await serve(
+        inline_below_ms=0,
+        concurrency=1,
+        batching=BatchPolicy(max_queued_per_class=2),
+        clients=(
+            ClientEntry("c1", PriorityClass.STANDARD, hashlib.sha256(token.encode()).hexdigest()),
+        ),
+    )
+    assert running.state.batcher is None and not running.state.inline
+    client = (("authorization", f"Bearer {token}"),)
+    request = infer_request(MODEL, probe_inputs)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with worker_held(running) as release:
+
+            def waiting(count: int) -> Callable[[], Awaitable[bool]]:
+                async def check() -> bool:
+                    return value(await scrape(running), "offload_runtime_queued") == count
+
+                return check
+
+            held = [asyncio.ensure_future(stub.ModelInfer(request, metadata=client, timeout=30))]
+            await until(waiting(1), "the client's call waiting for the thread")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ModelInfer(request, metadata=client, timeout=30)
+            held.append(asyncio.ensure_future(stub.ModelInfer(request, metadata=AUTH, timeout=30)))
+            await until(waiting(2), "the deployment's call admitted")
+            release.set()
+            await asyncio.gather(*held)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.details() == (
+        "client c1 has 1 standard requests queued already, the most one client may hold "
+        "(50% of --max-queued-per-class 2); retry with backoff"
+    )
+    samples = await scrape(running)
+    codes = {
+        dict(labels)["code"]: count
+        for (name, labels), count in samples.items()
+        if name == "offload_runtime_client_requests_total"
+    }
+    assert codes == {"OK": 1, "RESOURCE_EXHAUSTED": 1}
+    assert value(samples, "offload_runtime_client_compute_seconds_total", client="c1") > 0
+    assert ("offload_runtime_class_refused_total", frozenset(
+        {"model": MODEL, "class": "standard"}.items()
+    )) not in samples  # fmt: skip
