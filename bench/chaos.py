@@ -931,7 +931,11 @@ class Chaos:
                 node_a,
                 self.cluster.node_secret("node-a"),
             ),
-            (pb.DESCRIPTOR.services_by_name["NodeRegistry"], broker, self.join_token),
+            (
+                pb.DESCRIPTOR.services_by_name["NodeRegistry"],
+                self.cluster.registry_address,
+                self.join_token,
+            ),
             (pb.DESCRIPTOR.services_by_name["Operator"], broker, self.join_token),
             (pb.DESCRIPTOR.services_by_name["EdgeBroker"], broker, key),
         ]

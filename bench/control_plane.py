@@ -662,13 +662,16 @@ async def heartbeats_alone(
     await asyncio.sleep(settle_s / 2)
     await probe.heartbeats()  # forget the joining
     cpu, started = cpu_seconds(probe.broker), time.monotonic()
+    loop_cpu = cpu_seconds(probe.broker, main_thread=True)
     await asyncio.sleep(max(settle_s / 2, sample_interval_s))
     answered = await probe.heartbeats()
     took = time.monotonic() - started
     used = cpu_seconds(probe.broker) - cpu
+    loop_used = cpu_seconds(probe.broker, main_thread=True) - loop_cpu
     return {
         "idle_heartbeats_per_s": round(answered / took, 1) if took > 0 else 0.0,
         "idle_broker_cpu_cores": round(used / took, 3) if took > 0 else 0.0,
+        "idle_broker_loop_cores": round(loop_used / took, 3) if took > 0 else 0.0,
         "broker_us_per_heartbeat": round(used / answered * 1e6, 1) if answered else 0.0,
     }
 
@@ -841,7 +844,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         fleets = [
             FleetProcess(
                 FleetConfig(
-                    cluster.broker_address,
+                    cluster.registry_address,
                     join_token,
                     root / "hollow",
                     sites,
@@ -920,8 +923,8 @@ def _print_step(step: Step) -> None:
     print(
         "   heartbeats alone (the settle's second half, or a sample interval): "
         f"{f['idle_heartbeats_per_s']}/s, "
-        f"broker {f['idle_broker_cpu_cores']} cores, {f['broker_us_per_heartbeat']} us of "
-        "its CPU per heartbeat",
+        f"broker {f['idle_broker_cpu_cores']} cores ({f['idle_broker_loop_cores']} on its "
+        f"event loop's thread), {f['broker_us_per_heartbeat']} us of its CPU per heartbeat",
         flush=True,
     )
     print(f"   outcomes: {f['outcomes']}; unanswered: {f['unanswered'] or 'none'}", flush=True)

@@ -10,6 +10,14 @@ but stops renewing), or when its heartbeat stream broke (`stream_closed`) and it
 another, or renew, within `stream_grace_s` (a daemon killed, its host gone: noticed at the
 next check, not a whole lease later).
 
+With nodes on a port of their own (`--node-listen`), the broker's gRPC core pings each node's
+connection (HTTP/2 keepalive, `broker.server.NODE_KEEPALIVE`): a paused daemon, a dead host or
+a cut link no longer answers, and its stream breaks within seconds without a message of ours.
+There a node with its stream open has the long lease `node_lease_s` (`--node-lease`), which
+only a daemon whose process answers pings while its event loop hangs runs out, and renews it
+that much more rarely: liveness costs the broker a message per node every few seconds
+instead of every two (issue 51).
+
 A change placement must see (a node registered, lost, back, drained, its load) is told to
 `on_change(node_id, load_only)`: the placement applier (`broker.applier`) marks the node's
 entry in its view stale.
@@ -158,6 +166,7 @@ class NodeRegistry:
         stop_grace_ms: int,
         on_change: Callable[[str, bool], None],
         stream_grace_s: float = STREAM_GRACE_S,
+        node_lease_s: float | None = None,
     ) -> None:
         self._core = core
         self._network = network
@@ -165,6 +174,10 @@ class NodeRegistry:
         self._metrics = metrics
         self.lost_after_s = lost_after_s
         """A node silent this long is lost (plus `loop_lag`): the lease."""
+        self.node_lease_s = None if node_lease_s is None else max(node_lease_s, lost_after_s)
+        """The lease of a node whose heartbeat stream is open on a port that pings it (HTTP/2
+        keepalive breaks the stream of a node that stops answering); None where nodes share
+        the clients' port, which is not pinged: `lost_after_s` is every node's lease."""
         self.stream_grace_s = min(stream_grace_s, lost_after_s)
         """A node whose heartbeat stream broke is lost after this long without another."""
         self._stop_grace_ms = stop_grace_ms
@@ -330,10 +343,20 @@ class NodeRegistry:
                 node_id,
             )
 
+    def lease_s(self, entry: NodeEntry) -> float:
+        """How long the node may be silent: `node_lease_s` on a pinged port once it
+        heartbeats on a stream (a stream that broke since has `stream_grace_s` from its
+        break, however long ago the last rare renewal came), else `lost_after_s`."""
+        if self.node_lease_s is not None and (
+            entry.stream is not None or entry.stream_broken_at is not None
+        ):
+            return self.node_lease_s
+        return self.lost_after_s
+
     def is_live(self, entry: NodeEntry) -> bool:
-        """Whether the node heartbeats: not lost, and heard within `lost_after_s`."""
+        """Whether the node heartbeats: not lost, and heard within its lease (`lease_s`)."""
         silent = time.monotonic() - entry.last_heartbeat
-        return entry.record.state is not NodeState.LOST and silent < self.lost_after_s
+        return entry.record.state is not NodeState.LOST and silent < self.lease_s(entry)
 
     def check(self, node_id: str, secret: str | None) -> None:
         """Check that `secret` is the one `node_id` is bound to, before a heartbeat is
@@ -369,7 +392,7 @@ class NodeRegistry:
     @property
     def renew_s(self) -> float:
         """How often nodes renew their lease (RegisterResponse's `lease_renew_ms`)."""
-        return self.lost_after_s / LEASE_RENEWALS
+        return (self.node_lease_s or self.lost_after_s) / LEASE_RENEWALS
 
     def renew(self, node_id: str) -> NodeEntry:
         """Renew the node's lease, at once (the liveness path never waits); a lost node is
@@ -488,7 +511,7 @@ class NodeRegistry:
         await self._core.db(self._core.store.set_node_state, node_id, state)
 
     async def find_lost(self) -> list[NodeId]:
-        """Mark as lost the nodes whose lease ran out (silent past `lost_after_s`) or whose
+        """Mark as lost the nodes whose lease ran out (silent past `lease_s`) or whose
         heartbeat stream broke `stream_grace_s` ago with no other since, either plus how late
         this event loop ran lately (`loop_lag`); returns their ids. The decision is taken on
         the in-memory times alone, all nodes at once; only then is it written to the
@@ -504,8 +527,9 @@ class NodeRegistry:
                 continue
             silent = now - entry.last_heartbeat
             broken = None if entry.stream_broken_at is None else now - entry.stream_broken_at
-            if silent > self.lost_after_s:
-                why, past = f"no heartbeat for {silent:.1f}s", silent - self.lost_after_s
+            lease = self.lease_s(entry)
+            if silent > lease:
+                why, past = f"no heartbeat for {silent:.1f}s", silent - lease
             elif broken is not None and broken > self.stream_grace_s:
                 why = (
                     f"no heartbeat for {silent:.1f}s, its heartbeat stream broke {broken:.1f}s ago"
@@ -522,11 +546,12 @@ class NodeRegistry:
             lost.append(NodeId(node_id))
         if spared:
             logger.warning(
-                "%d node(s) silent past --lost-after (%.1fs) or with a broken stream, but this "
-                "broker's event loop ran up to %.1fs late: their heartbeats may be waiting to "
-                "be read; not lost yet",
+                "%d node(s) silent past their lease (--lost-after %gs, --node-lease %ss) or "
+                "with a broken stream, but this broker's event loop ran up to %.1fs late: their "
+                "heartbeats may be waiting to be read; not lost yet",
                 spared,
                 self.lost_after_s,
+                "unused" if self.node_lease_s is None else f"{self.node_lease_s:g}",
                 lag,
             )
         for node_id in lost:

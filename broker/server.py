@@ -89,6 +89,26 @@ MAX_PENDING_CALLS = 50_000
 """Calls gRPC core holds for the event loop to pick up before it refuses more (its default
 is 1,000, which a cluster of more nodes than that reaches whenever the loop stalls)."""
 MIN_LEASE_TTL_S = 0.5
+MAX_LIVENESS_S = 3600.0
+DEFAULT_NODE_LEASE_S = 25.0
+NODE_KEEPALIVE = (
+    # The node port's liveness, in gRPC's core (no Python runs for it): a ping on a node's
+    # connection after 2 s without a frame from it, and the connection closed when one goes
+    # unanswered for 1 s (a paused daemon, a dead host, a cut link); the node's heartbeat
+    # stream ends with it. `grpc.http2.ping_timeout_ms` is the timer grpcio 1.85 applies
+    # (`grpc.keepalive_timeout_ms` alone left a paused node's stream open); pings go on
+    # however long the node sends no data (its lease renewals are rare). Every 2 s, not 1:
+    # each ping costs the broker about 100 µs of gRPC core's CPU here (2,000 nodes: 0.28
+    # cores at 1 s, 0.22 at 2 s; docs/BENCHMARKS.md), and the grace after a broken stream
+    # keeps a paused node's "lost" within the 5 s lease it replaces.
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.http2.ping_timeout_ms", 1000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+"""Server options of the broker's node port (`--node-listen`): why a node there needs only a
+rare lease renewal (`--node-lease`, `broker.nodes`). Not on the clients' port: a client
+uploading over a slow link could not answer a ping within a second behind its own data."""
 STANDBY_GRACE_S = 0.5
 """How long refusals in flight may take to finish when a standby stops to lead."""
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -204,7 +224,7 @@ async def start_broker(
         broker.use_keys(config.api_keys)
         await broker.load()
         server = _grpc_server()
-        node_server = _grpc_server() if config.node_listen else None
+        node_server = _grpc_server(NODE_KEEPALIVE) if config.node_listen else None
         migrations = Migrations(
             broker, config.hysteresis, config.drain_timeout_s, prewarm=config.prewarm
         )
@@ -271,10 +291,11 @@ async def start_broker(
     )
 
 
-def _grpc_server() -> grpc.aio.Server:
+def _grpc_server(keepalive: tuple[tuple[str, int], ...] = ()) -> grpc.aio.Server:
     return grpc.aio.server(
         interceptors=[MalformedRequests()],
         options=[
+            *keepalive,
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # gRPC core cancels calls at random once more than 1,000 wait for the event loop
@@ -574,6 +595,28 @@ def _check_upload_caps(args: argparse.Namespace) -> None:
             )
 
 
+def _check_liveness(args: argparse.Namespace) -> None:
+    """The heartbeat interval, the lease and the node port's lease: finite, in bounds, each
+    longer than the one before; `--node-lease` only where a node port pings the nodes."""
+    bounds = (
+        ("--heartbeat-interval", args.heartbeat_interval, 0.05),
+        ("--lost-after", args.lost_after, args.heartbeat_interval),
+        ("--node-lease", args.node_lease or DEFAULT_NODE_LEASE_S, args.lost_after),
+    )
+    for flag, value, above in bounds:
+        if not (math.isfinite(value) and above <= value <= MAX_LIVENESS_S):
+            raise ValueError(
+                f"--heartbeat-interval, --lost-after and --node-lease must be finite numbers "
+                f"of seconds, each at least the one before, at most {MAX_LIVENESS_S:g}: "
+                f"{flag} {value!r}"
+            )
+    if args.node_lease is not None and not args.node_listen:
+        raise ValueError(
+            "--node-lease needs --node-listen HOST:PORT: only the nodes' own port pings them, "
+            "so that a rare lease renewal is enough; on --listen, --lost-after is the lease"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     """Validated configuration; ValueError or OSError saying which flag is wrong (CertError,
     a ValueError, for a certificate or key that cannot be used)."""
@@ -595,6 +638,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     _check_state_location(args.state)
     _check_shared_state(args, listeners)
     _check_upload_caps(args)
+    _check_liveness(args)
     keys: tuple[str, ...] = ()
     if args.api_keys_file is not None:
         keys = parse_api_keys_file(args.api_keys_file.read_text(), str(args.api_keys_file))
@@ -619,6 +663,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         settings=BrokerSettings(
             heartbeat_interval_s=args.heartbeat_interval,
             lost_after_s=args.lost_after,
+            node_lease_s=(args.node_lease or DEFAULT_NODE_LEASE_S) if args.node_listen else None,
             orphan_grace_s=args.orphan_grace,
             quotas=Quotas(
                 deployments=args.max_deployments_per_client,
@@ -793,13 +838,32 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="the same for one client's uploads under way "
         f"(default {defaults.staged_bytes}; at least --max-model-bytes)",
     )
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often a node samples its usage and checks for changes to report (default 1)",
+    )
     p.add_argument(
         "--lost-after",
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="mark a node lost after this long without a heartbeat",
+        help="mark a node lost after this long without a heartbeat or lease renewal (it "
+        "renews every 0.4 of this; on --node-listen, --node-lease is the lease while its "
+        "stream is open), or min(2 s, this) after its heartbeat stream broke (default 5)",
+    )
+    p.add_argument(
+        "--node-lease",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --node-listen, whose port pings a node's connection after 2 s of "
+        "silence and breaks the stream of one that leaves a ping unanswered for 1 s: the "
+        "lease of a node whose stream stays open, which it renews every 0.4 of this; it "
+        "catches a daemon that answers pings while hung "
+        f"(default {DEFAULT_NODE_LEASE_S:g})",
     )
     p.add_argument(
         "--orphan-grace",

@@ -97,6 +97,7 @@ class Broker:
             node_links,
             metrics,
             lost_after_s=settings.lost_after_s,
+            node_lease_s=settings.node_lease_s,
             stop_grace_ms=settings.stop_grace_ms,
             on_change=lambda node_id, load_only: self.applier.node_changed(node_id, load_only),
         )

@@ -50,6 +50,9 @@ class BrokerSettings:
     heartbeat_interval_s: float = 1.0
     lost_after_s: float = 5.0
     """A node silent this long is marked lost."""
+    node_lease_s: float | None = None
+    """With nodes on a port of their own that pings them (`--node-listen`): the lease of a
+    node whose heartbeat stream is open (`--node-lease`); None without that port."""
     orphan_grace_s: float = 30.0
     """A replica a node runs that no deployment claims is stopped after this long."""
     pending_retry_s: float = 2.0

@@ -26,8 +26,11 @@ SHA = "ab" * 32
 
 
 @contextlib.asynccontextmanager
-async def local_broker(root: Path) -> AsyncIterator[Broker]:
-    """A broker over the demo's sites, its state and models under `root`."""
+async def local_broker(
+    root: Path, settings: BrokerSettings | None = None
+) -> AsyncIterator[Broker]:
+    """A broker over the demo's sites, its state and models under `root` (`settings`: the
+    defaults' unless given)."""
     store = open_store("", root / "state")
     store.put_client("alice", new_api_key("alice"))
     store.put_model(ModelRecord(SHA, "m", 10, time.time()))
@@ -38,7 +41,7 @@ async def local_broker(root: Path) -> AsyncIterator[Broker]:
         ModelStore(root / "models", 1 << 20),
         network,
         "join-token",
-        BrokerSettings(),
+        settings or BrokerSettings(),
         BrokerMetrics(),
         NodeClient,
     )

@@ -81,7 +81,10 @@ class Cluster:
     """The broker's `--state`: "" for SQLite in its state dir, or a PostgreSQL URL. Default:
     `DEFAULT_STATE`."""
     node_port: int = field(default_factory=free_port)
-    """The broker's NodeRegistry port of its own (`--node-listen`), with `tls` only."""
+    """The broker's NodeRegistry port of its own (`--node-listen`), with `tls` or
+    `node_listen` only."""
+    node_listen: bool = False
+    """NodeRegistry on `node_port` without TLS too (there the broker pings the nodes)."""
     broker_name: str = "broker"
     """Names the broker's log (`<root>/<broker_name>.log`); another for a second broker."""
     peer_registries: tuple[str, ...] = ()
@@ -93,8 +96,14 @@ class Cluster:
 
     @property
     def registry_address(self) -> str:
-        """Where nodes register: the node port with TLS, the broker's port without."""
-        return f"127.0.0.1:{self.node_port if self.tls else self.broker_port}"
+        """Where nodes register: the node port with TLS or `node_listen`, else the
+        broker's port."""
+        return f"127.0.0.1:{self.node_port if self.own_node_port else self.broker_port}"
+
+    @property
+    def own_node_port(self) -> bool:
+        """Whether NodeRegistry is on `node_port` (`--node-listen`)."""
+        return self.tls or self.node_listen
 
     @property
     def tls_dir(self) -> Path:
@@ -177,7 +186,7 @@ class Cluster:
                 "--api-keys-file", str(self.root / "api-keys"),
                 "--heartbeat-interval", "0.2", "--lost-after", "3", "--orphan-grace", "3",
                 *self.tls_flags("broker"),
-                *(["--node-listen", self.registry_address] if self.tls else []),
+                *(["--node-listen", self.registry_address] if self.own_node_port else []),
                 *(["--state", self.state] if self.state else []),
                 *extra,
             ],

@@ -183,6 +183,7 @@ class LocalCluster:
         self.client_id = client_id
         self.more_api_keys = tuple(more_api_keys)
         self.broker_port = free_port()
+        self.node_port = free_port()
         self.ops_port = free_port()
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.api_key_file = root / "api-key"
@@ -194,6 +195,12 @@ class LocalCluster:
     @property
     def broker_address(self) -> str:
         return f"127.0.0.1:{self.broker_port}"
+
+    @property
+    def registry_address(self) -> str:
+        """The broker's NodeRegistry port (`--node-listen`), where the nodes register: a
+        port of their own, as in production, which pings them (`--node-lease`)."""
+        return f"127.0.0.1:{self.node_port}"
 
     @property
     def ops_url(self) -> str:
@@ -249,6 +256,7 @@ class LocalCluster:
         broker = [
             *self._cli(), "broker",
             "--listen", self.broker_address,
+            "--node-listen", self.registry_address,
             "--ops-listen", f"127.0.0.1:{self.ops_port}",
             "--state-dir", str(self.root / "broker-state"),
             "--cluster", str(self.cluster_file),
@@ -271,7 +279,7 @@ class LocalCluster:
             "--topology-file", str(plan.capture),
             "--gpu-spec", plan.gpu_spec,
             "--state-dir", str(self.root / f"{plan.node_id}-state"),
-            "--broker", self.broker_address,
+            "--broker", self.registry_address,
             "--join-token-file", str(self.join_token_file),
             "--stop-replicas-on-exit",
             *(["--image", self.image] if self.image else []),

@@ -21,11 +21,15 @@ from tests.cluster_support import THREE_NODES, Cluster, EdgeClient, infer_once, 
 NODE_A, NODE_B, _NODE_C = THREE_NODES
 
 
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    cluster = Cluster(tmp_path)
+@pytest.fixture(params=["shared-port", "node-port"])
+async def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
+    """Nodes on the clients' port (`--lost-after` 3 s is their lease), or on a port of their
+    own (`--node-listen`), which pings them: there the lease is 300 s (`--node-lease`), so
+    that only a stream broken by unanswered pings can have the node lost in time."""
+    node_port = request.param == "node-port"
+    cluster = Cluster(tmp_path, node_listen=node_port)
     try:
-        await cluster.start_broker()
+        await cluster.start_broker(*(["--node-lease", "300"] if node_port else []))
         await asyncio.gather(cluster.start_node(NODE_A), cluster.start_node(NODE_B))
         yield cluster
     finally:
@@ -62,7 +66,12 @@ async def test_a_failed_node_daemon_is_lost_and_its_deployment_placed_again(
             # The node's host gone: its replica with it.
             os.kill(cluster.replica_pid(deployment), signal.SIGKILL)
         daemon.send_signal(fault)
-        await wait_for_log(cluster.broker_log, r"node=node-a lost", after=offset, timeout_s=60)
+        lost = await wait_for_log(
+            cluster.broker_log, r"node=node-a lost: .*", after=offset, timeout_s=60
+        )
+        if cluster.node_listen:
+            # Its lease (300 s) ran on: the broker's pings broke its stream, paused or gone.
+            assert "its heartbeat stream broke" in lost, lost
         await placed_elsewhere(alice, deployment.deployment_id)
         again = await alice.get(deployment.deployment_id)
         assert again.epoch > deployment.epoch
