@@ -94,8 +94,9 @@ CLIENT_QUEUE_SHARE = 0.5
 """The part of its class's queue bound one client may fill (rounded up): one flooding
 client leaves the other half to the others of its class."""
 DEPLOYMENT = ""
-"""The caller id of the deployment's own calls (`runtime.clients.DEPLOYMENT`), to which
-`CLIENT_QUEUE_SHARE` does not apply."""
+"""The caller id of the deployment's own calls (its token's, and those of
+`--class-tokens`), to which `CLIENT_QUEUE_SHARE` does not apply; a client's is its id in
+the clients file (`runtime.clients`)."""
 
 
 SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -122,21 +122,19 @@ class Caller:
     """Who a call comes from, as its token says (`runtime.rpc.auth.CALLER`)."""
 
     client_id: str
-    """A client of the clients file; "" for the deployment's own token (and those of
-    `--class-tokens`)."""
+    """A client of the clients file; `runtime.batching.DEPLOYMENT` ("") for the
+    deployment's own token (and those of `--class-tokens`)."""
     priority_class: PriorityClass
     limit: RateLimit | None = None
     """The client's rate limit; None: none."""
 
 
-DEPLOYMENT = ""
-"""The caller id of the deployment's own token."""
-
-
 class ClientTable:
     """The clients of one reading of the file, by their token's SHA-256 digest (bytes)."""
 
-    def __init__(self, entries: Iterable[ClientEntry] = (), previous: ClientTable | None = None):
+    def __init__(
+        self, entries: Iterable[ClientEntry] = (), previous: ClientTable | None = None
+    ) -> None:
         """A client listed in `previous` with the same rate keeps its bucket: reading the
         file again does not refill it."""
         kept = previous.callers_by_id if previous is not None else {}

@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 
-from runtime.batching import PriorityClass
-from runtime.clients import DEPLOYMENT, Caller, ClientTable
+from runtime.batching import DEPLOYMENT, PriorityClass
+from runtime.clients import Caller, ClientTable
 
 OPEN_METHODS = frozenset({"/inference.GRPCInferenceService/ServerLive"})
 

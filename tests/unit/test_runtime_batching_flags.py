@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.batching import PriorityClass
-from runtime.clients import DEPLOYMENT, Caller, ClientEntry
+from runtime.batching import DEPLOYMENT, PriorityClass
+from runtime.clients import Caller, ClientEntry
 from runtime.rpc.auth import MISSING_TOKEN, CallerTokens
 from runtime.server import settings_from_args
 
