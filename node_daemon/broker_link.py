@@ -241,6 +241,7 @@ class BrokerLink:
         streaming = True
         report = _Reported()
         now_again = False  # the stream broke under a heartbeat: replace it at once
+        failing = False  # the last heartbeat failed: try again every interval until one works
         try:
             while True:
                 if now_again:
@@ -254,7 +255,10 @@ class BrokerLink:
                     )
                 else:
                     await asyncio.sleep(cadence.interval_s)
-                    force = False
+                    # A broker that was down (restarted, moved) hears from the node within
+                    # an interval of its return, not at the next renewal (10 s apart on a
+                    # node port): it counts the node lost after --lost-after without it.
+                    force = failing
                 request = await self._next_heartbeat(cadence, report, streaming, force)
                 if request is None:
                     continue
@@ -276,7 +280,9 @@ class BrokerLink:
                         if self._on_heartbeat is not None:
                             self._on_heartbeat((time.perf_counter() - started) * 1000)
                     report.sent(request, time.monotonic())
+                    failing = False
                 except grpc.aio.AioRpcError as err:
+                    failing = True
                     if stream is not None:
                         stream.cancel()
                         stream = None

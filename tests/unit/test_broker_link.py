@@ -113,11 +113,13 @@ class Registry(bpb_grpc.NodeRegistryServicer):
             receiving.cancel()
 
 
-async def serve(registry: bpb_grpc.NodeRegistryServicer) -> tuple[grpc.aio.Server, int]:
-    """`registry` on a started gRPC server on loopback, and its port."""
+async def serve(
+    registry: bpb_grpc.NodeRegistryServicer, port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """`registry` on a started gRPC server on loopback (on `port`; 0: any), and its port."""
     server = grpc.aio.server()
     bpb_grpc.add_NodeRegistryServicer_to_server(registry, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, port
 

@@ -104,3 +104,39 @@ async def test_a_stream_that_ends_is_replaced_and_renewed_on(tmp_path: Path) -> 
     )
     assert registry.registers == 1
     assert registry.kinds[0] == "full" and "renewal" in registry.kinds[2:]
+
+
+async def test_a_broker_back_from_a_restart_hears_from_the_node_long_before_its_renewal(
+    tmp_path: Path,
+) -> None:
+    """Renewals 10 minutes apart (a node port's are 10 s): when the broker goes away and
+    comes back on its port, the node, whose heartbeats failed meanwhile, tries again every
+    interval and opens a stream to it at once, not at its next renewal (the broker counts
+    it lost after --lost-after without one)."""
+    first = LeaseRegistry(renew_ms=600_000)
+    server, port = await serve(first)
+    link = BrokerLink(
+        f"127.0.0.1:{port}",
+        "join-token",
+        null_node(ModelCache(tmp_path / "m")),
+        "127.0.0.1:2",
+        sample_interval_s=3600,
+    )
+    running = asyncio.create_task(link.run())
+    again: grpc.aio.Server | None = None
+    try:
+        await until(lambda: first.kinds == ["full"], "the first heartbeat")
+        await server.stop(None)
+        await asyncio.sleep(0.5)  # a heartbeat interval or more without a broker
+        back = LeaseRegistry(renew_ms=600_000)
+        again, _ = await serve(back, port)
+        await until(
+            lambda: back.opened >= 1 and len(back.kinds) >= 1, "a heartbeat to the broker back"
+        )
+        assert not running.done()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await link.close()
+        if again is not None:
+            await again.stop(None)
