@@ -331,6 +331,140 @@ class ListMigrationsResponse(_message.Message):
     migrations: _containers.RepeatedCompositeFieldContainer[Migration]
     def __init__(self, migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...
 
+class ServiceSpec(_message.Message):
+    __slots__ = ("model_sha256", "model_name", "gpus", "gpu_memory_mib", "cpus", "memory_mib", "clients", "any_client", "min_replicas_per_site", "max_replicas", "latency_slo_ms", "max_rps_per_client")
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    ANY_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_PER_SITE_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RPS_PER_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    model_sha256: str
+    model_name: str
+    gpus: int
+    gpu_memory_mib: int
+    cpus: float
+    memory_mib: int
+    clients: _containers.RepeatedScalarFieldContainer[str]
+    any_client: bool
+    min_replicas_per_site: int
+    max_replicas: int
+    latency_slo_ms: float
+    max_rps_per_client: float
+    def __init__(self, model_sha256: _Optional[str] = ..., model_name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory_mib: _Optional[int] = ..., cpus: _Optional[float] = ..., memory_mib: _Optional[int] = ..., clients: _Optional[_Iterable[str]] = ..., any_client: bool = ..., min_replicas_per_site: _Optional[int] = ..., max_replicas: _Optional[int] = ..., latency_slo_ms: _Optional[float] = ..., max_rps_per_client: _Optional[float] = ...) -> None: ...
+
+class CreateServiceRequest(_message.Message):
+    __slots__ = ("name", "spec")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    spec: ServiceSpec
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[ServiceSpec, _Mapping]] = ...) -> None: ...
+
+class ServiceReplica(_message.Message):
+    __slots__ = ("deployment_id", "site", "node_id", "state", "endpoint", "clients")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    site: str
+    node_id: str
+    state: str
+    endpoint: str
+    clients: int
+    def __init__(self, deployment_id: _Optional[str] = ..., site: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., endpoint: _Optional[str] = ..., clients: _Optional[int] = ...) -> None: ...
+
+class Service(_message.Message):
+    __slots__ = ("name", "owner", "spec", "replicas", "clients", "created_at")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    owner: str
+    spec: ServiceSpec
+    replicas: _containers.RepeatedCompositeFieldContainer[ServiceReplica]
+    clients: int
+    created_at: float
+    def __init__(self, name: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[ServiceSpec, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ServiceReplica, _Mapping]]] = ..., clients: _Optional[int] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class GetServiceRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListServicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListServicesResponse(_message.Message):
+    __slots__ = ("services",)
+    SERVICES_FIELD_NUMBER: _ClassVar[int]
+    services: _containers.RepeatedCompositeFieldContainer[Service]
+    def __init__(self, services: _Optional[_Iterable[_Union[Service, _Mapping]]] = ...) -> None: ...
+
+class DeleteServiceRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteServiceResponse(_message.Message):
+    __slots__ = ("already_deleted",)
+    ALREADY_DELETED_FIELD_NUMBER: _ClassVar[int]
+    already_deleted: bool
+    def __init__(self, already_deleted: bool = ...) -> None: ...
+
+class UseServiceRequest(_message.Message):
+    __slots__ = ("name", "site", "priority")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    site: str
+    priority: PriorityClass
+    def __init__(self, name: _Optional[str] = ..., site: _Optional[str] = ..., priority: _Optional[_Union[PriorityClass, str]] = ...) -> None: ...
+
+class ServiceAssignment(_message.Message):
+    __slots__ = ("service", "client_id", "deployment_id", "node_id", "site", "endpoint", "token", "epoch", "model_name", "priority", "endpoint_ca_pem", "reason")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_CA_PEM_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    client_id: str
+    deployment_id: str
+    node_id: str
+    site: str
+    endpoint: str
+    token: str
+    epoch: int
+    model_name: str
+    priority: PriorityClass
+    endpoint_ca_pem: str
+    reason: str
+    def __init__(self, service: _Optional[str] = ..., client_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., site: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., priority: _Optional[_Union[PriorityClass, str]] = ..., endpoint_ca_pem: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class OffloadSummary(_message.Message):
     __slots__ = ("session", "policy", "local_model", "decisions", "remote_requests", "local_requests", "fallbacks", "remote_estimate_ms", "local_estimate_ms", "remote_reachable")
     SESSION_FIELD_NUMBER: _ClassVar[int]

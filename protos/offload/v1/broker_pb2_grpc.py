@@ -330,6 +330,31 @@ class EdgeBrokerStub(object):
                 request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.FromString,
                 _registered_method=True)
+        self.CreateService = channel.unary_unary(
+                '/offload.v1.EdgeBroker/CreateService',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.CreateServiceRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.Service.FromString,
+                _registered_method=True)
+        self.GetService = channel.unary_unary(
+                '/offload.v1.EdgeBroker/GetService',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.GetServiceRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.Service.FromString,
+                _registered_method=True)
+        self.ListServices = channel.unary_unary(
+                '/offload.v1.EdgeBroker/ListServices',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListServicesRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListServicesResponse.FromString,
+                _registered_method=True)
+        self.DeleteService = channel.unary_unary(
+                '/offload.v1.EdgeBroker/DeleteService',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.DeleteServiceRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.DeleteServiceResponse.FromString,
+                _registered_method=True)
+        self.UseService = channel.unary_unary(
+                '/offload.v1.EdgeBroker/UseService',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.UseServiceRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ServiceAssignment.FromString,
+                _registered_method=True)
 
 
 class EdgeBrokerServicer(object):
@@ -413,6 +438,48 @@ class EdgeBrokerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateService(self, request, context):
+        """A model published once for many clients (issue 52), owned by the calling client:
+        ALREADY_EXISTS for a name taken; NOT_FOUND for a model the caller has not uploaded.
+        Returns once the service's first replicas (`min_replicas_per_site` at every site) run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetService(self, request, context):
+        """A service the caller owns or may use; NOT_FOUND otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListServices(self, request, context):
+        """The services the caller owns or may use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteService(self, request, context):
+        """Stops every replica and forgets every client's assignment. PERMISSION_DENIED for a
+        service the caller may use but does not own. Idempotent: `already_deleted`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UseService(self, request, context):
+        """Put the caller on the best replica of the service for its site (starting one there
+        when none is in reach within the service's latency SLO); returns that replica's
+        endpoint and a token of the caller's own (a new one each call: the previous one stops
+        working). PERMISSION_DENIED for a client the service does not allow; RESOURCE_EXHAUSTED
+        when a replica is needed and the service runs `max_replicas` already.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -470,6 +537,31 @@ def add_EdgeBrokerServicer_to_server(servicer, server):
                     servicer.ListMigrations,
                     request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.SerializeToString,
+            ),
+            'CreateService': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateService,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.CreateServiceRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.Service.SerializeToString,
+            ),
+            'GetService': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetService,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.GetServiceRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.Service.SerializeToString,
+            ),
+            'ListServices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListServices,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListServicesRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ListServicesResponse.SerializeToString,
+            ),
+            'DeleteService': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteService,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.DeleteServiceRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.DeleteServiceResponse.SerializeToString,
+            ),
+            'UseService': grpc.unary_unary_rpc_method_handler(
+                    servicer.UseService,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.UseServiceRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ServiceAssignment.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -770,6 +862,141 @@ class EdgeBroker(object):
             '/offload.v1.EdgeBroker/ListMigrations',
             protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsRequest.SerializeToString,
             protos_dot_offload_dot_v1_dot_broker__pb2.ListMigrationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateService(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/CreateService',
+            protos_dot_offload_dot_v1_dot_broker__pb2.CreateServiceRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.Service.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetService(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/GetService',
+            protos_dot_offload_dot_v1_dot_broker__pb2.GetServiceRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.Service.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListServices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/ListServices',
+            protos_dot_offload_dot_v1_dot_broker__pb2.ListServicesRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.ListServicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteService(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/DeleteService',
+            protos_dot_offload_dot_v1_dot_broker__pb2.DeleteServiceRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.DeleteServiceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UseService(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/UseService',
+            protos_dot_offload_dot_v1_dot_broker__pb2.UseServiceRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.ServiceAssignment.FromString,
             options,
             channel_credentials,
             insecure,
