@@ -43,6 +43,9 @@ from broker.state.records import (
     OffloadReportRecord,
     OffloadSummary,
     ResizeRecord,
+    ServiceClientRecord,
+    ServiceRecord,
+    ServiceReplicaRecord,
     StandbyRecord,
 )
 from broker.state.store import StateStore
@@ -69,6 +72,9 @@ __all__ = [
     "OffloadSummary",
     "ResizeRecord",
     "SchemaError",
+    "ServiceClientRecord",
+    "ServiceRecord",
+    "ServiceReplicaRecord",
     "StandbyRecord",
     "StateError",
     "StateStore",

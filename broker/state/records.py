@@ -14,6 +14,9 @@ from enum import StrEnum
 # One strategy type end to end: the mechanism's, stored by its value.
 from migration.mechanism import Strategy as MigrationStrategy
 
+# One priority class type end to end: the runtime's, which batches by it.
+from runtime.batching import PriorityClass
+
 
 class NodeState(StrEnum):
     READY = "ready"
@@ -270,3 +273,51 @@ class ResizeRecord:
     reason: str
     at: float
     """Unix seconds, the node's clock."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceRecord:
+    """A model published once for many clients (`offload service create`). Schema version 9."""
+
+    name: str
+    """Unique; chosen by its owner."""
+    owner: str
+    """The client id that created it."""
+    model_sha256: str
+    spec_json: str
+    """The service's spec (resources, allow-list, replicas per site, SLO, rate limit), a JSON
+    object as the broker wrote it."""
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceReplicaRecord:
+    """A deployment that serves a service at a site; recorded before it is started, so a
+    broker that restarts finds every replica it may have left. Schema version 9."""
+
+    deployment_id: str
+    """The replica's deployment (not checked against `deployments`: its own delete path may
+    remove it first)."""
+    service: str
+    site: str
+    """The site it was started for."""
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceClientRecord:
+    """A client attached to a service: the replica it is on and the token it uses there. A
+    re-attach (a move, a new token) replaces the record. Schema version 9."""
+
+    service: str
+    client_id: str
+    token_sha256: str
+    """The sha256 (64 lowercase hex digits) of the client's own token at the replica; the
+    token itself is never stored."""
+    priority_class: PriorityClass
+    """The class of the client's requests at the replica."""
+    deployment_id: str
+    """The replica it is on (`ServiceReplicaRecord.deployment_id`)."""
+    site: str
+    """The client's site when it attached."""
+    attached_at: float

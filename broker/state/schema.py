@@ -226,6 +226,45 @@ CREATE TABLE node_secrets (
 """
 """Version 8: node identity (`StateStore.bind_node_secret`)."""
 
+_SQLITE_V9 = """
+-- Services: a model published once for many clients, owned by the client that created it.
+-- spec_json is the service's spec (resources, allow-list, replicas, SLO) as the broker wrote it.
+CREATE TABLE services (
+    name         TEXT PRIMARY KEY CHECK (name <> ''),
+    owner        TEXT NOT NULL CHECK (owner <> ''),
+    model_sha256 TEXT NOT NULL REFERENCES models (sha256),
+    spec_json    TEXT NOT NULL
+                 CHECK (json_valid(spec_json) AND json_type(spec_json) = 'object'),
+    created_at   REAL NOT NULL
+) STRICT;
+
+-- The deployments that are a service's replicas, recorded before each is started. Not a
+-- foreign key of deployments: a deployment's own delete path may go first.
+CREATE TABLE service_replicas (
+    deployment_id TEXT PRIMARY KEY CHECK (deployment_id <> ''),
+    service       TEXT NOT NULL REFERENCES services (name),
+    site          TEXT NOT NULL,
+    created_at    REAL NOT NULL
+) STRICT;
+CREATE INDEX service_replicas_by_service ON service_replicas (service);
+
+-- Which replica each attached client of a service is on, with the sha256 of its own token
+-- (the replica checks it) and its priority class there. A re-attach replaces the row.
+CREATE TABLE service_clients (
+    service        TEXT NOT NULL REFERENCES services (name),
+    client_id      TEXT NOT NULL CHECK (client_id <> ''),
+    token_sha256   TEXT NOT NULL
+                   CHECK (length(token_sha256) = 64 AND NOT token_sha256 GLOB '*[^0-9a-f]*'),
+    priority_class TEXT NOT NULL CHECK (priority_class IN ('critical', 'standard', 'best-effort')),
+    deployment_id  TEXT NOT NULL,
+    site           TEXT NOT NULL,
+    attached_at    REAL NOT NULL,
+    PRIMARY KEY (service, client_id)
+) STRICT;
+CREATE INDEX service_clients_by_deployment ON service_clients (deployment_id);
+"""
+"""Version 9: shared model services, their replicas and their attached clients."""
+
 # -- PostgreSQL: the same versions, in its dialect --------------------------------------------
 
 _POSTGRES_V1 = """
@@ -405,14 +444,44 @@ CREATE TABLE node_secrets (
 );
 """
 
+_POSTGRES_V9 = """
+CREATE TABLE services (
+    name         TEXT COLLATE "C" PRIMARY KEY CHECK (name <> ''),
+    owner        TEXT COLLATE "C" NOT NULL CHECK (owner <> ''),
+    model_sha256 TEXT COLLATE "C" NOT NULL REFERENCES models (sha256),
+    spec_json    TEXT NOT NULL CHECK (json_typeof(spec_json::json) = 'object'),
+    created_at   DOUBLE PRECISION NOT NULL
+);
+
+CREATE TABLE service_replicas (
+    deployment_id TEXT COLLATE "C" PRIMARY KEY CHECK (deployment_id <> ''),
+    service       TEXT COLLATE "C" NOT NULL REFERENCES services (name),
+    site          TEXT NOT NULL,
+    created_at    DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX service_replicas_by_service ON service_replicas (service);
+
+CREATE TABLE service_clients (
+    service        TEXT COLLATE "C" NOT NULL REFERENCES services (name),
+    client_id      TEXT COLLATE "C" NOT NULL CHECK (client_id <> ''),
+    token_sha256   TEXT NOT NULL CHECK (token_sha256 ~ '^[0-9a-f]{64}$'),
+    priority_class TEXT NOT NULL CHECK (priority_class IN ('critical', 'standard', 'best-effort')),
+    deployment_id  TEXT COLLATE "C" NOT NULL,
+    site           TEXT NOT NULL,
+    attached_at    DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (service, client_id)
+);
+CREATE INDEX service_clients_by_deployment ON service_clients (deployment_id);
+"""
+
 MIGRATIONS: dict[str, tuple[str, ...]] = {
     "sqlite": (
         _SQLITE_V1, _SQLITE_V2, _SQLITE_V3, _SQLITE_V4, _SQLITE_V5, _SQLITE_V6, _SQLITE_V7,
-        _SQLITE_V8,
+        _SQLITE_V8, _SQLITE_V9,
     ),
     "postgresql": (
         _POSTGRES_V1, _POSTGRES_V2, _POSTGRES_V3, _POSTGRES_V4, _POSTGRES_V5, _POSTGRES_V6,
-        _POSTGRES_V7, _POSTGRES_V8,
+        _POSTGRES_V7, _POSTGRES_V8, _POSTGRES_V9,
     ),
 }  # fmt: skip
 """The scripts of each backend's dialect (`Backend.dialect`), in order; the length of either

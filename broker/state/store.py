@@ -79,9 +79,13 @@ from broker.state.records import (
     OffloadReportRecord,
     OffloadSummary,
     ResizeRecord,
+    ServiceClientRecord,
+    ServiceRecord,
+    ServiceReplicaRecord,
     StandbyRecord,
 )
 from broker.state.schema import MIGRATIONS
+from runtime.batching import PriorityClass
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,11 @@ _OFFLOAD_COLUMNS = (
     "reported_at"
 )
 _OFFLOAD_KEY = ("deployment_id", "client_id", "session")
+_SERVICE_COLUMNS = "name, owner, model_sha256, spec_json, created_at"
+_SERVICE_REPLICA_COLUMNS = "deployment_id, service, site, created_at"
+_SERVICE_CLIENT_COLUMNS = (
+    "service, client_id, token_sha256, priority_class, deployment_id, site, attached_at"
+)
 _MAX_TTL_S = 86400.0
 
 
@@ -118,9 +127,9 @@ def _placeholders(columns: str) -> str:
     return ", ".join(f":{name.strip()}" for name in columns.split(","))
 
 
-def _assignments(columns: str, key: str) -> str:
+def _assignments(columns: str, *key: str) -> str:
     names = [name.strip() for name in columns.split(",")]
-    return ", ".join(f"{name} = :{name}" for name in names if name != key)
+    return ", ".join(f"{name} = :{name}" for name in names if name not in key)
 
 
 _INSERT_DEPLOYMENT = (
@@ -941,6 +950,126 @@ class StateStore:
         )
         return [ResizeRecord(**row) for row in reversed(rows)]
 
+    # -- services -------------------------------------------------------------------------
+
+    def create_service(self, record: ServiceRecord) -> None:
+        """Store a new service. ConstraintError, with nothing written, when its name is
+        taken ("service NAME exists already"), its model is unknown, or the schema refuses a
+        value (an empty name or owner, a spec that is not a JSON object)."""
+        with self.transaction():
+            self._require("models", "sha256", record.model_sha256, "model")
+            changed = self._execute(
+                f"INSERT INTO services ({_SERVICE_COLUMNS}) "
+                f"VALUES ({_placeholders(_SERVICE_COLUMNS)}) ON CONFLICT (name) DO NOTHING",
+                dataclasses.asdict(record),
+            )
+            if changed == 0:
+                raise ConstraintError(f"service {record.name!r} exists already")
+
+    def get_service(self, name: str) -> ServiceRecord | None:
+        """The service of that name; None if there is none."""
+        rows = self._query(f"SELECT {_SERVICE_COLUMNS} FROM services WHERE name = ?", (name,))
+        return ServiceRecord(**rows[0]) if rows else None
+
+    def list_services(self) -> list[ServiceRecord]:
+        """Every service, by name."""
+        rows = self._query(f"SELECT {_SERVICE_COLUMNS} FROM services ORDER BY name")
+        return [ServiceRecord(**row) for row in rows]
+
+    def delete_service(self, name: str) -> bool:
+        """Forget the service `name` with the records of its replicas and of its attached
+        clients, all in one transaction (the replicas' deployments are the caller's to
+        stop). Idempotent: whether it existed."""
+        with self.transaction():
+            for table in ("service_clients", "service_replicas"):
+                self._execute(f"DELETE FROM {table} WHERE service = ?", (name,))
+            changed = self._execute("DELETE FROM services WHERE name = ?", (name,))
+        return changed == 1
+
+    def add_service_replica(self, record: ServiceReplicaRecord) -> None:
+        """Record a replica of a service, before it is started. ConstraintError, with
+        nothing written, for an unknown service, or a deployment that is a replica (of any
+        service) already."""
+        with self.transaction():
+            self._require("services", "name", record.service, "service")
+            changed = self._execute(
+                f"INSERT INTO service_replicas ({_SERVICE_REPLICA_COLUMNS}) "
+                f"VALUES ({_placeholders(_SERVICE_REPLICA_COLUMNS)}) "
+                "ON CONFLICT (deployment_id) DO NOTHING",
+                dataclasses.asdict(record),
+            )
+            if changed == 0:
+                raise ConstraintError(f"deployment {record.deployment_id!r} is a replica already")
+
+    def remove_service_replica(self, deployment_id: str) -> bool:
+        """Forget the replica `deployment_id`; whether it was one. The clients on it keep
+        their records (`list_service_clients(deployment_id=...)` finds them to move)."""
+        with self.transaction():
+            changed = self._execute(
+                "DELETE FROM service_replicas WHERE deployment_id = ?", (deployment_id,)
+            )
+        return changed == 1
+
+    def list_service_replicas(self, service: str | None = None) -> list[ServiceReplicaRecord]:
+        """The replicas of one service or of all (`service` None), oldest first."""
+        condition = "" if service is None else "WHERE service = ?"
+        rows = self._query(
+            f"SELECT {_SERVICE_REPLICA_COLUMNS} FROM service_replicas {condition} "
+            "ORDER BY created_at, deployment_id",
+            () if service is None else (service,),
+        )
+        return [ServiceReplicaRecord(**row) for row in rows]
+
+    def put_service_client(self, record: ServiceClientRecord) -> None:
+        """Record a client attached to a service; a record of that service and client is
+        replaced (a re-attach: new token, replica, site, class). ConstraintError, with
+        nothing written (a replaced record stays as it was), for an unknown service, a
+        token hash that is not 64 lowercase hex digits or an unknown priority class. The
+        replica is not checked: the caller chose it."""
+        params = dataclasses.asdict(record)
+        params["priority_class"] = _enum(
+            PriorityClass, record.priority_class, "priority class"
+        ).value
+        with self.transaction():
+            self._require("services", "name", record.service, "service")
+            self._execute(
+                f"INSERT INTO service_clients ({_SERVICE_CLIENT_COLUMNS}) "
+                f"VALUES ({_placeholders(_SERVICE_CLIENT_COLUMNS)}) "
+                "ON CONFLICT (service, client_id) DO UPDATE SET "
+                f"{_assignments(_SERVICE_CLIENT_COLUMNS, 'service', 'client_id')}",
+                params,
+            )
+
+    def delete_service_client(self, service: str, client_id: str) -> bool:
+        """Detach `client_id` from `service`; whether it was attached."""
+        with self.transaction():
+            changed = self._execute(
+                "DELETE FROM service_clients WHERE service = ? AND client_id = ?",
+                (service, client_id),
+            )
+        return changed == 1
+
+    def list_service_clients(
+        self, service: str | None = None, deployment_id: str | None = None
+    ) -> list[ServiceClientRecord]:
+        """The attached clients, of one service or all (`service` None), on one replica or
+        any (`deployment_id` None), the earliest attached first."""
+        where: list[str] = []
+        params: list[str] = []
+        if service is not None:
+            where.append("service = ?")
+            params.append(service)
+        if deployment_id is not None:
+            where.append("deployment_id = ?")
+            params.append(deployment_id)
+        condition = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = self._query(
+            f"SELECT {_SERVICE_CLIENT_COLUMNS} FROM service_clients {condition} "
+            "ORDER BY attached_at, service, client_id",
+            params,
+        )
+        return [_service_client(row) for row in rows]
+
     # -- events ---------------------------------------------------------------------------
 
     def append_event(self, kind: str, subject: str, detail_json: str) -> EventRecord:
@@ -1190,6 +1319,18 @@ def _offload(row: Row) -> OffloadReportRecord:
             remote_reachable=bool(row["remote_reachable"]),
         ),
         reported_at=row["reported_at"],
+    )
+
+
+def _service_client(row: Row) -> ServiceClientRecord:
+    return ServiceClientRecord(
+        service=row["service"],
+        client_id=row["client_id"],
+        token_sha256=row["token_sha256"],
+        priority_class=PriorityClass(row["priority_class"]),
+        deployment_id=row["deployment_id"],
+        site=row["site"],
+        attached_at=row["attached_at"],
     )
 
 
