@@ -32,6 +32,7 @@ from common.replica_memory import ModelMemory
 from common.topology import Topology
 from node_daemon.errors import (
     AlreadyExists,
+    ClientsNotConfirmed,
     GpuShareTooSmall,
     InvalidRequest,
     ModelNotCached,
@@ -55,9 +56,18 @@ from node_daemon.runtimes.base import (
     Runtime,
     uncancellable,
 )
-from node_daemon.telemetry import NodeSample, ReplicaInfo, Telemetry
-from runtime.clients import MAX_CLIENTS, ClientEntry, check_unique, client_entry, format_clients
+from node_daemon.telemetry import NodeSample, ReplicaInfo, Telemetry, clients_generation_of
+from runtime.clients import (
+    MAX_CLIENTS,
+    MAX_GENERATION,
+    POLL_INTERVAL_S,
+    ClientEntry,
+    check_unique,
+    client_entry,
+    format_clients,
+)
 from runtime.errors import quote
+from runtime.metrics import CLIENTS_GENERATION
 from runtime.pem import TlsIdentity
 
 logger = logging.getLogger(__name__)
@@ -81,6 +91,20 @@ MAX_PRIORITY = 3
 """Critical, the highest priority class."""
 MAX_GRACE_MS = 3_600_000
 """The longest drain a stop may ask for."""
+CLIENTS_CONFIRM_S = 5.0
+"""How long `NodeAgent.set_replica_clients` waits, in all, for the replica to report the
+clients file it wrote in effect (one metrics read may overrun it by `SCRAPE_TIMEOUT_S`)."""
+CLIENTS_POLL_S = 0.005
+"""How often it reads the replica's clients generation meanwhile (one small HTTP GET)."""
+
+
+def next_generation(previous: int) -> int:
+    """The generation of a replica's next clients file: the Unix time in microseconds, or
+    `previous` + 1 when that is not later (two writes within a microsecond, a clock stepped
+    back). Time-based so that a daemon restarted (which forgets `previous`) still writes a
+    generation above those its predecessor wrote for a replica it adopts, unless the clock
+    stepped back past them. Below 2^53 until the year 2255."""
+    return min(MAX_GENERATION, max(previous + 1, time.time_ns() // 1000))
 
 
 def check_number(field: str, value: float, low: float, high: float) -> None:
@@ -269,8 +293,11 @@ class NodeAgent:
         GPU figures). Should it raise InventoryUnavailable, the sample carries the startup
         figures and a warning is logged (once, until it reads again)."""
         self._gpus_unreadable = False
-        self._writing_clients = asyncio.Lock()
-        """One clients file written at a time: a later call's set is the one left."""
+        self._writing_clients: dict[str, asyncio.Lock] = {}
+        """Per replica, one clients file written and confirmed at a time: a later call's
+        set is the one left."""
+        self._clients_generations: dict[str, int] = {}
+        """Per replica, the generation of the last clients file written."""
         self._sampling = asyncio.Lock()
         """One sample at a time: the heartbeat's sampler and a `Usage` call may both take
         one, and the telemetry's differences need the readings in order."""
@@ -524,24 +551,100 @@ class NodeAgent:
             self._stopping.discard(replica_id)
         self._replicas.pop(replica_id, None)
         self.allocator.release(replica_id)
+        self._writing_clients.pop(replica_id, None)
+        self._clients_generations.pop(replica_id, None)
         logger.info("replica=%s stopped exit_code=%s", replica_id, code)
 
     async def set_replica_clients(self, replica_id: str, clients: Sequence[ClientFields]) -> None:
-        """Replace the clients replica `replica_id` takes (`runtime.clients`): its clients
-        file, written atomically, which the replica reads again within a second. The whole
-        set each call, so a repeated call changes nothing. InvalidRequest naming the first
-        bad client (nothing written); ReplicaNotFound for a replica this node does not have.
-        Calls are applied one at a time, in the order they arrive."""
+        """Replace the clients replica `replica_id` takes (`runtime.clients`), and return
+        once the replica has them in effect: its clients file is written atomically with a
+        new generation (`next_generation`), the replica is told to read it
+        (`Runtime.reload_clients`: SIGHUP), and its metrics page is polled until it reports
+        that generation or a later one, `CLIENTS_CONFIRM_S` in all (a replica still starting
+        is waited for within that bound).
+
+        The whole set each call, so a repeated call changes nothing but the generation.
+        InvalidRequest naming the first bad client (nothing written); ReplicaNotFound for a
+        replica this node does not have or that no longer runs; ClientsNotConfirmed when
+        the replica does not confirm in time, and Unsupported when it cannot (its runtime
+        reports no generation: older than this node; it serves no metrics): in both the
+        file stays written, and the replica takes it when it next reads it (its poll).
+        Calls for one replica are applied one at a time, in the order they arrive, each
+        confirmed before the next is written; those for different replicas do not wait for
+        each other."""
         entries = _client_entries(clients)
-        if replica_id not in self._replicas:
+        self._running_view(replica_id)
+        async with self._writing_clients.setdefault(replica_id, asyncio.Lock()):
+            generation = next_generation(self._clients_generations.get(replica_id, 0))
+            self._clients_generations[replica_id] = generation
+            started = time.monotonic()
+            text = format_clients(entries, generation)
+            if not await self.runtime.write_clients(replica_id, text):
+                raise ReplicaNotFound(
+                    f"replica {quote(replica_id)} on node {self.node_id} is not running"
+                )
+            if self.runtime.reads_clients:
+                await self._confirm_clients(replica_id, generation)
+        logger.info(
+            "replica=%s clients=%d generation=%d in effect after %.1f ms",
+            replica_id,
+            len(entries),
+            generation,
+            (time.monotonic() - started) * 1000,
+        )
+
+    def _running_view(self, replica_id: str) -> ReplicaView:
+        """The replica, READY or STARTING; ReplicaNotFound otherwise."""
+        view = self._replicas.get(replica_id)
+        if view is None:
             raise ReplicaNotFound(f"no replica {quote(replica_id)} on node {self.node_id}")
-        async with self._writing_clients:
-            written = await self.runtime.write_clients(replica_id, format_clients(entries))
-        if not written:
+        if view.state not in (ReplicaState.READY, ReplicaState.STARTING):
             raise ReplicaNotFound(
                 f"replica {quote(replica_id)} on node {self.node_id} is not running"
             )
-        logger.info("replica=%s clients=%d", replica_id, len(entries))
+        return view
+
+    async def _confirm_clients(self, replica_id: str, generation: int) -> None:
+        """Return once the replica reports clients `generation` or a later one in effect,
+        telling it to read its file as soon as its page shows it handles the signal (see
+        `set_replica_clients` for the errors)."""
+        signalled = False
+        try:
+            async with asyncio.timeout(CLIENTS_CONFIRM_S):
+                while True:
+                    view = self._running_view(replica_id)
+                    if view.state is ReplicaState.READY:
+                        if not view.metrics_endpoint:
+                            raise Unsupported(
+                                f"replica {replica_id} serves no metrics, so it cannot confirm "
+                                "its clients: its clients file is written, and it reads it "
+                                f"within {POLL_INTERVAL_S:g} s"
+                            )
+                        page = await self.telemetry.read_page(
+                            replica_id, view.metrics_endpoint, (CLIENTS_GENERATION,)
+                        )
+                        if page is not None:
+                            reported = clients_generation_of(page)
+                            if reported is None:
+                                raise Unsupported(
+                                    f"replica {replica_id} runs a runtime that reports no "
+                                    "clients generation (older than this node), so it cannot "
+                                    "confirm its clients: its clients file is written, and it "
+                                    f"reads it within {POLL_INTERVAL_S:g} s"
+                                )
+                            if reported >= generation:
+                                return
+                            if not signalled:
+                                # Only now: the page shows a runtime that handles the signal.
+                                signalled = True
+                                await self.runtime.reload_clients(replica_id)
+                    await asyncio.sleep(CLIENTS_POLL_S)
+        except TimeoutError:
+            raise ClientsNotConfirmed(
+                f"replica {replica_id} on node {self.node_id} did not confirm its clients "
+                f"(generation {generation}) within {CLIENTS_CONFIRM_S:g} s; its clients file "
+                "is written, and it takes them when it next reads it"
+            ) from None
 
     async def refresh(self) -> list[ReplicaView]:
         """Check every ready replica; one that died becomes EXITED (exit code, log tail)

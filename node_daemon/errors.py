@@ -13,14 +13,19 @@ Hierarchy::
     ├── AlreadyExists         a replica of that id runs already (ALREADY_EXISTS)
     ├── Unsupported           this node's runtime cannot do that (FAILED_PRECONDITION); a
     │                         memory_mib it cannot enforce here, refused before anything
-    │                         starts (the message starts `MEMORY_LIMIT_UNAVAILABLE`)
+    │                         starts (the message starts `MEMORY_LIMIT_UNAVAILABLE`); a
+    │                         replica whose runtime cannot confirm its clients (it reports
+    │                         no clients generation: older than the node)
     ├── GpuShareTooSmall      a GPU memory share below the model's need, refused before
     │                         anything starts, or its arena ran out as it loaded
     │                         (FAILED_PRECONDITION; the message starts `SHARE_TOO_SMALL`)
     ├── StartFailed           the replica could not start or become ready
     │                         (FAILED_PRECONDITION; the message has its exit code and log)
-    └── StopFailed            the runtime could not stop the replica; it stays listed,
-                              holding its GPUs, until a later stop succeeds (UNAVAILABLE)
+    ├── StopFailed            the runtime could not stop the replica; it stays listed,
+    │                         holding its GPUs, until a later stop succeeds (UNAVAILABLE)
+    └── ClientsNotConfirmed   a replica did not confirm, within the bound, the clients file
+                              just written (UNAVAILABLE); the file stays written, and the
+                              replica takes it when it next reads it
 
 `SHARE_TOO_SMALL` and `MEMORY_LIMIT_UNAVAILABLE` are `common.replica_memory`'s: the broker
 tells a refused spec from a replica that failed by itself by them.
@@ -79,4 +84,8 @@ class StartFailed(NodeError):
 
 
 class StopFailed(NodeError):
+    pass
+
+
+class ClientsNotConfirmed(NodeError):
     pass

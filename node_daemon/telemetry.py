@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.inventory import Gpu
 from node_daemon.runtimes.base import ReplicaStats
+from runtime.metrics import CLIENTS_GENERATION
 
 logger = logging.getLogger(__name__)
 
@@ -374,20 +375,53 @@ class Telemetry:
         return self.latest
 
     async def _scrape(self, info: ReplicaInfo) -> RuntimeCounters | None:
-        if not info.metrics_endpoint:
+        text = await self.read_page(info.replica_id, info.metrics_endpoint)
+        if text is None:
+            return None
+        try:
+            return parse_runtime_metrics(text)
+        except ValueError as err:
+            logger.debug("replica=%s: metrics not parsed: %r", info.replica_id, err)
+            return None
+
+    async def read_page(
+        self, replica_id: str, metrics_endpoint: str, names: Sequence[str] = ()
+    ) -> str | None:
+        """The replica's metrics page (Prometheus text), only the metrics `names` when given
+        (the runtime's endpoint serves just those); None when it has no endpoint or does
+        not answer 200 within `SCRAPE_TIMEOUT_S`."""
+        if not metrics_endpoint:
             return None
         if self._http is None:
             self._http = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
             )
+        url = f"http://{metrics_endpoint}/metrics"
         try:
-            async with self._http.get(f"http://{info.metrics_endpoint}/metrics") as response:
+            async with self._http.get(url, params=[("name[]", n) for n in names]) as response:
                 if response.status != 200:
                     return None
-                return parse_runtime_metrics(await response.text())
-        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-            logger.debug("replica=%s: metrics not read: %r", info.replica_id, err)
+                return await response.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as err:
+            logger.debug("replica=%s: metrics not read: %r", replica_id, err)
             return None
+
+
+def clients_generation_of(text: str) -> int | None:
+    """The value of the `CLIENTS_GENERATION` gauge on a metrics page; None when the page
+    has none, or one that is not a whole number within 0..2^53."""
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name != CLIENTS_GENERATION:
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+        if not (math.isfinite(number) and 0 <= number <= 2**53 and number.is_integer()):
+            return None
+        return int(number)
+    return None
 
 
 def usage_digest(sample: NodeSample) -> tuple[object, ...]:

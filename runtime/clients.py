@@ -17,10 +17,19 @@ bearer tokens of the clients listed in that file, one per line::
 Blank lines and lines starting ``#`` are skipped; at most `MAX_CLIENTS` clients and
 `MAX_FILE_BYTES` bytes. An error names the line, never its token hash.
 
-The replica polls the file's status every `POLL_INTERVAL_S` (`watch_clients_file`) and, when
-it changed, reads it again and swaps its table whole: a client added is taken from its next
-call, one removed refused (UNAUTHENTICATED) from its next call. A file that does not parse
-keeps the table read before (logged with the line); a missing file means no clients.
+The node writes a first line ``# generation N`` (a comment to any other reader): N, a
+decimal integer within 1..`MAX_GENERATION`, grows with each file the node writes for the
+replica, and the replica reports the generation of the table it has in effect as the gauge
+``offload_runtime_clients_generation`` (`runtime.metrics`; 0 before any file with one), so
+that the node can tell when a file it wrote is in effect. Only the first line carries it.
+
+The replica reads the file again whenever it receives SIGHUP (`RELOAD_SIGNAL`, which the
+node sends right after it writes the file), and, as a fallback (a node that sends no
+signal), whenever the file's status changes, which it polls every `POLL_INTERVAL_S`
+(`watch_clients_file`); each reading swaps its table whole: a client added is taken from
+its next call, one removed refused (UNAUTHENTICATED) from its next call. A file that does
+not parse keeps the table (and the generation) read before (logged with the line); a
+missing file means no clients, generation 0.
 
 Plain Python (no gRPC): the node daemon writes these files with `format_clients`.
 """
@@ -28,10 +37,12 @@ Plain Python (no gRPC): the node daemon writes these files with `format_clients`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -52,6 +63,12 @@ MAX_RPS_LIMIT = 1_000_000.0
 POLL_INTERVAL_S = 0.5
 """How often the replica looks at the clients file's status (one `stat` call)."""
 
+MAX_GENERATION = 2**53
+"""The largest generation: exact in the float a Prometheus gauge carries."""
+RELOAD_SIGNAL = signal.SIGHUP
+"""The signal that has a replica read its clients file again at once."""
+
+_GENERATION = re.compile(r"# generation ([0-9]{1,16})")
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -129,16 +146,29 @@ class Caller:
     """The client's rate limit; None: none."""
 
 
+@dataclass(frozen=True, slots=True)
+class ClientsFile:
+    """One reading of a clients file."""
+
+    entries: tuple[ClientEntry, ...] = ()
+    generation: int = 0
+    """Its first line's ``# generation N``; 0 when it has none."""
+
+
 class ClientTable:
     """The clients of one reading of the file, by their token's SHA-256 digest (bytes)."""
 
     def __init__(
-        self, entries: Iterable[ClientEntry] = (), previous: ClientTable | None = None
+        self,
+        entries: Iterable[ClientEntry] = (),
+        previous: ClientTable | None = None,
+        generation: int = 0,
     ) -> None:
         """A client listed in `previous` with the same rate keeps its bucket: reading the
-        file again does not refill it."""
+        file again does not refill it. `generation`: that of the file read."""
         kept = previous.callers_by_id if previous is not None else {}
         self.entries = tuple(entries)
+        self.generation = generation
         self.callers: dict[bytes, Caller] = {}
         self.callers_by_id: dict[str, Caller] = {}
         for entry in self.entries:
@@ -217,22 +247,44 @@ def parse_clients(text: str, source: str) -> tuple[ClientEntry, ...]:
     return tuple(entries)
 
 
-def format_clients(entries: Iterable[ClientEntry]) -> str:
-    """A clients file listing `entries` (which `parse_clients` reads back as they are)."""
+def parse_generation(text: str) -> int:
+    """The generation `text`'s first line carries (``# generation N``); 0 when it carries
+    none (or one out of 1..`MAX_GENERATION`: a comment like any other)."""
+    first = text.split("\n", 1)[0].strip()
+    match = _GENERATION.fullmatch(first)
+    if match is None:
+        return 0
+    generation = int(match.group(1))
+    return generation if generation <= MAX_GENERATION else 0
+
+
+def format_clients(entries: Iterable[ClientEntry], generation: int = 0) -> str:
+    """A clients file listing `entries` (which `parse_clients` reads back as they are),
+    its first line ``# generation N`` when `generation` (1..`MAX_GENERATION`) is given."""
     lines = ["# CLIENT_ID CLASS TOKEN_SHA256 MAX_RPS (written by the node daemon)"]
+    if generation:
+        if not 0 < generation <= MAX_GENERATION:
+            raise ValueError(f"a generation must be within 1..{MAX_GENERATION}")
+        lines.insert(0, f"# generation {generation}")
     for e in entries:
         lines.append(f"{e.client_id} {e.priority_class} {e.token_sha256} {e.max_rps!r}")
     return "\n".join(lines) + "\n"
 
 
 def read_clients_file(path: Path) -> tuple[ClientEntry, ...]:
-    """The entries of the clients file at `path`; none when it does not exist. ValueError
-    naming the path (and the line) when it cannot be read or does not parse. Blocking."""
+    """The entries of the clients file at `path` (`read_clients`). Blocking."""
+    return read_clients(path).entries
+
+
+def read_clients(path: Path) -> ClientsFile:
+    """The clients file at `path`: no entries, generation 0, when it does not exist.
+    ValueError naming the path (and the line) when it cannot be read or does not parse.
+    Blocking."""
     try:
         with path.open("rb") as file:
             data = file.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        return ()
+        return ClientsFile()
     except OSError as err:
         raise ValueError(f"clients file {path}: cannot be read ({err.strerror})") from err
     if len(data) > MAX_FILE_BYTES:
@@ -241,7 +293,7 @@ def read_clients_file(path: Path) -> tuple[ClientEntry, ...]:
         text = data.decode()
     except UnicodeDecodeError as err:
         raise ValueError(f"clients file {path}: not UTF-8 text") from err
-    return parse_clients(text, f"clients file {path}")
+    return ClientsFile(parse_clients(text, f"clients file {path}"), parse_generation(text))
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int] | None:
@@ -258,22 +310,37 @@ async def watch_clients_file(
     table: ClientTable,
     apply: Callable[[ClientTable], None],
     interval_s: float = POLL_INTERVAL_S,
+    reload: asyncio.Event | None = None,
 ) -> NoReturn:
-    """Read `path` again whenever its status changes (and once at first, in case it changed
-    since `table` was read), and `apply` each new table. A reading that fails keeps the
-    table before it (logged with the reason and the line). Runs until cancelled."""
+    """Read `path` again whenever `reload` is set (the replica's `RELOAD_SIGNAL` handler
+    sets it) and whenever its status changes (polled every `interval_s`; and once at first,
+    in case it changed since `table` was read), and `apply` each new table: new entries or
+    a new generation. A reading that fails keeps the table before it (logged with the
+    reason and the line). Runs until cancelled."""
+    if reload is None:
+        reload = asyncio.Event()
     seen: object = object()
     while True:
+        # Cleared before the reading: a signal that arrives during it reads once more.
+        told = reload.is_set()
+        reload.clear()
         stamp = _stamp(path)
-        if stamp != seen:
+        if told or stamp != seen:
             seen = stamp
             try:
-                entries = await asyncio.to_thread(read_clients_file, path)
+                read = await asyncio.to_thread(read_clients, path)
             except ValueError as err:
                 logger.error("%s; keeping the %d clients read before", err, len(table.entries))
             else:
-                if entries != table.entries:
-                    table = ClientTable(entries, table)
+                if (read.entries, read.generation) != (table.entries, table.generation):
+                    table = ClientTable(read.entries, table, read.generation)
                     apply(table)
-                    logger.info("clients file %s: %d clients", path, len(entries))
-        await asyncio.sleep(interval_s)
+                    logger.info(
+                        "clients file %s: %d clients, generation %d%s",
+                        path,
+                        len(read.entries),
+                        read.generation,
+                        " (signalled)" if told else "",
+                    )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(reload.wait(), interval_s)

@@ -38,6 +38,14 @@ none for a client no longer in it (so at most the file's `MAX_CLIENTS` per name)
 - ``offload_runtime_client_compute_seconds_total{model, client}`` (counter): the compute
   time of its requests (a batch's time split by rows among its requests).
 
+And for the replica as a whole:
+
+- ``offload_runtime_clients_generation`` (gauge, no label): the generation of the clients
+  file whose table is in effect (`runtime.clients`; 0 before any file with one): the node
+  reads it to confirm that a file it wrote is in effect (it asks for this name alone, with
+  ``?name[]=offload_runtime_clients_generation``). It is set after the table is swapped, so
+  a reader that sees it sees the table in use.
+
 Calls refused before the handler are not counted: those without the right token (so that a
 caller without it cannot move a replica's load figures) and those gRPC itself refuses (a
 message over --max-message-bytes).
@@ -76,6 +84,9 @@ busy CPU); slower calls fall in +Inf."""
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Histogram buckets (rows) of the batch sizes."""
+
+CLIENTS_GENERATION = "offload_runtime_clients_generation"
+"""The gauge of the clients table's generation (the node daemon reads it by this name)."""
 
 SHUTDOWN_POLL_S = 0.1
 """How often the endpoint's thread checks for `MetricsEndpoint.close`: what a close waits
@@ -330,6 +341,11 @@ class RuntimeMetrics:
             "offload_runtime_client_compute_seconds",
             "Compute time of each client's requests (a batch's split by rows).",
             ["model", "client"],
+            registry=r,
+        )
+        self.clients_generation = Gauge(
+            CLIENTS_GENERATION,
+            "The generation of the clients file whose table is in effect (0: none read).",
             registry=r,
         )
 

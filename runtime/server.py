@@ -12,7 +12,9 @@ tensor, the token or the model's path. It is up from the start (the node daemon 
 port from the log line before `runtime listening on`) until gRPC has stopped.
 
 With `--clients-file PATH` the replica also takes the calls of the clients listed there, each
-with its own class and rate limit, and follows the file as it changes (`runtime.clients`).
+with its own class and rate limit, and follows the file as it changes (`runtime.clients`):
+SIGHUP has it read the file again at once (the node sends it after each write; without a
+clients file SIGHUP is logged and ignored, never the default's exit).
 
 With `--tls-cert` and `--tls-key` (the node's certificate, which the node hands its replicas)
 gRPC serves TLS; without them, a --host other hosts can reach needs `--insecure` (the node
@@ -60,9 +62,10 @@ from runtime.batching import (
 from runtime.clients import (
     MAX_CLIENTS,
     POLL_INTERVAL_S,
+    RELOAD_SIGNAL,
     ClientEntry,
     ClientTable,
-    read_clients_file,
+    read_clients,
     watch_clients_file,
 )
 from runtime.errors import ModelLoadError
@@ -148,6 +151,8 @@ class RuntimeSettings:
     """The clients file the replica follows (`runtime.clients`); None: no clients."""
     clients: tuple[ClientEntry, ...] = ()
     """Its clients as read at start."""
+    clients_generation: int = 0
+    """The generation of that reading (`runtime.clients`; 0: none)."""
     precision: Precision = Precision.FP32
     """FP16: serve `fp16_model`, once checked against `model` at load (`runtime.precision`)."""
     fp16_model: Path | None = None
@@ -211,10 +216,12 @@ class RunningServer:
         )
 
     def use_clients(self, table: ClientTable) -> None:
-        """Take `table`'s clients from the next call on, and keep metrics for them."""
+        """Take `table`'s clients from the next call on, and keep metrics for them; its
+        generation is reported last, once the table is the one in use."""
         self.clients = table
         self.tokens.use_clients(table)
         self.model_metrics.use_clients(table.ids)
+        self.metrics.clients_generation.set(table.generation)
 
     async def close_metrics(self) -> None:
         """Stop serving the metrics page (idempotent); last, so scrapes see a drain end."""
@@ -284,9 +291,14 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
     running = RunningServer(
         server, port, state, executor, metrics, model_metrics, tokens, ClientTable(), endpoint
     )
-    running.use_clients(ClientTable(settings.clients))
+    running.use_clients(ClientTable(settings.clients, generation=settings.clients_generation))
     if settings.clients_file is not None:
-        logger.info("clients file %s: %d clients", settings.clients_file, len(settings.clients))
+        logger.info(
+            "clients file %s: %d clients, generation %d",
+            settings.clients_file,
+            len(settings.clients),
+            settings.clients_generation,
+        )
     return running
 
 
@@ -517,17 +529,32 @@ def _read_warmup_inputs(path: Path | None) -> dict[str, np.ndarray] | None:
 
 async def serve(settings: RuntimeSettings) -> int:
     """Run until SIGTERM/SIGINT, then drain. Returns the process exit code. With a clients
-    file, its watch runs beside (`runtime.clients.watch_clients_file`) until the drain."""
+    file, its watch runs beside (`runtime.clients.watch_clients_file`) until the drain, and
+    SIGHUP has it read the file at once. The handlers are installed before anything is
+    served: a node that sees the metrics page may signal the process."""
     stop = asyncio.Event()
+    reload = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if settings.clients_file is not None:
+        loop.add_signal_handler(RELOAD_SIGNAL, reload.set)
+    else:
+        loop.add_signal_handler(
+            RELOAD_SIGNAL,
+            lambda: logger.info("%s: no --clients-file; nothing to read", RELOAD_SIGNAL.name),
+        )
     running = await start_server(settings)
     async with asyncio.TaskGroup() as background:
         watching = None
         if settings.clients_file is not None:
             watching = background.create_task(
-                watch_clients_file(settings.clients_file, running.clients, running.use_clients),
+                watch_clients_file(
+                    settings.clients_file,
+                    running.clients,
+                    running.use_clients,
+                    reload=reload,
+                ),
                 name="watch-clients-file",
             )
         code = await _until_stopped(running, settings, stop)
@@ -819,9 +846,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the clients sharing this replica, one 'CLIENT_ID CLASS TOKEN_SHA256 [MAX_RPS]' "
         "per line (TOKEN_SHA256: the lowercase hex SHA-256 of the client's bearer token; "
         "MAX_RPS: its calls per second, bursts of max(1, MAX_RPS); 0 or absent: no limit); "
-        f"at most {MAX_CLIENTS} clients. Read again within {POLL_INTERVAL_S:g} s of each "
-        "change: a client removed is refused from its next call; a file that does not "
-        "parse keeps the clients read before; a missing file: no clients",
+        f"at most {MAX_CLIENTS} clients; a first line '# generation N' is reported as the "
+        "gauge offload_runtime_clients_generation. Read again at once on SIGHUP and "
+        f"within {POLL_INTERVAL_S:g} s of each change: a client removed is refused from "
+        "its next call; a file that does not parse keeps the clients read before; a "
+        "missing file: no clients",
     )
     p.add_argument(
         "--warmup-inputs",
@@ -876,7 +905,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         parser.error(str(err))
     try:
         class_tokens = {} if args.class_tokens is None else _class_tokens(args.class_tokens)
-        clients = () if args.clients_file is None else read_clients_file(args.clients_file)
+        clients_file = None if args.clients_file is None else read_clients(args.clients_file)
     except ValueError as err:
         parser.error(str(err))
     metrics_port = args.metrics_port
@@ -911,7 +940,8 @@ def settings_from_args(argv: Sequence[str] | None = None) -> RuntimeSettings:
         priority_class=PriorityClass(args.priority_class),
         class_tokens=class_tokens,
         clients_file=args.clients_file,
-        clients=clients,
+        clients=clients_file.entries if clients_file is not None else (),
+        clients_generation=clients_file.generation if clients_file is not None else 0,
         precision=precision,
         fp16_model=args.fp16_model,
     )

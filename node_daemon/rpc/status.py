@@ -8,6 +8,7 @@ import grpc
 from common.content import InvalidDigest
 from node_daemon.errors import (
     AlreadyExists,
+    ClientsNotConfirmed,
     GpuShareTooSmall,
     InvalidRequest,
     NotFound,
@@ -28,6 +29,7 @@ STATUS_TABLE: StatusTable = (
     (StartFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
     (StopFailed, grpc.StatusCode.UNAVAILABLE),
+    (ClientsNotConfirmed, grpc.StatusCode.UNAVAILABLE),
 )
 """Each error's status, most specific first. A `NodeError` not listed here (a new subclass
 someone forgot to map) answers INTERNAL and is logged as the bug it is."""

@@ -211,6 +211,9 @@ class Runtime(Protocol):
     """
 
     name: str
+    reads_clients: bool
+    """Whether its replicas read their clients file (False: `NullRuntime`, which runs
+    nothing: a clients file it accepts has nothing to confirm)."""
     model_file_mode: int
     """The mode the node's model cache gives its files, so that this runtime's replicas can
     read them: 0600 for a replica running as the daemon's user; a container runs as the
@@ -226,6 +229,15 @@ class Runtime(Protocol):
         """Replace the replica's clients file (`runtime.clients`; every replica is started
         with one, empty at first) with `text`, atomically (`write_clients_file`). False when
         this runtime runs nothing of that id."""
+        ...
+
+    async def reload_clients(self, replica_id: str) -> bool:
+        """Tell the replica to read its clients file again now (`runtime.clients.
+        RELOAD_SIGNAL`, SIGHUP, to its process). Only for a replica whose runtime handles
+        the signal (its metrics page reports a clients generation): SIGHUP's default ends a
+        process. False when it could not be told (it runs nothing of that id, the process is
+        gone, the engine refused: logged); the replica still reads the file within its
+        poll."""
         ...
 
     async def detach(self) -> None: ...

@@ -74,7 +74,7 @@ from node_daemon.runtimes.base import (
     write_tls_files,
 )
 from node_daemon.runtimes.readiness import wait_ready
-from runtime.clients import format_clients
+from runtime.clients import RELOAD_SIGNAL, format_clients
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ class _Started:
 
 class DockerRuntime:
     name = "docker"
+    reads_clients = True
     model_file_mode = 0o644  # the image's user reads it through a bind mount
 
     def __init__(
@@ -623,6 +624,20 @@ class DockerRuntime:
         if started is None or not started.secrets.name.startswith("offload-"):
             return False
         await asyncio.to_thread(self._write_clients, started.secrets, text)
+        return True
+
+    async def reload_clients(self, replica_id: str) -> bool:
+        """SIGHUP to the container's main process, the runtime (the engine's kill with that
+        signal; see `Runtime.reload_clients`); False when it runs nothing of that id or the
+        engine refuses (logged)."""
+        started = self._started.get(replica_id)
+        if started is None:
+            return False
+        try:
+            await asyncio.to_thread(started.container.kill, signal=RELOAD_SIGNAL.name)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as err:
+            logger.warning("replica=%s: cannot signal it to read its clients: %s", replica_id, err)
+            return False
         return True
 
     @staticmethod

@@ -35,6 +35,7 @@ class NullRuntime:
     """Replicas that are ready at once and use nothing (see the module docstring)."""
 
     name = "null"
+    reads_clients = False
     model_file_mode = PRIVATE_FILE
 
     def __init__(self) -> None:
@@ -93,6 +94,10 @@ class NullRuntime:
     async def write_clients(self, replica_id: str, text: str) -> bool:
         """Accept a clients file for a held replica (nothing reads it: nothing is written);
         False for one it holds nothing of."""
+        return replica_id in self._replicas
+
+    async def reload_clients(self, replica_id: str) -> bool:
+        """Nothing reads the file: whether it holds the replica."""
         return replica_id in self._replicas
 
     async def detach(self) -> None:

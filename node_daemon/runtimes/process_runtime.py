@@ -86,7 +86,7 @@ from node_daemon.runtimes.base import (
     write_tls_files,
 )
 from node_daemon.runtimes.readiness import wait_ready
-from runtime.clients import format_clients
+from runtime.clients import RELOAD_SIGNAL, format_clients
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +267,7 @@ def _proc_stats(pid: int) -> ReplicaStats | None:
 
 class ProcessRuntime:
     name = "process"
+    reads_clients = True
     model_file_mode = PRIVATE_FILE
 
     def __init__(
@@ -598,6 +599,18 @@ class ProcessRuntime:
         if running is None:
             return False
         await asyncio.to_thread(write_clients_file, running.workdir, text)
+        return True
+
+    async def reload_clients(self, replica_id: str) -> bool:
+        """SIGHUP to the replica's process (see `Runtime.reload_clients`); False when it runs
+        nothing of that id or the process is gone."""
+        running = self._running.get(replica_id)
+        if running is None or not running.alive():
+            return False
+        try:
+            os.kill(running.pid, RELOAD_SIGNAL)
+        except ProcessLookupError:
+            return False
         return True
 
     async def status(self, replica_id: str) -> ReplicaStatus | None:

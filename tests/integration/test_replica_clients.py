@@ -1,13 +1,19 @@
 """NodeAgent's SetReplicaClients end to end, as the broker calls it (`broker.node_client.
 NodeClient`): a real node daemon (`offload node`) on each runtime checks every field, writes
-the replica's clients file, and the replica takes exactly the clients of the last call."""
+the replica's clients file, and answers once the replica has exactly the clients of the
+call in effect (a call made right after it is served, or refused, accordingly); a replica
+that cannot confirm in time gets UNAVAILABLE, and takes the set once it runs again."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import os
+import signal
 import stat
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -21,7 +27,8 @@ from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import node_pb2 as pb
 from protos.offload.v1 import node_pb2_grpc as pb_grpc
 from runtime.batching import PriorityClass
-from runtime.clients import MAX_CLIENTS, ClientEntry, read_clients_file
+from runtime.clients import MAX_CLIENTS, ClientEntry, parse_generation, read_clients_file
+from tests.docker_support import require_docker
 from tests.integration.test_node_agent import TOKEN, _cleanup, put_model, start_daemon
 
 MODEL = "mlp"
@@ -120,16 +127,12 @@ async def test_a_replica_takes_the_clients_the_node_is_given(runtime: str, tmp_p
             assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         assert not await node.set_replica_clients("nope-1", [])
 
-        # Not a client yet: refused. Given, taken within the replica's poll.
+        # Not a client yet: refused. Given: taken once the call answers.
         assert await refusal(replica.endpoint, ONE) == grpc.StatusCode.UNAUTHENTICATED
         c1 = ClientEntry("c1", PriorityClass.CRITICAL, sha(ONE), 25.0)
         assert await node.set_replica_clients(replica.replica_id, [c1])
         assert await node.set_replica_clients(replica.replica_id, [c1])  # idempotent
-
-        async def taken() -> bool:
-            return await refusal(replica.endpoint, ONE) is None
-
-        await until(taken, "the client given was never taken")
+        assert await refusal(replica.endpoint, ONE) is None
         if runtime == "process":
             written = state / "replicas" / replica.replica_id / "clients"
             assert stat.S_IMODE(written.stat().st_mode) == 0o600
@@ -139,12 +142,117 @@ async def test_a_replica_takes_the_clients_the_node_is_given(runtime: str, tmp_p
         # The whole set each call: an empty one removes the client; the deployment's own
         # token still works.
         assert await node.set_replica_clients(replica.replica_id, [])
-
-        async def refused() -> bool:
-            return await refusal(replica.endpoint, ONE) == grpc.StatusCode.UNAUTHENTICATED
-
-        await until(refused, "the client removed was still served")
+        assert await refusal(replica.endpoint, ONE) == grpc.StatusCode.UNAUTHENTICATED
         assert await refusal(replica.endpoint, TOKEN) is None
     finally:
         await node.close()
         await _cleanup(daemon, started)
+
+
+def generation(metrics_endpoint: str) -> float:
+    """The clients generation the replica reports (blocking)."""
+    url = f"http://{metrics_endpoint}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("offload_runtime_clients_generation "):
+                return float(line.split()[1])
+    raise AssertionError("the replica reports no clients generation")
+
+
+async def test_a_client_is_served_as_soon_as_the_node_answers(
+    runtime: str, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    daemon = await start_daemon(
+        runtime, f"test-node-{runtime}-attach", state, tmp_path / "daemon.log"
+    )
+    started: list[str] = []
+    node = NodeClient("attach-node", daemon.address, None)
+    resume: Callable[[], None] | None = None
+    """Set while the replica is stopped."""
+    try:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.NodeAgentStub(channel)
+            sha256 = await put_model(stub, modelzoo.model_path(MODEL))
+            spec = pb.ReplicaSpec(
+                deployment_id="attach", epoch=1, model_sha256=sha256, model_name=MODEL,
+                token=TOKEN,
+            )  # fmt: skip
+            replica = (await stub.StartReplica(pb.StartReplicaRequest(spec=spec))).replica
+            started.append(replica.replica_id)
+        folder = state / "replicas" / replica.replica_id
+        metrics = ""
+        if runtime == "process":
+            record = json.loads((folder / "replica.json").read_text())
+            metrics = record["metrics_endpoint"]
+            assert await asyncio.to_thread(generation, metrics) == 0  # none written yet
+
+        # Each round attaches a new client in place of the last (a new token, the old one
+        # dropped), and calls with both at once: no race between the answer and the set.
+        seen = 0.0
+        for n in range(20):
+            token, before = f"client-token-{n}-0123456789", f"client-token-{n - 1}-0123456789"
+            entry = ClientEntry(f"c{n}", PriorityClass.STANDARD, sha(token))
+            assert await node.set_replica_clients(replica.replica_id, [entry])
+            assert await refusal(replica.endpoint, token) is None, n
+            if n:
+                assert await refusal(replica.endpoint, before) == (
+                    grpc.StatusCode.UNAUTHENTICATED
+                ), n
+            if metrics:
+                now = await asyncio.to_thread(generation, metrics)
+                assert now > seen, (n, now, seen)
+                seen = now
+                assert now == parse_generation((folder / "clients").read_text())
+
+        # A replica that does not answer (stopped) cannot confirm: UNAVAILABLE naming it and
+        # the wait; the file is written all the same.
+        stop, resume = freeze(runtime, replica.ref)
+        stop()
+        late = "client-token-late-0123456789"
+        request = pb.SetReplicaClientsRequest(
+            replica_id=replica.replica_id,
+            clients=[client(client_id="late", token_sha256=sha(late))],
+        )
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await pb_grpc.NodeAgentStub(channel).SetReplicaClients(request, timeout=60)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = caught.value.details() or ""
+        assert f"replica {replica.replica_id}" in details, details
+        assert "did not confirm its clients" in details and "within 5 s" in details, details
+        written = (folder / "clients").read_text() if runtime == "process" else ""
+        resume, thawed = None, resume
+        thawed()
+
+        # Running again, it catches up (its poll reads the file) and serves the client.
+        async def caught_up() -> bool:
+            return await refusal(replica.endpoint, late) is None
+
+        await until(caught_up, "the replica never took the clients written while it was stopped")
+        if metrics:
+            assert await asyncio.to_thread(generation, metrics) == parse_generation(written)
+        assert await node.set_replica_clients(replica.replica_id, [])
+        assert await refusal(replica.endpoint, late) == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        if resume is not None:
+            resume()
+        await node.close()
+        await _cleanup(daemon, started)
+
+
+def freeze(runtime: str, ref: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(stop, resume) the replica: SIGSTOP and SIGCONT to a process, the engine's pause and
+    unpause to a container."""
+    if runtime == "process":
+        pid = int(ref)
+        return (lambda: os.kill(pid, signal.SIGSTOP)), (lambda: os.kill(pid, signal.SIGCONT))
+
+    def call(action: str) -> None:
+        client = require_docker()
+        try:
+            getattr(client.containers.get(ref), action)()
+        finally:
+            client.close()
+
+    return (lambda: call("pause")), (lambda: call("unpause"))

@@ -1,6 +1,7 @@
 """A shared replica's clients (`--clients-file`, `runtime.clients`) on a real `python -m
 runtime.server` process serving the MLP: each client's token is taken with its own class and
-rate limit, the file is followed as it changes, and each client has its own metrics."""
+rate limit, the file is followed as it changes (read at once on SIGHUP, else by its poll),
+the generation in effect is reported, and each client has its own metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import hashlib
 import os
 import re
+import signal
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +25,8 @@ import modelzoo
 from edge_client.rpc.tensors import infer_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from runtime.batching import PriorityClass
+from runtime.clients import ClientEntry, format_clients
 from tests.runtime_support import AUTH, spawn_runtime
 
 MODEL = "mlp"
@@ -45,6 +49,7 @@ class Replica:
     stub: pb_grpc.GRPCInferenceServiceStub
     metrics_url: str
     log: Path
+    process: asyncio.subprocess.Process
 
     async def infer(self, token: str) -> None:
         path = modelzoo.model_path(MODEL)
@@ -60,6 +65,9 @@ class Replica:
         except grpc.aio.AioRpcError as err:
             return err
         return None
+
+    async def generation(self) -> float:
+        return (await self.samples())[("offload_runtime_clients_generation", frozenset())]
 
     async def samples(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         def read() -> str:
@@ -91,7 +99,7 @@ async def replica(tmp_path: Path) -> AsyncIterator[Callable[[str], Awaitable[Rep
         assert match is not None, log.read_text()
         channel = grpc.aio.insecure_channel(endpoint)
         channels.append(channel)
-        return Replica(pb_grpc.GRPCInferenceServiceStub(channel), match.group(1), log)
+        return Replica(pb_grpc.GRPCInferenceServiceStub(channel), match.group(1), log, process)
 
     channels: list[grpc.aio.Channel] = []
     try:
@@ -199,3 +207,62 @@ async def test_a_client_over_its_rate_limit_is_refused_naming_it(
     assert codes == {"OK": 1.0, "RESOURCE_EXHAUSTED": 1.0}
     live = await served.stub.ServerReady(pb.ServerReadyRequest(), metadata=AUTH)
     assert live.ready
+
+
+def entry(client_id: str, token: str) -> ClientEntry:
+    return ClientEntry(client_id, PriorityClass.STANDARD, sha(token))
+
+
+async def test_sighup_has_the_file_read_at_once_and_its_generation_reported(
+    replica: Callable[[str], Awaitable[Replica]], tmp_path: Path
+) -> None:
+    path = tmp_path / "clients"
+    served = await replica(format_clients([entry("c0", "client-token-0-0123456789")], 1))
+    assert await served.generation() == 1  # the file read at start
+    await served.infer("client-token-0-0123456789")
+    # As the node does it, round after round: write, signal, wait for the generation, and
+    # call at once: the client added is served, the one removed refused.
+    for n in range(1, 21):
+        token, before = f"client-token-{n}-0123456789", f"client-token-{n - 1}-0123456789"
+        write(path, format_clients([entry(f"c{n}", token)], n + 1))
+        served.process.send_signal(signal.SIGHUP)
+
+        async def confirmed(generation: int = n + 1) -> bool:
+            return await served.generation() >= generation
+
+        await until(confirmed, f"generation {n + 1} never reported")
+        await served.infer(token)
+        err = await served.refusal(before)
+        assert err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert served.process.returncode is None
+    assert "(signalled)" in served.log.read_text()
+
+    # An older node sends no signal (nor a generation): the poll reads the file, and the
+    # generation goes to 0.
+    write(path, format_clients([entry("c0", "client-token-0-0123456789")]))
+
+    async def polled() -> bool:
+        return await served.generation() == 0
+
+    await until(polled, "the file written without a signal was never read")
+    await served.infer("client-token-0-0123456789")
+
+
+async def test_sighup_without_a_clients_file_is_logged_not_fatal(tmp_path: Path) -> None:
+    process, endpoint = await spawn_runtime(tmp_path, modelzoo.model_path(MODEL))
+    try:
+        process.send_signal(signal.SIGHUP)
+        log = tmp_path / "runtime.log"
+
+        async def logged() -> bool:
+            return "SIGHUP: no --clients-file" in await asyncio.to_thread(log.read_text)
+
+        await until(logged, "SIGHUP was not logged")
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert (await stub.ServerReady(pb.ServerReadyRequest(), metadata=AUTH)).ready
+        assert process.returncode is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        await process.wait()

@@ -1,5 +1,6 @@
-"""`runtime.clients`: the clients file's format, its bounds, the rate limit, the tokens a
-replica takes from it, and the watch that follows the file as it changes."""
+"""`runtime.clients`: the clients file's format (its generation line too), its bounds, the
+rate limit, the tokens a replica takes from it, and the watch that follows the file as it
+changes and when it is told; how the node reads the generation the runtime reports."""
 
 from __future__ import annotations
 
@@ -13,20 +14,28 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.exposition import generate_latest
 
+from node_daemon.agent import next_generation
+from node_daemon.telemetry import clients_generation_of
 from runtime.batching import PriorityClass
 from runtime.clients import (
     MAX_CLIENTS,
+    MAX_GENERATION,
     MAX_RPS_LIMIT,
     Caller,
     ClientEntry,
+    ClientsFile,
     ClientTable,
     RateLimit,
     format_clients,
     parse_clients,
+    parse_generation,
+    read_clients,
     read_clients_file,
     watch_clients_file,
 )
+from runtime.metrics import CLIENTS_GENERATION, RuntimeMetrics
 from runtime.rpc.auth import INVALID_TOKEN, CallerTokens
 
 
@@ -213,3 +222,86 @@ async def test_the_watch_follows_the_file_and_keeps_the_last_good_table(
         watch.cancel()
         with pytest.raises(asyncio.CancelledError):
             await watch
+
+
+def test_the_generation_is_the_first_line_and_a_comment_to_other_readers(tmp_path: Path) -> None:
+    entries = (ClientEntry("c1", PriorityClass.CRITICAL, HASH, 2.5),)
+    text = format_clients(entries, 42)
+    assert text.splitlines()[0] == "# generation 42"
+    assert parse_generation(text) == 42
+    assert parse_clients(text, "f") == entries  # a comment to the entries' parser
+    path = tmp_path / "clients"
+    path.write_text(text)
+    assert read_clients(path) == ClientsFile(entries, 42)
+    assert read_clients(tmp_path / "missing") == ClientsFile((), 0)
+    assert parse_generation(format_clients(entries)) == 0
+    assert parse_generation(format_clients(entries, MAX_GENERATION)) == MAX_GENERATION
+    with pytest.raises(ValueError, match="a generation must be within"):
+        format_clients(entries, MAX_GENERATION + 1)
+    # Anything else is a comment like any other: no generation.
+    for other in (
+        f"# CLIENT_ID ...\n# generation 7\nc1 critical {HASH}\n",
+        "# generation seven\n",
+        "# generation -7\n",
+        f"# generation {MAX_GENERATION + 1}\n",
+        "# generation 12345678901234567\n",
+        "#generation 7\n",
+    ):
+        assert parse_generation(other) == 0, other
+    assert parse_generation("  # generation 7  \r\n") == 7
+
+
+def test_the_node_reads_the_generation_the_runtime_reports() -> None:
+    metrics = RuntimeMetrics()
+    page = generate_latest(metrics.registry.restricted_registry([CLIENTS_GENERATION])).decode()
+    assert clients_generation_of(page) == 0  # before any file with one
+    for generation in (1, 1_764_913_994_123_456, MAX_GENERATION):
+        metrics.clients_generation.set(generation)
+        page = generate_latest(metrics.registry).decode()
+        assert clients_generation_of(page) == generation
+    # A runtime older than the gauge, or a value no node wrote: none.
+    assert clients_generation_of("offload_runtime_requests_total 3.0\n") is None
+    assert clients_generation_of(f"{CLIENTS_GENERATION} 1.5\n") is None
+    assert clients_generation_of(f"{CLIENTS_GENERATION} NaN\n") is None
+
+
+def test_each_generation_the_node_writes_is_above_the_one_before() -> None:
+    generations = [next_generation(0)]
+    for _ in range(1000):
+        generations.append(next_generation(generations[-1]))
+    assert generations == sorted(set(generations))
+    assert next_generation(MAX_GENERATION - 5) == MAX_GENERATION - 4  # a clock behind
+    assert next_generation(MAX_GENERATION) == MAX_GENERATION
+
+
+async def test_the_watch_reads_the_file_when_told_and_reports_its_generation(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "clients"
+    entries = (ClientEntry("c1", PriorityClass.STANDARD, HASH),)
+    tables: list[ClientTable] = []
+    reload = asyncio.Event()
+    # A poll an hour apart: after its first reading, only `reload` has it read the file.
+    watch = asyncio.create_task(
+        watch_clients_file(path, ClientTable(), tables.append, 3600, reload)
+    )
+    try:
+        for generation in (5, 6, 7):
+            # The same entries each time: the new generation alone is a new table.
+            write(path, format_clients(entries, generation))
+            reload.set()
+            await wait_for(generation_taken(tables, generation), f"{generation} never taken")
+            assert tables[-1].entries == entries
+        # A file without one (an older node's) takes generation 0.
+        write(path, format_clients(()))
+        reload.set()
+        await wait_for(generation_taken(tables, 0), "generation 0 never taken")
+        assert tables[-1].entries == ()
+    finally:
+        watch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watch
+
+
+def generation_taken(tables: list[ClientTable], generation: int) -> Callable[[], bool]:
+    return lambda: bool(tables) and tables[-1].generation == generation

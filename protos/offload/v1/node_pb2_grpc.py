@@ -128,10 +128,16 @@ class NodeAgentServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def SetReplicaClients(self, request, context):
-        """Replaces the set of clients a replica takes (its clients file, which it follows within
-        a second): a client removed is refused UNAUTHENTICATED from its next call on. Idempotent.
-        NOT_FOUND for a replica this node does not have; INVALID_ARGUMENT naming the first bad
-        field. Added in v1: a node that predates it answers UNIMPLEMENTED.
+        """Replaces the set of clients a replica takes (its clients file) and answers OK once the
+        replica has the new set in effect: a client added is served, and one removed refused
+        UNAUTHENTICATED, from its next call on. Idempotent. NOT_FOUND for a replica this node
+        does not have (or that no longer runs); INVALID_ARGUMENT naming the first bad field;
+        UNAVAILABLE when the replica did not confirm the new set within 5 s (the file stays
+        written: it takes the set when it next reads it; retry to confirm); FAILED_PRECONDITION
+        for a replica whose runtime cannot confirm (older than the node: it reads the file
+        within 0.5 s). Added in v1: a node that predates it answers UNIMPLEMENTED. Nodes before
+        the confirmation answered OK once the file was written (the replica took it within a
+        second).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
