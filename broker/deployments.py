@@ -75,6 +75,10 @@ class _Watchers:
             queue.put_nowait(update)
 
 
+def new_deployment_id() -> str:
+    return f"d-{secrets.token_hex(5)}"
+
+
 class Deployments:
     """Every deployment not deleted, as stored (`DeploymentTable`: changed after every
     write the store commits), the clients watching them, and the decisions that place
@@ -161,8 +165,11 @@ class Deployments:
             await self._core.db(self._core.store.update_deployment, deployment_id, **changes)
         )
 
-    async def deploy(self, client_id: str, spec: DeploySpec) -> DeploymentRecord:
-        """Place and start a deployment; returns it once its replica is ready, or pending
+    async def deploy(
+        self, client_id: str, spec: DeploySpec, deployment_id: str | None = None
+    ) -> DeploymentRecord:
+        """Place and start a deployment (`deployment_id`: one its caller recorded already,
+        else a new one); returns it once its replica is ready, or pending
         when the start failed for another reason than the replica itself (the node killed or
         unreachable mid-start, the GPUs not free there yet): it is placed again.
 
@@ -188,7 +195,7 @@ class Deployments:
         if spec.site not in self._network.sites:
             known = ", ".join(self._network.sites)
             raise InvalidRequest(f"site {quote(spec.site)} is unknown; known sites: {known}")
-        deployment_id = f"d-{secrets.token_hex(5)}"
+        deployment_id = deployment_id or new_deployment_id()
         task = self._core.own(
             self._deploy(deployment_id, client_id, spec), f"deploy-{deployment_id}"
         )

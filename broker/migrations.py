@@ -89,8 +89,8 @@ class Migrations:
         self.prewarm.observe(client_id, site)
         started = []
         for record in await broker.deployments.list(client_id):
-            if record.state is not DeploymentState.RUNNING:
-                continue
+            if record.state is not DeploymentState.RUNNING or spec_of(record).service:
+                continue  # a service's replica stays at its site, wherever its owner is
             deployment_id = record.deployment_id
             await broker.deployments.set_site(deployment_id, site)
             try:

@@ -67,6 +67,8 @@ class Prewarm:
         record = await broker.deployments.deployment(deployment_id)
         if record is None or record.state is not DeploymentState.RUNNING:
             return None
+        if spec_of(record).service:
+            return None  # a service's replica serves its site: no client of its own moves
         if broker.standbys.standby_of(deployment_id) is not None:
             return None
         self.model.observe(record.client_id, record.site)  # its deploy site, say

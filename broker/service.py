@@ -14,7 +14,9 @@ object's private state):
   the migration records;
 - `broker.standbys.StandbyPool`: pre-warmed replicas;
 - `broker.reconciler.Reconciler`: what nodes report against what is expected;
-- `broker.uploads.Uploads` and `broker.reports.OffloadReports`: models and offload reports.
+- `broker.uploads.Uploads` and `broker.reports.OffloadReports`: models and offload reports;
+- `broker.services.Services`: models published for many clients, their replicas (deployments
+  of their owner) and which client is on which.
 
 They share a `broker.core.Core`: the state store's one thread and the broker's own tasks.
 The gRPC servicers in `broker.rpc` are thin layers over the facade and the owners.
@@ -54,6 +56,7 @@ from broker.placement import ClusterSnapshot
 from broker.quotas import ClientLimits
 from broker.reconciler import Reconciler
 from broker.reports import OffloadReports
+from broker.services import Services
 from broker.standbys import StandbyPool
 from broker.state import NodeState, StateStore
 from broker.telemetry import LoadHistory, NodeSample
@@ -125,6 +128,7 @@ class Broker:
             core, self.registry, self.applier, self.deployments, self.standbys, settings
         )
         self.reports = OffloadReports(core)
+        self.services = Services(core, self.registry, self.deployments, self.uploads, network)
 
     @property
     def nodes(self) -> Mapping[str, NodeEntry]:
@@ -153,6 +157,7 @@ class Broker:
         await self.registry.load()
         await self.deployments.load()
         await self.standbys.load()
+        await self.services.load()
         logger.info(
             "state loaded: %d node(s), %d deployment(s)",
             len(self.nodes),
@@ -160,6 +165,7 @@ class Broker:
         )
 
     async def close(self) -> None:
+        self.services.close()
         await self._core.cancel_tasks()
         await self.registry.close()
         self.deployments.close()
@@ -185,8 +191,13 @@ class Broker:
         """Make `keys` (a parsed `--api-keys-file`) exactly the valid API keys, at once and
         without hashing (`KeyVerifier.use_keys`): a removed or replaced key is refused from
         the next call on, and the WatchDeployment streams opened with it end UNAUTHENTICATED.
-        The ids of the clients whose key stopped working."""
-        return self._keys.use_keys(keys)
+        The ids of the clients whose key stopped working; their tokens at services'
+        replicas stop working too, in the background, within a second or so
+        (`Services.revoke`)."""
+        stopped = self._keys.use_keys(keys)
+        if stopped:
+            self._core.background(self.services.revoke(stopped), "revoke-service-clients")
+        return stopped
 
     # --- nodes ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -83,6 +84,9 @@ class DeploySpec:
     cpus_max: float = 0.0
     """The CPU floor and ceiling a node's resource manager keeps the replica within (0: half
     of `cpus`, and the node's cores; node.proto `ReplicaSpec`)."""
+    service: str = ""
+    """The service this deployment is a replica of (`broker.services`); "" for a client's
+    own. A service's replica stays at its site: it does not follow its owner's moves."""
 
     def validate(self) -> None:
         if not _MODEL_NAME.fullmatch(self.model_name):
@@ -145,6 +149,97 @@ class DeploySpec:
         """Also reads a spec stored before a field was added (it takes the default)."""
         data = json.loads(text)
         data["priority"] = PriorityClass(data["priority"])
+        return cls(**data)
+
+
+SERVICE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+"""What a service's name may be (it names the service in URLs, metrics and logs)."""
+DEFAULT_MAX_REPLICAS = 16
+MAX_REPLICAS = 1024
+MAX_SERVICE_CLIENTS = 10_000
+"""Clients a service may list (a replica's clients file takes at most as many)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """A model published once for many clients (the domain side of broker.proto's
+    ServiceSpec): what each replica runs with, who may use it, and how replicas follow
+    demand."""
+
+    model_sha256: str
+    model_name: str
+    gpus: int = 0
+    gpu_memory_mib: int = 0
+    cpus: float = 0.0
+    memory_mib: int = 0
+    clients: tuple[str, ...] = ()
+    """Client ids that may use it besides its owner (ignored with `any_client`)."""
+    any_client: bool = False
+    min_replicas_per_site: int = 0
+    max_replicas: int = DEFAULT_MAX_REPLICAS
+    latency_slo_ms: float = 0.0
+    """A client is put on a replica at most this far from its site, else one is started at
+    its site; 0: any replica in reach."""
+    max_rps_per_client: float = 0.0
+    """Each client's inference calls per second at a replica; 0: no limit."""
+
+    def validate(self, sites: Collection[str]) -> None:
+        """InvalidRequest naming the first bad field; `sites`: the cluster's."""
+        self.deploy_spec("").validate()
+        if not 0 <= self.min_replicas_per_site <= MAX_REPLICAS:
+            raise InvalidRequest(
+                f"min_replicas_per_site must be within 0..{MAX_REPLICAS}, not "
+                f"{self.min_replicas_per_site}"
+            )
+        if not 1 <= self.max_replicas <= MAX_REPLICAS:
+            raise InvalidRequest(
+                f"max_replicas must be within 1..{MAX_REPLICAS}, not {self.max_replicas}"
+            )
+        if self.min_replicas_per_site * len(sites) > self.max_replicas:
+            raise InvalidRequest(
+                f"min_replicas_per_site {self.min_replicas_per_site} at each of the "
+                f"{len(sites)} sites needs max_replicas of at least "
+                f"{self.min_replicas_per_site * len(sites)}, not {self.max_replicas}"
+            )
+        for name, value in (
+            ("latency_slo_ms", self.latency_slo_ms),
+            ("max_rps_per_client", self.max_rps_per_client),
+        ):
+            if not math.isfinite(value) or not 0 <= value <= 1e6:
+                raise InvalidRequest(f"{name} must be within 0..1e6, not {value!r}")
+        if len(self.clients) > MAX_SERVICE_CLIENTS:
+            raise InvalidRequest(
+                f"clients lists {len(self.clients)}; at most {MAX_SERVICE_CLIENTS}"
+            )
+        if self.any_client and self.clients:
+            raise InvalidRequest("give clients or any_client, not both")
+
+    def deploy_spec(self, site: str, service: str = "") -> DeploySpec:
+        """What a replica of `service` at `site` is deployed with."""
+        return DeploySpec(
+            model_sha256=self.model_sha256,
+            model_name=self.model_name,
+            site=site,
+            gpus=self.gpus,
+            gpu_memory_mib=self.gpu_memory_mib,
+            cpus=self.cpus,
+            memory_mib=self.memory_mib,
+            service=service,
+        )
+
+    def allows(self, client_id: str) -> bool:
+        """Whether `client_id` may use it (its owner always may: checked by the caller)."""
+        return self.any_client or client_id in self.clients
+
+    def to_json(self) -> str:
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        data["clients"] = list(self.clients)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServiceSpec:
+        data = json.loads(text)
+        data["clients"] = tuple(data["clients"])
         return cls(**data)
 
 

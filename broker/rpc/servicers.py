@@ -22,6 +22,12 @@ from broker.nodes import ReplicaState
 from broker.quotas import within_idle_timeout
 from broker.rpc import validate
 from broker.rpc.convert import inventory_from_proto, node_sample_from_proto, offload_from_proto
+from broker.rpc.service_messages import (
+    assignment_message,
+    client_class,
+    service_message,
+    service_spec,
+)
 from broker.rpc.status import mapped_errors
 from broker.service import Broker
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
@@ -491,6 +497,52 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
         await self._broker.deployments.get(client_id, deployment_id)
         records = await self._broker.moves.list_migrations(deployment_id)
         return pb.ListMigrationsResponse(migrations=[migration_message(m) for m in records])
+
+    @mapped_errors
+    async def CreateService(
+        self, request: pb.CreateServiceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Service:
+        client_id = await self._client(context)
+        view = await self._broker.services.create(
+            client_id, request.name, service_spec(request.spec)
+        )
+        return service_message(view)
+
+    @mapped_errors
+    async def GetService(
+        self, request: pb.GetServiceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Service:
+        client_id = await self._client(context)
+        return service_message(await self._broker.services.get(client_id, request.name))
+
+    @mapped_errors
+    async def ListServices(
+        self, request: pb.ListServicesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListServicesResponse:
+        client_id = await self._client(context)
+        views = await self._broker.services.list(client_id)
+        return pb.ListServicesResponse(services=[service_message(v) for v in views])
+
+    @mapped_errors
+    async def DeleteService(
+        self, request: pb.DeleteServiceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteServiceResponse:
+        client_id = await self._client(context)
+        await self._broker.services.delete(client_id, request.name)
+        return pb.DeleteServiceResponse()
+
+    @mapped_errors
+    async def UseService(
+        self, request: pb.UseServiceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServiceAssignment:
+        client_id = await self._client(context)
+        assignment = await self._broker.services.use(
+            client_id,
+            request.name,
+            validate.site("site", request.site),
+            client_class(request.priority),
+        )
+        return assignment_message(assignment, self._endpoint_ca)
 
 
 class OperatorServicer(pb_grpc.OperatorServicer):

@@ -422,10 +422,8 @@ class DeleteServiceRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class DeleteServiceResponse(_message.Message):
-    __slots__ = ("already_deleted",)
-    ALREADY_DELETED_FIELD_NUMBER: _ClassVar[int]
-    already_deleted: bool
-    def __init__(self, already_deleted: bool = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class UseServiceRequest(_message.Message):
     __slots__ = ("name", "site", "priority")

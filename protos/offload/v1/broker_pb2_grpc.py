@@ -463,7 +463,7 @@ class EdgeBrokerServicer(object):
 
     def DeleteService(self, request, context):
         """Stops every replica and forgets every client's assignment. PERMISSION_DENIED for a
-        service the caller may use but does not own. Idempotent: `already_deleted`.
+        service the caller may use but does not own; NOT_FOUND once it is deleted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,450 @@
+"""Services (issue 52): one model published once for many clients. A service's replicas are
+deployments of its owner (`DeploySpec.service` names the service: they stay at their site,
+whatever their owner's moves), so placement, node failure, reconciliation and quotas treat
+them as any other; this owner keeps which deployments are a service's replicas, which
+client is on which replica with what token, and tells each replica's node the clients it
+takes (`NodeLink.set_replica_clients`: the replica's clients file, `runtime.clients`).
+
+It alone writes the `services`, `service_replicas` and `service_clients` rows. Every change
+of one service (create, delete, a client attached) runs under that service's lock, and a
+replica's client set is read and sent under that replica's, so a node never keeps an older
+set than the store's.
+
+A client is put on a running replica within the service's latency SLO of its site (the
+nearest, then the least used), else on a replica started at its site (while the service
+runs fewer than `max_replicas`), else on the nearest running one. Its token is its own: a
+new one each time it attaches (the previous one stops working), kept in the store as its
+SHA-256 only. When a replica is placed again (its node lost) or moved, its new copy is
+given the same clients as soon as it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from broker.core import Core
+from broker.deployments import Deployments, new_deployment_id
+from broker.errors import (
+    AlreadyExists,
+    BrokerError,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    quote,
+)
+from broker.ids import replica_id
+from broker.network import EdgeNetwork
+from broker.nodes import NodeRegistry
+from broker.state import (
+    ConstraintError,
+    DeploymentRecord,
+    DeploymentState,
+    ServiceClientRecord,
+    ServiceRecord,
+    ServiceReplicaRecord,
+)
+from broker.uploads import Uploads
+from broker.values import SERVICE_NAME, ServiceSpec
+from runtime.batching import PriorityClass as ClientClass
+from runtime.clients import ClientEntry, check_client_id
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceReplica:
+    """A replica of a service as it is now."""
+
+    deployment_id: str
+    site: str
+    deployment: DeploymentRecord | None
+    """None when its deployment is gone (deleted by its owner)."""
+    clients: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceView:
+    """A service, its replicas and how many clients are on it."""
+
+    record: ServiceRecord
+    spec: ServiceSpec
+    replicas: tuple[ServiceReplica, ...]
+    clients: int
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """A client put on a replica of a service (`Services.use`)."""
+
+    service: str
+    client_id: str
+    replica: DeploymentRecord
+    token: str
+    """The client's own bearer token at the replica; the broker keeps only its SHA-256."""
+    priority: ClientClass
+    reason: str
+    """Why this replica (or why one was started)."""
+
+
+def token_sha256(token: str) -> str:
+    """What a replica's clients file keeps of a client's token (`runtime.clients`)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Services:
+    def __init__(
+        self,
+        core: Core,
+        registry: NodeRegistry,
+        deployments: Deployments,
+        uploads: Uploads,
+        network: EdgeNetwork,
+    ) -> None:
+        self._core = core
+        self._registry = registry
+        self._deployments = deployments
+        self._uploads = uploads
+        self._network = network
+        self._locks: dict[str, asyncio.Lock] = {}
+        """Service name -> the lock its changes run under."""
+        self._pushing: dict[str, asyncio.Lock] = {}
+        """Replica deployment id -> the lock its client set is read and sent under."""
+        self._following: dict[str, asyncio.Task[None]] = {}
+        """Replica deployment id -> the task that gives each new copy of it its clients."""
+
+    async def load(self) -> None:
+        """Follow the replicas the store knows; forget those whose deployment is gone (a
+        broker stopped between recording a replica and deploying it)."""
+        for row in await self._core.db(self._core.store.list_service_replicas):
+            record = await self._deployments.deployment(row.deployment_id)
+            if record is None:
+                await self._core.db(self._core.store.remove_service_replica, row.deployment_id)
+                continue
+            self._follow(row.deployment_id)
+
+    def close(self) -> None:
+        for task in self._following.values():
+            task.cancel()
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    async def create(self, owner: str, name: str, spec: ServiceSpec) -> ServiceView:
+        """Publish `spec` as service `name`, owned by `owner`, and start its first replicas
+        (`min_replicas_per_site` at every site). InvalidRequest for a bad name or spec;
+        NotFound for a model the owner has not uploaded; AlreadyExists for a taken name."""
+        if not SERVICE_NAME.fullmatch(name):
+            raise InvalidRequest(
+                f"service name {quote(name)} must be 1-63 characters of lowercase letters, "
+                "digits and '-', starting with a letter or digit"
+            )
+        spec.validate(self._network.sites)
+        for client_id in spec.clients:
+            try:
+                check_client_id(client_id)
+            except ValueError as err:
+                raise InvalidRequest(f"clients: {err}") from None
+        if not await self._uploads.owns(owner, spec.model_sha256):
+            raise NotFound(f"model {spec.model_sha256} is not uploaded; call UploadModel first")
+        record = ServiceRecord(
+            name=name,
+            owner=owner,
+            model_sha256=spec.model_sha256,
+            spec_json=spec.to_json(),
+            created_at=time.time(),
+        )
+        async with self._lock(name):
+            try:
+                await self._core.db(self._core.store.create_service, record)
+            except ConstraintError as err:
+                if await self._core.db(self._core.store.get_service, name) is not None:
+                    raise AlreadyExists(f"service {name} exists already") from None
+                raise InvalidRequest(str(err)) from None
+            logger.info("service=%s created by client=%s (%s)", name, owner, spec.model_name)
+            for site in self._network.sites:
+                for _ in range(spec.min_replicas_per_site):
+                    await self._start_replica(record, spec, site)
+        return await self._view(record)
+
+    async def _visible(self, client_id: str, name: str) -> tuple[ServiceRecord, ServiceSpec]:
+        """The service if `client_id` owns it or may use it; NotFound otherwise (a service
+        the caller may not see answers as one there never was)."""
+        record = await self._core.db(self._core.store.get_service, name)
+        if record is None:
+            raise NotFound(f"service {quote(name)} not found")
+        spec = ServiceSpec.from_json(record.spec_json)
+        if client_id != record.owner and not spec.allows(client_id):
+            raise NotFound(f"service {quote(name)} not found")
+        return record, spec
+
+    async def get(self, client_id: str, name: str) -> ServiceView:
+        record, _ = await self._visible(client_id, name)
+        return await self._view(record)
+
+    async def list(self, client_id: str) -> list[ServiceView]:
+        """The services `client_id` owns or may use, by name."""
+        views = []
+        for record in await self._core.db(self._core.store.list_services):
+            spec = ServiceSpec.from_json(record.spec_json)
+            if client_id == record.owner or spec.allows(client_id):
+                views.append(await self._view(record))
+        return views
+
+    async def _view(self, record: ServiceRecord) -> ServiceView:
+        store = self._core.store
+        rows = await self._core.db(store.list_service_replicas, record.name)
+        clients = await self._core.db(store.list_service_clients, record.name)
+        on = Counter(c.deployment_id for c in clients)
+        replicas = [
+            ServiceReplica(
+                deployment_id=row.deployment_id,
+                site=row.site,
+                deployment=await self._deployments.deployment(row.deployment_id),
+                clients=on[row.deployment_id],
+            )
+            for row in rows
+        ]
+        spec = ServiceSpec.from_json(record.spec_json)
+        return ServiceView(record, spec, tuple(replicas), len(clients))
+
+    async def delete(self, client_id: str, name: str) -> None:
+        """Stop every replica of the service and forget it and its clients' assignments.
+        NotFound for a service the caller cannot see (or one deleted already);
+        PermissionDenied for one it may use but does not own."""
+        async with self._lock(name):
+            record, _ = await self._visible(client_id, name)
+            if client_id != record.owner:
+                raise PermissionDenied(
+                    f"service {name} belongs to client {record.owner}: only it deletes it"
+                )
+            rows = await self._core.db(self._core.store.list_service_replicas, name)
+            for row in rows:
+                task = self._following.pop(row.deployment_id, None)
+                if task is not None:
+                    task.cancel()
+                with contextlib.suppress(NotFound):
+                    await self._deployments.delete(record.owner, row.deployment_id)
+            await self._core.db(self._core.store.delete_service, name)
+        self._locks.pop(name, None)
+        logger.info("service=%s deleted by client=%s (%d replica(s))", name, client_id, len(rows))
+
+    async def use(self, client_id: str, name: str, site: str, priority: ClientClass) -> Assignment:
+        """Put `client_id` at `site` on the best replica of the service (see the module
+        docstring) with a new token of its own. NotFound for a service it cannot see;
+        PermissionDenied for one that does not allow it (the owner always may);
+        InvalidRequest for an unknown site; ResourceExhausted when no replica runs and none
+        can be started (the service at `max_replicas`, or no node with room: a replica
+        placed later serves the next attach)."""
+        record = await self._core.db(self._core.store.get_service, name)
+        if record is None:
+            raise NotFound(f"service {quote(name)} not found")
+        spec = ServiceSpec.from_json(record.spec_json)
+        if client_id != record.owner and not spec.allows(client_id):
+            raise PermissionDenied(f"service {name} does not allow client {client_id}")
+        if site not in self._network.sites:
+            known = ", ".join(self._network.sites)
+            raise InvalidRequest(f"site {quote(site)} is unknown; known sites: {known}")
+        async with self._lock(name):
+            replica, reason = await self._choose(record, spec, site)
+            token = secrets.token_urlsafe(32)
+            store = self._core.store
+            before = [
+                c
+                for c in await self._core.db(store.list_service_clients, name)
+                if c.client_id == client_id
+            ]
+            await self._core.db(
+                store.put_service_client,
+                ServiceClientRecord(
+                    service=name,
+                    client_id=client_id,
+                    token_sha256=token_sha256(token),
+                    priority_class=priority,
+                    deployment_id=replica.deployment_id,
+                    site=site,
+                    attached_at=time.time(),
+                ),
+            )
+            await self._push(replica.deployment_id, spec)
+            for previous in before:
+                if previous.deployment_id != replica.deployment_id:
+                    await self._push(previous.deployment_id, spec)
+        logger.info(
+            "service=%s client=%s at %s on deployment=%s (node %s): %s",
+            name,
+            client_id,
+            site,
+            replica.deployment_id,
+            replica.node_id,
+            reason,
+        )
+        return Assignment(name, client_id, replica, token, priority, reason)
+
+    async def revoke(self, client_ids: Sequence[str]) -> None:
+        """Take the clients off every service they are on (their API key was revoked or
+        replaced): each replica they were on is told its clients without them, so their
+        tokens stop working there; with a new key a client attaches again."""
+        gone = set(client_ids)
+        store = self._core.store
+        for row in await self._core.db(store.list_service_clients):
+            if row.client_id not in gone:
+                continue
+            record = await self._core.db(store.get_service, row.service)
+            if record is None:
+                continue
+            async with self._lock(row.service):
+                await self._core.db(store.delete_service_client, row.service, row.client_id)
+                await self._push(row.deployment_id, ServiceSpec.from_json(record.spec_json))
+            logger.warning(
+                "service=%s client=%s taken off deployment=%s: its API key stopped working",
+                row.service,
+                row.client_id,
+                row.deployment_id,
+            )
+
+    async def _choose(
+        self, record: ServiceRecord, spec: ServiceSpec, site: str
+    ) -> tuple[DeploymentRecord, str]:
+        """The replica for a client at `site`, and why; call under the service's lock."""
+        store = self._core.store
+        rows = await self._core.db(store.list_service_replicas, record.name)
+        on = Counter(
+            c.deployment_id for c in await self._core.db(store.list_service_clients, record.name)
+        )
+        running: list[tuple[float, int, DeploymentRecord]] = []
+        waiting_here = False
+        for row in rows:
+            deployment = await self._deployments.deployment(row.deployment_id)
+            if deployment is None:
+                continue
+            node_site = self._network.site_of(deployment.node_id or "")
+            if deployment.state is DeploymentState.RUNNING and node_site is not None:
+                latency = self._network.latency_ms(site, node_site, deployment.node_id or "")
+                running.append((latency, on[row.deployment_id], deployment))
+            elif row.site == site and deployment.state in (
+                DeploymentState.PENDING,
+                DeploymentState.STARTING,
+            ):
+                waiting_here = True
+        running.sort(key=lambda r: (r[0], r[1], r[2].deployment_id))
+        slo = spec.latency_slo_ms
+        within = [r for r in running if not slo or r[0] <= slo]
+        if within:
+            latency, clients, chosen = within[0]
+            return chosen, (
+                f"a running replica {latency:.1f} ms from {site} on node {chosen.node_id}, "
+                f"{clients} client(s) on it before"
+            )
+        if len(rows) < spec.max_replicas and not waiting_here:
+            why = f"none within {slo:g} ms of {site}" if running else "none runs yet"
+            started = await self._start_replica(record, spec, site)
+            if started.state is DeploymentState.RUNNING:
+                return started, f"a replica started at {site} on node {started.node_id} ({why})"
+        if running:
+            latency, _, chosen = running[0]
+            return chosen, (
+                f"the nearest running replica, {latency:.1f} ms from {site} on node "
+                f"{chosen.node_id}: beyond the service's {slo:g} ms, and no replica can be "
+                f"started at {site} now"
+            )
+        raise ResourceExhausted(
+            f"service {record.name} has no running replica and cannot start one at {site} "
+            f"now ({len(rows)} of max_replicas {spec.max_replicas}"
+            f"{', one pending there' if waiting_here else ''}); try again later"
+        )
+
+    async def _start_replica(
+        self, record: ServiceRecord, spec: ServiceSpec, site: str
+    ) -> DeploymentRecord:
+        """Record a replica of the service at `site`, then deploy it (recorded first: a
+        broker stopped in between forgets it at its next start, `load`). The deployment as
+        it ended (running, or pending with no node free); the deploy's error when it
+        failed, the replica forgotten."""
+        deployment_id = new_deployment_id()
+        store = self._core.store
+        await self._core.db(
+            store.add_service_replica,
+            ServiceReplicaRecord(deployment_id, record.name, site, time.time()),
+        )
+        try:
+            deployment = await self._deployments.deploy(
+                record.owner, spec.deploy_spec(site, record.name), deployment_id
+            )
+        except BrokerError:
+            await self._core.db(store.remove_service_replica, deployment_id)
+            raise
+        self._follow(deployment_id)
+        logger.info(
+            "service=%s replica deployment=%s at %s: %s on node %s",
+            record.name,
+            deployment_id,
+            site,
+            deployment.state,
+            deployment.node_id,
+        )
+        return deployment
+
+    def _follow(self, deployment_id: str) -> None:
+        if deployment_id not in self._following:
+            self._following[deployment_id] = self._core.background(
+                self._follow_replica(deployment_id), f"service-replica-{deployment_id}"
+            )
+
+    async def _follow_replica(self, deployment_id: str) -> None:
+        """Give each new copy of the replica (placed again, moved) its clients once it
+        runs; forget the replica once its deployment is deleted."""
+        queue = self._deployments.watchers.add(deployment_id)
+        try:
+            while (update := await queue.get()) is not None:
+                if update.state is DeploymentState.RUNNING:
+                    record = await self._service_of(deployment_id)
+                    if record is not None:
+                        await self._push(deployment_id, ServiceSpec.from_json(record.spec_json))
+            await self._core.db(self._core.store.remove_service_replica, deployment_id)
+        finally:
+            self._deployments.watchers.remove(deployment_id, queue)
+            self._following.pop(deployment_id, None)
+
+    async def _service_of(self, deployment_id: str) -> ServiceRecord | None:
+        for row in await self._core.db(self._core.store.list_service_replicas):
+            if row.deployment_id == deployment_id:
+                return await self._core.db(self._core.store.get_service, row.service)
+        return None
+
+    async def _push(self, deployment_id: str, spec: ServiceSpec) -> None:
+        """Send the replica's node the replica's clients as the store has them now."""
+        async with self._pushing.setdefault(deployment_id, asyncio.Lock()):
+            deployment = await self._deployments.deployment(deployment_id)
+            if deployment is None or deployment.state is not DeploymentState.RUNNING:
+                return  # its next copy gets them once it runs (`_follow_replica`)
+            entry = self._registry.nodes.get(deployment.node_id or "")
+            if entry is None:
+                return
+            rows = await self._core.db(
+                self._core.store.list_service_clients, deployment_id=deployment_id
+            )
+            clients: Sequence[ClientEntry] = [
+                ClientEntry(
+                    client_id=row.client_id,
+                    priority_class=row.priority_class,
+                    token_sha256=row.token_sha256,
+                    max_rps=spec.max_rps_per_client,
+                )
+                for row in rows
+            ]
+            replica = replica_id(deployment_id, deployment.epoch)
+            if not await entry.client.set_replica_clients(replica, clients):
+                logger.warning(
+                    "replica=%s on node=%s is gone: its next copy gets its clients",
+                    replica,
+                    deployment.node_id,
+                )
