@@ -55,6 +55,7 @@ COMMAND_GROUPS = (
         ),
         "server",
     ),
+    CommandGroup("edge_client.service_commands", ("service",), "server"),
     CommandGroup("edge_client.mobility.cli", ("trace", "simulate"), "sim"),
     CommandGroup("broker.server", ("broker", "keygen"), "server"),
     CommandGroup("images.build", ("image",), "server"),

@@ -76,6 +76,7 @@ from edge_client.adaptive import (
     parse_policy,
 )
 from edge_client.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidInput,
@@ -120,6 +121,7 @@ _CHANNEL_OPTIONS = (
 
 STATUS_ERRORS: Mapping[grpc.StatusCode, type[OffloadError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -715,6 +717,134 @@ class OffloadClient:
             logger.info("deployment=%s deleted", deployment_id)
         return not reply.already_deleted
 
+    async def create_service(
+        self,
+        name: str,
+        model_sha256: str,
+        model_name: str,
+        *,
+        gpus: int = 0,
+        gpu_memory_mib: int = 0,
+        cpus: float = 0,
+        memory_mib: int = 0,
+        clients: Sequence[str] = (),
+        any_client: bool = False,
+        min_replicas_per_site: int = 0,
+        max_replicas: int = 0,
+        latency_slo_ms: float = 0,
+        max_rps_per_client: float = 0,
+    ) -> pb.Service:
+        """Publish an uploaded model as service `name` for many clients, owned by this one:
+        `clients` (their client ids) may use it besides this client, or `any_client`;
+        `min_replicas_per_site` replicas are kept at every site (0: started on demand), at
+        most `max_replicas` in all (0: the broker's default, 16); a client is put on a
+        replica at most `latency_slo_ms` from its site, else one is started there (0: any
+        replica in reach); `max_rps_per_client` limits each client's calls at a replica (0:
+        no limit). Returns once the first replicas run. Not retried (it may have been
+        created). AlreadyExists for a taken name; NotFound when the model was not uploaded;
+        InvalidInput for a bad name or field."""
+        spec = pb.ServiceSpec(
+            model_sha256=model_sha256,
+            model_name=model_name,
+            gpus=gpus,
+            gpu_memory_mib=gpu_memory_mib,
+            cpus=cpus,
+            memory_mib=memory_mib,
+            clients=list(clients),
+            any_client=any_client,
+            min_replicas_per_site=min_replicas_per_site,
+            max_replicas=max_replicas,
+            latency_slo_ms=latency_slo_ms,
+            max_rps_per_client=max_rps_per_client,
+        )
+        try:
+            return await self._broker().CreateService(
+                pb.CreateServiceRequest(name=name, spec=spec),
+                metadata=self._metadata,
+                timeout=self._deploy_timeout_s,
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _mapped(err, f"create service {name}") from err
+
+    async def get_service(self, name: str) -> pb.Service:
+        """A service this client owns or may use, with its replicas; NotFound otherwise."""
+        return await self._retrying(
+            f"get service {name}",
+            lambda stub: stub.GetService(
+                pb.GetServiceRequest(name=name),
+                metadata=self._metadata,
+                timeout=self._call_timeout_s,
+            ),
+        )
+
+    async def list_services(self) -> list[pb.Service]:
+        """The services this client owns or may use."""
+        reply = await self._retrying(
+            "list services",
+            lambda stub: stub.ListServices(
+                pb.ListServicesRequest(), metadata=self._metadata, timeout=self._call_timeout_s
+            ),
+        )
+        return list(reply.services)
+
+    async def delete_service(self, name: str) -> None:
+        """Delete a service this client owns: its replicas stop, and every client's
+        assignment and token with them. NotFound when there is none (or it was deleted);
+        PermissionDenied for one this client may use but does not own."""
+        await self._retrying(
+            f"delete service {name}",
+            lambda stub: stub.DeleteService(
+                pb.DeleteServiceRequest(name=name),
+                metadata=self._metadata,
+                timeout=self._deploy_timeout_s,
+            ),
+        )
+
+    async def use_service(self, name: str, *, site: str, priority: str = "standard") -> Deployment:
+        """Put this client on the best replica of service `name` for a client at `site` (the
+        broker starts one there when none is in reach) and send inference there from now
+        on, with a token of this client's own and calls of class `priority` ("best-effort",
+        "standard" or "critical"); returns the replica as a Deployment (`node_id`: the node
+        that serves this client). Each call gives a new token, and the previous one stops
+        working. Following the replica when it is placed again or moved is not built yet:
+        call use_service again after a failure or a move. NotFound for a service this client
+        cannot see; PermissionDenied for one that does not allow it; ResourceExhausted when
+        no replica runs and none can start now; InvalidInput for an unknown site or
+        priority."""
+        self._broker()  # connected?
+        if priority not in _PRIORITIES:
+            raise InvalidInput(
+                f"priority {priority!r} is unknown; use best-effort, standard or critical"
+            )
+        request = pb.UseServiceRequest(name=name, site=site, priority=_PRIORITIES[priority])
+        reply = await self._retrying(
+            f"use service {name}",
+            lambda stub: stub.UseService(
+                request, metadata=self._metadata, timeout=self._deploy_timeout_s
+            ),
+        )
+        deployment = Deployment(
+            deployment_id=reply.deployment_id,
+            endpoint=reply.endpoint,
+            token=reply.token,
+            epoch=reply.epoch,
+            node_id=reply.node_id,
+            state="running",
+            model_name=reply.model_name,
+            endpoint_ca=reply.endpoint_ca_pem,
+        )
+        await self._follow(deployment, watch=False)
+        logger.info(
+            "service=%s: on deployment=%s epoch=%d at %s on node=%s (%s)",
+            name,
+            deployment.deployment_id,
+            deployment.epoch,
+            deployment.endpoint,
+            deployment.node_id,
+            reply.reason,
+        )
+        return deployment
+
     async def report_location(self, site: str) -> str | None:
         """Tell the broker where this client is now; the id of the migration it started, or
         None when it started none. InvalidInput for an unknown site."""
@@ -823,8 +953,9 @@ class OffloadClient:
         task.add_done_callback(_log_failure)
         return task
 
-    async def _follow(self, deployment: Deployment) -> None:
-        """Make `deployment` the one inference goes to, and watch its placement."""
+    async def _follow(self, deployment: Deployment, watch: bool = True) -> None:
+        """Make `deployment` the one inference goes to, and watch its placement (`watch`;
+        a service's replica, whose placement is its owner's, is not watched)."""
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
@@ -842,8 +973,10 @@ class OffloadClient:
         )
         if old is not None:
             self._retire(old)
-        self._watch_task = self._spawn(
-            self._watch(deployment.deployment_id), f"watch-{deployment.deployment_id}"
+        self._watch_task = (
+            self._spawn(self._watch(deployment.deployment_id), f"watch-{deployment.deployment_id}")
+            if watch
+            else None
         )
 
     async def _unfollow(self) -> None:
@@ -1410,3 +1543,6 @@ class SyncOffloadClient:
 
     def report_location(self, site: str) -> str | None:
         return self._run(self._client.report_location(site))
+
+    def use_service(self, name: str, *, site: str, priority: str = "standard") -> Deployment:
+        return self._run(self._client.use_service(name, site=site, priority=priority))

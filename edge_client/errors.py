@@ -11,6 +11,7 @@ Hierarchy::
     ├── Unauthenticated      a missing or wrong API key or replica token (UNAUTHENTICATED)
     ├── PermissionDenied     the key may not do this (PERMISSION_DENIED)
     ├── NotFound             an unknown deployment or model, or another client's (NOT_FOUND)
+    ├── AlreadyExists        a name taken already, e.g. a service's (ALREADY_EXISTS)
     ├── ResourceExhausted    nothing fits now (RESOURCE_EXHAUSTED)
     ├── FailedPrecondition   nothing could ever fit, or the operation does not apply now
     │                        (FAILED_PRECONDITION)
@@ -43,6 +44,10 @@ class PermissionDenied(OffloadError):
 
 
 class NotFound(OffloadError):
+    pass
+
+
+class AlreadyExists(OffloadError):
     pass
 
 

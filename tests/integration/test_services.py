@@ -1,0 +1,251 @@
+"""Services (issue 52): one model published once for many clients. A real broker, real node
+daemons and process replicas of a real ONNX model; clients through the SDK
+(`OffloadClient.use_service`) and the `offload service` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import modelzoo
+from edge_client.client import OffloadClient
+from edge_client.errors import (
+    AlreadyExists,
+    InvalidInput,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
+from edge_client.rpc.tensors import infer_request
+from protos.inference import grpc_service_pb2_grpc as infer_grpc
+from protos.offload.v1 import broker_pb2 as pb
+from runtime.tls import open_channel
+from tests.cluster_support import THREE_NODES, Cluster, EdgeClient, wait_for_log
+
+CLIENTS = ("alice", "bob", "carol")
+"""alice owns the service; bob may use it; carol may not."""
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    cluster = Cluster(tmp_path)
+    cluster.api_keys = {c: f"{c}.secret-key-of-{c}-0123456789" for c in CLIENTS}
+    try:
+        await cluster.start_broker()
+        await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES))
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+def _reference(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(str(modelzoo.model_path("mlp")))
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, inputs), strict=True))
+
+
+async def _replica_refuses(endpoint: str, token: str) -> bool:
+    """Whether the replica at `endpoint` refuses `token` (UNAUTHENTICATED)."""
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    async with open_channel(endpoint, None) as channel:
+        try:
+            await infer_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+                infer_request("mlp", inputs),
+                metadata=(("authorization", f"Bearer {token}"),),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError as err:
+            assert err.code() is grpc.StatusCode.UNAUTHENTICATED, err
+            return True
+    return False
+
+
+async def test_clients_of_a_service_share_one_replica_each_with_a_token_of_its_own(
+    cluster: Cluster,
+) -> None:
+    model = modelzoo.model_path("mlp")
+    inputs = modelzoo.sample_inputs(model, batch=2)
+    expected = _reference(inputs)
+    keys = cluster.api_keys
+    async with (
+        OffloadClient(cluster.broker_address, keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, keys["bob"]) as bob,
+        OffloadClient(cluster.broker_address, keys["carol"]) as carol,
+    ):
+        sha = await alice.upload_model(model)
+        service = await alice.create_service("detector", sha, "mlp", gpus=1, clients=["bob"])
+        assert (service.name, service.owner, len(service.replicas)) == ("detector", "alice", 0)
+        with pytest.raises(AlreadyExists, match="exists already"):
+            await alice.create_service("detector", sha, "mlp", gpus=1)
+
+        mine = await alice.use_service("detector", site="site-a")
+        theirs = await bob.use_service("detector", site="site-a", priority="critical")
+        # One replica for both: started for the first, shared by the second.
+        assert mine.deployment_id == theirs.deployment_id
+        assert (mine.endpoint, mine.node_id) == (theirs.endpoint, theirs.node_id)
+        assert mine.node_id == "node-a"  # site-a's node: the nearest
+        assert mine.token != theirs.token
+        for client in (alice, bob):
+            outputs = await client.infer(inputs)
+            for name, array in expected.items():
+                np.testing.assert_allclose(outputs[name], array, rtol=1e-5, atol=1e-6)
+
+        with pytest.raises(PermissionDenied, match="does not allow client carol"):
+            await carol.use_service("detector", site="site-a")
+        with pytest.raises(NotFound):
+            await carol.get_service("detector")
+        assert [s.name for s in await carol.list_services()] == []
+        shown = await bob.get_service("detector")
+        assert [(r.deployment_id, r.clients) for r in shown.replicas] == [(mine.deployment_id, 2)]
+        with pytest.raises(PermissionDenied, match="only it deletes it"):
+            await bob.delete_service("detector")
+        with pytest.raises(InvalidInput, match="site"):
+            await bob.use_service("detector", site="nowhere")
+
+        # Attaching again gives bob a new token: the replica stops taking the old one.
+        again = await bob.use_service("detector", site="site-a")
+        assert again.deployment_id == mine.deployment_id and again.token != theirs.token
+        await until_refused(again.endpoint, theirs.token)
+        await bob.infer(inputs)
+
+        await alice.delete_service("detector")
+        with pytest.raises(NotFound):
+            await alice.get_service("detector")
+        async with cluster.edge("alice") as edge:
+            assert [d.deployment_id for d in await edge.list()] == []  # its replica deleted
+
+
+async def until_refused(endpoint: str, token: str) -> None:
+    """Until the replica refuses `token` (it re-reads its clients file twice a second)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not await _replica_refuses(endpoint, token):
+        assert loop.time() < deadline, "the replica still takes the old token"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_service_replica_stays_at_its_site_when_its_owner_moves(
+    cluster: Cluster,
+) -> None:
+    """The owner's ReportLocation moves the owner's own deployments, not a service's
+    replica, which serves the clients of its site."""
+    model = modelzoo.model_path("mlp")
+    async with OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice:
+        sha = await alice.upload_model(model)
+        await alice.create_service("shared", sha, "mlp", gpus=1, any_client=True)
+        replica = await alice.use_service("shared", site="site-a")
+        own = await alice.deploy(sha, "mlp", gpus=1, site="site-a")
+        assert own.node_id == replica.node_id == "node-a"
+        await alice.report_location("site-c")
+        async with cluster.edge("alice") as edge:
+            await until_moved(edge, own.deployment_id)
+            assert (await edge.get(replica.deployment_id)).node_id == "node-a"
+            assert (await edge.get(replica.deployment_id)).epoch == replica.epoch
+
+
+async def until_moved(edge: EdgeClient, deployment_id: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while (current := await edge.get(deployment_id)).node_id == "node-a":
+        assert loop.time() < deadline, f"{deployment_id} still on node-a ({current.state})"
+        await asyncio.sleep(0.1)
+
+
+async def test_the_service_command_creates_shows_lists_and_deletes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "alice.key"
+    key_file.write_text(cluster.api_keys["alice"])
+    base = ["--broker", cluster.broker_address, "--api-key-file", str(key_file)]
+
+    async def offload(*args: str) -> subprocess.CompletedProcess[str]:
+        return await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "edge_client.cli", "service", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    model = str(modelzoo.model_path("mlp"))
+    created = await offload(
+        "create", "cams", model, "--gpus", "1", "--min-replicas-per-site", "1",
+        "--max-replicas", "3", "--any-client", "--json", *base,
+    )  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    shown = json.loads(created.stdout)
+    assert shown["clients"] == "any"
+    assert sorted(r["site"] for r in shown["replicas"]) == ["site-a", "site-b", "site-c"]
+    assert all(r["state"] == "running" for r in shown["replicas"])
+    listed = await offload("list", "--json", *base)
+    assert [s["name"] for s in json.loads(listed.stdout)] == ["cams"]
+    bad = await offload("create", "Bad_Name", model, *base)
+    assert bad.returncode == 1 and "lowercase" in bad.stderr
+    too_few = await offload(
+        "create", "cams2", model, "--min-replicas-per-site", "1", "--max-replicas", "2", *base
+    )
+    assert too_few.returncode == 1 and "max_replicas of at least 3" in too_few.stderr
+    deleted = await offload("delete", "cams", *base)
+    assert deleted.returncode == 0, deleted.stderr
+    gone = await offload("show", "cams", *base)
+    assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr
+
+
+async def test_a_client_key_cannot_read_another_clients_service_replica(
+    cluster: Cluster,
+) -> None:
+    """The replicas are the owner's deployments: another client sees none of them, nor
+    their tokens, through the deployment calls."""
+    async with OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice:
+        sha = await alice.upload_model(modelzoo.model_path("mlp"))
+        await alice.create_service("private", sha, "mlp", clients=["bob"])
+        replica = await alice.use_service("private", site="site-b")
+    async with cluster.edge("bob") as bob:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await bob.get(replica.deployment_id)
+        assert refused.value.code() is grpc.StatusCode.NOT_FOUND
+        listed = await bob.stub.ListDeployments(pb.ListDeploymentsRequest(), metadata=bob.metadata)
+        assert list(listed.deployments) == []
+    with pytest.raises(Unauthenticated):
+        async with OffloadClient(cluster.broker_address, "bob.wrong-0123456789") as wrong:
+            await wrong.use_service("private", site="site-b")
+
+
+async def test_a_revoked_key_s_token_is_refused_by_the_shared_replica(cluster: Cluster) -> None:
+    """bob's API key removed (SIGHUP): the broker takes bob off the service's replica, which
+    refuses his token from then on; alice, on the same replica, goes on."""
+    keys = cluster.api_keys
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    async with (
+        OffloadClient(cluster.broker_address, keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, keys["bob"]) as bob,
+    ):
+        sha = await alice.upload_model(modelzoo.model_path("mlp"))
+        await alice.create_service("fleet", sha, "mlp", clients=["bob"])
+        mine = await alice.use_service("fleet", site="site-c")
+        his = await bob.use_service("fleet", site="site-c")
+        assert his.deployment_id == mine.deployment_id
+        await bob.infer(inputs)
+        (cluster.root / "api-keys").write_text(f"{keys['alice']}\n{keys['carol']}\n")
+        offset = cluster.broker_log.stat().st_size
+        assert cluster.broker is not None
+        cluster.broker.send_signal(signal.SIGHUP)
+        await wait_for_log(
+            cluster.broker_log,
+            r"service=fleet client=bob taken off deployment=",
+            after=offset,
+        )
+        await until_refused(his.endpoint, his.token)
+        await alice.infer(inputs)
+        assert (await alice.get_service("fleet")).clients == 1
