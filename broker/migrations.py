@@ -86,6 +86,7 @@ class Migrations:
         node is past the hysteresis. Returns the migrations started."""
         broker = self.broker
         await broker.deployments.report_location(client_id, site)
+        await broker.services.on_location(client_id, site)
         self.prewarm.observe(client_id, site)
         started = []
         for record in await broker.deployments.list(client_id):

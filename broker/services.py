@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from broker.core import Core
@@ -53,7 +54,7 @@ from broker.state import (
     ServiceReplicaRecord,
 )
 from broker.uploads import Uploads
-from broker.values import SERVICE_NAME, ServiceSpec
+from broker.values import SERVICE_NAME, PlacementUpdate, ServiceSpec
 from runtime.batching import PriorityClass as ClientClass
 from runtime.clients import ClientEntry, check_client_id
 
@@ -81,6 +82,11 @@ class ServiceView:
     clients: int
 
 
+SWITCH_DRAIN_S = 5.0
+"""How long the replica a client was switched away from keeps taking its token: the calls
+it sent before it heard of the switch finish there."""
+
+
 @dataclass(frozen=True, slots=True)
 class Assignment:
     """A client put on a replica of a service (`Services.use`)."""
@@ -93,11 +99,20 @@ class Assignment:
     priority: ClientClass
     reason: str
     """Why this replica (or why one was started)."""
+    epoch: int
+    """Orders the client's assignments (`assignment_epoch`)."""
 
 
 def token_sha256(token: str) -> str:
     """What a replica's clients file keeps of a client's token (`runtime.clients`)."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def assignment_epoch(row: ServiceClientRecord, replica: DeploymentRecord | None) -> int:
+    """The order of a client's assignments, as its updates carry it: the time it was put
+    on its replica (µs), plus the replica's own epoch, so that a replica placed again, and
+    a switch to another replica, each come after what the client had."""
+    return int(row.attached_at * 1_000_000) + (replica.epoch if replica is not None else 0)
 
 
 class Services:
@@ -120,6 +135,8 @@ class Services:
         """Replica deployment id -> the lock its client set is read and sent under."""
         self._following: dict[str, asyncio.Task[None]] = {}
         """Replica deployment id -> the task that gives each new copy of it its clients."""
+        self._watchers: dict[tuple[str, str], set[asyncio.Queue[PlacementUpdate | None]]] = {}
+        """(service, client id) -> the queues of that client's WatchService streams."""
 
     async def load(self) -> None:
         """Follow the replicas the store knows; forget those whose deployment is gone (a
@@ -233,7 +250,10 @@ class Services:
                     task.cancel()
                 with contextlib.suppress(NotFound):
                     await self._deployments.delete(record.owner, row.deployment_id)
+            clients = await self._core.db(self._core.store.list_service_clients, name)
             await self._core.db(self._core.store.delete_service, name)
+        for client in clients:
+            self._tell(client, None)
         self._locks.pop(name, None)
         logger.info("service=%s deleted by client=%s (%d replica(s))", name, client_id, len(rows))
 
@@ -262,18 +282,16 @@ class Services:
                 for c in await self._core.db(store.list_service_clients, name)
                 if c.client_id == client_id
             ]
-            await self._core.db(
-                store.put_service_client,
-                ServiceClientRecord(
-                    service=name,
-                    client_id=client_id,
-                    token_sha256=token_sha256(token),
-                    priority_class=priority,
-                    deployment_id=replica.deployment_id,
-                    site=site,
-                    attached_at=time.time(),
-                ),
+            row = ServiceClientRecord(
+                service=name,
+                client_id=client_id,
+                token_sha256=token_sha256(token),
+                priority_class=priority,
+                deployment_id=replica.deployment_id,
+                site=site,
+                attached_at=time.time(),
             )
+            await self._core.db(store.put_service_client, row)
             await self._push(replica.deployment_id, spec)
             for previous in before:
                 if previous.deployment_id != replica.deployment_id:
@@ -287,7 +305,124 @@ class Services:
             replica.node_id,
             reason,
         )
-        return Assignment(name, client_id, replica, token, priority, reason)
+        return Assignment(
+            name, client_id, replica, token, priority, reason, assignment_epoch(row, replica)
+        )
+
+    async def watch(self, client_id: str, name: str) -> AsyncIterator[PlacementUpdate]:
+        """The client's assignment on the service, then one update per change (its replica
+        placed again or moved, the client switched to another replica); ends when the
+        service is deleted or the client taken off it. NotFound before its first attach."""
+        row = await self._assignment(name, client_id)
+        if row is None:
+            raise NotFound(
+                f"client {client_id} is on no replica of service {quote(name)}: UseService first"
+            )
+        queue: asyncio.Queue[PlacementUpdate | None] = asyncio.Queue()
+        key = (name, client_id)
+        self._watchers.setdefault(key, set()).add(queue)
+        try:
+            replica = await self._deployments.deployment(row.deployment_id)
+            yield self._update(row, replica, "current")
+            while (update := await queue.get()) is not None:
+                yield update
+        finally:
+            queues = self._watchers.get(key, set())
+            queues.discard(queue)
+            if not queues:
+                self._watchers.pop(key, None)
+
+    async def _assignment(self, name: str, client_id: str) -> ServiceClientRecord | None:
+        rows = await self._core.db(self._core.store.list_service_clients, name)
+        return next((r for r in rows if r.client_id == client_id), None)
+
+    @staticmethod
+    def _update(
+        row: ServiceClientRecord, replica: DeploymentRecord | None, reason: str
+    ) -> PlacementUpdate:
+        """What a client's WatchService stream says of its assignment `row` on `replica`
+        (no token: the client's own stays)."""
+        running = replica is not None and replica.state is DeploymentState.RUNNING
+        return PlacementUpdate(
+            deployment_id=row.deployment_id,
+            endpoint=replica.endpoint if replica is not None and running else "",
+            token="",
+            epoch=assignment_epoch(row, replica),
+            reason=reason,
+            state=replica.state if replica is not None else DeploymentState.DELETED,
+            node_id=(replica.node_id or "") if replica is not None else "",
+        )
+
+    def _tell(self, row: ServiceClientRecord, update: PlacementUpdate | None) -> None:
+        for queue in self._watchers.get((row.service, row.client_id), ()):
+            queue.put_nowait(update)
+
+    async def on_location(self, client_id: str, site: str) -> None:
+        """The client reports `site`: on each service it is on, put it on the best replica
+        for that site (a running one, else one started there make-before-break: it keeps
+        its replica meanwhile), in effect at the new replica before the client is told on
+        its WatchService stream; the replica it left keeps taking its token for
+        `SWITCH_DRAIN_S`."""
+        store = self._core.store
+        mine = [
+            r for r in await self._core.db(store.list_service_clients) if r.client_id == client_id
+        ]
+        for row in mine:
+            if row.site == site:
+                continue
+            record = await self._core.db(store.get_service, row.service)
+            if record is None:
+                continue
+            spec = ServiceSpec.from_json(record.spec_json)
+            async with self._lock(row.service):
+                current = await self._assignment(row.service, client_id)
+                if current is None or current.site == site:
+                    continue
+                try:
+                    replica, reason = await self._choose(record, spec, site)
+                except BrokerError as err:
+                    logger.warning(
+                        "service=%s client=%s stays on deployment=%s for %s: %s",
+                        row.service,
+                        client_id,
+                        current.deployment_id,
+                        site,
+                        err,
+                    )
+                    continue
+                if replica.deployment_id == current.deployment_id:
+                    await self._core.db(
+                        store.put_service_client, dataclasses.replace(current, site=site)
+                    )
+                    continue
+                moved = dataclasses.replace(
+                    current,
+                    deployment_id=replica.deployment_id,
+                    site=site,
+                    attached_at=time.time(),
+                )
+                await self._core.db(store.put_service_client, moved)
+                await self._push(replica.deployment_id, spec)
+            self._tell(moved, self._update(moved, replica, f"switched for {site}: {reason}"))
+            self._core.background(
+                self._release(current.deployment_id, spec),
+                f"release-{row.service}-{client_id}",
+            )
+            logger.info(
+                "service=%s client=%s switched for %s: deployment=%s -> %s (node %s): %s",
+                row.service,
+                client_id,
+                site,
+                current.deployment_id,
+                replica.deployment_id,
+                replica.node_id,
+                reason,
+            )
+
+    async def _release(self, deployment_id: str, spec: ServiceSpec) -> None:
+        """After the drain, tell the replica a client left its clients without it."""
+        await asyncio.sleep(SWITCH_DRAIN_S)
+        await self._push(deployment_id, spec)
 
     async def revoke(self, client_ids: Sequence[str]) -> None:
         """Take the clients off every service they are on (their API key was revoked or
@@ -304,6 +439,7 @@ class Services:
             async with self._lock(row.service):
                 await self._core.db(store.delete_service_client, row.service, row.client_id)
                 await self._push(row.deployment_id, ServiceSpec.from_json(record.spec_json))
+            self._tell(row, None)
             logger.warning(
                 "service=%s client=%s taken off deployment=%s: its API key stopped working",
                 row.service,
@@ -409,10 +545,20 @@ class Services:
                     record = await self._service_of(deployment_id)
                     if record is not None:
                         await self._push(deployment_id, ServiceSpec.from_json(record.spec_json))
+                        await self._tell_clients(deployment_id)
             await self._core.db(self._core.store.remove_service_replica, deployment_id)
         finally:
             self._deployments.watchers.remove(deployment_id, queue)
             self._following.pop(deployment_id, None)
+
+    async def _tell_clients(self, deployment_id: str) -> None:
+        """Tell the clients on the replica where it runs now (placed again, moved)."""
+        replica = await self._deployments.deployment(deployment_id)
+        rows = await self._core.db(
+            self._core.store.list_service_clients, deployment_id=deployment_id
+        )
+        for row in rows:
+            self._tell(row, self._update(row, replica, "the replica runs here now"))
 
     async def _service_of(self, deployment_id: str) -> ServiceRecord | None:
         for row in await self._core.db(self._core.store.list_service_replicas):

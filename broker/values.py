@@ -267,6 +267,8 @@ class PlacementUpdate:
     prepared_ms: float | None = None
     """On a migration's switch: from the broker's decision to this update, in ms (the
     client's span window reaches back that far)."""
+    node_id: str = ""
+    """The node of `endpoint`, where the update carries it (a service's clients)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -345,6 +345,9 @@ class OffloadClient:
         self._connected = False
         self._closing = False
         self._deployment: Deployment | None = None
+        self._service: str | None = None
+        """The service whose replica `_deployment` is (`use_service`); None for a
+        deployment of this client's own."""
         self._replica: _Replica | None = None
         self._retiring: set[_Replica] = set()
         self._watch_task: asyncio.Task[None] | None = None
@@ -806,10 +809,11 @@ class OffloadClient:
         on, with a token of this client's own and calls of class `priority` ("best-effort",
         "standard" or "critical"); returns the replica as a Deployment (`node_id`: the node
         that serves this client). Each call gives a new token, and the previous one stops
-        working. Following the replica when it is placed again or moved is not built yet:
-        call use_service again after a failure or a move. NotFound for a service this client
-        cannot see; PermissionDenied for one that does not allow it; ResourceExhausted when
-        no replica runs and none can start now; InvalidInput for an unknown site or
+        working. The client follows its assignment from then on (WatchService): a replica
+        placed again or moved, and a switch to another site's replica after
+        `report_location`, take its calls there. NotFound for a service this client cannot
+        see; PermissionDenied for one that does not allow it; ResourceExhausted when no
+        replica runs and none can start now; InvalidInput for an unknown site or
         priority."""
         self._broker()  # connected?
         if priority not in _PRIORITIES:
@@ -833,7 +837,7 @@ class OffloadClient:
             model_name=reply.model_name,
             endpoint_ca=reply.endpoint_ca_pem,
         )
-        await self._follow(deployment, watch=False)
+        await self._follow(deployment, service=name)
         logger.info(
             "service=%s: on deployment=%s epoch=%d at %s on node=%s (%s)",
             name,
@@ -953,14 +957,15 @@ class OffloadClient:
         task.add_done_callback(_log_failure)
         return task
 
-    async def _follow(self, deployment: Deployment, watch: bool = True) -> None:
-        """Make `deployment` the one inference goes to, and watch its placement (`watch`;
-        a service's replica, whose placement is its owner's, is not watched)."""
+    async def _follow(self, deployment: Deployment, service: str | None = None) -> None:
+        """Make `deployment` the one inference goes to, and watch its placement (for a
+        `service`'s replica: this client's assignment on the service)."""
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
         old = self._replica
         self._deployment = deployment
+        self._service = service
         self._replica = (
             _Replica(
                 deployment.endpoint,
@@ -973,10 +978,8 @@ class OffloadClient:
         )
         if old is not None:
             self._retire(old)
-        self._watch_task = (
-            self._spawn(self._watch(deployment.deployment_id), f"watch-{deployment.deployment_id}")
-            if watch
-            else None
+        self._watch_task = self._spawn(
+            self._watch(deployment.deployment_id, service), f"watch-{deployment.deployment_id}"
         )
 
     async def _unfollow(self) -> None:
@@ -989,17 +992,27 @@ class OffloadClient:
         self._watch_task = self._offload_task = None
         if self._replica is not None:
             self._retire(self._replica)
-        self._deployment = self._replica = None
+        self._deployment = self._replica = self._service = None
 
-    async def _watch(self, deployment_id: str) -> None:
-        """Apply the deployment's placement updates until it is deleted, the broker refuses
-        the stream for good, or the client closes."""
-        request = pb.WatchDeploymentRequest(deployment_id=deployment_id)
+    async def _watch(self, deployment_id: str, service: str | None = None) -> None:
+        """Apply the deployment's placement updates (a `service`'s: this client's
+        assignment's) until it is deleted, the broker refuses the stream for good, or the
+        client closes."""
         backoff = BACKOFF_MIN_S
         broken = False
         while True:
-            call = self._broker().WatchDeployment(
-                request, metadata=self._metadata, timeout=self._watch_renew_s
+            call = (
+                self._broker().WatchService(
+                    pb.WatchServiceRequest(name=service),
+                    metadata=self._metadata,
+                    timeout=self._watch_renew_s,
+                )
+                if service is not None
+                else self._broker().WatchDeployment(
+                    pb.WatchDeploymentRequest(deployment_id=deployment_id),
+                    metadata=self._metadata,
+                    timeout=self._watch_renew_s,
+                )
             )
             try:
                 async for update in call:
@@ -1075,20 +1088,22 @@ class OffloadClient:
         current = self._deployment
         assert current is not None
         old = self._replica
+        token = update.token or current.token  # a service's: the client's own stays
         self._replica = _Replica(
             update.endpoint,
-            update.token,
+            token,
             update.epoch,
             update.migration_id,
             update.endpoint_ca_pem,
         )
         self._deployment = replace(
             current,
+            deployment_id=update.deployment_id or current.deployment_id,
             endpoint=update.endpoint,
             endpoint_ca=update.endpoint_ca_pem,
-            token=update.token,
+            token=token,
             epoch=update.epoch,
-            node_id="",
+            node_id=update.node_id,
             state=update.state or "running",
         )
         logger.info(
@@ -1103,10 +1118,11 @@ class OffloadClient:
         self._switched = asyncio.Event()
         if old is not None:
             self._retire(old)
-        self._spawn(
-            self._acknowledge(current.deployment_id, update.epoch),
-            f"ack-{current.deployment_id}-{update.epoch}",
-        )
+        if self._service is None:  # a service's replica is its owner's to acknowledge
+            self._spawn(
+                self._acknowledge(current.deployment_id, update.epoch),
+                f"ack-{current.deployment_id}-{update.epoch}",
+            )
 
     def _retire(self, replica: _Replica) -> None:
         self._retiring.add(replica)

@@ -32,7 +32,7 @@ from broker.rpc.status import mapped_errors
 from broker.service import Broker
 from broker.state import DeploymentRecord, MigrationRecord, MigrationTrigger
 from broker.uploads import ClientUpload
-from broker.values import DeploySpec
+from broker.values import DeploySpec, PlacementUpdate
 from common.node_identity import NODE_SECRET_HEADER
 from migration.mechanism import Strategy
 from protos.offload.v1 import broker_pb2 as pb
@@ -400,17 +400,21 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
                 client_id, deployment_id, _authorization(context)
             )
             async for update in updates:
-                yield pb.PlacementUpdate(
-                    deployment_id=update.deployment_id,
-                    endpoint=update.endpoint,
-                    token=update.token,
-                    epoch=update.epoch,
-                    reason=update.reason,
-                    migration_id=update.migration_id,
-                    state=str(update.state),
-                    prepared_ms=update.prepared_ms,
-                    endpoint_ca_pem=self._endpoint_ca if update.endpoint else "",
-                )
+                yield self._update_message(update)
+
+    def _update_message(self, update: PlacementUpdate) -> pb.PlacementUpdate:
+        return pb.PlacementUpdate(
+            deployment_id=update.deployment_id,
+            endpoint=update.endpoint,
+            token=update.token,
+            epoch=update.epoch,
+            reason=update.reason,
+            migration_id=update.migration_id,
+            state=str(update.state),
+            prepared_ms=update.prepared_ms,
+            endpoint_ca_pem=self._endpoint_ca if update.endpoint else "",
+            node_id=update.node_id,
+        )
 
     @mapped_errors
     async def ReportLocation(
@@ -543,6 +547,15 @@ class EdgeBrokerServicer(pb_grpc.EdgeBrokerServicer):
             client_class(request.priority),
         )
         return assignment_message(assignment, self._endpoint_ca)
+
+    @mapped_errors
+    async def WatchService(
+        self, request: pb.WatchServiceRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PlacementUpdate]:
+        client_id = await self._client(context)
+        with self._broker.limits.watch_streams.hold(client_id):
+            async for update in self._broker.services.watch(client_id, request.name):
+                yield self._update_message(update)
 
 
 class OperatorServicer(pb_grpc.OperatorServicer):

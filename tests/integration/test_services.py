@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -150,7 +151,7 @@ async def test_a_service_replica_stays_at_its_site_when_its_owner_moves(
         async with cluster.edge("alice") as edge:
             await until_moved(edge, own.deployment_id)
             assert (await edge.get(replica.deployment_id)).node_id == "node-a"
-            assert (await edge.get(replica.deployment_id)).epoch == replica.epoch
+            assert (await edge.get(replica.deployment_id)).epoch == 1  # never moved
 
 
 async def until_moved(edge: EdgeClient, deployment_id: str) -> None:
@@ -249,3 +250,92 @@ async def test_a_revoked_key_s_token_is_refused_by_the_shared_replica(cluster: C
         await until_refused(his.endpoint, his.token)
         await alice.infer(inputs)
         assert (await alice.get_service("fleet")).clients == 1
+
+
+async def test_a_move_to_a_site_whose_replica_runs_is_a_switch_with_no_failed_request(
+    cluster: Cluster,
+) -> None:
+    """A replica at every site (`--min-replicas-per-site 1`): the client reports site-b and
+    its calls go to site-b's replica (node-b), no replica started, while a closed loop of
+    calls runs across the switch without a failure."""
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    keys = cluster.api_keys
+    async with (
+        OffloadClient(cluster.broker_address, keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, keys["bob"]) as bob,
+    ):
+        sha = await alice.upload_model(modelzoo.model_path("mlp"))
+        created = await alice.create_service(
+            "everywhere", sha, "mlp", clients=["bob"], min_replicas_per_site=1, max_replicas=3
+        )
+        replicas = {r.site: r.deployment_id for r in created.replicas}
+        assert sorted(replicas) == ["site-a", "site-b", "site-c"]
+        first = await bob.use_service("everywhere", site="site-a")
+        assert (first.deployment_id, first.node_id) == (replicas["site-a"], "node-a")
+
+        answered, stop = 0, asyncio.Event()
+
+        async def closed_loop() -> None:
+            nonlocal answered
+            while not stop.is_set():
+                await bob.infer(inputs)  # a failure raises, failing the test
+                answered += 1
+
+        loop = asyncio.create_task(closed_loop())
+        try:
+            await until_answered(lambda: answered, 20)
+            assert await bob.report_location("site-b") is None  # no migration: a switch
+            await until_on(bob, replicas["site-b"])
+            before = answered
+            await until_answered(lambda: answered, before + 20)
+        finally:
+            stop.set()
+            await loop  # raises what a failed call raised
+        current = bob.deployment
+        assert current is not None and current.node_id == "node-b"
+        service = await alice.get_service("everywhere")
+        assert len(service.replicas) == 3  # none started for the move
+        assert {r.deployment_id: r.clients for r in service.replicas}[replicas["site-b"]] == 1
+
+
+async def until_answered(count: Callable[[], int], at_least: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while count() < at_least:
+        assert loop.time() < deadline, f"{count()} calls answered, not {at_least}"
+        await asyncio.sleep(0.02)
+
+
+async def until_on(client: OffloadClient, deployment_id: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while (current := client.deployment) is None or current.deployment_id != deployment_id:
+        assert loop.time() < deadline, f"still on {current}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_service_replica_placed_again_after_its_node_is_lost_takes_its_clients(
+    cluster: Cluster,
+) -> None:
+    """node-a's daemon and the replica on it SIGKILLed: the broker places the replica again
+    on another node, gives it the same clients, and the client's calls follow it there with
+    the token it had."""
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    async with OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob:
+        async with OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice:
+            sha = await alice.upload_model(modelzoo.model_path("mlp"))
+            await alice.create_service("sturdy", sha, "mlp", gpus=1, clients=["bob"])
+        on = await bob.use_service("sturdy", site="site-a")
+        assert on.node_id == "node-a"
+        await bob.infer(inputs)
+        async with cluster.edge("alice") as edge:
+            replica = await edge.get(on.deployment_id)
+        os.kill(cluster.replica_pid(replica), signal.SIGKILL)
+        cluster.nodes["node-a"].send_signal(signal.SIGKILL)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 90
+        while (current := bob.deployment) is None or current.node_id in ("", "node-a"):
+            assert loop.time() < deadline, f"still {current}"
+            await asyncio.sleep(0.1)
+        assert current.deployment_id == on.deployment_id and current.token == on.token
+        await bob.infer(inputs)

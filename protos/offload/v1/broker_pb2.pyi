@@ -178,7 +178,7 @@ class WatchDeploymentRequest(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
 
 class PlacementUpdate(_message.Message):
-    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason", "migration_id", "state", "prepared_ms", "endpoint_ca_pem")
+    __slots__ = ("deployment_id", "endpoint", "token", "epoch", "reason", "migration_id", "state", "prepared_ms", "endpoint_ca_pem", "node_id")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class PlacementUpdate(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     PREPARED_MS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_CA_PEM_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     endpoint: str
     token: str
@@ -197,7 +198,8 @@ class PlacementUpdate(_message.Message):
     state: str
     prepared_ms: float
     endpoint_ca_pem: str
-    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., migration_id: _Optional[str] = ..., state: _Optional[str] = ..., prepared_ms: _Optional[float] = ..., endpoint_ca_pem: _Optional[str] = ...) -> None: ...
+    node_id: str
+    def __init__(self, deployment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., migration_id: _Optional[str] = ..., state: _Optional[str] = ..., prepared_ms: _Optional[float] = ..., endpoint_ca_pem: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class ReportLocationRequest(_message.Message):
     __slots__ = ("client_id", "site")
@@ -330,6 +332,12 @@ class ListMigrationsResponse(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     migrations: _containers.RepeatedCompositeFieldContainer[Migration]
     def __init__(self, migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...
+
+class WatchServiceRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ServiceSpec(_message.Message):
     __slots__ = ("model_sha256", "model_name", "gpus", "gpu_memory_mib", "cpus", "memory_mib", "clients", "any_client", "min_replicas_per_site", "max_replicas", "latency_slo_ms", "max_rps_per_client")

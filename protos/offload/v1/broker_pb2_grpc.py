@@ -355,6 +355,11 @@ class EdgeBrokerStub(object):
                 request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.UseServiceRequest.SerializeToString,
                 response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.ServiceAssignment.FromString,
                 _registered_method=True)
+        self.WatchService = channel.unary_stream(
+                '/offload.v1.EdgeBroker/WatchService',
+                request_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.WatchServiceRequest.SerializeToString,
+                response_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.PlacementUpdate.FromString,
+                _registered_method=True)
 
 
 class EdgeBrokerServicer(object):
@@ -480,6 +485,17 @@ class EdgeBrokerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchService(self, request, context):
+        """The caller's assignment on a service (UseService first: NOT_FOUND before), then one
+        update per change: its replica placed again or moved, or the caller put on another
+        site's replica after its ReportLocation. `epoch` orders the caller's assignments;
+        `token` is empty (the caller's own stays valid). Ends when the service is deleted or
+        the caller taken off it (its key revoked: UNAUTHENTICATED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -562,6 +578,11 @@ def add_EdgeBrokerServicer_to_server(servicer, server):
                     servicer.UseService,
                     request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.UseServiceRequest.FromString,
                     response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.ServiceAssignment.SerializeToString,
+            ),
+            'WatchService': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchService,
+                    request_deserializer=protos_dot_offload_dot_v1_dot_broker__pb2.WatchServiceRequest.FromString,
+                    response_serializer=protos_dot_offload_dot_v1_dot_broker__pb2.PlacementUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -997,6 +1018,33 @@ class EdgeBroker(object):
             '/offload.v1.EdgeBroker/UseService',
             protos_dot_offload_dot_v1_dot_broker__pb2.UseServiceRequest.SerializeToString,
             protos_dot_offload_dot_v1_dot_broker__pb2.ServiceAssignment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchService(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/offload.v1.EdgeBroker/WatchService',
+            protos_dot_offload_dot_v1_dot_broker__pb2.WatchServiceRequest.SerializeToString,
+            protos_dot_offload_dot_v1_dot_broker__pb2.PlacementUpdate.FromString,
             options,
             channel_credentials,
             insecure,
