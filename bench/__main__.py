@@ -42,6 +42,7 @@ from bench import (
     resize,
     runtime_latency,
     serving,
+    services,
     upload_memory,
 )
 
@@ -63,6 +64,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "key_reload": key_reload.main,
     "upload_memory": upload_memory.main,
     "node_failure": node_failure.main,
+    "services": services.main,
 }
 
 
