@@ -339,3 +339,36 @@ async def test_a_service_replica_placed_again_after_its_node_is_lost_takes_its_c
             await asyncio.sleep(0.1)
         assert current.deployment_id == on.deployment_id and current.token == on.token
         await bob.infer(inputs)
+
+
+async def test_services_and_assignments_survive_a_broker_sigkill(cluster: Cluster) -> None:
+    """The broker SIGKILLed and started again on its state: the service, its replica and
+    who is on it are still there; the replica serves its clients throughout; a client
+    moves and attaches as before."""
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    keys = cluster.api_keys
+    async with (
+        OffloadClient(cluster.broker_address, keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, keys["bob"]) as bob,
+    ):
+        sha = await alice.upload_model(modelzoo.model_path("mlp"))
+        await alice.create_service(
+            "durable", sha, "mlp", clients=["bob"], min_replicas_per_site=1, max_replicas=3
+        )
+        on = await bob.use_service("durable", site="site-a")
+        before = await alice.get_service("durable")
+        cluster.kill_broker()
+        await bob.infer(inputs)  # the replica needs no broker
+        await cluster.start_broker()
+        after = await alice.get_service("durable")
+        assert [(r.deployment_id, r.clients) for r in after.replicas] == [
+            (r.deployment_id, r.clients) for r in before.replicas
+        ]
+        assert after.clients == 1
+        await bob.infer(inputs)
+        await bob.report_location("site-b")
+        site_b = next(r.deployment_id for r in after.replicas if r.site == "site-b")
+        await until_on(bob, site_b)
+        await bob.infer(inputs)
+        assert (await alice.use_service("durable", site="site-c")).node_id == "node-c"
+        assert on.deployment_id != site_b
