@@ -610,6 +610,10 @@ def _check_liveness(args: argparse.Namespace) -> None:
                 f"of seconds, each at least the one before, at most {MAX_LIVENESS_S:g}: "
                 f"{flag} {value!r}"
             )
+    if not (math.isfinite(args.service_idle_grace) and 1 <= args.service_idle_grace <= 86400):
+        raise ValueError(
+            f"--service-idle-grace {args.service_idle_grace!r} must be 1 to 86400 seconds"
+        )
     if args.node_lease is not None and not args.node_listen:
         raise ValueError(
             "--node-lease needs --node-listen HOST:PORT: only the nodes' own port pings them, "
@@ -665,6 +669,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
             lost_after_s=args.lost_after,
             node_lease_s=(args.node_lease or DEFAULT_NODE_LEASE_S) if args.node_listen else None,
             orphan_grace_s=args.orphan_grace,
+            service_idle_s=args.service_idle_grace,
             quotas=Quotas(
                 deployments=args.max_deployments_per_client,
                 model_bytes=args.max_model_bytes_per_client,
@@ -864,6 +869,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "lease of a node whose stream stays open, which it renews every 0.4 of this; it "
         "catches a daemon that answers pings while hung "
         f"(default {DEFAULT_NODE_LEASE_S:g})",
+    )
+    p.add_argument(
+        "--service-idle-grace",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="stop a service's replica that has had no client on it this long, beyond the "
+        "service's replicas kept per site (default 60; 1 to 86400)",
     )
     p.add_argument(
         "--orphan-grace",

@@ -128,7 +128,14 @@ class Broker:
             core, self.registry, self.applier, self.deployments, self.standbys, settings
         )
         self.reports = OffloadReports(core)
-        self.services = Services(core, self.registry, self.deployments, self.uploads, network)
+        self.services = Services(
+            core,
+            self.registry,
+            self.deployments,
+            self.uploads,
+            network,
+            idle_s=settings.service_idle_s,
+        )
 
     @property
     def nodes(self) -> Mapping[str, NodeEntry]:

@@ -123,8 +123,13 @@ class Services:
         deployments: Deployments,
         uploads: Uploads,
         network: EdgeNetwork,
+        idle_s: float = 60.0,
     ) -> None:
         self._core = core
+        self._idle_s = idle_s
+        """A replica with no client this long is stopped (beyond the per-site minimum)."""
+        self._idle_since: dict[str, float] = {}
+        """Replica deployment id -> time.monotonic() since when no client has been on it."""
         self._registry = registry
         self._deployments = deployments
         self._uploads = uploads
@@ -147,6 +152,57 @@ class Services:
                 await self._core.db(self._core.store.remove_service_replica, row.deployment_id)
                 continue
             self._follow(row.deployment_id)
+        self._core.background(self._sweep_forever(), "services-sweep")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self._idle_s / 4))
+            try:
+                await self.sweep()
+            except BrokerError as err:
+                logger.warning("services: the idle replicas' sweep failed: %s", err)
+
+    async def sweep(self) -> list[str]:
+        """Stop the replicas that have had no client for `idle_s`, beyond their service's
+        `min_replicas_per_site` at their site (the oldest kept); the ids stopped."""
+        store = self._core.store
+        now = time.monotonic()
+        stopped: list[str] = []
+        for record in await self._core.db(store.list_services):
+            spec = ServiceSpec.from_json(record.spec_json)
+            async with self._lock(record.name):
+                rows = await self._core.db(store.list_service_replicas, record.name)
+                on = Counter(
+                    c.deployment_id
+                    for c in await self._core.db(store.list_service_clients, record.name)
+                )
+                kept_at: Counter[str] = Counter()
+                for row in rows:  # oldest first: the oldest count toward the minimum
+                    since = (
+                        self._idle_since.setdefault(row.deployment_id, now)
+                        if not on[row.deployment_id]
+                        else self._idle_since.pop(row.deployment_id, None)
+                    )
+                    if since is None or now - since < self._idle_s:
+                        kept_at[row.site] += 1
+                        continue
+                    if kept_at[row.site] < spec.min_replicas_per_site:
+                        kept_at[row.site] += 1
+                        continue
+                    with contextlib.suppress(NotFound):
+                        await self._deployments.delete(record.owner, row.deployment_id)
+                    await self._core.db(store.remove_service_replica, row.deployment_id)
+                    self._idle_since.pop(row.deployment_id, None)
+                    stopped.append(row.deployment_id)
+                    logger.info(
+                        "service=%s replica deployment=%s at %s stopped: no client on it for "
+                        "%.0f s (--service-idle-grace)",
+                        record.name,
+                        row.deployment_id,
+                        row.site,
+                        now - since,
+                    )
+        return stopped
 
     def close(self) -> None:
         for task in self._following.values():

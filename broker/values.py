@@ -56,6 +56,9 @@ class BrokerSettings:
     node whose heartbeat stream is open (`--node-lease`); None without that port."""
     orphan_grace_s: float = 30.0
     """A replica a node runs that no deployment claims is stopped after this long."""
+    service_idle_s: float = 60.0
+    """A service's replica with no client on it is stopped after this long, beyond the
+    service's `min_replicas_per_site` (`--service-idle-grace`)."""
     pending_retry_s: float = 2.0
     """How often pending deployments are tried again."""
     stop_grace_ms: int = 5000

@@ -372,3 +372,55 @@ async def test_services_and_assignments_survive_a_broker_sigkill(cluster: Cluste
         await bob.infer(inputs)
         assert (await alice.use_service("durable", site="site-c")).node_id == "node-c"
         assert on.deployment_id != site_b
+
+
+async def test_a_move_starts_a_replica_where_none_is_in_reach_and_the_idle_one_stops(
+    tmp_path: Path,
+) -> None:
+    """A 5 ms SLO and sites 10 ms apart: bob's move to site-b starts a replica there
+    (make-before-break: he keeps site-a's meanwhile, no call fails), and site-a's, with no
+    client left, stops after --service-idle-grace."""
+    cluster = Cluster(tmp_path)
+    cluster.api_keys = {c: f"{c}.secret-key-of-{c}-0123456789" for c in CLIENTS}
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    try:
+        await cluster.start_broker("--service-idle-grace", "1")
+        await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES))
+        async with (
+            OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
+            OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
+        ):
+            sha = await alice.upload_model(modelzoo.model_path("mlp"))
+            await alice.create_service("near", sha, "mlp", clients=["bob"], latency_slo_ms=5)
+            first = await bob.use_service("near", site="site-a")
+            assert first.node_id == "node-a"
+            answered, stop = 0, asyncio.Event()
+
+            async def closed_loop() -> None:
+                nonlocal answered
+                while not stop.is_set():
+                    await bob.infer(inputs)  # a failure raises, failing the test
+                    answered += 1
+
+            loop = asyncio.create_task(closed_loop())
+            try:
+                await until_answered(lambda: answered, 10)
+                await bob.report_location("site-b")
+                service = await alice.get_service("near")
+                started = next(r.deployment_id for r in service.replicas if r.site == "site-b")
+                await until_on(bob, started)
+                before = answered
+                await until_answered(lambda: answered, before + 10)
+            finally:
+                stop.set()
+                await loop
+            deadline = asyncio.get_running_loop().time() + 60
+            while len((service := await alice.get_service("near")).replicas) > 1:
+                assert asyncio.get_running_loop().time() < deadline, service
+                await asyncio.sleep(0.2)
+            assert [r.deployment_id for r in service.replicas] == [started]
+            current = bob.deployment
+            assert current is not None and current.node_id == "node-b"
+            await bob.infer(inputs)
+    finally:
+        await cluster.stop()
