@@ -21,6 +21,7 @@ from broker.ops import (
     NodeLoadInfo,
     OffloadInfo,
     PrewarmInfo,
+    ServiceFigures,
     StandbyInfo,
 )
 from broker.placement import PriorityClass
@@ -287,6 +288,10 @@ class BrokerOpsView:
             remote_reachable=reachable,
             load_nodes=load_nodes,
             load_deployments=load_deployments,
+            services={
+                name: ServiceFigures(replicas=dict(sites), clients=clients)
+                for name, (sites, clients) in (await broker.services.counts()).items()
+            },
         )
 
     async def load(self) -> LoadInfo:

@@ -204,6 +204,18 @@ class Services:
                     )
         return stopped
 
+    async def counts(self) -> dict[str, tuple[Counter[str], int]]:
+        """Service -> (its replicas by site, the clients on it), for the ops figures."""
+        store = self._core.store
+        counts: dict[str, tuple[Counter[str], int]] = {
+            r.name: (Counter(), 0) for r in await self._core.db(store.list_services)
+        }
+        for row in await self._core.db(store.list_service_replicas):
+            if row.service in counts:
+                counts[row.service][0][row.site] += 1
+        on = Counter(c.service for c in await self._core.db(store.list_service_clients))
+        return {name: (sites, on[name]) for name, (sites, _) in counts.items()}
+
     def close(self) -> None:
         for task in self._following.values():
             task.cancel()

@@ -7,7 +7,13 @@ broker's read-only snapshot of nodes, deployments and migrations), a `BrokerMetr
 
 from broker.ops.app import create_ops_app, create_standby_app, start_ops_server
 from broker.ops.auth import OpsAuth
-from broker.ops.metrics import BrokerMetrics, DeploymentFigures, MetricFigures, NodeFigures
+from broker.ops.metrics import (
+    BrokerMetrics,
+    DeploymentFigures,
+    MetricFigures,
+    NodeFigures,
+    ServiceFigures,
+)
 from broker.ops.view import (
     BatchingInfo,
     DeploymentInfo,
@@ -47,6 +53,7 @@ __all__ = [
     "OpsView",
     "PrewarmInfo",
     "ResizeInfo",
+    "ServiceFigures",
     "StandbyInfo",
     "TimelineEvent",
     "create_ops_app",

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -166,6 +166,13 @@ class DeploymentFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class ServiceFigures:
+    replicas: Mapping[str, int]
+    """Site -> the service's replicas there."""
+    clients: int
+
+
+@dataclass(frozen=True, slots=True)
 class MetricFigures:
     """What the state gauges and the live-load and offload series show at one scrape
     (`OpsView.figures`): counted from the broker's state, not from the dashboard's views."""
@@ -186,6 +193,8 @@ class MetricFigures:
     """Node -> its latest heartbeat's figures."""
     load_deployments: Mapping[str, DeploymentFigures]
     """Deployment (not deleted) -> its serving replica's latest figures."""
+    services: Mapping[str, ServiceFigures] = field(default_factory=dict)
+    """Service -> its replicas by site and the clients on it."""
 
 
 class _LoadCollector(Collector):
@@ -195,6 +204,7 @@ class _LoadCollector(Collector):
     def __init__(self) -> None:
         self.nodes: dict[str, NodeFigures] = {}
         self.deployments: dict[str, DeploymentFigures] = {}
+        self.services: dict[str, ServiceFigures] = {}
 
     def collect(self) -> Iterator[Metric]:
         def family(name: str, documentation: str, labels: list[str]) -> GaugeMetricFamily:
@@ -239,6 +249,16 @@ class _LoadCollector(Collector):
                 if value is not None:
                     gauge.add_metric([deployment], value)
             yield gauge
+        replicas = family(
+            "offload_service_replicas", "A service's replicas at a site.", ["service", "site"]
+        )
+        clients = family("offload_service_clients", "Clients on a service.", ["service"])
+        for service, figures in sorted(self.services.items()):
+            for site, count in sorted(figures.replicas.items()):
+                replicas.add_metric([service, site], count)
+            clients.add_metric([service], figures.clients)
+        yield replicas
+        yield clients
 
 
 class BrokerMetrics:
@@ -372,6 +392,7 @@ class BrokerMetrics:
         self.set_standby_budget(figures.standby_budget)
         self.set_offload(figures.offload_requests, figures.remote_reachable)
         self.set_load(figures.load_nodes, figures.load_deployments)
+        self._load.services = dict(figures.services)
 
     def set_nodes(self, counts: Mapping[str, int]) -> None:
         """Set `offload_nodes` to `counts` (state -> number of nodes); missing states read 0."""

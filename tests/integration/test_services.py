@@ -13,6 +13,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
 import grpc
 import numpy as np
 import onnxruntime as ort
@@ -108,6 +109,13 @@ async def test_clients_of_a_service_share_one_replica_each_with_a_token_of_its_o
         assert [s.name for s in await carol.list_services()] == []
         shown = await bob.get_service("detector")
         assert [(r.deployment_id, r.clients) for r in shown.replicas] == [(mine.deployment_id, 2)]
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{cluster.ops_port}/metrics") as page,
+        ):
+            metrics = await page.text()
+        assert 'offload_service_replicas{service="detector",site="site-a"} 1.0' in metrics
+        assert 'offload_service_clients{service="detector"} 2.0' in metrics
         with pytest.raises(PermissionDenied, match="only it deletes it"):
             await bob.delete_service("detector")
         with pytest.raises(InvalidInput, match="site"):
