@@ -16,7 +16,11 @@ Arms, each on a cluster of its own:
 - mobility: a service with a replica at every site (`--min-replicas-per-site 1`) and
   --loop-clients clients in closed loops at site-a; --moves times, one client reports the
   next site: from the report to its first answer from that site's replica (no replica
-  starts: a switch), and the loops' failed calls over the whole arm.
+  starts: a switch), and the loops' failed calls over the whole arm;
+- flood: one quiet client's closed loop on a service's replica for --seconds alone, then
+  beside another client flooding the replica with 16 concurrent loops (each client at most
+  `FLOOD_MAX_RPS` calls a second): the quiet client's p99 both times (the issue's bound: at
+  most 2x), and the flood's calls refused over its limit.
 
 The baseline is the private arm of the same run; the figures are printed, not asserted (the
 issue's targets: a tenth of the memory, attach p99 at most 100 ms, the same or better
@@ -57,6 +61,8 @@ from edge_client.errors import OffloadError
 MODEL = "mlp"
 SITES = ("site-a", "site-b", "site-c")
 NODES = ("node-a", "node-b", "node-c")
+FLOOD_MAX_RPS = 200.0
+"""Each client's calls per second at the flood arm's replica (`max_rps_per_client`)."""
 
 
 def rss_mib(pid: int) -> float:
@@ -241,6 +247,64 @@ async def mobility(root: Path, loop_clients: int, moves: int) -> dict[str, Any]:
         await cluster.stop()
 
 
+async def flood(root: Path, seconds: float, flood_loops: int, max_rps: float) -> dict[str, Any]:
+    """One quiet client alone on a service's replica, then beside a client flooding it
+    with `flood_loops` concurrent loops: the quiet one's p99 both times (the runtime takes
+    clients in turn within a class, and each at most `max_rps` calls a second)."""
+    keys = [new_api_key("quiet"), new_api_key("flood")]
+    cluster = LocalCluster(root, runtime="process", client_id="owner", more_api_keys=keys)
+    model = modelzoo.model_path(MODEL)
+    inputs = modelzoo.sample_inputs(model)
+    clients: list[OffloadClient] = []
+    try:
+        await cluster.start(lambda _: None)
+        async with OffloadClient(cluster.broker_address, cluster.api_key) as owner:
+            sha = await owner.upload_model(model)
+            await owner.create_service(
+                "shared", sha, MODEL, any_client=True, max_rps_per_client=max_rps
+            )
+        for key in keys:
+            client = OffloadClient(cluster.broker_address, key)
+            await client.connect()
+            await client.use_service("shared", site=SITES[0])
+            clients.append(client)
+        quiet, flooder = clients
+        alone = await closed_loops([quiet], inputs, seconds)
+        refused = 0
+        stop = asyncio.Event()
+
+        async def flood_loop() -> None:
+            nonlocal refused
+            while not stop.is_set():
+                try:
+                    await flooder.infer(inputs)
+                except OffloadError:
+                    refused += 1  # over its rate limit: RESOURCE_EXHAUSTED, by design
+
+        flooding = [asyncio.create_task(flood_loop()) for _ in range(flood_loops)]
+        await asyncio.sleep(0.5)
+        beside = await closed_loops([quiet], inputs, seconds)
+        stop.set()
+        await asyncio.gather(*flooding)
+        return {
+            "arm": "flood",
+            "max_rps_per_client": max_rps,
+            "flood_loops": flood_loops,
+            "quiet_p99_ms_alone": alone["p99_ms"],
+            "quiet_p99_ms_beside_flood": beside["p99_ms"],
+            "quiet_p99_ratio": round(beside["p99_ms"] / alone["p99_ms"], 2)
+            if alone["p99_ms"]
+            else None,
+            "flood_refused": refused,
+            "failed": alone["failed"] + beside["failed"],
+        }
+    finally:
+        for client in clients:
+            with contextlib.suppress(Exception):
+                await client.close()
+        await cluster.stop()
+
+
 def report(results: list[dict[str, Any]]) -> None:
     private = next(r for r in results if r["arm"] == "private")
     service = next(r for r in results if r["arm"] == "service")
@@ -270,6 +334,14 @@ def report(results: list[dict[str, Any]]) -> None:
         f"clients in loops): report to first answer median "
         f"{move['move_to_first_answer_ms_median']} ms, max {move['move_to_first_answer_ms_max']}"
         f" ms; replicas after {move['replicas_after']}; failed {move['failed']}"
+    )
+    flooded = next(r for r in results if r["arm"] == "flood")
+    print(
+        f"a quiet client's p99 beside a client flooding the replica ({flooded['flood_loops']} "
+        f"loops, each client at most {flooded['max_rps_per_client']:g} calls/s): alone "
+        f"{flooded['quiet_p99_ms_alone']} ms, beside the flood "
+        f"{flooded['quiet_p99_ms_beside_flood']} ms ({flooded['quiet_p99_ratio']}x; the "
+        f"issue's bound 2x); the flood's calls refused {flooded['flood_refused']}"
     )
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
@@ -305,6 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tmp) / "mobility"
         root.mkdir()
         results.append(asyncio.run(mobility(root, min(loop_clients, 4), moves)))
+        print(json.dumps(results[-1]), flush=True)
+        root = Path(tmp) / "flood"
+        root.mkdir()
+        results.append(asyncio.run(flood(root, seconds, 16, FLOOD_MAX_RPS)))
         print(json.dumps(results[-1]), flush=True)
     report(results)
     if args.json:
