@@ -41,8 +41,8 @@ from bench import (
     replica_start,
     resize,
     runtime_latency,
-    serving,
     services,
+    serving,
     upload_memory,
 )
 

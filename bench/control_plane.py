@@ -1,11 +1,13 @@
 """The scale of one control plane, measured as Kubernetes measures its own (kubemark): hollow
 nodes (`node_daemon.hollow`: the real node daemon, agent, broker link and NodeAgent server,
 over a runtime that runs nothing) registering and heartbeating into one real broker process
-(`offload broker`, its real state), while clients deploy, migrate and delete. A hollow node
-heartbeats as `offload node` does: a lease renewal as often as the broker asks (every 2 s at
-its defaults), its usage sample and replicas when they change or every --sample-interval
-seconds; against a broker from before leases, a full heartbeat every second. "Heartbeats"
-below count every message of the Heartbeats streams, renewals and samples alike.
+(`offload broker`, its real state), while clients deploy, migrate and delete. The hollow
+nodes register on the broker's node port (`--node-listen`, which pings their connections in
+gRPC's core), as production's do, and heartbeat as `offload node` does: a lease renewal as
+often as the broker asks (every 10 s there at its defaults), its usage sample and replicas
+when they change or every --sample-interval seconds; against a broker from before leases, a
+full heartbeat every second. "Heartbeats" below count every message of the Heartbeats
+streams, renewals and samples alike.
 
 The cluster grows in steps (250, 500, 1,000, 2,000 hollow nodes; 100 and 250 with --quick)
 against the same broker, each node one of five real 8-GPU servers (the `nvidia-smi topo -m`

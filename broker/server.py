@@ -598,11 +598,12 @@ def _check_upload_caps(args: argparse.Namespace) -> None:
 def _check_liveness(args: argparse.Namespace) -> None:
     """The heartbeat interval, the lease and the node port's lease: finite, in bounds, each
     longer than the one before; `--node-lease` only where a node port pings the nodes."""
-    bounds = (
+    bounds = [
         ("--heartbeat-interval", args.heartbeat_interval, 0.05),
         ("--lost-after", args.lost_after, args.heartbeat_interval),
-        ("--node-lease", args.node_lease or DEFAULT_NODE_LEASE_S, args.lost_after),
-    )
+    ]
+    if args.node_lease is not None:  # the default follows --lost-after (`config_from_args`)
+        bounds.append(("--node-lease", args.node_lease, args.lost_after))
     for flag, value, above in bounds:
         if not (math.isfinite(value) and above <= value <= MAX_LIVENESS_S):
             raise ValueError(
@@ -667,7 +668,11 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
         settings=BrokerSettings(
             heartbeat_interval_s=args.heartbeat_interval,
             lost_after_s=args.lost_after,
-            node_lease_s=(args.node_lease or DEFAULT_NODE_LEASE_S) if args.node_listen else None,
+            node_lease_s=(
+                (args.node_lease or max(DEFAULT_NODE_LEASE_S, args.lost_after))
+                if args.node_listen
+                else None
+            ),
             orphan_grace_s=args.orphan_grace,
             service_idle_s=args.service_idle_grace,
             quotas=Quotas(
@@ -868,7 +873,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "silence and breaks the stream of one that leaves a ping unanswered for 1 s: the "
         "lease of a node whose stream stays open, which it renews every 0.4 of this; it "
         "catches a daemon that answers pings while hung "
-        f"(default {DEFAULT_NODE_LEASE_S:g})",
+        f"(default {DEFAULT_NODE_LEASE_S:g}, or --lost-after when that is longer)",
     )
     p.add_argument(
         "--service-idle-grace",

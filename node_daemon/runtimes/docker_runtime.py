@@ -578,7 +578,9 @@ class DockerRuntime:
         except docker.errors.APIError as err:  # the engine does not answer: assume it runs
             logger.warning("replica=%s: cannot read its container's state: %s", replica_id, err)
             return ReplicaStatus(running=True)
-        if started.container.status in ("running", "created", "restarting"):
+        # Paused (`docker pause`: frozen, as a SIGSTOPped process replica) is not dead: it
+        # keeps its GPUs and serves again once unpaused.
+        if started.container.status in ("running", "created", "restarting", "paused"):
             return ReplicaStatus(running=True)
         code = started.container.attrs["State"]["ExitCode"]
         tail = await asyncio.to_thread(self._log_tail, started.container)

@@ -50,8 +50,10 @@ def test_hollow_nodes_heartbeat_and_deploys_are_committed(tmp_path: Path) -> Non
         assert step["heartbeats"] >= step["nodes"] * (step["window_s"] // 2), step
         assert 0 < step["heartbeat_p50_ms"] <= step["heartbeat_p99_ms"], step
         assert step["hollow_loop_lag_max_ms"] >= step["hollow_loop_lag_p99_ms"], step
-        # What the heartbeats alone cost: counted over the settle's second half (1 s here).
-        assert step["idle_heartbeats_per_s"] >= step["nodes"] / 2, step
+        # What the heartbeats alone cost, over one --sample-interval (10 s): on the node
+        # port a node renews every 10 s (a sample stands for a renewal), so each sends about
+        # one message; half of that is plenty on a loaded machine.
+        assert step["idle_heartbeats_per_s"] >= step["nodes"] / 20, step
         # (a few ms of CPU over a second: the clock's ticks may count none; the cores are
         # rounded to 3 decimals)
         per_s = step["idle_heartbeats_per_s"]

@@ -193,3 +193,8 @@ def test_the_node_lease_applies_only_where_a_node_port_pings_the_nodes(tmp_path:
     assert own.settings.node_lease_s == DEFAULT_NODE_LEASE_S
     longer = ["--node-listen", "127.0.0.1:0", "--node-lease", "60"]
     assert config_from_args(_broker_args(tmp_path, *longer)).settings.node_lease_s == 60
+    # A --lost-after past the default lease is no error: the lease follows it.
+    slow = ["--lost-after", "60"]
+    assert config_from_args(_broker_args(tmp_path, *slow)).settings.node_lease_s is None
+    slow_port = [*slow, "--node-listen", "127.0.0.1:0"]
+    assert config_from_args(_broker_args(tmp_path, *slow_port)).settings.node_lease_s == 60
