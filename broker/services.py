@@ -52,6 +52,7 @@ from broker.state import (
     ServiceClientRecord,
     ServiceRecord,
     ServiceReplicaRecord,
+    StateError,
 )
 from broker.uploads import Uploads
 from broker.values import SERVICE_NAME, PlacementUpdate, ServiceSpec
@@ -159,7 +160,7 @@ class Services:
             await asyncio.sleep(min(5.0, self._idle_s / 4))
             try:
                 await self.sweep()
-            except BrokerError as err:
+            except (BrokerError, StateError) as err:  # the next sweep tries again
                 logger.warning("services: the idle replicas' sweep failed: %s", err)
 
     async def sweep(self) -> list[str]:
@@ -470,7 +471,14 @@ class Services:
                     attached_at=time.time(),
                 )
                 await self._core.db(store.put_service_client, moved)
-                await self._push(replica.deployment_id, spec)
+                try:
+                    await self._push(replica.deployment_id, spec)
+                except BaseException:
+                    # Not taken there (its node unreachable, or not yet re-authenticated
+                    # after a broker restart): the client stays where it is, and the report
+                    # sent again moves it then.
+                    await self._core.db(store.put_service_client, current)
+                    raise
             self._tell(moved, self._update(moved, replica, f"switched for {site}: {reason}"))
             self._core.background(
                 self._release(current.deployment_id, spec),

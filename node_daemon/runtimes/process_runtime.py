@@ -209,20 +209,32 @@ def set_affinity(pid: int, cpus: frozenset[int]) -> int:
     return _each_thread(pid, lambda tid: os.sched_setaffinity(tid, cpus))
 
 
+THREAD_PASSES = 8
+"""Passes over a process's threads at most (`_each_thread`)."""
+
+
 def _each_thread(pid: int, apply: Callable[[int], object]) -> int:
-    """`apply` to each thread id of `pid`; how many it was applied to (0: the process is
-    gone)."""
-    try:
-        tids = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
-    except OSError:
-        return 0
+    """`apply` to each thread id of `pid`, listing them again until a listing shows none
+    it has not seen (at most `THREAD_PASSES`): a thread that one not yet changed started
+    during a pass took its creator's old setting, and shows up in the next listing; how
+    many it was applied to (0: the process is gone)."""
+    seen: set[int] = set()
     changed = 0
-    for tid in tids:
+    for _ in range(THREAD_PASSES):
         try:
-            apply(tid)
-        except ProcessLookupError:
-            continue
-        changed += 1
+            tids = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            break
+        new = [tid for tid in tids if tid not in seen]
+        if not new:
+            break
+        for tid in new:
+            seen.add(tid)
+            try:
+                apply(tid)
+            except ProcessLookupError:
+                continue
+            changed += 1
     return changed
 
 
