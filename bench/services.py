@@ -280,12 +280,12 @@ async def flood(root: Path, seconds: float, flood_loops: int, max_rps: float) ->
         async with OffloadClient(cluster.broker_address, cluster.api_key) as owner:
             sha = await owner.upload_model(model)
             await owner.create_service(
-                "shared", sha, MODEL, any_client=True, max_rps_per_client=max_rps
+                "flooded", sha, MODEL, any_client=True, max_rps_per_client=max_rps
             )
         for key in keys:
             client = OffloadClient(cluster.broker_address, key)
             await client.connect()
-            await client.use_service("shared", site=SITES[0])
+            await client.use_service("flooded", site=SITES[0])
             clients.append(client)
         quiet, flooder = clients
         alone = await paced(quiet, inputs, seconds, 2 / max_rps)

@@ -346,11 +346,7 @@ class Services:
             replica, reason = await self._choose(record, spec, site)
             token = secrets.token_urlsafe(32)
             store = self._core.store
-            before = [
-                c
-                for c in await self._core.db(store.list_service_clients, name)
-                if c.client_id == client_id
-            ]
+            before = await self._assignment(name, client_id)
             row = ServiceClientRecord(
                 service=name,
                 client_id=client_id,
@@ -362,9 +358,8 @@ class Services:
             )
             await self._core.db(store.put_service_client, row)
             await self._push(replica.deployment_id, spec)
-            for previous in before:
-                if previous.deployment_id != replica.deployment_id:
-                    await self._push(previous.deployment_id, spec)
+            if before is not None and before.deployment_id != replica.deployment_id:
+                await self._push(before.deployment_id, spec)  # the token it leaves behind
         logger.info(
             "service=%s client=%s at %s on deployment=%s (node %s): %s",
             name,

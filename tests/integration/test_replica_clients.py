@@ -86,7 +86,7 @@ async def test_a_replica_takes_the_clients_the_node_is_given(runtime: str, tmp_p
             stub = pb_grpc.NodeAgentStub(channel)
             sha256 = await put_model(stub, modelzoo.model_path(MODEL))
             spec = pb.ReplicaSpec(
-                deployment_id="shared", epoch=1, model_sha256=sha256, model_name=MODEL,
+                deployment_id="common", epoch=1, model_sha256=sha256, model_name=MODEL,
                 token=TOKEN,
             )  # fmt: skip
             replica = (await stub.StartReplica(pb.StartReplicaRequest(spec=spec))).replica

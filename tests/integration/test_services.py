@@ -151,8 +151,8 @@ async def test_a_service_replica_stays_at_its_site_when_its_owner_moves(
     model = modelzoo.model_path("mlp")
     async with OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice:
         sha = await alice.upload_model(model)
-        await alice.create_service("shared", sha, "mlp", gpus=1, any_client=True)
-        replica = await alice.use_service("shared", site="site-a")
+        await alice.create_service("commons", sha, "mlp", gpus=1, any_client=True)
+        replica = await alice.use_service("commons", site="site-a")
         own = await alice.deploy(sha, "mlp", gpus=1, site="site-a")
         assert own.node_id == replica.node_id == "node-a"
         await alice.report_location("site-c")
