@@ -11,8 +11,9 @@ bearer tokens of the clients listed in that file, one per line::
 - ``TOKEN_SHA256``: the lowercase hex SHA-256 of the client's bearer token (the text after
   ``Bearer``), unique in the file: the file holds no secret;
 - ``MAX_RPS``: optional, the client's inference calls per second (a token bucket holding
-  ``max(1, MAX_RPS)`` calls, full at first: a client may burst one second's worth); 0 or
-  absent for no limit.
+  ``max(1, MAX_RPS)`` calls, full at first: a client may burst one second's worth; a call
+  past it waits for its token up to `RATE_WAIT_S`, and is refused RESOURCE_EXHAUSTED beyond
+  that); 0 or absent for no limit.
 
 Blank lines and lines starting ``#`` are skipped; at most `MAX_CLIENTS` clients and
 `MAX_FILE_BYTES` bytes. An error names the line, never its token hash.
@@ -60,6 +61,10 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 """The largest clients file read (10,000 lines of about 160 bytes fit well within)."""
 MAX_RPS_LIMIT = 1_000_000.0
 """The largest per-client rate limit (calls per second)."""
+RATE_WAIT_S = 0.25
+"""The longest a call over its client's rate waits for its token (`RateLimit.reserve`):
+beyond it the call is refused. A quarter second paces a client that sends a little too fast
+without refusals, and bounds what a paced call adds to its latency."""
 POLL_INTERVAL_S = 0.5
 """How often the replica looks at the clients file's status (one `stat` call)."""
 
@@ -111,8 +116,11 @@ class ClientEntry:
 
 
 class RateLimit:
-    """A token bucket: `rate` calls per second, holding `max(1, rate)` (full at first).
-    Event loop only."""
+    """A token bucket: `rate` calls per second, holding `max(1, rate)` (full at first). A
+    call over it waits for its token when that comes within `RATE_WAIT_S` (so a client that
+    sends faster than its rate is paced to it, its calls held rather than each refused at
+    once and sent again: a flood costs the replica its rate, not a storm of refusals), and
+    is refused otherwise. Event loop only."""
 
     __slots__ = ("_clock", "_level", "_then", "burst", "rate")
 
@@ -123,15 +131,18 @@ class RateLimit:
         self._level = self.burst
         self._then = clock()
 
-    def take(self) -> bool:
-        """Whether one more call fits now (and, if so, count it)."""
+    def reserve(self) -> float | None:
+        """Seconds the next call must wait for its token (0: it fits now), that token
+        counted; None, nothing counted, when the wait would pass `RATE_WAIT_S`. A call
+        cancelled while it waits keeps its token spent: its client was over its rate."""
         now = self._clock()
         self._level = min(self.burst, self._level + (now - self._then) * self.rate)
         self._then = now
-        if self._level < 1.0:
-            return False
+        wait = (1.0 - self._level) / self.rate if self._level < 1.0 else 0.0
+        if wait > RATE_WAIT_S:
+            return None
         self._level -= 1.0
-        return True
+        return wait
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,14 +167,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Registered without a (de)serializer (`RAW_METHODS`): a request whose header has a
         plan skips parsing and response building (`runtime.rpc.plans`); any other takes the
         full path, which makes the plan for the next one. A client over its rate limit
-        (`runtime.clients`) is refused first, RateLimited."""
+        (`runtime.clients`) waits first for its token, or is refused RateLimited when that
+        is too far off."""
         caller = CALLER.get()
         limit = caller.limit
-        if limit is not None and not limit.take():
-            raise RateLimited(
-                f"client {caller.client_id} is over its rate limit of {limit.rate:g} "
-                "requests/s; retry later"
-            )
+        if limit is not None:
+            wait = limit.reserve()
+            if wait is None:
+                raise RateLimited(
+                    f"client {caller.client_id} is over its rate limit of {limit.rate:g} "
+                    "requests/s; retry later"
+                )
+            if wait:
+                await asyncio.sleep(wait)
         split = split_request(raw)
         if split is not None:
             plan = self._plans.get(split[0])

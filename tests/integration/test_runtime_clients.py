@@ -26,7 +26,7 @@ from edge_client.rpc.tensors import infer_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from runtime.batching import PriorityClass
-from runtime.clients import ClientEntry, format_clients
+from runtime.clients import RATE_WAIT_S, ClientEntry, format_clients
 from tests.runtime_support import AUTH, spawn_runtime
 
 MODEL = "mlp"
@@ -207,6 +207,20 @@ async def test_a_client_over_its_rate_limit_is_refused_naming_it(
     assert codes == {"OK": 1.0, "RESOURCE_EXHAUSTED": 1.0}
     live = await served.stub.ServerReady(pb.ServerReadyRequest(), metadata=AUTH)
     assert live.ready
+
+
+async def test_a_client_a_little_over_its_rate_is_paced_and_a_flood_refused(
+    replica: Callable[[str], Awaitable[Replica]],
+) -> None:
+    # 8 calls/s: 40 calls sent at once take the second's burst (8), then the next wait for
+    # their token within RATE_WAIT_S (at least 2: a quarter second holds two tokens at 8/s),
+    # answered late, not refused; the rest are refused at once (40 calls cannot arrive
+    # spread over the 4 s their tokens would take).
+    served = await replica(f"c3 standard {sha(THREE)} 8\n")
+    errors = await asyncio.gather(*(served.refusal(THREE) for _ in range(40)))
+    codes = [err.code() if err is not None else grpc.StatusCode.OK for err in errors]
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert codes.count(grpc.StatusCode.OK) >= 8 + round(RATE_WAIT_S * 8), codes
 
 
 def entry(client_id: str, token: str) -> ClientEntry:

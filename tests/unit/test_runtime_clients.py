@@ -23,6 +23,7 @@ from runtime.clients import (
     MAX_CLIENTS,
     MAX_GENERATION,
     MAX_RPS_LIMIT,
+    RATE_WAIT_S,
     Caller,
     ClientEntry,
     ClientsFile,
@@ -148,18 +149,39 @@ class Clock:
         return self.now
 
 
-def test_the_rate_limit_allows_a_second_of_burst_then_its_rate() -> None:
+def test_the_rate_limit_allows_a_second_of_burst_then_paces_then_refuses() -> None:
     clock = Clock()
     limit = RateLimit(4.0, clock)
-    assert [limit.take() for _ in range(5)] == [True] * 4 + [False]
-    clock.now += 0.5  # two calls' worth
-    assert [limit.take() for _ in range(3)] == [True, True, False]
+    # A second's burst at once; the next wait a quarter second each for their token, up to
+    # RATE_WAIT_S; past that refused, nothing counted.
+    waits = [limit.reserve() for _ in range(4)]
+    assert waits == [0.0] * 4
+    assert limit.reserve() == pytest.approx(0.25)
+    assert limit.reserve() is None and limit.reserve() is None
+    clock.now += 0.5  # two calls' worth: the one that waited, and one more now
+    assert limit.reserve() == 0.0
+    assert limit.reserve() == pytest.approx(0.25)
     clock.now += 60  # never more than the burst
-    assert sum(limit.take() for _ in range(10)) == 4
+    assert [limit.reserve() for _ in range(5)] == [0.0] * 4 + [pytest.approx(0.25)]
     slow = RateLimit(0.5, clock)  # below one per second: a burst of one
-    assert [slow.take(), slow.take()] == [True, False]
+    assert slow.reserve() == 0.0 and slow.reserve() is None  # the next token 2 s off
     clock.now += 2
-    assert slow.take()
+    assert slow.reserve() == 0.0
+
+
+def test_a_fast_limit_paces_a_flood_to_its_rate() -> None:
+    clock = Clock()
+    limit = RateLimit(200.0, clock)
+    for _ in range(200):  # the burst
+        assert limit.reserve() == 0.0
+    # Then calls sent far faster than 200/s (all at one instant): the next 50 wait a
+    # growing share of RATE_WAIT_S, the rest are refused.
+    waits = [limit.reserve() for _ in range(100)]
+    held = [w for w in waits if w is not None]
+    assert len(held) == round(RATE_WAIT_S * 200)
+    assert held == sorted(held) and max(held) <= RATE_WAIT_S
+    clock.now += 1.0  # a second later they have all gone, at 200/s
+    assert sum(limit.reserve() == 0.0 for _ in range(200)) == 200 - len(held)
 
 
 def test_a_client_keeps_its_bucket_while_its_rate_stays() -> None:
