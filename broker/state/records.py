@@ -304,6 +304,27 @@ class ServiceReplicaRecord:
     created_at: float
 
 
+class ScaleAction(StrEnum):
+    """What a service's scale decision did."""
+
+    START = "start"
+    STOP = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceEventRecord:
+    """A scale decision of a service: a replica started or stopped, and why, as the broker
+    explains it (`offload service show`, the dashboard). Schema version 10."""
+
+    service: str
+    at: float
+    action: ScaleAction
+    deployment_id: str
+    """The replica started or stopped."""
+    site: str
+    reason: str
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceClientRecord:
     """A client attached to a service: the replica it is on and the token it uses there. A

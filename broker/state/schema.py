@@ -265,6 +265,22 @@ CREATE INDEX service_clients_by_deployment ON service_clients (deployment_id);
 """
 """Version 9: shared model services, their replicas and their attached clients."""
 
+_SQLITE_V10 = """
+-- Each scale decision of a service, as the broker explains it: a replica started (where,
+-- why) or stopped; the most recent SERVICE_EVENTS_KEPT per service are kept.
+CREATE TABLE service_events (
+    service       TEXT NOT NULL REFERENCES services (name),
+    at            REAL NOT NULL,
+    action        TEXT NOT NULL CHECK (action IN ('start', 'stop')),
+    deployment_id TEXT NOT NULL CHECK (deployment_id <> ''),
+    site          TEXT NOT NULL,
+    reason        TEXT NOT NULL CHECK (reason <> ''),
+    seq           INTEGER PRIMARY KEY AUTOINCREMENT
+) STRICT;
+CREATE INDEX service_events_by_service ON service_events (service, seq);
+"""
+"""Version 10: services' scale decisions (`StateStore.add_service_event`)."""
+
 # -- PostgreSQL: the same versions, in its dialect --------------------------------------------
 
 _POSTGRES_V1 = """
@@ -474,14 +490,27 @@ CREATE TABLE service_clients (
 CREATE INDEX service_clients_by_deployment ON service_clients (deployment_id);
 """
 
+_POSTGRES_V10 = """
+CREATE TABLE service_events (
+    service       TEXT COLLATE "C" NOT NULL REFERENCES services (name),
+    at            DOUBLE PRECISION NOT NULL,
+    action        TEXT NOT NULL CHECK (action IN ('start', 'stop')),
+    deployment_id TEXT COLLATE "C" NOT NULL CHECK (deployment_id <> ''),
+    site          TEXT NOT NULL,
+    reason        TEXT NOT NULL CHECK (reason <> ''),
+    seq           BIGSERIAL PRIMARY KEY
+);
+CREATE INDEX service_events_by_service ON service_events (service, seq);
+"""
+
 MIGRATIONS: dict[str, tuple[str, ...]] = {
     "sqlite": (
         _SQLITE_V1, _SQLITE_V2, _SQLITE_V3, _SQLITE_V4, _SQLITE_V5, _SQLITE_V6, _SQLITE_V7,
-        _SQLITE_V8, _SQLITE_V9,
+        _SQLITE_V8, _SQLITE_V9, _SQLITE_V10,
     ),
     "postgresql": (
         _POSTGRES_V1, _POSTGRES_V2, _POSTGRES_V3, _POSTGRES_V4, _POSTGRES_V5, _POSTGRES_V6,
-        _POSTGRES_V7, _POSTGRES_V8, _POSTGRES_V9,
+        _POSTGRES_V7, _POSTGRES_V8, _POSTGRES_V9, _POSTGRES_V10,
     ),
 }  # fmt: skip
 """The scripts of each backend's dialect (`Backend.dialect`), in order; the length of either

@@ -79,7 +79,9 @@ from broker.state.records import (
     OffloadReportRecord,
     OffloadSummary,
     ResizeRecord,
+    ScaleAction,
     ServiceClientRecord,
+    ServiceEventRecord,
     ServiceRecord,
     ServiceReplicaRecord,
     StandbyRecord,
@@ -117,6 +119,9 @@ _OFFLOAD_COLUMNS = (
 _OFFLOAD_KEY = ("deployment_id", "client_id", "session")
 _SERVICE_COLUMNS = "name, owner, model_sha256, spec_json, created_at"
 _SERVICE_REPLICA_COLUMNS = "deployment_id, service, site, created_at"
+_SERVICE_EVENT_COLUMNS = "service, at, action, deployment_id, site, reason"
+SERVICE_EVENTS_KEPT = 100
+"""Scale decisions kept per service (the most recent)."""
 _SERVICE_CLIENT_COLUMNS = (
     "service, client_id, token_sha256, priority_class, deployment_id, site, attached_at"
 )
@@ -981,7 +986,7 @@ class StateStore:
         clients, all in one transaction (the replicas' deployments are the caller's to
         stop). Idempotent: whether it existed."""
         with self.transaction():
-            for table in ("service_clients", "service_replicas"):
+            for table in ("service_clients", "service_replicas", "service_events"):
                 self._execute(f"DELETE FROM {table} WHERE service = ?", (name,))
             changed = self._execute("DELETE FROM services WHERE name = ?", (name,))
         return changed == 1
@@ -1019,6 +1024,38 @@ class StateStore:
             () if service is None else (service,),
         )
         return [ServiceReplicaRecord(**row) for row in rows]
+
+    def add_service_event(self, record: ServiceEventRecord) -> None:
+        """Record a scale decision of a service, keeping its `SERVICE_EVENTS_KEPT` most
+        recent. ConstraintError, with nothing written, for an unknown service or a value
+        the schema refuses (an unknown action, an empty deployment id or reason)."""
+        params = dataclasses.asdict(record)
+        params["action"] = _enum(ScaleAction, record.action, "scale action").value
+        with self.transaction():
+            self._require("services", "name", record.service, "service")
+            self._execute(
+                f"INSERT INTO service_events ({_SERVICE_EVENT_COLUMNS}) "
+                f"VALUES ({_placeholders(_SERVICE_EVENT_COLUMNS)})",
+                params,
+            )
+            self._execute(
+                "DELETE FROM service_events WHERE service = :s AND seq NOT IN "
+                "(SELECT seq FROM service_events WHERE service = :s "
+                "ORDER BY seq DESC LIMIT :keep)",
+                {"s": record.service, "keep": SERVICE_EVENTS_KEPT},
+            )
+
+    def list_service_events(self, service: str, limit: int = 20) -> list[ServiceEventRecord]:
+        """The `limit` most recent scale decisions of `service`, oldest first."""
+        rows = self._query(
+            f"SELECT {_SERVICE_EVENT_COLUMNS} FROM service_events WHERE service = ? "
+            "ORDER BY seq DESC LIMIT ?",
+            (service, limit),
+        )
+        return [
+            ServiceEventRecord(**{**row, "action": ScaleAction(row["action"])})
+            for row in reversed(rows)
+        ]
 
     def put_service_client(self, record: ServiceClientRecord) -> None:
         """Record a client attached to a service; a record of that service and client is

@@ -1,5 +1,5 @@
-"""The store's services (schema version 9): services, their replicas and their attached
-clients, in a real SQLite file and a real PostgreSQL database (the `database` fixture of
+"""The store's services (schema versions 9 and 10): services, their replicas, their attached
+clients and their scale decisions, in a real SQLite file and a real PostgreSQL database (the `database` fixture of
 `test_state`'s kind, once per backend)."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import pytest
 
 from broker.state import (
     ConstraintError,
+    ScaleAction,
     ServiceClientRecord,
+    ServiceEventRecord,
     ServiceRecord,
     ServiceReplicaRecord,
     StateError,
@@ -38,7 +40,7 @@ from tests.unit.test_state import (
 
 TOKEN = hashlib.sha256(b"token").hexdigest()
 OTHER_TOKEN = hashlib.sha256(b"other token").hexdigest()
-SERVICE_TABLES = {"services", "service_replicas", "service_clients"}
+SERVICE_TABLES = {"services", "service_replicas", "service_clients", "service_events"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -86,6 +88,18 @@ def client(client_id: str = "bob", **changes: Any) -> ServiceClientRecord:
     return dataclasses.replace(record, **changes)
 
 
+def event(at: float, **changes: Any) -> ServiceEventRecord:
+    record = ServiceEventRecord(
+        service="detector",
+        at=at,
+        action=ScaleAction.START,
+        deployment_id="d1",
+        site="site-a",
+        reason="a client attached at site-a: none runs yet",
+    )
+    return dataclasses.replace(record, **changes)
+
+
 def counts(database: Database) -> dict[str, int]:
     """Rows in each service table, read from outside the store."""
     found = {}
@@ -116,6 +130,8 @@ def test_postgresql_service_keys_sort_bytewise(postgresql_url: str, tmp_path: Pa
         ("service_clients", "client_id", "C"),
         ("service_clients", "deployment_id", "C"),
         ("service_clients", "service", "C"),
+        ("service_events", "deployment_id", "C"),
+        ("service_events", "service", "C"),
         ("service_replicas", "deployment_id", "C"),
         ("service_replicas", "service", "C"),
         ("services", "name", "C"),
@@ -191,13 +207,22 @@ def test_deleting_a_service_removes_its_replicas_and_clients_only(
     store.put_service_client(client("bob"))
     store.put_service_client(client("carol", deployment_id="d2"))
     store.put_service_client(client("bob", service="other", deployment_id="d3"))
+    store.add_service_event(event(1.0))
+    store.add_service_event(event(2.0, service="other", deployment_id="d3"))
 
     assert store.delete_service("detector") is True
     assert store.get_service("detector") is None
     assert store.list_service_replicas() == [replica("d3", service="other")]
     assert store.list_service_clients() == [client("bob", service="other", deployment_id="d3")]
+    assert store.list_service_events("detector") == []
+    assert store.list_service_events("other") == [event(2.0, service="other", deployment_id="d3")]
     assert store.delete_service("detector") is False
-    assert counts(database) == {"service_clients": 1, "service_replicas": 1, "services": 1}
+    assert counts(database) == {
+        "service_clients": 1,
+        "service_events": 1,
+        "service_replicas": 1,
+        "services": 1,
+    }
 
 
 def test_deleting_a_service_is_all_or_nothing(store: StateStore, database: Database) -> None:
@@ -221,7 +246,12 @@ def test_deleting_a_service_is_all_or_nothing(store: StateStore, database: Datab
         )
     with pytest.raises(StateError, match="refused"):
         store.delete_service("detector")
-    assert counts(database) == {"service_clients": 1, "service_replicas": 1, "services": 1}
+    assert counts(database) == {
+        "service_clients": 1,
+        "service_events": 0,
+        "service_replicas": 1,
+        "services": 1,
+    }
     assert store.list_service_clients() == [client()]
 
 
@@ -360,8 +390,14 @@ def test_the_service_writes_join_a_callers_transaction(
         store.add_service_replica(replica())
         store.put_service_client(client())
         store.create_service(service("other"))
+        store.add_service_event(event(1.0))
         raise Undo
-    assert counts(database) == {"service_clients": 0, "service_replicas": 0, "services": 1}
+    assert counts(database) == {
+        "service_clients": 0,
+        "service_events": 0,
+        "service_replicas": 0,
+        "services": 1,
+    }
 
 
 # -- the migration ------------------------------------------------------------------------
@@ -396,3 +432,64 @@ def test_a_version_8_state_gains_the_service_tables_and_keeps_its_rows(
         assert reopened.list_services() == [service()]
         assert reopened.list_service_replicas() == [replica()]
         assert reopened.list_service_clients() == [client()]
+
+
+# -- scale decisions ----------------------------------------------------------------------
+
+
+def test_scale_decisions_round_trip_oldest_first_the_most_recent_kept(
+    store: StateStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("broker.state.store.SERVICE_EVENTS_KEPT", 3)
+    store.create_service(service())
+    store.create_service(service("other"))
+    store.add_service_event(event(0.5, service="other"))
+    stop = event(5.0, action=ScaleAction.STOP, reason="no client on it for 60 s")
+    for record in (event(1.0), event(2.0), event(3.0), event(4.0), stop):
+        store.add_service_event(record)
+    assert store.list_service_events("detector") == [event(3.0), event(4.0), stop]
+    assert store.list_service_events("detector", limit=1) == [stop]
+    assert store.list_service_events("other") == [event(0.5, service="other")]
+    assert store.list_service_events("nobody") == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "refused"),
+    [
+        ({"service": "nobody"}, "service 'nobody'"),
+        ({"action": "resize"}, "scale action 'resize' is not one of: start, stop"),
+        ({"deployment_id": ""}, CHECK_FAILED),
+        ({"reason": ""}, CHECK_FAILED),
+    ],
+)
+def test_a_scale_decision_the_schema_refuses_writes_nothing(
+    store: StateStore, database: Database, changes: dict[str, Any], refused: str
+) -> None:
+    store.create_service(service())
+    with pytest.raises(ConstraintError, match=refused):
+        store.add_service_event(event(1.0, **changes))
+    assert counts(database)["service_events"] == 0
+
+
+def test_a_version_9_state_gains_the_scale_decisions_and_keeps_its_services(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scripts = MIGRATIONS[database.backend]
+    database.use_migrations(monkeypatch, scripts[:9])
+    with database.open() as old:
+        old.put_model(model())
+        old.create_service(service())
+        old.add_service_replica(replica())
+        old.put_service_client(client())
+    assert database.schema_version() == 9
+    assert "service_events" not in database.tables()
+
+    database.use_migrations(monkeypatch, scripts)
+    with database.open() as upgraded:
+        assert upgraded.list_services() == [service()]
+        assert upgraded.list_service_replicas() == [replica()]
+        assert upgraded.list_service_clients() == [client()]
+        upgraded.add_service_event(event(1.0))
+    assert database.schema_version() == LATEST
+    with database.open() as reopened:
+        assert reopened.list_service_events("detector") == [event(1.0)]
