@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 from broker.deployment_table import ACTIVE
 from broker.nodes import NodeEntry
@@ -21,14 +22,25 @@ from broker.ops import (
     NodeLoadInfo,
     OffloadInfo,
     PrewarmInfo,
+    ServiceClientFigures,
+    ServiceClientInfo,
     ServiceFigures,
+    ServiceInfo,
+    ServiceReplicaInfo,
     StandbyInfo,
 )
+from broker.ops.view import SERVICE_CLIENTS_SHOWN
 from broker.placement import PriorityClass
 from broker.service import Broker
-from broker.state import DeploymentRecord, OffloadReportRecord
-from broker.telemetry import DeploymentPoint
-from broker.values import spec_of
+from broker.state import (
+    DeploymentRecord,
+    OffloadReportRecord,
+    ServiceClientRecord,
+    ServiceRecord,
+    ServiceReplicaRecord,
+)
+from broker.telemetry import DeploymentPoint, RequestFigures
+from broker.values import ServiceSpec, spec_of
 
 
 def topology_matrix(entry: NodeEntry) -> str:
@@ -119,6 +131,103 @@ def _batching(p: DeploymentPoint) -> BatchingInfo | None:
     }
 
 
+def _weighted_mean(pairs: list[tuple[float, float]]) -> float | None:
+    """The mean of (value, weight) pairs; a plain mean when every weight is 0; None when
+    there are none."""
+    if not pairs:
+        return None
+    total = sum(weight for _, weight in pairs)
+    if total <= 0:
+        return sum(value for value, _ in pairs) / len(pairs)
+    return sum(value * weight for value, weight in pairs) / total
+
+
+@dataclass(slots=True)
+class _ClientCalls:
+    request_rate: float = 0.0
+    refused_rate: float = 0.0
+    latency_p99_ms: float | None = None
+    deployment_id: str = ""
+    busiest_rate: float = -1.0
+    """The request rate at `deployment_id`, the replica it called most."""
+
+
+@dataclass(slots=True)
+class _ServiceLoad:
+    """A service's figures over its serving replicas' latest ones."""
+
+    request_rate: float | None = None
+    latency_p99_ms: float | None = None
+    batch_size_mean: float | None = None
+    class_shares: dict[str, float] = field(default_factory=dict)
+    clients: dict[str, _ClientCalls] = field(default_factory=dict)
+
+
+def _service_load(replicas: list[tuple[str, RequestFigures]]) -> _ServiceLoad:
+    """Sum the rates, take the worst p99, weigh batch sizes and class shares by the
+    replicas' request rates; each client's calls summed over the replicas that reported
+    it (a client switched between two is on both for a few seconds)."""
+    load = _ServiceLoad()
+    if not replicas:
+        return load
+    load.request_rate = sum(r.rate_per_s for _, r in replicas)
+    p99s = [r.latency_p99_ms for _, r in replicas if r.latency_p99_ms is not None]
+    load.latency_p99_ms = max(p99s) if p99s else None
+    batching = [r for _, r in replicas if r.batch_size_mean is not None]
+    load.batch_size_mean = _weighted_mean(
+        [(r.batch_size_mean or 0.0, r.rate_per_s) for r in batching]
+    )
+    names = {name for r in batching for name, _ in r.class_shares}
+    for name in sorted(names):
+        share = _weighted_mean(
+            [(dict(r.class_shares).get(name, 0.0), r.rate_per_s) for r in batching]
+        )
+        if share:
+            load.class_shares[name] = share
+    for deployment_id, r in replicas:
+        for c in r.clients:
+            calls = load.clients.setdefault(c.client_id, _ClientCalls())
+            calls.request_rate += c.rate_per_s
+            calls.refused_rate += c.refused_per_s
+            if c.latency_p99_ms is not None:
+                calls.latency_p99_ms = max(calls.latency_p99_ms or 0.0, c.latency_p99_ms)
+            if c.rate_per_s > calls.busiest_rate:
+                calls.deployment_id, calls.busiest_rate = deployment_id, c.rate_per_s
+    return load
+
+
+def _busiest(clients: dict[str, _ClientCalls]) -> list[ServiceClientInfo]:
+    ranked = sorted(
+        clients.items(), key=lambda item: (-item[1].request_rate, -item[1].refused_rate, item[0])
+    )
+    return [
+        {
+            "client_id": client_id,
+            "deployment_id": calls.deployment_id,
+            "request_rate": round(calls.request_rate, 3),
+            "refused_rate": round(calls.refused_rate, 3),
+            "latency_p99_ms": calls.latency_p99_ms,
+        }
+        for client_id, calls in ranked[:SERVICE_CLIENTS_SHOWN]
+    ]
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+@dataclass(frozen=True, slots=True)
+class _ServiceRows:
+    """The services' rows, grouped, with what the broker knows of their replicas now."""
+
+    services: list[ServiceRecord]
+    replicas: dict[str, list[ServiceReplicaRecord]]
+    """Service -> its replicas, oldest first."""
+    clients: list[ServiceClientRecord]
+    deployments: dict[str, DeploymentRecord]
+    """Deployment id -> its record, for those not deleted."""
+
+
 class BrokerOpsView:
     def __init__(self, broker: Broker, prewarm_budget: int = 0) -> None:
         self._broker = broker
@@ -126,6 +235,79 @@ class BrokerOpsView:
 
     async def _active(self) -> list[DeploymentRecord]:
         return await self._broker.deployments.visible()
+
+    async def _service_rows(self, active: list[DeploymentRecord]) -> _ServiceRows:
+        services, replicas, clients = await self._broker.service_rows()
+        grouped: dict[str, list[ServiceReplicaRecord]] = {}
+        for row in replicas:
+            grouped.setdefault(row.service, []).append(row)
+        return _ServiceRows(
+            services, grouped, clients, {record.deployment_id: record for record in active}
+        )
+
+    def _serving(self, deployment_id: str, rows: _ServiceRows) -> RequestFigures | None:
+        """The latest request figures of a replica still deployed."""
+        if deployment_id not in rows.deployments:
+            return None
+        latest = self._broker.load_history.latest_replica(deployment_id)
+        return latest.replica.requests if latest is not None else None
+
+    def _service_loads(self, rows: _ServiceRows) -> dict[str, _ServiceLoad]:
+        loads = {}
+        for service in rows.services:
+            serving = [
+                (row.deployment_id, requests)
+                for row in rows.replicas.get(service.name, [])
+                if (requests := self._serving(row.deployment_id, rows)) is not None
+            ]
+            loads[service.name] = _service_load(serving)
+        return loads
+
+    async def services(self) -> list[ServiceInfo]:
+        rows = await self._service_rows(await self._active())
+        loads = self._service_loads(rows)
+        on_replica = Counter(c.deployment_id for c in rows.clients)
+        on_service = Counter(c.service for c in rows.clients)
+        out: list[ServiceInfo] = []
+        for service in rows.services:
+            replicas: list[ServiceReplicaInfo] = []
+            for row in rows.replicas.get(service.name, []):
+                record = rows.deployments.get(row.deployment_id)
+                requests = self._serving(row.deployment_id, rows)
+                replicas.append(
+                    {
+                        "deployment_id": row.deployment_id,
+                        "site": row.site,
+                        "node_id": record.node_id if record is not None else None,
+                        "state": str(record.state) if record is not None else "deleted",
+                        "clients": on_replica[row.deployment_id],
+                        "request_rate": _round(requests.rate_per_s, 3) if requests else None,
+                        "latency_p99_ms": requests.latency_p99_ms if requests else None,
+                        "queued": requests.queued if requests else None,
+                        "batch_size_mean": _round(requests.batch_size_mean, 2)
+                        if requests
+                        else None,
+                        "class_shares": {n: round(v, 3) for n, v in requests.class_shares}
+                        if requests
+                        else {},
+                    }
+                )
+            load = loads[service.name]
+            out.append(
+                {
+                    "name": service.name,
+                    "owner": service.owner,
+                    "model_name": ServiceSpec.from_json(service.spec_json).model_name,
+                    "clients": on_service[service.name],
+                    "replicas": replicas,
+                    "request_rate": _round(load.request_rate, 3),
+                    "latency_p99_ms": load.latency_p99_ms,
+                    "batch_size_mean": _round(load.batch_size_mean, 2),
+                    "class_shares": {n: round(v, 3) for n, v in load.class_shares.items()},
+                    "busiest_clients": _busiest(load.clients),
+                }
+            )
+        return out
 
     async def nodes(self) -> list[NodeInfo]:
         holders = _holders(await self._active())
@@ -288,11 +470,26 @@ class BrokerOpsView:
             remote_reachable=reachable,
             load_nodes=load_nodes,
             load_deployments=load_deployments,
-            services={
-                name: ServiceFigures(replicas=dict(sites), clients=clients)
-                for name, (sites, clients) in (await broker.services.counts()).items()
-            },
+            services=self._service_figures(await self._service_rows(active)),
         )
+
+    def _service_figures(self, rows: _ServiceRows) -> dict[str, ServiceFigures]:
+        on_service = Counter(c.service for c in rows.clients)
+        figures = {}
+        for name, load in self._service_loads(rows).items():
+            figures[name] = ServiceFigures(
+                replicas=Counter(row.site for row in rows.replicas.get(name, [])),
+                clients=on_service[name],
+                request_rate=load.request_rate,
+                latency_p99_seconds=_seconds(load.latency_p99_ms),
+                batch_size_mean=load.batch_size_mean,
+                class_shares=load.class_shares,
+                client_figures={
+                    client: ServiceClientFigures(calls.request_rate, calls.refused_rate)
+                    for client, calls in load.clients.items()
+                },
+            )
+        return figures
 
     async def load(self) -> LoadInfo:
         history = self._broker.load_history

@@ -58,7 +58,13 @@ from broker.reconciler import Reconciler
 from broker.reports import OffloadReports
 from broker.services import Services
 from broker.standbys import StandbyPool
-from broker.state import NodeState, StateStore
+from broker.state import (
+    NodeState,
+    ServiceClientRecord,
+    ServiceRecord,
+    ServiceReplicaRecord,
+    StateStore,
+)
 from broker.telemetry import LoadHistory, NodeSample
 from broker.uploads import Uploads
 from broker.values import BrokerSettings
@@ -151,6 +157,18 @@ class Broker:
     def loop_lag(self) -> LoopLag:
         """How late this event loop has run lately (`NodeRegistry.loop_lag`)."""
         return self.registry.loop_lag
+
+    async def service_rows(
+        self,
+    ) -> tuple[list[ServiceRecord], list[ServiceReplicaRecord], list[ServiceClientRecord]]:
+        """Every service, its replicas and its attached clients as the store has them now,
+        for the ops view: read only (`Services` alone writes them)."""
+        store = self._core.store
+        return (
+            await self._core.db(store.list_services),
+            await self._core.db(store.list_service_replicas),
+            await self._core.db(store.list_service_clients),
+        )
 
     def background(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         """Run `coro` as the broker's own task (cancelled by `close`); a failure is logged."""

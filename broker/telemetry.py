@@ -24,6 +24,19 @@ WINDOW_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
+class ClientFigures:
+    """One client's calls at a replica for many (a service's), over the node's interval."""
+
+    client_id: str
+    rate_per_s: float
+    """Calls answered per second, refusals included."""
+    refused_per_s: float
+    """Calls refused RESOURCE_EXHAUSTED per second (its rate limit, its share of the queue)."""
+    latency_p99_ms: float | None
+    """None when none of its calls finished in the interval."""
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFigures:
     """A replica's requests over the node's last sampling interval (its runtime's metrics)."""
 
@@ -42,6 +55,11 @@ class RequestFigures:
     class_shares: tuple[tuple[str, float], ...] = ()
     """(priority class, its share 0..1 of the batches' compute time) for each class that
     computed in the interval."""
+    clients: tuple[ClientFigures, ...] = ()
+    """The busiest of a replica for many's clients (a node sends at most 64), the busiest
+    first; none for a private deployment's replica, or from an older node."""
+    clients_total: int = 0
+    """The clients the replica had figures for, `clients` being the busiest of them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,9 +137,10 @@ def _ops_token(args: argparse.Namespace) -> str:
     )
 
 
-async def ops_get(args: argparse.Namespace, path: str) -> Any:
+async def ops_get(args: argparse.Namespace, path: str, missing_ok: bool = False) -> Any:
     """GET the broker's ops API (`--ops` or $OFFLOAD_OPS) with the ops token
-    (`--ops-token-file` or $OFFLOAD_OPS_TOKEN_FILE) and return its JSON."""
+    (`--ops-token-file` or $OFFLOAD_OPS_TOKEN_FILE) and return its JSON; None for a 404 with
+    `missing_ok` (a route an older broker does not have)."""
     url = (args.ops or os.environ.get("OFFLOAD_OPS") or "").rstrip("/")
     if not url:
         raise CommandError("give --ops URL, the broker's ops address (or set OFFLOAD_OPS)")
@@ -158,6 +159,8 @@ async def ops_get(args: argparse.Namespace, path: str) -> Any:
                     f"{url}{path} refused the ops token: check --ops-token-file "
                     "(or OFFLOAD_OPS_TOKEN_FILE)"
                 )
+            if response.status == 404 and missing_ok:
+                return None
             if response.status != 200:
                 raise CommandError(f"{url}{path} answered HTTP {response.status}")
             return await response.json()

@@ -271,6 +271,8 @@ async def _status(args: argparse.Namespace) -> int:
     free = sum(g["free"] for g in gpus)
     last = migrations[0] if migrations else None
     offload = _offload_totals(deployments)
+    # None from a broker older than services' figures (no such route).
+    services = await ops_get(args, "/api/services", missing_ok=True)
     if args.json:
         summary = {
             "nodes": node_states,
@@ -279,6 +281,7 @@ async def _status(args: argparse.Namespace) -> int:
             "migrations": len(migrations),
             "last_migration": last,
             "offload": offload,
+            "services": services,
         }
         print(json.dumps(summary, indent=2))
         return 0
@@ -297,7 +300,58 @@ async def _status(args: argparse.Namespace) -> int:
             f"{offload['fallbacks']} fallback(s)"
             + (f"; replica unreachable: {', '.join(unreachable)}" if unreachable else "")
         )
+    if services:
+        print(f"services     {len(services)}")
+        for service in services:
+            for line in _service_lines(service):
+                print(f"  {line}")
     return 0
+
+
+def _figure(value: float | None, unit: str = "", digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def _shares(shares: dict[str, float]) -> str:
+    return ", ".join(f"{name} {share:.0%}" for name, share in sorted(shares.items()))
+
+
+def _service_lines(service: dict[str, Any]) -> list[str]:
+    """A service's summary line, then a line per replica and its busiest clients."""
+    replicas = service["replicas"]
+    batching = (
+        f", batches of {service['batch_size_mean']:.1f} rows"
+        if service["batch_size_mean"] is not None
+        else ""
+    )
+    shares = f" ({_shares(service['class_shares'])})" if service["class_shares"] else ""
+    lines = [
+        f"{service['name']} (model {service['model_name']}, owner {service['owner']}): "
+        f"{service['clients']} client(s), {len(replicas)} replica(s); "
+        f"{_figure(service['request_rate'])} req/s, "
+        f"p99 {_figure(service['latency_p99_ms'], ' ms')}{batching}{shares}"
+    ]
+    rows = [
+        ("replica", "site", "node", "state", "clients", "req/s", "p99", "queue", "batch")
+    ] + [
+        (
+            r["deployment_id"], r["site"], r["node_id"] or "-", r["state"], str(r["clients"]),
+            _figure(r["request_rate"]), _figure(r["latency_p99_ms"], " ms"),
+            "-" if r["queued"] is None else str(r["queued"]), _figure(r["batch_size_mean"]),
+        )
+        for r in replicas
+    ]  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]  # fmt: skip
+    if service["busiest_clients"]:
+        busiest = ", ".join(
+            f"{c['client_id']} {c['request_rate']:.1f} req/s"
+            + (f" ({c['refused_rate']:.1f} refused)" if c["refused_rate"] else "")
+            for c in service["busiest_clients"]
+        )
+        lines.append(f"  busiest clients: {busiest}")
+    return lines
 
 
 def _offload_totals(deployments: list[dict[str, Any]]) -> dict[str, Any]:

@@ -5,8 +5,9 @@ sample: per replica the CPU it used (cores), its CPU quota and how often the quo
 it, its memory, and its runtime's request figures (scraped from the replica's Prometheus
 metrics endpoint: rate, failures, p50/p99 latency from the histogram's bucket deltas,
 in-flight and queued calls, and when the model batches the mean batch size, the queue
-delay's p99 and each priority class's share of the compute); for the node, the cores it
-offers and what its replicas used.
+delay's p99 and each priority class's share of the compute; for a replica for many, a
+service's, each client's calls, refusals and p99, the busiest `MAX_CLIENT_FIGURES` of them);
+for the node, the cores it offers and what its replicas used.
 A figure that cannot be read is left out, never guessed: a replica whose metrics endpoint
 does not answer has no request figures; the first sample of a replica has no CPU figure yet
 (nothing to take a difference from) and reads 0.
@@ -18,12 +19,13 @@ manager (`node_daemon.resources`) re-divides CPU from it.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +38,30 @@ logger = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 0.5
 """A replica's metrics endpoint that does not answer within this is skipped for the sample."""
+
+MAX_CLIENT_FIGURES = 64
+"""Clients of one replica a sample carries, the busiest (by requests per second, then by
+refusals): a replica may have 10,000 (`runtime.clients.MAX_CLIENTS`), and the heartbeat
+stays small. `RequestFigures.clients_total` says how many there were."""
+
+REFUSED_CODE = "RESOURCE_EXHAUSTED"
+"""The gRPC status name the runtime counts a client's refused calls under (over its rate
+limit, or its share of the queue)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientFigures:
+    """One client's calls at a replica for many over the interval."""
+
+    client_id: str
+    rate_per_s: float
+    """Calls answered per second, refusals included."""
+    refused_per_s: float
+    """Calls answered RESOURCE_EXHAUSTED per second."""
+    latency_p99_ms: float
+    """Upper bucket bound; 0 when none finished in the interval."""
+    requests_total: int
+    refused_total: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +95,11 @@ class RequestFigures:
     """The requests' wait for their batch, p99 (upper bucket bound); 0 when none ran."""
     classes: tuple[ClassFigures, ...] = ()
     """The classes whose batches computed in the interval, by name."""
+    clients: tuple[ClientFigures, ...] = ()
+    """The busiest `MAX_CLIENT_FIGURES` clients of its clients file, the busiest first; none
+    for a replica without one."""
+    clients_total: int = 0
+    """The clients its metrics page had series for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +175,17 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
 
 
 @dataclass(frozen=True, slots=True)
+class ClientCounters:
+    """One client's cumulative figures on a replica's metrics page, summed over its models."""
+
+    requests: float = 0.0
+    """Calls answered, every code."""
+    refused: float = 0.0
+    """Those answered `REFUSED_CODE`."""
+    latency_buckets: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RuntimeCounters:
     """One scrape of a replica's runtime metrics, summed over its models."""
 
@@ -162,6 +204,8 @@ class RuntimeCounters:
     """(class, seconds its batches computed), by class name."""
     class_requests: tuple[tuple[str, float], ...] = ()
     """(class, requests computed)."""
+    clients: Mapping[str, ClientCounters] = field(default_factory=dict)
+    """Client id -> its figures, for each client of the replica's clients file."""
 
 
 def parse_runtime_metrics(text: str) -> RuntimeCounters:
@@ -173,6 +217,9 @@ def parse_runtime_metrics(text: str) -> RuntimeCounters:
     delay: dict[float, float] = {}
     class_compute: dict[str, float] = {}
     class_requests: dict[str, float] = {}
+    client_calls: dict[str, list[float]] = {}
+    """Client -> [calls answered, refused]."""
+    client_latency: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "offload_runtime_requests_total":
@@ -202,6 +249,20 @@ def parse_runtime_metrics(text: str) -> RuntimeCounters:
             elif s.name == "offload_runtime_class_requests_total":
                 name = s.labels["class"]
                 class_requests[name] = class_requests.get(name, 0.0) + s.value
+            elif s.name == "offload_runtime_client_requests_total":
+                calls = client_calls.setdefault(s.labels["client"], [0.0, 0.0])
+                calls[0] += s.value
+                if s.labels["code"] == REFUSED_CODE:
+                    calls[1] += s.value
+            elif s.name == "offload_runtime_client_request_duration_seconds_bucket":
+                buckets = client_latency.setdefault(s.labels["client"], {})
+                bound = float(s.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + s.value
+    clients = {}
+    for client in client_calls.keys() | client_latency.keys():
+        answered, refused = client_calls.get(client, (0.0, 0.0))
+        latency_buckets = tuple(sorted(client_latency.get(client, {}).items()))
+        clients[client] = ClientCounters(answered, refused, latency_buckets)
     return RuntimeCounters(
         requests,
         failures,
@@ -214,6 +275,7 @@ def parse_runtime_metrics(text: str) -> RuntimeCounters:
         tuple(sorted(delay.items())),
         tuple(sorted(class_compute.items())),
         tuple(sorted(class_requests.items())),
+        clients,
     )
 
 
@@ -251,6 +313,25 @@ def request_figures(
         for name, seconds in computed.items()
         if seconds > 0
     )
+    clients = []
+    for client, counters in now.clients.items():
+        old = before.clients.get(client, ClientCounters())  # a new client counts from 0
+        clients.append(
+            ClientFigures(
+                client_id=client,
+                rate_per_s=delta(old.requests, counters.requests) / span,
+                refused_per_s=delta(old.refused, counters.refused) / span,
+                latency_p99_ms=1000
+                * histogram_quantile(
+                    0.99, bucket_delta(old.latency_buckets, counters.latency_buckets)
+                ),
+                requests_total=round(counters.requests),
+                refused_total=round(counters.refused),
+            )
+        )
+    busiest = heapq.nsmallest(
+        MAX_CLIENT_FIGURES, clients, key=lambda c: (-c.rate_per_s, -c.refused_per_s, c.client_id)
+    )
     return RequestFigures(
         rate_per_s=delta(before.requests, now.requests) / span,
         failure_rate_per_s=delta(before.failures, now.failures) / span,
@@ -264,6 +345,8 @@ def request_figures(
         batch_size_mean=rows / batches if batches > 0 else 0.0,
         queue_delay_p99_ms=1000 * histogram_quantile(0.99, delay),
         classes=classes,
+        clients=tuple(busiest),
+        clients_total=len(clients),
     )
 
 

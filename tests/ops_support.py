@@ -28,6 +28,9 @@ from broker.ops import (
     NodeInfo,
     OffloadInfo,
     PrewarmInfo,
+    ServiceClientFigures,
+    ServiceFigures,
+    ServiceInfo,
 )
 
 DEPLOYMENT_ID = "dep-7f3a"
@@ -389,6 +392,75 @@ def live_load(now: float, seconds: int = 60) -> LoadInfo:
     }
 
 
+SERVICE = "detector"
+
+
+def sample_services() -> list[ServiceInfo]:
+    """One service of three clients: a replica serving at metro-east (batching, one client
+    refused over its rate), and one pending at campus-west (no figures yet)."""
+    return [
+        {
+            "name": SERVICE,
+            "owner": "fleet-ops",
+            "model_name": "yolo-n",
+            "clients": 3,
+            "replicas": [
+                {
+                    "deployment_id": "dep-svc-01",
+                    "site": "metro-east",
+                    "node_id": "node-dgx-a",
+                    "state": "running",
+                    "clients": 3,
+                    "request_rate": 24.0,
+                    "latency_p99_ms": 18.0,
+                    "queued": 2,
+                    "batch_size_mean": 3.2,
+                    "class_shares": {"best-effort": 0.4, "critical": 0.6},
+                },
+                {
+                    "deployment_id": "dep-svc-02",
+                    "site": "campus-west",
+                    "node_id": None,
+                    "state": "pending",
+                    "clients": 0,
+                    "request_rate": None,
+                    "latency_p99_ms": None,
+                    "queued": None,
+                    "batch_size_mean": None,
+                    "class_shares": {},
+                },
+            ],
+            "request_rate": 24.0,
+            "latency_p99_ms": 18.0,
+            "batch_size_mean": 3.2,
+            "class_shares": {"best-effort": 0.4, "critical": 0.6},
+            "busiest_clients": [
+                {
+                    "client_id": "cam-1",
+                    "deployment_id": "dep-svc-01",
+                    "request_rate": 12.0,
+                    "refused_rate": 0.0,
+                    "latency_p99_ms": 10.0,
+                },
+                {
+                    "client_id": "cam-2",
+                    "deployment_id": "dep-svc-01",
+                    "request_rate": 8.0,
+                    "refused_rate": 1.5,
+                    "latency_p99_ms": 18.0,
+                },
+                {
+                    "client_id": "cam-3",
+                    "deployment_id": "dep-svc-01",
+                    "request_rate": 4.0,
+                    "refused_rate": 0.0,
+                    "latency_p99_ms": None,
+                },
+            ],
+        }
+    ]
+
+
 @dataclass
 class StaticOpsView:
     """An `OpsView` over fixed lists; `failure`, when set, is raised by every call."""
@@ -398,6 +470,7 @@ class StaticOpsView:
     migration_list: list[MigrationInfo] = field(default_factory=sample_migrations)
     prewarm_info: PrewarmInfo = field(default_factory=sample_prewarm)
     load_info: LoadInfo = field(default_factory=sample_load)
+    service_list: list[ServiceInfo] = field(default_factory=sample_services)
     failure: Exception | None = None
 
     async def nodes(self) -> list[NodeInfo]:
@@ -420,10 +493,18 @@ class StaticOpsView:
         self._maybe_fail()
         return copy.deepcopy(self.load_info)
 
+    async def services(self) -> list[ServiceInfo]:
+        self._maybe_fail()
+        return copy.deepcopy(self.service_list)
+
     async def figures(self) -> MetricFigures:
         self._maybe_fail()
         return figures_from_views(
-            self.node_list, self.deployment_list, self.prewarm_info, self.load_info
+            self.node_list,
+            self.deployment_list,
+            self.prewarm_info,
+            self.load_info,
+            self.service_list,
         )
 
     def _maybe_fail(self) -> None:
@@ -432,7 +513,11 @@ class StaticOpsView:
 
 
 def figures_from_views(
-    nodes: list[NodeInfo], deployments: list[DeploymentInfo], prewarm: PrewarmInfo, load: LoadInfo
+    nodes: list[NodeInfo],
+    deployments: list[DeploymentInfo],
+    prewarm: PrewarmInfo,
+    load: LoadInfo,
+    services: list[ServiceInfo],
 ) -> MetricFigures:
     """What `/metrics` shows, read off the dashboard's views: the oracle a broker's own
     `figures()` (counted without building the views) must agree with."""
@@ -481,4 +566,21 @@ def figures_from_views(
         remote_reachable=reachable,
         load_nodes=load_nodes,
         load_deployments=load_deployments,
+        services={
+            s["name"]: ServiceFigures(
+                replicas=Counter(r["site"] for r in s["replicas"]),
+                clients=s["clients"],
+                request_rate=s["request_rate"],
+                latency_p99_seconds=None
+                if s["latency_p99_ms"] is None
+                else s["latency_p99_ms"] / 1000,
+                batch_size_mean=s["batch_size_mean"],
+                class_shares=s["class_shares"],
+                client_figures={
+                    c["client_id"]: ServiceClientFigures(c["request_rate"], c["refused_rate"])
+                    for c in s["busiest_clients"]
+                },
+            )
+            for s in services
+        },
     )

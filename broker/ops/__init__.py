@@ -12,6 +12,7 @@ from broker.ops.metrics import (
     DeploymentFigures,
     MetricFigures,
     NodeFigures,
+    ServiceClientFigures,
     ServiceFigures,
 )
 from broker.ops.view import (
@@ -29,6 +30,9 @@ from broker.ops.view import (
     OpsView,
     PrewarmInfo,
     ResizeInfo,
+    ServiceClientInfo,
+    ServiceInfo,
+    ServiceReplicaInfo,
     StandbyInfo,
     TimelineEvent,
 )
@@ -53,7 +57,11 @@ __all__ = [
     "OpsView",
     "PrewarmInfo",
     "ResizeInfo",
+    "ServiceClientFigures",
+    "ServiceClientInfo",
     "ServiceFigures",
+    "ServiceInfo",
+    "ServiceReplicaInfo",
     "StandbyInfo",
     "TimelineEvent",
     "create_ops_app",

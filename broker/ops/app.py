@@ -7,8 +7,9 @@ Routes, GET (HEAD too, as HTTP wants) unless said otherwise; any other method is
 - `/metrics`: Prometheus text format. The state gauges, the standby gauges and the clients'
   offload series are set from the view at each scrape.
   Open unless `OpsAuth.metrics_open` is off.
-- `/api/nodes`, `/api/deployments`, `/api/migrations`, `/api/prewarm`: what `OpsView`
-  returns, as JSON, with `Cache-Control: no-store`. The ops token needed (`broker.ops.auth`).
+- `/api/nodes`, `/api/deployments`, `/api/migrations`, `/api/prewarm`, `/api/load`,
+  `/api/services`: what `OpsView` returns, as JSON, with `Cache-Control: no-store`. The ops
+  token needed (`broker.ops.auth`).
 - `/`: the dashboard page; it polls the `/api/...` routes every second (`static/`). The ops
   token needed: without it the browser is sent to `/login`.
 - `/login`: the login form (GET) and its target (POST, form field `token`): the right token
@@ -98,6 +99,7 @@ def create_ops_app(view: OpsView, metrics: BrokerMetrics, auth: OpsAuth) -> web.
     app.router.add_get("/api/migrations", _api_migrations)
     app.router.add_get("/api/prewarm", _api_prewarm)
     app.router.add_get("/api/load", _api_load)
+    app.router.add_get("/api/services", _api_services)
     app.router.add_get("/", _static_file)
     app.router.add_get("/login", _login_page)
     app.router.add_post("/login", _login)
@@ -298,6 +300,10 @@ async def _api_load(request: web.Request) -> web.Response:
 
 async def _api_prewarm(request: web.Request) -> web.Response:
     return _json(await _call(request.app[_VIEW_KEY].prewarm))
+
+
+async def _api_services(request: web.Request) -> web.Response:
+    return _json(await _call(request.app[_VIEW_KEY].services))
 
 
 async def _call(method: Callable[[], Awaitable[T]]) -> T:

@@ -50,12 +50,25 @@ that several brokers (tests) can live in one process. Metric names:
   deployment, and vanishes with the deployment.
 - `offload_client_remote_reachable{deployment}`: 1 when the deployment's client last reported
   its replica reachable, 0 when it had just failed; absent before a report.
+- `offload_service_replicas{service,site}`, `offload_service_clients{service}`: a service's
+  replicas at each site (running or not) and the clients on it.
+- Per service, over its serving replicas' latest figures (a figure no replica reported is
+  absent): `offload_service_request_rate{service}` (requests/s, summed),
+  `offload_service_latency_p99_seconds{service}` (the worst replica's p99: not a quantile of
+  the union), `offload_service_batch_size_mean{service}` (rows per batch, the replicas'
+  means weighted by their request rates), `offload_service_class_compute_share{service,
+  class}` (each priority class's share 0..1 of the batches' compute, weighted the same way).
+- Per client of a service: `offload_service_client_request_rate{service,client}` and
+  `offload_service_client_refused_rate{service,client}` (calls per second, and those refused
+  RESOURCE_EXHAUSTED). Cardinality is capped: at most `CLIENT_SERIES_PER_SERVICE` clients per
+  service, the busiest (by requests/s, then refused/s); the rest count in the service's
+  figures only. A node sends at most 64 clients per replica (the busiest) to begin with.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -108,6 +121,11 @@ MIGRATION_OUTCOMES = ("succeeded", "rolled_back", "failed")
 MIGRATION_TRIGGERS = ("mobility", "node_lost", "drain", "rebalance", "operator")
 """Every series of `offload_migrations_total` exists from the start at 0, so that
 `increase()` sees the first migration of a kind."""
+
+CLIENT_SERIES_PER_SERVICE = 20
+"""Clients of one service with series of their own (the busiest): two series each, so a
+service adds at most 40 per-client series however many clients it has (up to 10,000 per
+replica)."""
 
 STANDBY_EVENTS = ("started", "hit", "lapsed", "expired", "preempted", "failed", "lost", "refused")
 
@@ -166,10 +184,29 @@ class DeploymentFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class ServiceClientFigures:
+    """One client's calls on a service, summed over the replicas that reported it."""
+
+    request_rate: float
+    refused_rate: float
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceFigures:
     replicas: Mapping[str, int]
     """Site -> the service's replicas there."""
     clients: int
+    request_rate: float | None = None
+    """Requests/s its serving replicas answered, summed; None when none reported figures."""
+    latency_p99_seconds: float | None = None
+    """The worst serving replica's p99; None when no request finished at any."""
+    batch_size_mean: float | None = None
+    """Rows per batch, the replicas' means weighted by their request rates; None when no
+    replica batched."""
+    class_shares: Mapping[str, float] = field(default_factory=dict)
+    """Priority class -> its share 0..1 of the batches' compute, weighted as the batches."""
+    client_figures: Mapping[str, ServiceClientFigures] = field(default_factory=dict)
+    """Client id -> its calls, for the clients its replicas reported (the busiest of each)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,16 +286,71 @@ class _LoadCollector(Collector):
                 if value is not None:
                     gauge.add_metric([deployment], value)
             yield gauge
+        yield from self._services(family)
+
+    def _services(
+        self, family: Callable[[str, str, list[str]], GaugeMetricFamily]
+    ) -> Iterator[Metric]:
         replicas = family(
             "offload_service_replicas", "A service's replicas at a site.", ["service", "site"]
         )
         clients = family("offload_service_clients", "Clients on a service.", ["service"])
+        gauges = {
+            "request_rate": family(
+                "offload_service_request_rate",
+                "Requests per second a service's replicas answered, summed.",
+                ["service"],
+            ),
+            "latency_p99_seconds": family(
+                "offload_service_latency_p99_seconds",
+                "The worst 99th percentile request latency among a service's replicas.",
+                ["service"],
+            ),
+            "batch_size_mean": family(
+                "offload_service_batch_size_mean",
+                "Rows per batch at a service's replicas (weighted by their request rates).",
+                ["service"],
+            ),
+        }
+        shares = family(
+            "offload_service_class_compute_share",
+            "A priority class's share of the batches' compute at a service's replicas.",
+            ["service", "class"],
+        )
+        client_rate = family(
+            "offload_service_client_request_rate",
+            f"Calls per second of a client of a service (its {CLIENT_SERIES_PER_SERVICE} "
+            "busiest clients).",
+            ["service", "client"],
+        )
+        client_refused = family(
+            "offload_service_client_refused_rate",
+            "Calls per second of a client of a service refused RESOURCE_EXHAUSTED.",
+            ["service", "client"],
+        )
         for service, figures in sorted(self.services.items()):
             for site, count in sorted(figures.replicas.items()):
                 replicas.add_metric([service, site], count)
             clients.add_metric([service], figures.clients)
+            for attribute, gauge in gauges.items():
+                value = getattr(figures, attribute)
+                if value is not None:
+                    gauge.add_metric([service], value)
+            for name, share in sorted(figures.class_shares.items()):
+                shares.add_metric([service, name], share)
+            busiest = sorted(
+                figures.client_figures.items(),
+                key=lambda item: (-item[1].request_rate, -item[1].refused_rate, item[0]),
+            )[:CLIENT_SERIES_PER_SERVICE]
+            for client, calls in sorted(busiest):
+                client_rate.add_metric([service, client], calls.request_rate)
+                client_refused.add_metric([service, client], calls.refused_rate)
         yield replicas
         yield clients
+        yield from gauges.values()
+        yield shares
+        yield client_rate
+        yield client_refused
 
 
 class BrokerMetrics:

@@ -262,6 +262,71 @@ class LoadInfo(TypedDict):
     """The most recent resizes, oldest first."""
 
 
+class ServiceReplicaInfo(TypedDict):
+    """A replica of a service, with its latest figures (its node's last sampling interval)."""
+
+    deployment_id: str
+    site: str
+    """The site it was started for."""
+    node_id: str | None
+    """The node serving it; None while it has none."""
+    state: str
+    """Its deployment's state ("running", "pending", ...), or "deleted" when it is gone."""
+    clients: int
+    """Clients the broker put on it."""
+    request_rate: float | None
+    """Requests/s it answered; None when its node could not read its figures (or before)."""
+    latency_p99_ms: float | None
+    """None also when no request finished in the interval."""
+    queued: int | None
+    """Requests waiting for a batch or a worker now."""
+    batch_size_mean: float | None
+    """Rows per batch; None when it ran no batch in the interval."""
+    class_shares: dict[str, float]
+    """Priority class -> its share 0..1 of the batches' compute; only classes that computed."""
+
+
+class ServiceClientInfo(TypedDict):
+    """One client's calls on a service over the replicas' latest intervals."""
+
+    client_id: str
+    deployment_id: str
+    """The replica it called most."""
+    request_rate: float
+    """Calls answered per second, refusals included, summed over its replicas."""
+    refused_rate: float
+    """Calls refused RESOURCE_EXHAUSTED per second (its rate limit, its share of the queue)."""
+    latency_p99_ms: float | None
+    """The worst of its replicas' p99 for it; None when none of its calls finished."""
+
+
+class ServiceInfo(TypedDict):
+    """A service (one model for many clients), its replicas and its busiest clients."""
+
+    name: str
+    owner: str
+    """The client id that created it."""
+    model_name: str
+    clients: int
+    """Clients attached to it."""
+    replicas: list[ServiceReplicaInfo]
+    """Oldest first."""
+    request_rate: float | None
+    """Requests/s its replicas answered, summed; None when none reported figures."""
+    latency_p99_ms: float | None
+    """The worst replica's p99."""
+    batch_size_mean: float | None
+    """Rows per batch, the replicas' means weighted by their request rates."""
+    class_shares: dict[str, float]
+    """Priority class -> its share 0..1 of the batches' compute, weighted the same way."""
+    busiest_clients: list[ServiceClientInfo]
+    """At most `SERVICE_CLIENTS_SHOWN`, the busiest first (by requests/s, then refused/s)."""
+
+
+SERVICE_CLIENTS_SHOWN = 10
+"""Clients of a service the view lists (a service may have thousands)."""
+
+
 class OpsView(Protocol):
     """The broker's read-only view for operators; each call returns a fresh snapshot.
 
@@ -287,6 +352,11 @@ class OpsView(Protocol):
 
     async def load(self) -> LoadInfo:
         """Live load over the history window, and the recent resizes."""
+        ...
+
+    async def services(self) -> list[ServiceInfo]:
+        """Every service by name, with its replicas' latest figures and its busiest
+        clients."""
         ...
 
     async def figures(self) -> MetricFigures:

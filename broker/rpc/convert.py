@@ -8,12 +8,13 @@ from collections.abc import Sequence
 from broker.errors import InvalidRequest, quote
 from broker.rpc import validate
 from broker.state import OffloadCount, OffloadSummary
-from broker.telemetry import NodeSample, ReplicaLoad, RequestFigures, Resize
+from broker.telemetry import ClientFigures, NodeSample, ReplicaLoad, RequestFigures, Resize
 from broker.values import MAX_GPUS
 from common import offload
 from common.inventory import Gpu, Inventory, Link, LinkKind, Nic
 from protos.offload.v1 import broker_pb2 as pb
 from protos.offload.v1 import node_pb2 as npb
+from runtime.clients import MAX_CLIENTS, check_client_id
 
 _NV = re.compile(r"NV(\d{1,2})")
 _VERSION = re.compile(r"[^\x00-\x1f\x7f]{0,64}")
@@ -157,6 +158,8 @@ MAX_RESIZES = 64
 """Resize events one heartbeat may carry (a node repeats a bounded window of recent ones)."""
 _REASON = re.compile(r"[^\x00-\x1f\x7f]{0,512}")
 _RESIZE_POLICIES = ("usage", "gain")
+MAX_CLIENT_FIGURES = 64
+"""Clients of one replica a heartbeat may carry (a node sends the busiest of them)."""
 _BATCH_CLASSES = ("critical", "standard", "best-effort")
 """The runtime's priority classes (`runtime.batching.PriorityClass`), as replicas report
 their batches' compute by class."""
@@ -228,6 +231,10 @@ def _replica_load(r: npb.ReplicaUsage, field: str) -> ReplicaLoad:
             )
             or None,
             class_shares=_class_shares(q.classes, f"{field}.requests.classes"),
+            clients=_clients(q.clients, f"{field}.requests.clients"),
+            clients_total=validate.integer(
+                f"{field}.requests.clients_total", q.clients_total, len(q.clients), MAX_CLIENTS
+            ),
         )
     return ReplicaLoad(
         replica_id=validate.replica_id(f"{field}.replica_id", r.replica_id),
@@ -254,6 +261,29 @@ def _class_shares(
             raise InvalidRequest(f"{field}[{i}].priority_class {name} is repeated")
         shares[name] = validate.number(f"{field}[{i}].compute_share", c.compute_share, 0, 1)
     return tuple(shares.items())
+
+
+def _clients(clients: Sequence[npb.ClientRequests], field: str) -> tuple[ClientFigures, ...]:
+    """Each client once, by a valid client id, with figures within bounds."""
+    validate.count(field, clients, MAX_CLIENT_FIGURES)
+    rates, latency = validate.MAX_REQUESTS, validate.MAX_ESTIMATE_MS
+    figures: dict[str, ClientFigures] = {}
+    for i, c in enumerate(clients):
+        at = f"{field}[{i}]"
+        try:
+            client_id = check_client_id(c.client_id)
+        except ValueError as err:
+            raise InvalidRequest(f"{at}.client_id: {err}") from err
+        if client_id in figures:
+            raise InvalidRequest(f"{at}.client_id {client_id} is repeated")
+        figures[client_id] = ClientFigures(
+            client_id=client_id,
+            rate_per_s=validate.number(f"{at}.rate_per_s", c.rate_per_s, 0, rates),
+            refused_per_s=validate.number(f"{at}.refused_per_s", c.refused_per_s, 0, rates),
+            latency_p99_ms=validate.number(f"{at}.latency_p99_ms", c.latency_p99_ms, 0, latency)
+            or None,
+        )
+    return tuple(figures.values())
 
 
 def _resize(r: npb.ResizeEvent, field: str) -> Resize:

@@ -167,6 +167,18 @@ def _replica_usage(r: ReplicaSample) -> pb.ReplicaUsage:
                     )
                     for c in q.classes
                 ],
+                clients=[
+                    pb.ClientRequests(
+                        client_id=c.client_id,
+                        rate_per_s=c.rate_per_s,
+                        refused_per_s=c.refused_per_s,
+                        latency_p99_ms=c.latency_p99_ms,
+                        requests_total=c.requests_total,
+                        refused_total=c.refused_total,
+                    )
+                    for c in q.clients
+                ],
+                clients_total=q.clients_total,
             )
         )
     return message

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from broker.errors import InvalidRequest
-from broker.rpc.convert import MAX_RESIZES, node_sample_from_proto
+from broker.rpc.convert import MAX_CLIENT_FIGURES, MAX_RESIZES, node_sample_from_proto
 from broker.telemetry import LoadHistory, NodeSample, ReplicaLoad
 from protos.offload.v1 import node_pb2 as npb
 
@@ -155,3 +155,47 @@ def test_only_serving_replicas_join_a_deployments_history_which_follows_its_move
     history.forget_deployment("d-1")
     assert history.deployment_points("d-1") == []
     assert list(history.deployment_ids()) == []
+
+
+def test_client_figures_are_read_and_bad_ones_refused_naming_them() -> None:
+    message = usage()
+    requests = message.replicas[0].requests
+    requests.clients_total = 3
+    requests.clients.extend(
+        [
+            npb.ClientRequests(client_id="cam-2", rate_per_s=8.0, refused_per_s=2.0),
+            npb.ClientRequests(client_id="cam-1", rate_per_s=4.0, latency_p99_ms=5.0),
+        ]
+    )
+    (busy, _) = node_sample_from_proto(message).replicas
+    assert busy.requests is not None
+    assert busy.requests.clients_total == 3
+    assert [
+        (c.client_id, c.rate_per_s, c.refused_per_s, c.latency_p99_ms)
+        for c in busy.requests.clients
+    ] == [("cam-2", 8.0, 2.0, None), ("cam-1", 4.0, 0.0, 5.0)]
+    field = r"usage.replicas\[0\].requests.clients"
+    for change, error in (
+        ({"client_id": "cam 1"}, rf"{field}\[1\].client_id: client id 'cam 1' must be 1 to 64"),
+        ({"client_id": "cam-2"}, rf"{field}\[1\].client_id cam-2 is repeated"),
+        ({"rate_per_s": float("nan")}, rf"{field}\[1\].rate_per_s must be a finite number"),
+        ({"refused_per_s": -1.0}, rf"{field}\[1\].refused_per_s must be a finite number"),
+        ({"latency_p99_ms": 1e12}, rf"{field}\[1\].latency_p99_ms must be a finite number"),
+    ):
+        bad = npb.UsageResponse()
+        bad.CopyFrom(message)
+        for name, value in change.items():
+            setattr(bad.replicas[0].requests.clients[1], name, value)
+        with pytest.raises(InvalidRequest, match=error):
+            node_sample_from_proto(bad)
+    bad = npb.UsageResponse()
+    bad.CopyFrom(message)
+    bad.replicas[0].requests.clients_total = 1  # fewer than it sent
+    with pytest.raises(InvalidRequest, match=r"requests.clients_total must be within 2..10000"):
+        node_sample_from_proto(bad)
+    bad.replicas[0].requests.clients_total = 65
+    bad.replicas[0].requests.clients.extend(
+        npb.ClientRequests(client_id=f"c-{i}") for i in range(MAX_CLIENT_FIGURES - 1)
+    )
+    with pytest.raises(InvalidRequest, match=rf"{field} has 65 entries; at most 64"):
+        node_sample_from_proto(bad)

@@ -34,7 +34,9 @@ from node_daemon.resources import ResizeEvent, ResourceManager
 from node_daemon.rpc import convert
 from node_daemon.runtimes import ProcessRuntime, ReplicaStats, cgroups
 from node_daemon.telemetry import (
+    MAX_CLIENT_FIGURES,
     ClassFigures,
+    ClientCounters,
     CpuCounters,
     NodeSample,
     ReplicaInfo,
@@ -360,3 +362,56 @@ async def test_a_gpu_read_that_fails_leaves_the_startup_figures_and_warns_once(
         assert sum("read again" in r.message for r in caplog.records) == 1
     finally:
         await agent.close(stop_replicas=True)
+
+
+def test_client_figures_are_read_from_the_runtimes_own_page_over_the_interval() -> None:
+    metrics = RuntimeMetrics()
+    model = metrics.for_model("mlp")
+    model.use_clients(["cam-1", "cam-2", "cam-3"])
+    model.client_answered("cam-1", "OK", 0.002)
+    before = parse_runtime_metrics(runtime_page(metrics))
+    # The interval (2 s): cam-1 6 answered (one slow), cam-2 2 answered and 4 refused over
+    # its rate, cam-3 nothing; cam-4 joins the clients file and is answered once.
+    for _ in range(5):
+        model.client_answered("cam-1", "OK", 0.002)
+    model.client_answered("cam-1", "OK", 0.3)
+    for code in ("OK", "OK", *["RESOURCE_EXHAUSTED"] * 4):
+        model.client_answered("cam-2", code, 0.0004)
+    model.use_clients(["cam-1", "cam-2", "cam-3", "cam-4"])
+    model.client_answered("cam-4", "OK", 0.001)
+    figures = request_figures(before, parse_runtime_metrics(runtime_page(metrics)), 2.0)
+    assert figures.clients_total == 4
+    assert [
+        (c.client_id, c.rate_per_s, c.refused_per_s, c.latency_p99_ms, c.requests_total)
+        for c in figures.clients
+    ] == [
+        ("cam-2", 3.0, 2.0, 0.5, 6),  # as busy as cam-1, more refused: first
+        ("cam-1", 3.0, 0.0, 500.0, 7),  # the 0.3 s answer is its p99 (the 0.25..0.5 bucket)
+        ("cam-4", 0.5, 0.0, 1.0, 1),  # new: counted from 0
+        ("cam-3", 0.0, 0.0, 0.0, 0),  # idle: no latency
+    ]
+    assert figures.clients[0].refused_total == 4
+
+
+def test_a_sample_carries_only_the_busiest_clients() -> None:
+    many = {f"c-{i:05d}": ClientCounters(requests=float(i), refused=0.0) for i in range(1, 10_001)}
+    before = RuntimeCounters(0, 0, (), (), 0, 0)
+    now = RuntimeCounters(0, 0, (), (), 0, 0, clients=many)
+    figures = request_figures(before, now, 1.0)
+    assert figures.clients_total == 10_000
+    assert len(figures.clients) == MAX_CLIENT_FIGURES
+    assert [c.client_id for c in figures.clients[:2]] == ["c-10000", "c-09999"]
+    assert figures.clients[-1].rate_per_s == 10_001 - MAX_CLIENT_FIGURES
+    # They fit one heartbeat the broker takes: the cap is the broker's too.
+    sample = NodeSample(
+        at=1.0, interval_s=1.0, cpu_cores=2.0, gpus=(),
+        replicas=(ReplicaSample("r-1", "dep-1", 2, 0, 0, 2.0, 0, 0, 0, 300, figures),),
+    )  # fmt: skip
+    wire = npb.UsageResponse.FromString(convert.usage(sample).SerializeToString())
+    (replica,) = node_sample_from_proto(wire).replicas
+    assert replica.requests is not None
+    assert replica.requests.clients_total == 10_000
+    assert [(c.client_id, c.rate_per_s) for c in replica.requests.clients[:1]] == [
+        ("c-10000", 10_000.0)
+    ]
+    assert len(replica.requests.clients) == MAX_CLIENT_FIGURES

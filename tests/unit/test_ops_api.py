@@ -7,8 +7,13 @@ four NVLink GPUs, two finished migrations (one pre-warmed) and two standby repli
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import os
+import shutil
 import ssl
+import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,18 +30,30 @@ from broker.ops import (
     start_ops_server,
 )
 from broker.ops.auth import LOGIN_CODE_TTL_S, MAX_LOGIN_CODES, SESSION_COOKIE
-from broker.ops.metrics import MIGRATION_OUTCOMES, MIGRATION_TRIGGERS, STANDBY_EVENTS
+from broker.ops.metrics import (
+    CLIENT_SERIES_PER_SERVICE,
+    MIGRATION_OUTCOMES,
+    MIGRATION_TRIGGERS,
+    STANDBY_EVENTS,
+    MetricFigures,
+    ServiceClientFigures,
+    ServiceFigures,
+)
 from broker.state import MigrationTrigger
 from common.certs import issue, make_ca
+from edge_client.ops_commands import _status
 from migration.mechanism import Outcome
 from tests.ops_support import (
     DEPLOYMENT_ID,
     OPS_TOKEN,
+    SERVICE,
     StaticOpsView,
+    figures_from_views,
     sample_deployments,
     sample_load,
     sample_nodes,
     sample_prewarm,
+    sample_services,
 )
 
 
@@ -656,3 +673,168 @@ async def test_the_login_code_never_reaches_the_log(
     assert "refused a one-time login link from 127.0.0.1" in caplog.text
     assert "POST /login/once" in caplog.text  # the access log is on, and says no more
     assert code not in caplog.text
+
+
+async def test_api_services_serves_the_views_services(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/api/services") as response:
+        assert response.status == 200
+        assert await response.json() == sample_services()
+
+
+async def test_metrics_show_each_services_figures_and_its_clients(ops: OpsServer) -> None:
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        families = {f.name: f for f in text_string_to_metric_families(await response.text())}
+
+    def values(name: str) -> dict[tuple[str, ...], float]:
+        return {
+            (s.labels["service"], *(v for k, v in s.labels.items() if k != "service")): s.value
+            for s in families[name].samples
+        }
+
+    assert values("offload_service_replicas") == {
+        (SERVICE, "campus-west"): 1,
+        (SERVICE, "metro-east"): 1,
+    }
+    assert values("offload_service_clients") == {(SERVICE,): 3}
+    assert values("offload_service_request_rate") == {(SERVICE,): 24.0}
+    assert values("offload_service_latency_p99_seconds") == {(SERVICE,): 0.018}
+    assert values("offload_service_batch_size_mean") == {(SERVICE,): 3.2}
+    assert values("offload_service_class_compute_share") == {
+        (SERVICE, "best-effort"): 0.4,
+        (SERVICE, "critical"): 0.6,
+    }
+    assert values("offload_service_client_request_rate") == {
+        (SERVICE, "cam-1"): 12.0,
+        (SERVICE, "cam-2"): 8.0,
+        (SERVICE, "cam-3"): 4.0,
+    }
+    assert values("offload_service_client_refused_rate")[(SERVICE, "cam-2")] == 1.5
+    # A service none of whose replicas reported figures: its counts, and nothing made up.
+    ops.view.service_list[0].update(
+        request_rate=None, latency_p99_ms=None, batch_size_mean=None, class_shares={},
+        busiest_clients=[],
+    )  # fmt: skip
+    async with ops.http.get(f"{ops.base_url}/metrics") as response:
+        text = await response.text()
+    assert f'offload_service_clients{{service="{SERVICE}"}} 3.0' in text
+    for name in ("request_rate", "latency_p99_seconds", "batch_size_mean"):
+        assert f"offload_service_{name}{{" not in text
+    assert "offload_service_class_compute_share{" not in text
+    assert "offload_service_client_request_rate{" not in text
+
+
+def test_per_client_series_are_capped_to_the_busiest_of_each_service() -> None:
+    metrics = BrokerMetrics()
+    clients = {
+        f"client-{i:05d}": ServiceClientFigures(request_rate=float(i), refused_rate=0.0)
+        for i in range(10_000)
+    }
+    figures = MetricFigures(
+        nodes={}, gpus_free=0, gpus_used=0, deployments={}, standbys=0, standby_budget=0,
+        offload_requests={}, remote_reachable={}, load_nodes={}, load_deployments={},
+        services={"big": ServiceFigures({"site-a": 4}, 10_000, client_figures=clients)},
+    )  # fmt: skip
+    metrics.set_figures(figures)
+    body = metrics.render()[0].decode()
+    shown = {
+        s.labels["client"]
+        for f in text_string_to_metric_families(body)
+        if f.name == "offload_service_client_request_rate"
+        for s in f.samples
+    }
+    busiest = {f"client-{i:05d}" for i in range(10_000 - CLIENT_SERIES_PER_SERVICE, 10_000)}
+    assert shown == busiest
+    assert body.count("offload_service_client_refused_rate{") == CLIENT_SERIES_PER_SERVICE
+
+
+def test_the_metrics_page_passes_promtool_check_metrics(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        reason = "promtool not found: install Debian's prometheus (apt-get install prometheus)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    metrics = BrokerMetrics()
+    view = StaticOpsView()
+    metrics.set_figures(
+        figures_from_views(
+            view.node_list, view.deployment_list, view.prewarm_info, view.load_info,
+            view.service_list,
+        )
+    )  # fmt: skip
+    metrics.observe_placement(0.001)
+    metrics.record_migration("succeeded", "mobility", 0.05)
+    body, _ = metrics.render()
+    assert b"offload_service_client_request_rate{" in body
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
+    assert result.stdout + result.stderr == b"", (result.stdout + result.stderr).decode()
+
+
+async def test_status_shows_each_service_with_its_replicas_and_clients(
+    ops: OpsServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = tmp_path / "ops-token"
+    token.write_text(OPS_TOKEN)
+    args = argparse.Namespace(ops=ops.base_url, ops_token_file=str(token), json=False)
+    assert await _status(args) == 0
+    text = capsys.readouterr().out
+    assert "services     1\n" in text
+    assert (
+        "  detector (model yolo-n, owner fleet-ops): 3 client(s), 2 replica(s); 24.0 req/s, "
+        "p99 18.0 ms, batches of 3.2 rows (best-effort 40%, critical 60%)\n"
+    ) in text
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("replica"))
+    assert lines[header].split() == [
+        "replica", "site", "node", "state", "clients", "req/s", "p99", "queue", "batch",
+    ]  # fmt: skip
+    assert lines[header + 1].split() == [
+        "dep-svc-01", "metro-east", "node-dgx-a", "running", "3", "24.0", "18.0", "ms", "2",
+        "3.2",
+    ]  # fmt: skip
+    assert lines[header + 2].split() == [
+        "dep-svc-02", "campus-west", "-", "pending", "0", "-", "-", "-", "-",
+    ]  # fmt: skip
+    assert lines[header + 3].strip() == (
+        "busiest clients: cam-1 12.0 req/s, cam-2 8.0 req/s (1.5 refused), cam-3 4.0 req/s"
+    )
+    args.json = True
+    assert await _status(args) == 0
+    assert json.loads(capsys.readouterr().out)["services"] == sample_services()
+    # No service: no section.
+    ops.view.service_list = []
+    args.json = False
+    assert await _status(args) == 0
+    assert "services" not in capsys.readouterr().out
+
+
+async def test_status_of_a_broker_without_the_services_route_leaves_them_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def gone(request: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
+    app = create_ops_app(StaticOpsView(), BrokerMetrics(), OpsAuth(OPS_TOKEN))
+    app.middlewares.append(
+        web.middleware(
+            lambda request, handler: (
+                gone(request) if request.path == "/api/services" else handler(request)
+            )
+        )
+    )
+    runner, port = await start_ops_server(app, "127.0.0.1", 0)
+    token = tmp_path / "ops-token"
+    token.write_text(OPS_TOKEN)
+    try:
+        args = argparse.Namespace(
+            ops=f"http://127.0.0.1:{port}", ops_token_file=str(token), json=True
+        )
+        assert await _status(args) == 0
+    finally:
+        await runner.cleanup()
+    status = json.loads(capsys.readouterr().out)
+    assert status["services"] is None
+    assert status["deployments"] == {"running": 1}

@@ -195,7 +195,7 @@ class UsageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaRequests(_message.Message):
-    __slots__ = ("rate_per_s", "failure_rate_per_s", "latency_p50_ms", "latency_p99_ms", "compute_p50_ms", "in_flight", "queued", "requests_total", "failures_total", "batch_size_mean", "queue_delay_p99_ms", "classes")
+    __slots__ = ("rate_per_s", "failure_rate_per_s", "latency_p50_ms", "latency_p99_ms", "compute_p50_ms", "in_flight", "queued", "requests_total", "failures_total", "batch_size_mean", "queue_delay_p99_ms", "classes", "clients", "clients_total")
     RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
     FAILURE_RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
     LATENCY_P50_MS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,8 @@ class ReplicaRequests(_message.Message):
     BATCH_SIZE_MEAN_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DELAY_P99_MS_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     rate_per_s: float
     failure_rate_per_s: float
     latency_p50_ms: float
@@ -220,7 +222,25 @@ class ReplicaRequests(_message.Message):
     batch_size_mean: float
     queue_delay_p99_ms: float
     classes: _containers.RepeatedCompositeFieldContainer[ClassCompute]
-    def __init__(self, rate_per_s: _Optional[float] = ..., failure_rate_per_s: _Optional[float] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., compute_p50_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., requests_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., batch_size_mean: _Optional[float] = ..., queue_delay_p99_ms: _Optional[float] = ..., classes: _Optional[_Iterable[_Union[ClassCompute, _Mapping]]] = ...) -> None: ...
+    clients: _containers.RepeatedCompositeFieldContainer[ClientRequests]
+    clients_total: int
+    def __init__(self, rate_per_s: _Optional[float] = ..., failure_rate_per_s: _Optional[float] = ..., latency_p50_ms: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., compute_p50_ms: _Optional[float] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., requests_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., batch_size_mean: _Optional[float] = ..., queue_delay_p99_ms: _Optional[float] = ..., classes: _Optional[_Iterable[_Union[ClassCompute, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientRequests, _Mapping]]] = ..., clients_total: _Optional[int] = ...) -> None: ...
+
+class ClientRequests(_message.Message):
+    __slots__ = ("client_id", "rate_per_s", "refused_per_s", "latency_p99_ms", "requests_total", "refused_total")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    rate_per_s: float
+    refused_per_s: float
+    latency_p99_ms: float
+    requests_total: int
+    refused_total: int
+    def __init__(self, client_id: _Optional[str] = ..., rate_per_s: _Optional[float] = ..., refused_per_s: _Optional[float] = ..., latency_p99_ms: _Optional[float] = ..., requests_total: _Optional[int] = ..., refused_total: _Optional[int] = ...) -> None: ...
 
 class ClassCompute(_message.Message):
     __slots__ = ("priority_class", "compute_share", "requests_per_s")
