@@ -615,6 +615,11 @@ def _check_liveness(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--service-idle-grace {args.service_idle_grace!r} must be 1 to 86400 seconds"
         )
+    target = args.service_queue_target_ms
+    if not (math.isfinite(target) and 0 <= target <= 60_000):
+        raise ValueError(
+            f"--service-queue-target-ms {target!r} must be 0 (never scale on load) to 60000 ms"
+        )
     if args.node_lease is not None and not args.node_listen:
         raise ValueError(
             "--node-lease needs --node-listen HOST:PORT: only the nodes' own port pings them, "
@@ -675,6 +680,7 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
             ),
             orphan_grace_s=args.orphan_grace,
             service_idle_s=args.service_idle_grace,
+            service_queue_target_ms=args.service_queue_target_ms,
             quotas=Quotas(
                 deployments=args.max_deployments_per_client,
                 model_bytes=args.max_model_bytes_per_client,
@@ -882,6 +888,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="stop a service's replica that has had no client on it this long, beyond the "
         "service's replicas kept per site (default 60; 1 to 86400)",
+    )
+    p.add_argument(
+        "--service-queue-target-ms",
+        type=float,
+        default=50.0,
+        metavar="MS",
+        help="start another replica of a service beside one whose requests wait longer than "
+        "this for their batch (queue delay p99, every sample for 5 s), and switch half its "
+        "clients to it (default 50; 0: never on load)",
     )
     p.add_argument(
         "--orphan-grace",

@@ -141,6 +141,7 @@ class Broker:
             self.uploads,
             network,
             idle_s=settings.service_idle_s,
+            queue_target_ms=settings.service_queue_target_ms,
         )
 
     @property

@@ -16,6 +16,15 @@ runs fewer than `max_replicas`), else on the nearest running one. Its token is i
 new one each time it attaches (the previous one stops working), kept in the store as its
 SHA-256 only. When a replica is placed again (its node lost) or moved, its new copy is
 given the same clients as soon as it runs.
+
+Replicas follow demand: one is started where a client needs one (above), and, every
+`SCALE_INTERVAL_S`, a running replica whose requests have waited past the queue target
+(`--service-queue-target-ms`, the queue-delay p99 its node reports) in every sample of the
+last `SCALE_SUSTAIN_S` gets another at its site, while the service runs fewer than
+`max_replicas` and none is starting, with the most recently attached half of its clients
+switched to it (as a move's switch); then the service waits `SCALE_COOLDOWN_S`. A replica
+with no client for `--service-idle-grace` is stopped (beyond `min_replicas_per_site`). Each
+start and stop is recorded with its reason (`service_events`: `offload service show`).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import dataclasses
 import hashlib
 import logging
 import secrets
+import statistics
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -49,7 +59,9 @@ from broker.state import (
     ConstraintError,
     DeploymentRecord,
     DeploymentState,
+    ScaleAction,
     ServiceClientRecord,
+    ServiceEventRecord,
     ServiceRecord,
     ServiceReplicaRecord,
     StateError,
@@ -81,8 +93,21 @@ class ServiceView:
     spec: ServiceSpec
     replicas: tuple[ServiceReplica, ...]
     clients: int
+    events: tuple[ServiceEventRecord, ...] = ()
+    """Its most recent scale decisions, oldest first (`Services.get` only)."""
 
 
+SCALE_INTERVAL_S = 2.0
+"""How often replicas' load is judged and idle replicas looked for (at most; a quarter of
+the idle grace when that is shorter)."""
+SCALE_SUSTAIN_S = 5.0
+"""How long a replica must stay over its queue target, every sample of it, before another
+is started beside it: one slow batch is not demand."""
+SCALE_COOLDOWN_S = 30.0
+"""After a scale-up, how long its service waits before judging its replicas' load again:
+the clients switched to the new replica, and the figures, settle first."""
+EVENTS_SHOWN = 20
+"""Scale decisions `Services.get` returns (the most recent)."""
 SWITCH_DRAIN_S = 5.0
 """How long the replica a client was switched away from keeps taking its token: the calls
 it sent before it heard of the switch finish there."""
@@ -125,10 +150,16 @@ class Services:
         uploads: Uploads,
         network: EdgeNetwork,
         idle_s: float = 60.0,
+        queue_target_ms: float = 50.0,
     ) -> None:
         self._core = core
         self._idle_s = idle_s
         """A replica with no client this long is stopped (beyond the per-site minimum)."""
+        self._queue_target_ms = queue_target_ms
+        """A replica whose queue delay p99 stays past this gets another beside it; 0: none
+        is started on load."""
+        self._cooldown_until: dict[str, float] = {}
+        """Service name -> time.monotonic() before which its load is not judged again."""
         self._idle_since: dict[str, float] = {}
         """Replica deployment id -> time.monotonic() since when no client has been on it."""
         self._registry = registry
@@ -157,11 +188,102 @@ class Services:
 
     async def _sweep_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(5.0, self._idle_s / 4))
+            await asyncio.sleep(min(SCALE_INTERVAL_S, self._idle_s / 4))
             try:
+                await self.scale()
                 await self.sweep()
-            except (BrokerError, StateError) as err:  # the next sweep tries again
-                logger.warning("services: the idle replicas' sweep failed: %s", err)
+            except (BrokerError, StateError) as err:  # the next round tries again
+                logger.warning("services: judging the replicas' load failed: %s", err)
+
+    async def scale(self) -> list[str]:
+        """Start a replica beside each one over its queue target (see the module
+        docstring), one per service at a time; the deployment ids started."""
+        if not self._queue_target_ms:
+            return []
+        started: list[str] = []
+        for record in await self._core.db(self._core.store.list_services):
+            if time.monotonic() < self._cooldown_until.get(record.name, 0.0):
+                continue
+            spec = ServiceSpec.from_json(record.spec_json)
+            async with self._lock(record.name):
+                new = await self._scale_service(record, spec)
+            if new is not None:
+                started.append(new)
+        return started
+
+    async def _scale_service(self, record: ServiceRecord, spec: ServiceSpec) -> str | None:
+        """One scale-up for the service if a replica of it is over its queue target; the
+        deployment id started. Under the service's lock."""
+        store = self._core.store
+        if await self._core.db(store.get_service, record.name) is None:
+            return None  # deleted meanwhile
+        rows = await self._core.db(store.list_service_replicas, record.name)
+        clients = await self._core.db(store.list_service_clients, record.name)
+        replicas = [(row, await self._deployments.deployment(row.deployment_id)) for row in rows]
+        if len(rows) >= spec.max_replicas or any(
+            d is not None and d.state in (DeploymentState.PENDING, DeploymentState.STARTING)
+            for _, d in replicas
+        ):
+            return None
+        for row, busy in replicas:
+            on = [c for c in clients if c.deployment_id == row.deployment_id]
+            if busy is None or busy.state is not DeploymentState.RUNNING or len(on) < 2:
+                continue  # a single client cannot be split between replicas
+            why = self._over_target(busy, len(on))
+            if why is None:
+                continue
+            self._cooldown_until[record.name] = time.monotonic() + SCALE_COOLDOWN_S
+            new = await self._start_replica(record, spec, row.site, why)
+            if new.state is DeploymentState.RUNNING:
+                moving = sorted(on, key=lambda c: (c.attached_at, c.client_id))[len(on) // 2 :]
+                now = time.time()
+                moves = [
+                    (c, dataclasses.replace(c, deployment_id=new.deployment_id, attached_at=now))
+                    for c in moving
+                ]
+                await self._switch(
+                    moves, new, spec, "a replica started beside yours, which was over its load"
+                )
+                logger.info(
+                    "service=%s switched %d of %d client(s) from deployment=%s to %s",
+                    record.name,
+                    len(moves),
+                    len(on),
+                    busy.deployment_id,
+                    new.deployment_id,
+                )
+            return new.deployment_id
+        return None
+
+    def _over_target(self, replica: DeploymentRecord, clients: int) -> str | None:
+        """Why `replica` needs another beside it (every sample of the last
+        `SCALE_SUSTAIN_S` on its node over the queue target, the samples spanning at least
+        half of that), or None."""
+        now = time.time()
+        points = [
+            p
+            for p in self._registry.load_history.deployment_points(replica.deployment_id)
+            if p.node_id == replica.node_id and p.at >= now - SCALE_SUSTAIN_S
+        ]
+        if len(points) < 2 or points[-1].at - points[0].at < SCALE_SUSTAIN_S / 2:
+            return None
+        delays: list[float] = []
+        rates: list[float] = []
+        for point in points:
+            figures = point.replica.requests
+            if figures is None or figures.queue_delay_p99_ms is None:
+                return None
+            if figures.queue_delay_p99_ms <= self._queue_target_ms:
+                return None
+            delays.append(figures.queue_delay_p99_ms)
+            rates.append(figures.rate_per_s)
+        return (
+            f"replica {replica.deployment_id} on node {replica.node_id} over its load: its "
+            f"requests' queue delay p99 {min(delays):g}-{max(delays):g} ms, past the "
+            f"{self._queue_target_ms:g} ms target in all {len(points)} samples over "
+            f"{points[-1].at - points[0].at:.1f} s ({statistics.fmean(rates):.0f} req/s from "
+            f"{clients} clients); half of them move to the new one"
+        )
 
     async def sweep(self) -> list[str]:
         """Stop the replicas that have had no client for `idle_s`, beyond their service's
@@ -195,13 +317,16 @@ class Services:
                     await self._core.db(store.remove_service_replica, row.deployment_id)
                     self._idle_since.pop(row.deployment_id, None)
                     stopped.append(row.deployment_id)
+                    why = f"no client on it for {now - since:.0f} s (--service-idle-grace)"
+                    await self._record(
+                        record.name, ScaleAction.STOP, row.deployment_id, row.site, why
+                    )
                     logger.info(
-                        "service=%s replica deployment=%s at %s stopped: no client on it for "
-                        "%.0f s (--service-idle-grace)",
+                        "service=%s replica deployment=%s at %s stopped: %s",
                         record.name,
                         row.deployment_id,
                         row.site,
-                        now - since,
+                        why,
                     )
         return stopped
 
@@ -257,9 +382,15 @@ class Services:
                 raise InvalidRequest(str(err)) from None
             logger.info("service=%s created by client=%s (%s)", name, owner, spec.model_name)
             for site in self._network.sites:
-                for _ in range(spec.min_replicas_per_site):
-                    await self._start_replica(record, spec, site)
-        return await self._view(record)
+                for n in range(spec.min_replicas_per_site):
+                    await self._start_replica(
+                        record,
+                        spec,
+                        site,
+                        f"min_replicas_per_site {spec.min_replicas_per_site} ({n + 1} of them "
+                        f"at {site})",
+                    )
+        return await self.get(owner, name)
 
     async def _visible(self, client_id: str, name: str) -> tuple[ServiceRecord, ServiceSpec]:
         """The service if `client_id` owns it or may use it; NotFound otherwise (a service
@@ -273,8 +404,13 @@ class Services:
         return record, spec
 
     async def get(self, client_id: str, name: str) -> ServiceView:
+        """The service with its most recent scale decisions."""
         record, _ = await self._visible(client_id, name)
-        return await self._view(record)
+        view = await self._view(record)
+        events = await self._core.db(
+            self._core.store.list_service_events, record.name, EVENTS_SHOWN
+        )
+        return dataclasses.replace(view, events=tuple(events))
 
     async def list(self, client_id: str) -> list[ServiceView]:
         """The services `client_id` owns or may use, by name."""
@@ -465,20 +601,9 @@ class Services:
                     site=site,
                     attached_at=time.time(),
                 )
-                await self._core.db(store.put_service_client, moved)
-                try:
-                    await self._push(replica.deployment_id, spec)
-                except BaseException:
-                    # Not taken there (its node unreachable, or not yet re-authenticated
-                    # after a broker restart): the client stays where it is, and the report
-                    # sent again moves it then.
-                    await self._core.db(store.put_service_client, current)
-                    raise
-            self._tell(moved, self._update(moved, replica, f"switched for {site}: {reason}"))
-            self._core.background(
-                self._release(current.deployment_id, spec),
-                f"release-{row.service}-{client_id}",
-            )
+                await self._switch(
+                    [(current, moved)], replica, spec, f"switched for {site}: {reason}"
+                )
             logger.info(
                 "service=%s client=%s switched for %s: deployment=%s -> %s (node %s): %s",
                 row.service,
@@ -488,6 +613,35 @@ class Services:
                 replica.deployment_id,
                 replica.node_id,
                 reason,
+            )
+
+    async def _switch(
+        self,
+        moves: Sequence[tuple[ServiceClientRecord, ServiceClientRecord]],
+        replica: DeploymentRecord,
+        spec: ServiceSpec,
+        reason: str,
+    ) -> None:
+        """Put each client of `moves` (its record now, its record on `replica`) on
+        `replica`: in effect there before the client is told on its WatchService stream;
+        the replicas they left keep taking their tokens for `SWITCH_DRAIN_S`. Under the
+        service's lock. A push the replica's node did not take puts the records back and
+        raises (not taken there: its node unreachable, or not yet re-authenticated after a
+        broker restart; the clients stay where they are)."""
+        store = self._core.store
+        for _, moved in moves:
+            await self._core.db(store.put_service_client, moved)
+        try:
+            await self._push(replica.deployment_id, spec)
+        except BaseException:
+            for current, _ in moves:
+                await self._core.db(store.put_service_client, current)
+            raise
+        for _, moved in moves:
+            self._tell(moved, self._update(moved, replica, reason))
+        for left in {current.deployment_id for current, _ in moves}:
+            self._core.background(
+                self._release(left, spec), f"release-{moves[0][0].service}-{left}"
             )
 
     async def _release(self, deployment_id: str, spec: ServiceSpec) -> None:
@@ -553,7 +707,9 @@ class Services:
             )
         if len(rows) < spec.max_replicas and not waiting_here:
             why = f"none within {slo:g} ms of {site}" if running else "none runs yet"
-            started = await self._start_replica(record, spec, site)
+            started = await self._start_replica(
+                record, spec, site, f"a client at {site} needs a replica: {why}"
+            )
             if started.state is DeploymentState.RUNNING:
                 return started, f"a replica started at {site} on node {started.node_id} ({why})"
         if running:
@@ -570,12 +726,12 @@ class Services:
         )
 
     async def _start_replica(
-        self, record: ServiceRecord, spec: ServiceSpec, site: str
+        self, record: ServiceRecord, spec: ServiceSpec, site: str, why: str
     ) -> DeploymentRecord:
         """Record a replica of the service at `site`, then deploy it (recorded first: a
-        broker stopped in between forgets it at its next start, `load`). The deployment as
-        it ended (running, or pending with no node free); the deploy's error when it
-        failed, the replica forgotten."""
+        broker stopped in between forgets it at its next start, `load`), and the decision
+        with `why`. The deployment as it ended (running, or pending with no node free); the
+        deploy's error when it failed, the replica forgotten."""
         deployment_id = new_deployment_id()
         store = self._core.store
         await self._core.db(
@@ -590,15 +746,26 @@ class Services:
             await self._core.db(store.remove_service_replica, deployment_id)
             raise
         self._follow(deployment_id)
+        await self._record(record.name, ScaleAction.START, deployment_id, site, why)
         logger.info(
-            "service=%s replica deployment=%s at %s: %s on node %s",
+            "service=%s replica deployment=%s at %s: %s on node %s; started because %s",
             record.name,
             deployment_id,
             site,
             deployment.state,
             deployment.node_id,
+            why,
         )
         return deployment
+
+    async def _record(
+        self, service: str, action: ScaleAction, deployment_id: str, site: str, why: str
+    ) -> None:
+        """Keep a scale decision for `offload service show` (a service deleted meanwhile
+        keeps none)."""
+        event = ServiceEventRecord(service, time.time(), action, deployment_id, site, why)
+        with contextlib.suppress(ConstraintError):
+            await self._core.db(self._core.store.add_service_event, event)
 
     def _follow(self, deployment_id: str) -> None:
         if deployment_id not in self._following:

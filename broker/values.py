@@ -59,6 +59,10 @@ class BrokerSettings:
     service_idle_s: float = 60.0
     """A service's replica with no client on it is stopped after this long, beyond the
     service's `min_replicas_per_site` (`--service-idle-grace`)."""
+    service_queue_target_ms: float = 50.0
+    """A service's replica whose requests wait longer than this for their batch (queue
+    delay p99) for `broker.services.SCALE_SUSTAIN_S` gets another replica at its site for
+    half its clients (`--service-queue-target-ms`; 0: never on load)."""
     pending_retry_s: float = 2.0
     """How often pending deployments are tried again."""
     stop_grace_ms: int = 5000

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,16 @@ def _service_dict(s: pb.Service) -> dict[str, Any]:
                 "clients": r.clients,
             }
             for r in s.replicas
+        ],
+        "events": [
+            {
+                "at": e.at,
+                "action": e.action,
+                "deployment_id": e.deployment_id,
+                "site": e.site,
+                "reason": e.reason,
+            }
+            for e in s.events
         ],
     }
 
@@ -104,6 +115,11 @@ def _show_one(service: pb.Service, as_json: bool) -> int:
         )
     if service.replicas:
         Console().print(table)
+    if service.events:
+        print("scale decisions (most recent last):")
+    for e in service.events:
+        when = time.strftime("%H:%M:%S", time.localtime(e.at))
+        print(f"  {when} {e.action} {e.deployment_id} at {e.site}: {e.reason}")
     return 0
 
 

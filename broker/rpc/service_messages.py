@@ -88,6 +88,16 @@ def service_message(view: ServiceView) -> pb.Service:
         ],
         clients=view.clients,
         created_at=view.record.created_at,
+        events=[
+            pb.ServiceEvent(
+                at=e.at,
+                action=str(e.action),
+                deployment_id=e.deployment_id,
+                site=e.site,
+                reason=e.reason,
+            )
+            for e in view.events
+        ],
     )
 
 

@@ -197,6 +197,14 @@ async def test_the_service_command_creates_shows_lists_and_deletes(
     assert shown["clients"] == "any"
     assert sorted(r["site"] for r in shown["replicas"]) == ["site-a", "site-b", "site-c"]
     assert all(r["state"] == "running" for r in shown["replicas"])
+    # Each replica's start is explained, with its site.
+    assert sorted((e["action"], e["site"]) for e in shown["events"]) == [
+        ("start", "site-a"), ("start", "site-b"), ("start", "site-c")
+    ]  # fmt: skip
+    assert all("min_replicas_per_site 1" in e["reason"] for e in shown["events"])
+    text = await offload("show", "cams", *base)
+    assert text.returncode == 0 and "scale decisions (most recent last):" in text.stdout
+    assert text.stdout.count(" start ") == 3, text.stdout
     listed = await offload("list", "--json", *base)
     assert [s["name"] for s in json.loads(listed.stdout)] == ["cams"]
     bad = await offload("create", "Bad_Name", model, *base)
@@ -427,8 +435,88 @@ async def test_a_move_starts_a_replica_where_none_is_in_reach_and_the_idle_one_s
                 assert asyncio.get_running_loop().time() < deadline, service
                 await asyncio.sleep(0.2)
             assert [r.deployment_id for r in service.replicas] == [started]
+            # Every scale decision explained, in order: the first replica (bob's attach),
+            # site-b's (his move, beyond the SLO), site-a's stopped once idle.
+            decisions = [(e.action, e.deployment_id, e.site) for e in service.events]
+            assert decisions == [
+                ("start", first.deployment_id, "site-a"),
+                ("start", started, "site-b"),
+                ("stop", first.deployment_id, "site-a"),
+            ], service.events
+            reasons = [e.reason for e in service.events]
+            assert "a client at site-a needs a replica: none runs yet" in reasons[0]
+            assert "none within 5 ms of site-b" in reasons[1]
+            assert "no client on it for" in reasons[2] and "--service-idle-grace" in reasons[2]
             current = bob.deployment
             assert current is not None and current.node_id == "node-b"
             await bob.infer(inputs)
+    finally:
+        await cluster.stop()
+
+
+async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients(
+    tmp_path: Path,
+) -> None:
+    """A queue target below any queue delay (0.01 ms: the runtime's smallest histogram bucket
+    is 0.1 ms), so the replica two clients call in loops is over it in every sample: after
+    the 5 s it must be sustained, a second replica starts at its site, one of the two
+    clients is switched to it with no failed call, and the decision is explained."""
+    cluster = Cluster(tmp_path)
+    cluster.api_keys = {c: f"{c}.secret-key-of-{c}-0123456789" for c in CLIENTS}
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    try:
+        await cluster.start_broker("--service-queue-target-ms", "0.01")
+        await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES))
+        async with (
+            OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
+            OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
+        ):
+            sha = await alice.upload_model(modelzoo.model_path("mlp"))
+            await alice.create_service("busy", sha, "mlp", clients=["bob"], max_replicas=2)
+            first = await alice.use_service("busy", site="site-a")
+            assert (await bob.use_service("busy", site="site-a")).deployment_id == (
+                first.deployment_id
+            )
+            answered = {"alice": 0, "bob": 0}
+            stop = asyncio.Event()
+
+            async def closed_loop(name: str, client: OffloadClient) -> None:
+                while not stop.is_set():
+                    await client.infer(inputs)  # a failure raises, failing the test
+                    answered[name] += 1
+
+            loops = [
+                asyncio.create_task(closed_loop("alice", alice)),
+                asyncio.create_task(closed_loop("bob", bob)),
+            ]
+            try:
+                deadline = asyncio.get_running_loop().time() + 90
+                while len((service := await alice.get_service("busy")).replicas) < 2:
+                    assert asyncio.get_running_loop().time() < deadline, service
+                    await asyncio.sleep(0.2)
+                second = next(
+                    r.deployment_id
+                    for r in service.replicas
+                    if r.deployment_id != first.deployment_id
+                )
+                # bob attached last: he is the half that moves.
+                await until_on(bob, second)
+                before = dict(answered)
+                await until_answered(lambda: answered["bob"], before["bob"] + 10)
+                await until_answered(lambda: answered["alice"], before["alice"] + 10)
+            finally:
+                stop.set()
+                await asyncio.gather(*loops)
+            current = alice.deployment
+            assert current is not None and current.deployment_id == first.deployment_id
+            service = await alice.get_service("busy")
+            assert sorted(r.clients for r in service.replicas) == [1, 1]
+            assert all(r.site == "site-a" for r in service.replicas)
+            scale = service.events[-1]
+            assert (scale.action, scale.deployment_id, scale.site) == ("start", second, "site-a")
+            assert f"replica {first.deployment_id}" in scale.reason, scale.reason
+            assert "past the 0.01 ms target" in scale.reason and "2 clients" in scale.reason
+            # At max_replicas 2 no third one starts, however busy they stay.
+            assert len(service.replicas) == 2
     finally:
         await cluster.stop()

@@ -391,21 +391,37 @@ class ServiceReplica(_message.Message):
     clients: int
     def __init__(self, deployment_id: _Optional[str] = ..., site: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., endpoint: _Optional[str] = ..., clients: _Optional[int] = ...) -> None: ...
 
+class ServiceEvent(_message.Message):
+    __slots__ = ("at", "action", "deployment_id", "site", "reason")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    at: float
+    action: str
+    deployment_id: str
+    site: str
+    reason: str
+    def __init__(self, at: _Optional[float] = ..., action: _Optional[str] = ..., deployment_id: _Optional[str] = ..., site: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Service(_message.Message):
-    __slots__ = ("name", "owner", "spec", "replicas", "clients", "created_at")
+    __slots__ = ("name", "owner", "spec", "replicas", "clients", "created_at", "events")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     owner: str
     spec: ServiceSpec
     replicas: _containers.RepeatedCompositeFieldContainer[ServiceReplica]
     clients: int
     created_at: float
-    def __init__(self, name: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[ServiceSpec, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ServiceReplica, _Mapping]]] = ..., clients: _Optional[int] = ..., created_at: _Optional[float] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[ServiceEvent]
+    def __init__(self, name: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[ServiceSpec, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ServiceReplica, _Mapping]]] = ..., clients: _Optional[int] = ..., created_at: _Optional[float] = ..., events: _Optional[_Iterable[_Union[ServiceEvent, _Mapping]]] = ...) -> None: ...
 
 class GetServiceRequest(_message.Message):
     __slots__ = ("name",)
