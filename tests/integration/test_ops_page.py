@@ -12,6 +12,7 @@ fail under CI=true, where .ci/run installs it.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import copy
@@ -38,6 +39,8 @@ from broker.ops import (
     create_ops_app,
     start_ops_server,
 )
+from edge_client.client import OffloadClient
+from edge_client.ops_commands import _status
 from tests.chromium_support import (
     WINDOW,
     DomDump,
@@ -269,6 +272,42 @@ async def test_page_renders_the_prewarm_panel(page_url: str, tmp_path: Path) -> 
     # The pre-warmed move's downtime and timeline are shown as any other's.
     assert "downtime 3.5 ms" in prewarmed
     assert 'aria-label="timeline of mig-0002"' in html
+
+
+async def test_page_renders_the_services_panel(page_url: str, tmp_path: Path) -> None:
+    chromium = require_chromium()
+    async with open_page(chromium, tmp_path / "profile") as page:
+        await log_in(page, page_url, OPS_TOKEN)
+        await page.evaluate("document.querySelector('[data-service] details').open = true")
+        html = await page.dom()
+        replicas = await page.evaluate(
+            "[...document.querySelectorAll('[data-service-replica]')].map((row) =>"
+            " [...row.cells].map((c) => c.textContent))"
+        )
+        clients = await page.evaluate(
+            "[...document.querySelectorAll('[data-service-client]')].map((row) =>"
+            " [...row.cells].map((c) => c.textContent))"
+        )
+        figures = await page.evaluate(
+            "document.querySelector('[data-service=\"detector\"] .service-figures').textContent"
+        )
+    assert element_text(html, "services-summary") == "1 service(s), 3 client(s)"
+    assert figures == (
+        "model yolo-n, owner fleet-ops \u00b7 3 client(s) on 2 replica(s) \u00b7 "
+        "requests 24.0/s \u00b7 p99 18.0 ms \u00b7 batches of 3.2 rows \u00b7 "
+        "compute best-effort 40%, critical 60%"
+    )
+    assert replicas == [
+        ["dep-svc-01", "metro-east", "node-dgx-a", "running", "3", "24.0/s", "18.0 ms", "2",
+         "3.2 rows", "best-effort 40%, critical 60%"],
+        ["dep-svc-02", "campus-west", "\u2014", "pending", "0", "\u2014", "\u2014", "\u2014",
+         "\u2014", "\u2014"],
+    ]  # fmt: skip
+    assert clients == [
+        ["cam-1", "dep-svc-01", "12.0/s", "0.0/s", "10.0 ms"],
+        ["cam-2", "dep-svc-01", "8.0/s", "1.5/s", "18.0 ms"],
+        ["cam-3", "dep-svc-01", "4.0/s", "0.0/s", "\u2014"],
+    ]
 
 
 async def test_without_the_token_the_page_shows_no_data(page_url: str, tmp_path: Path) -> None:
@@ -772,3 +811,89 @@ async def test_timeline_labels_stay_inside_their_card(tmp_path: Path, window_wid
             for b in labels[i + 1 :]:
                 overlap = a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]
                 assert not overlap, (card_id, a, b)
+
+
+async def _api(cluster: Cluster, path: str) -> Any:
+    headers = ops_headers(cluster.root / "broker-state" / "ops-token")
+    async with (
+        aiohttp.ClientSession(headers=headers) as http,
+        http.get(f"http://127.0.0.1:{cluster.ops_port}{path}") as response,
+    ):
+        assert response.status == 200, await response.text()
+        return await (response.json() if path.startswith("/api/") else response.text())
+
+
+async def test_dashboard_metrics_and_status_show_a_live_services_replica_and_clients(
+    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chromium = require_chromium()
+    model = modelzoo.model_path("mlp")
+    inputs = modelzoo.sample_inputs(model)
+    keys = cluster.api_keys
+    async with (
+        OffloadClient(cluster.broker_address, keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, keys["bob"]) as bob,
+    ):
+        sha = await alice.upload_model(model)
+        await alice.create_service("detector", sha, "mlp", gpus=1, clients=["bob"])
+        mine = await alice.use_service("detector", site="site-a")
+        theirs = await bob.use_service("detector", site="site-a")
+        assert mine.deployment_id == theirs.deployment_id  # one replica for both
+        replica = mine.deployment_id
+        # Until the replica's per-client figures of both reached the broker.
+        deadline = time.monotonic() + 60
+        while True:
+            for client in (alice, bob, bob):
+                await client.infer(inputs)
+            (service,) = await _api(cluster, "/api/services")
+            busiest = {c["client_id"]: c for c in service["busiest_clients"]}
+            if {"alice", "bob"} <= busiest.keys() and all(
+                c["request_rate"] > 0 for c in busiest.values()
+            ):
+                break
+            assert time.monotonic() < deadline, service
+            await asyncio.sleep(0.1)
+        metrics = await _api(cluster, "/metrics")
+        token = (cluster.root / "broker-state" / "ops-token").read_text().strip()
+        async with open_page(chromium, tmp_path / "profile") as page:
+            await log_in(page, f"http://127.0.0.1:{cluster.ops_port}/", token)
+            row = await page.wait_for(
+                f"document.querySelector('[data-service-replica=\"{replica}\"]') && "
+                f"[...document.querySelector('[data-service-replica=\"{replica}\"]').cells]"
+                ".map((c) => c.textContent)"
+            )
+            html = await page.dom()
+            await page.evaluate("document.getElementById('services-title').scrollIntoView()")
+            save_artifact("ops-page-services-live.png", await page.screenshot())
+        args = argparse.Namespace(
+            ops=f"http://127.0.0.1:{cluster.ops_port}",
+            ops_token_file=str(cluster.root / "broker-state" / "ops-token"),
+            json=False,
+        )
+        assert await _status(args) == 0
+        status = capsys.readouterr().out
+        secrets = (mine.token, theirs.token, keys["alice"], keys["bob"])
+    assert (service["name"], service["owner"], service["clients"]) == ("detector", "alice", 2)
+    (shown,) = service["replicas"]
+    assert (shown["deployment_id"], shown["node_id"], shown["clients"]) == (replica, "node-a", 2)
+    assert shown["request_rate"] is not None and shown["request_rate"] > 0
+    # The panel: the replica at site-a on node-a, running, with its two clients.
+    assert row[:5] == [replica, "site-a", "node-a", "running", "2"]
+    assert element_text(html, "services-summary") == "1 service(s), 2 client(s)"
+    # /metrics: the service's figures and each client's calls, measured at the replica.
+    for line in (
+        'offload_service_replicas{service="detector",site="site-a"} 1.0',
+        'offload_service_clients{service="detector"} 2.0',
+        'offload_service_request_rate{service="detector"}',
+        'offload_service_client_request_rate{client="alice",service="detector"}',
+        'offload_service_client_request_rate{client="bob",service="detector"}',
+        'offload_service_client_refused_rate{client="bob",service="detector"} 0.0',
+    ):
+        assert line in metrics, line
+    # offload status: the service and its replica's line.
+    assert "services     1\n" in status
+    assert "detector (model mlp, owner alice): 2 client(s), 1 replica(s);" in status
+    assert re.search(rf"^\s+{replica}\s+site-a\s+node-a\s+running\s+2\s", status, re.M), status
+    # No client's token (nor its API key) anywhere an operator reads.
+    for secret in secrets:
+        assert secret not in html and secret not in metrics and secret not in status

@@ -1,5 +1,5 @@
 // The broker's live dashboard: polls /api/nodes, /api/deployments, /api/migrations,
-// /api/prewarm and /api/load every second and redraws (the offload panel comes from each
+// /api/prewarm, /api/load and /api/services every second and redraws (the offload panel comes from each
 // deployment's `offload` reports). Plain DOM; the load charts are uPlot's (vendored beside this
 // file: the broker host may have no Internet), updated in place. Data is only ever set as text
 // (textContent, attributes), never parsed as HTML.
@@ -237,6 +237,117 @@ function renderDeployments(deployments) {
   box.replaceChildren(
     h("table", { class: "deployments" }, h("thead", {}, head), h("tbody", {}, ...rows)),
   );
+}
+
+// ---- services: one model for many clients, their replicas and their busiest clients ----
+
+function rate(value) {
+  return value === null || value === undefined ? "\u2014" : `${value.toFixed(1)}/s`;
+}
+
+function orDash(value, format) {
+  return value === null || value === undefined ? "\u2014" : format(value);
+}
+
+function classShares(shares) {
+  const parts = Object.entries(shares)
+    .sort(([a], [b]) => a.localeCompare(b))
+    .map(([name, share]) => `${name} ${Math.round(share * 100)}%`);
+  return parts.join(", ") || "\u2014";
+}
+
+const SERVICE_REPLICA_COLUMNS = [
+  ["replica", (r) => h("code", {}, r.deployment_id)],
+  ["site", (r) => r.site],
+  ["node", (r) => r.node_id || "\u2014"],
+  ["state", (r) => badge(r.state)],
+  ["clients", (r) => String(r.clients)],
+  ["requests", (r) => rate(r.request_rate)],
+  ["p99", (r) => orDash(r.latency_p99_ms, ms)],
+  ["queue", (r) => orDash(r.queued, String)],
+  ["batch", (r) => orDash(r.batch_size_mean, (b) => `${b.toFixed(1)} rows`)],
+  ["compute by class", (r) => classShares(r.class_shares)],
+];
+
+const SERVICE_CLIENT_COLUMNS = [
+  ["client", (c) => c.client_id],
+  ["replica", (c) => h("code", {}, c.deployment_id)],
+  ["requests", (c) => rate(c.request_rate)],
+  ["refused", (c) => rate(c.refused_rate)],
+  ["p99", (c) => orDash(c.latency_p99_ms, ms)],
+];
+
+function table(columns, items, rowAttrs, cls) {
+  const head = h("tr", {}, ...columns.map(([title]) => h("th", { scope: "col" }, title)));
+  const rows = items.map((item) =>
+    h("tr", rowAttrs(item), ...columns.map(([, cell]) => h("td", {}, cell(item)))),
+  );
+  return h("table", { class: `deployments ${cls}` }, h("thead", {}, head), h("tbody", {}, ...rows));
+}
+
+function serviceCard(svc) {
+  const figures = [
+    `model ${svc.model_name}, owner ${svc.owner}`,
+    `${svc.clients} client(s) on ${svc.replicas.length} replica(s)`,
+    `requests ${rate(svc.request_rate)}`,
+    `p99 ${orDash(svc.latency_p99_ms, ms)}`,
+  ];
+  if (svc.batch_size_mean !== null) figures.push(`batches of ${svc.batch_size_mean.toFixed(1)} rows`);
+  if (Object.keys(svc.class_shares).length) figures.push(`compute ${classShares(svc.class_shares)}`);
+  return h(
+    "div",
+    { class: "service-card", "data-service": svc.name },
+    h("h3", {}, svc.name, " ", h("span", { class: "summary service-figures" }, figures.join(" \u00b7 "))),
+    svc.replicas.length
+      ? table(
+          SERVICE_REPLICA_COLUMNS,
+          svc.replicas,
+          (r) => ({ "data-service-replica": r.deployment_id, class: `state-${cssToken(r.state)}` }),
+          "service-replicas",
+        )
+      : h("p", { class: "empty" }, "no replica yet: one starts when a client attaches"),
+    svc.busiest_clients.length
+      ? h(
+          "details",
+          { class: "service-clients" },
+          h("summary", {}, `busiest clients (${svc.busiest_clients.length} of ${svc.clients})`),
+          table(SERVICE_CLIENT_COLUMNS, svc.busiest_clients, (c) => ({ "data-service-client": c.client_id }), "service-clients"),
+        )
+      : null,
+  );
+}
+
+function renderServices(services) {
+  const box = document.getElementById("services");
+  const summary = document.getElementById("services-summary");
+  summary.className = "summary";
+  const clients = services.reduce((n, svc) => n + svc.clients, 0);
+  summary.textContent = services.length ? `${services.length} service(s), ${clients} client(s)` : "";
+  const open = new Set(
+    [...box.querySelectorAll(".service-card details[open]")].map((d) => d.closest(".service-card").dataset.service),
+  );
+  const cards = services.map(serviceCard);
+  for (const card of cards) {
+    const details = card.querySelector("details");
+    if (details && open.has(card.dataset.service)) details.open = true; // keep what the operator opened
+  }
+  box.replaceChildren(...(cards.length ? cards : [h("p", { class: "empty" }, "no services")]));
+}
+
+function servicesFailed(err) {
+  const summary = document.getElementById("services-summary");
+  if (err.status === 404) {
+    // A broker older than services' figures: nothing to show, and nothing wrong.
+    document.getElementById("services").replaceChildren(
+      h("p", { class: "empty" }, "this broker serves no services (/api/services)"),
+    );
+    summary.className = "summary";
+    summary.textContent = "";
+    return;
+  }
+  if (err.status === undefined) console.error(err);
+  summary.className = "summary status-error";
+  summary.textContent = `update failed: ${err.message}`;
 }
 
 // ---- adaptive offload: where each device's requests ran, and why ----
@@ -871,6 +982,7 @@ async function refresh() {
   // Load is polled beside the rest and fails on its own: a broker that predates /api/load
   // (404), or a failing load view, leaves the other panels as they are.
   const load = fetchJson("/api/load").then(renderLoad).catch(loadFailed);
+  const services = fetchJson("/api/services").then(renderServices).catch(servicesFailed);
   try {
     const [nodes, deployments, migrations, prewarm] = await Promise.all([
       fetchJson("/api/nodes"),
@@ -883,14 +995,14 @@ async function refresh() {
     renderOffload(deployments);
     renderPrewarm(prewarm);
     renderMigrations(migrations);
-    await load; // "last updated" once every panel has drawn this poll's data
+    await Promise.all([load, services]); // "last updated" once every panel has drawn
     lastUpdated = new Date();
     setStatus(true, `last updated ${lastUpdated.toLocaleTimeString()}`);
   } catch (err) {
     const stale = lastUpdated ? `; showing data from ${lastUpdated.toLocaleTimeString()}` : "";
     setStatus(false, `update failed: ${err.message}${stale}`);
   } finally {
-    await load;
+    await Promise.all([load, services]);
     setTimeout(refresh, POLL_MS);
   }
 }
