@@ -107,8 +107,13 @@ async def test_the_metric_figures_are_the_ones_the_views_show(broker: Broker) ->
     view = BrokerOpsView(broker, prewarm_budget=2)
     got = await view.figures()
     expected = figures_from_views(
-        await view.nodes(), await view.deployments(), await view.prewarm(), await view.load()
+        await view.nodes(),
+        await view.deployments(),
+        await view.prewarm(),
+        await view.load(),
+        await view.services(),
     )
+    assert dict(got.services) == dict(expected.services) == {}  # no service here
     assert dict(got.nodes) == dict(expected.nodes) == {"ready": 5, "lost": 1}
     assert dict(got.deployments) == dict(expected.deployments)
     assert dict(got.deployments) == {"running": 3, "starting": 1, "pending": 1, "failed": 1}
