@@ -85,29 +85,36 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         self._broker = broker
         self._node_certificates = node_certificates
 
-    def _check(self, context: grpc.aio.ServicerContext, node_id: str | None = None) -> None:
+    def _check(self, context: grpc.aio.ServicerContext, node_id: str | None = None) -> str | None:
         """The join token, and over mutual TLS a certificate for `node_id` (any node's
-        certificate when None)."""
+        certificate when None): its name; None without mutual TLS."""
         if not self._broker.check_join_token(_authorization(context)):
             raise Unauthenticated(
                 "missing or wrong join token: send 'authorization: Bearer <join token>' "
                 "(the broker's --join-token-file)"
             )
-        self._check_certificate(context, node_id)
+        return self._check_certificate(context, node_id)
 
     def _check_certificate(
         self, context: grpc.aio.ServicerContext, node_id: str | None = None
-    ) -> None:
-        """Over mutual TLS, a certificate for `node_id` (any node's when None)."""
+    ) -> str | None:
+        """Over mutual TLS, a certificate for `node_id` (any node's when None): its name;
+        None without mutual TLS."""
         if not self._node_certificates:
-            return
+            return None
         name = peer_common_name(context)
         if name is None:
             raise Unauthenticated(
                 "nodes must present a certificate signed by the broker's CA "
                 "(offload node --tls-cert/--tls-key/--tls-ca)"
             )
-        if node_id is not None and name != node_id:
+        self._check_name(name, node_id)
+        return name
+
+    @staticmethod
+    def _check_name(name: str | None, node_id: str | None) -> None:
+        """A certificate named `name` (None: none asked for) may speak for `node_id`."""
+        if name is not None and node_id is not None and name != node_id:
             raise PermissionDenied(
                 f"this certificate is for node {quote(name)}, not {quote(node_id)}: issue one "
                 "whose name is the node id (offload certs issue NODE_ID ...)"
@@ -151,14 +158,16 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         stream opens; each message's node must be the certificate's, and bound to the
         stream's node secret. The stream is the node's liveness: the registry is told when
         it ends, however it ends (`NodeRegistry.stream_closed`)."""
-        self._check(context)
+        # The connection's certificate cannot change within the call: read once (gRPC
+        # copies the whole auth context, PEM and all, at each read).
+        certificate = self._check(context)
         secret = _metadata(context, NODE_SECRET_HEADER)
         registry = self._broker.registry
         stream = object()
         streaming: str | None = None
         try:
             async for request in requests:
-                self._check_certificate(context, request.node_id)
+                self._check_name(certificate, request.node_id)
                 node_id = self._beat(request, secret)
                 if node_id != streaming:
                     if streaming is not None:

@@ -29,6 +29,7 @@ import pytest
 import modelzoo
 from broker.server import config_from_args
 from common.certs import TlsIdentity, issue, make_ca
+from common.node_identity import NODE_SECRET_HEADER, SECRET_FILE
 from edge_client.cli import build_parser
 from edge_client.client import OffloadClient
 from edge_client.errors import Unavailable
@@ -255,6 +256,27 @@ async def test_a_node_without_a_valid_certificate_is_refused(cluster: Cluster) -
     process = cluster.nodes.pop(NODE.node_id)
     assert await asyncio.to_thread(process.wait, 30) == 1
     assert "CERTIFICATE_VERIFY_FAILED" in cluster.node_log(NODE.node_id).read_text()
+
+
+async def test_a_heartbeat_stream_speaks_only_for_its_certificates_node(
+    cluster: Cluster,
+) -> None:
+    """The stream reads its connection's certificate once; every message after is still
+    held to it: node-a's own certificate and secret renew node-a's lease, then a message
+    for node-b on the same stream is refused, naming both."""
+    node_a, node_b = THREE_NODES[0], THREE_NODES[1]
+    await cluster.start_node(node_a)
+    secret = (cluster.root / f"{node_a.node_id}-state" / SECRET_FILE).read_text().strip()
+    metadata = (("authorization", f"Bearer {JOIN_TOKEN}"), (NODE_SECRET_HEADER, secret))
+    async with open_channel(cluster.registry_address, cluster.certificate(node_a.node_id)) as ch:
+        stream = pb_grpc.NodeRegistryStub(ch).Heartbeats(metadata=metadata)
+        await stream.write(pb.HeartbeatRequest(node_id=node_a.node_id, lease_only=True))
+        assert await stream.read() == pb.HeartbeatResponse()
+        await stream.write(pb.HeartbeatRequest(node_id=node_b.node_id, lease_only=True))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stream.read()
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "this certificate is for node 'node-a', not 'node-b'" in (caught.value.details() or "")
 
 
 async def test_the_ops_server_serves_https_only(cluster: Cluster) -> None:

@@ -1,6 +1,6 @@
-"""The store's services (schema versions 9 and 10): services, their replicas, their attached
-clients and their scale decisions, in a real SQLite file and a real PostgreSQL database (the `database` fixture of
-`test_state`'s kind, once per backend)."""
+"""The store's services (schema versions 9 and 10): services, their replicas, their
+attached clients and their scale decisions, in a real SQLite file and a real PostgreSQL
+database (the `database` fixture of `test_state`'s kind, once per backend)."""
 
 from __future__ import annotations
 
