@@ -29,7 +29,7 @@ from broker.ops import (
     ServiceReplicaInfo,
     StandbyInfo,
 )
-from broker.ops.view import SERVICE_CLIENTS_SHOWN
+from broker.ops.view import SCALE_DECISIONS_SHOWN, SERVICE_CLIENTS_SHOWN
 from broker.placement import PriorityClass
 from broker.service import Broker
 from broker.state import (
@@ -305,6 +305,18 @@ class BrokerOpsView:
                     "batch_size_mean": _round(load.batch_size_mean, 2),
                     "class_shares": {n: round(v, 3) for n, v in load.class_shares.items()},
                     "busiest_clients": _busiest(load.clients),
+                    "scale_decisions": [
+                        {
+                            "at": e.at,
+                            "action": str(e.action),
+                            "deployment_id": e.deployment_id,
+                            "site": e.site,
+                            "reason": e.reason,
+                        }
+                        for e in await self._broker.services.events(
+                            service.name, SCALE_DECISIONS_SHOWN
+                        )
+                    ],
                 }
             )
         return out

@@ -407,10 +407,12 @@ class Services:
         """The service with its most recent scale decisions."""
         record, _ = await self._visible(client_id, name)
         view = await self._view(record)
-        events = await self._core.db(
-            self._core.store.list_service_events, record.name, EVENTS_SHOWN
-        )
-        return dataclasses.replace(view, events=tuple(events))
+        return dataclasses.replace(view, events=tuple(await self.events(name, EVENTS_SHOWN)))
+
+    async def events(self, name: str, limit: int) -> list[ServiceEventRecord]:
+        """The service's `limit` most recent scale decisions, oldest first (read only: the
+        ops view's too)."""
+        return await self._core.db(self._core.store.list_service_events, name, limit)
 
     async def list(self, client_id: str) -> list[ServiceView]:
         """The services `client_id` owns or may use, by name."""

@@ -457,6 +457,22 @@ def sample_services() -> list[ServiceInfo]:
                     "latency_p99_ms": None,
                 },
             ],
+            "scale_decisions": [
+                {
+                    "at": 1_764_900_000.0,
+                    "action": "start",
+                    "deployment_id": "dep-svc-01",
+                    "site": "metro-east",
+                    "reason": "a client at metro-east needs a replica: none runs yet",
+                },
+                {
+                    "at": 1_764_900_060.0,
+                    "action": "start",
+                    "deployment_id": "dep-svc-02",
+                    "site": "campus-west",
+                    "reason": "a client at campus-west needs a replica: none within 10 ms",
+                },
+            ],
         }
     ]
 

@@ -300,6 +300,18 @@ class ServiceClientInfo(TypedDict):
     """The worst of its replicas' p99 for it; None when none of its calls finished."""
 
 
+class ScaleDecisionInfo(TypedDict):
+    """A replica of a service started or stopped, and why (`service_events`)."""
+
+    at: float
+    """Unix seconds."""
+    action: str
+    """"start" or "stop"."""
+    deployment_id: str
+    site: str
+    reason: str
+
+
 class ServiceInfo(TypedDict):
     """A service (one model for many clients), its replicas and its busiest clients."""
 
@@ -321,10 +333,14 @@ class ServiceInfo(TypedDict):
     """Priority class -> its share 0..1 of the batches' compute, weighted the same way."""
     busiest_clients: list[ServiceClientInfo]
     """At most `SERVICE_CLIENTS_SHOWN`, the busiest first (by requests/s, then refused/s)."""
+    scale_decisions: list[ScaleDecisionInfo]
+    """Its `SCALE_DECISIONS_SHOWN` most recent, oldest first."""
 
 
 SERVICE_CLIENTS_SHOWN = 10
 """Clients of a service the view lists (a service may have thousands)."""
+SCALE_DECISIONS_SHOWN = 5
+"""Scale decisions of a service the view lists (the most recent)."""
 
 
 class OpsView(Protocol):

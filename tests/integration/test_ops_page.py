@@ -291,7 +291,17 @@ async def test_page_renders_the_services_panel(page_url: str, tmp_path: Path) ->
         figures = await page.evaluate(
             "document.querySelector('[data-service=\"detector\"] .service-figures').textContent"
         )
+        decisions = await page.evaluate(
+            "[...document.querySelectorAll('[data-scale-decision]')].map((li) =>"
+            " [...li.childNodes].slice(1).map((n) => n.textContent).join('').trim())"
+        )
     assert element_text(html, "services-summary") == "1 service(s), 3 client(s)"
+    # Each scale decision with its reason (after its time, in the browser's locale).
+    assert decisions == [
+        "start dep-svc-01 at metro-east: a client at metro-east needs a replica: none runs yet",
+        "start dep-svc-02 at campus-west: a client at campus-west needs a replica: none within "
+        "10 ms",
+    ]
     assert figures == (
         "model yolo-n, owner fleet-ops \u00b7 3 client(s) on 2 replica(s) \u00b7 "
         "requests 24.0/s \u00b7 p99 18.0 ms \u00b7 batches of 3.2 rows \u00b7 "
@@ -862,6 +872,9 @@ async def test_dashboard_metrics_and_status_show_a_live_services_replica_and_cli
                 f"[...document.querySelector('[data-service-replica=\"{replica}\"]').cells]"
                 ".map((c) => c.textContent)"
             )
+            decision = await page.evaluate(
+                f"document.querySelector('[data-scale-decision=\"{replica}\"]').textContent"
+            )
             html = await page.dom()
             await page.evaluate("document.getElementById('services-title').scrollIntoView()")
             save_artifact("ops-page-services-live.png", await page.screenshot())
@@ -879,6 +892,12 @@ async def test_dashboard_metrics_and_status_show_a_live_services_replica_and_cli
     assert shown["request_rate"] is not None and shown["request_rate"] > 0
     # The panel: the replica at site-a on node-a, running, with its two clients.
     assert row[:5] == [replica, "site-a", "node-a", "running", "2"]
+    # ... and why it started: alice's attach found none running.
+    assert decision.endswith(
+        f"start {replica} at site-a: a client at site-a needs a replica: none runs yet"
+    ), decision
+    (started,) = service["scale_decisions"]
+    assert (started["action"], started["deployment_id"]) == ("start", replica)
     assert element_text(html, "services-summary") == "1 service(s), 2 client(s)"
     # /metrics: the service's figures and each client's calls, measured at the replica.
     for line in (

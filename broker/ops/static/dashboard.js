@@ -306,6 +306,22 @@ function serviceCard(svc) {
           "service-replicas",
         )
       : h("p", { class: "empty" }, "no replica yet: one starts when a client attaches"),
+    svc.scale_decisions.length
+      ? h(
+          "ul",
+          { class: "scale-decisions", "aria-label": `scale decisions of ${svc.name}` },
+          ...svc.scale_decisions.map((d) =>
+            h(
+              "li",
+              { "data-scale-decision": d.deployment_id },
+              h("time", {}, new Date(d.at * 1000).toLocaleTimeString()),
+              ` ${d.action} `,
+              h("code", {}, d.deployment_id),
+              ` at ${d.site}: ${d.reason}`,
+            ),
+          ),
+        )
+      : null,
     svc.busiest_clients.length
       ? h(
           "details",
