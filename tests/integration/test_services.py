@@ -26,6 +26,7 @@ from edge_client.errors import (
     InvalidInput,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     Unauthenticated,
 )
 from edge_client.rpc.tensors import infer_request
@@ -520,3 +521,40 @@ async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients
             assert len(service.replicas) == 2
     finally:
         await cluster.stop()
+
+
+async def test_a_flooding_client_is_paced_then_refused_and_the_quiet_one_is_not(
+    cluster: Cluster,
+) -> None:
+    """Per-client limits on one replica for both: bob floods it (60 calls at once, at most
+    4 a second each client), alice calls it now and then. bob is refused past his rate
+    (RESOURCE_EXHAUSTED) after his second's burst and the calls paced within 0.25 s; alice,
+    under her own limit, is never refused."""
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    async with (
+        OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
+    ):
+        sha = await alice.upload_model(modelzoo.model_path("mlp"))
+        await alice.create_service("limited", sha, "mlp", clients=["bob"], max_rps_per_client=4)
+        mine = await alice.use_service("limited", site="site-a")
+        assert (await bob.use_service("limited", site="site-a")).deployment_id == (
+            mine.deployment_id
+        )
+
+        async def outcome(client: OffloadClient) -> str:
+            try:
+                await client.infer(inputs)
+            except ResourceExhausted as err:
+                assert "over its rate limit of 4 requests/s" in str(err), err
+                return "refused"
+            return "answered"
+
+        flood = asyncio.gather(*(outcome(bob) for _ in range(60)))
+        quiet = [await outcome(alice) for _ in range(3)]
+        flooded = await flood
+    assert quiet == ["answered"] * 3
+    # His burst (4) and the call paced within RATE_WAIT_S (one at 4/s) at least; the rest,
+    # whose tokens were seconds away, refused at once.
+    assert flooded.count("answered") >= 5, flooded
+    assert flooded.count("refused") >= 30, flooded
