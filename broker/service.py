@@ -261,10 +261,11 @@ class Broker:
         self.reconciler.schedule(node_id, replicas)
 
     async def mark_lost_nodes(self) -> list[NodeId]:
-        """Mark the nodes silent too long as lost (`NodeRegistry.find_lost`) and retire the
-        standbys on them; their ids."""
+        """Mark the nodes silent too long as lost (`NodeRegistry.find_lost`), retire the
+        standbys on them and fail the clients of service replicas there over; their ids."""
         lost = await self.registry.find_lost()
         self.standbys.on_nodes_lost(lost)
+        self.services.on_nodes_lost(lost)
         return lost
 
     async def set_node_state(self, node_id: str, state: NodeState) -> None:

@@ -38,7 +38,7 @@ import secrets
 import statistics
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 
 from broker.core import Core
@@ -691,8 +691,9 @@ class Services:
                 continue
             node_site = self._network.site_of(deployment.node_id or "")
             if deployment.state is DeploymentState.RUNNING and node_site is not None:
-                latency = self._network.latency_ms(site, node_site, deployment.node_id or "")
-                running.append((latency, on[row.deployment_id], deployment))
+                running.append(
+                    (self._latency(site, deployment), on[row.deployment_id], deployment)
+                )
             elif row.site == site and deployment.state in (
                 DeploymentState.PENDING,
                 DeploymentState.STARTING,
@@ -786,10 +787,104 @@ class Services:
                     if record is not None:
                         await self._push(deployment_id, ServiceSpec.from_json(record.spec_json))
                         await self._tell_clients(deployment_id)
+                elif update.state is DeploymentState.PENDING:
+                    await self._fail_over(deployment_id, update.reason)
             await self._core.db(self._core.store.remove_service_replica, deployment_id)
         finally:
             self._deployments.watchers.remove(deployment_id, queue)
             self._following.pop(deployment_id, None)
+
+    def on_nodes_lost(self, lost: Collection[str]) -> None:
+        """Fail the clients of the replicas on nodes just lost over to running replicas
+        elsewhere (`_fail_over`), at once: the replicas themselves are placed again (a
+        failover move), which takes a start."""
+        for deployment_id in self._following:
+            replica = self._deployments.table.get(deployment_id)
+            if replica is not None and replica.node_id in lost:
+                self._core.background(
+                    self._fail_over(deployment_id, f"node {replica.node_id} lost"),
+                    f"service-failover-{deployment_id}",
+                )
+
+    async def _fail_over(self, deployment_id: str, why: str) -> None:
+        """The replica stopped serving and waits to be placed again (its node lost, it was
+        preempted or requeued): put each of its clients on another running replica of the
+        service within the SLO of the client's site (the nearest, then the least used) at
+        once, as a switch; a client with none in reach waits for the replica's next copy
+        (`_follow_replica`), as before."""
+        record = await self._service_of(deployment_id)
+        if record is None:
+            return
+        spec = ServiceSpec.from_json(record.spec_json)
+        store = self._core.store
+        async with self._lock(record.name):
+            clients = await self._core.db(store.list_service_clients, record.name)
+            stranded = [c for c in clients if c.deployment_id == deployment_id]
+            if not stranded:
+                return
+            on = Counter(c.deployment_id for c in clients)
+            running: list[DeploymentRecord] = []
+            for replica in await self._core.db(store.list_service_replicas, record.name):
+                other = await self._deployments.deployment(replica.deployment_id)
+                entry = self._registry.nodes.get(other.node_id or "") if other else None
+                if (
+                    other is not None
+                    and entry is not None
+                    and other.deployment_id != deployment_id
+                    and other.state is DeploymentState.RUNNING
+                    and self._registry.is_live(entry)
+                    and self._network.site_of(entry.record.node_id) is not None
+                ):
+                    running.append(other)
+            now = time.time()
+            moves: dict[str, list[tuple[ServiceClientRecord, ServiceClientRecord]]] = {}
+            for row in stranded:
+                slo = spec.latency_slo_ms
+                distances = [(self._latency(row.site, r), r) for r in running]
+                reach = [
+                    (latency, on[r.deployment_id], r.deployment_id, r)
+                    for latency, r in distances
+                    if not slo or latency <= slo
+                ]
+                if not reach:
+                    continue
+                *_, target = min(reach, key=lambda t: t[:3])
+                on[target.deployment_id] += 1
+                moved = dataclasses.replace(
+                    row, deployment_id=target.deployment_id, attached_at=now
+                )
+                moves.setdefault(target.deployment_id, []).append((row, moved))
+            for target_id, pairs in moves.items():
+                target = next(r for r in running if r.deployment_id == target_id)
+                try:
+                    await self._switch(
+                        pairs, target, spec, f"your replica stopped serving ({why}): failed over"
+                    )
+                except BrokerError as err:  # they wait for the replica's next copy
+                    logger.warning(
+                        "service=%s: %d client(s) of deployment=%s not failed over to %s: %s",
+                        record.name,
+                        len(pairs),
+                        deployment_id,
+                        target_id,
+                        err,
+                    )
+                    continue
+                logger.info(
+                    "service=%s failed %d client(s) over from deployment=%s (%s) to %s (node %s)",
+                    record.name,
+                    len(pairs),
+                    deployment_id,
+                    why,
+                    target_id,
+                    target.node_id,
+                )
+
+    def _latency(self, site: str, replica: DeploymentRecord) -> float:
+        """One-way latency from `site` to the replica's node (the cluster file's); call
+        for a replica whose node has a site."""
+        node_site = self._network.site_of(replica.node_id or "") or site
+        return self._network.latency_ms(site, node_site, replica.node_id or "")
 
     async def _tell_clients(self, deployment_id: str) -> None:
         """Tell the clients on the replica where it runs now (placed again, moved)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -356,6 +357,41 @@ async def test_a_service_replica_placed_again_after_its_node_is_lost_takes_its_c
             await asyncio.sleep(0.1)
         assert current.deployment_id == on.deployment_id and current.token == on.token
         await bob.infer(inputs)
+
+
+async def test_the_clients_of_a_lost_replica_fail_over_to_a_running_one(
+    cluster: Cluster,
+) -> None:
+    """A replica at every site, any in reach: node-a's daemon and bob's replica on it
+    SIGKILLed, the broker marks node-a lost and moves bob at once to another running
+    replica of the service (he need not wait for a new start), where his calls work with
+    the token he had."""
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    async with OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob:
+        async with OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice:
+            sha = await alice.upload_model(modelzoo.model_path("mlp"))
+            service = await alice.create_service(
+                "spread", sha, "mlp", clients=["bob"], min_replicas_per_site=1
+            )
+        others = {r.deployment_id for r in service.replicas if r.node_id != "node-a"}
+        on = await bob.use_service("spread", site="site-a")
+        assert on.node_id == "node-a" and len(others) == 2
+        await bob.infer(inputs)
+        async with cluster.edge("alice") as edge:
+            replica = await edge.get(on.deployment_id)
+        os.kill(cluster.replica_pid(replica), signal.SIGKILL)
+        cluster.nodes["node-a"].send_signal(signal.SIGKILL)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 90
+        while (current := bob.deployment) is None or current.deployment_id not in others:
+            assert loop.time() < deadline, f"still {current}"
+            await asyncio.sleep(0.1)
+        assert current.token == on.token and current.node_id in ("node-b", "node-c")
+        await bob.infer(inputs)
+    await wait_for_log(
+        cluster.broker_log,
+        re.escape(f"service=spread failed 1 client(s) over from deployment={on.deployment_id}"),
+    )
 
 
 async def test_services_and_assignments_survive_a_broker_sigkill(cluster: Cluster) -> None:
