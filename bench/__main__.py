@@ -35,6 +35,7 @@ from bench import (
     node_failure,
     offload,
     peers,
+    ping_cost,
     placement,
     prewarm,
     rebalance,
@@ -64,6 +65,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "key_reload": key_reload.main,
     "upload_memory": upload_memory.main,
     "node_failure": node_failure.main,
+    "ping_cost": ping_cost.main,
     "services": services.main,
 }
 

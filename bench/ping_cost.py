@@ -1,0 +1,213 @@
+"""What the node port's HTTP/2 keepalive pings cost a gRPC server in Python (issue 51's
+liveness floor), apart from everything else the broker does.
+
+A `grpc.aio` server process with the broker's node-port settings (`broker.server.
+NODE_KEEPALIVE`: a ping after 2 s without a frame from the peer, answered within 1 s) over
+TLS, as production's node port, and --connections idle connections to it, each with one
+open bidirectional stream that sent one message and got its answer (as a node's Heartbeats
+stream between lease renewals), opened from two client processes. Then the server's CPU
+(/proc/<pid>/stat) over --seconds, once with the pings and once without (the same server
+with no keepalive settings): the difference, over the pings the interval implies
+(connections / 2 s), is gRPC core's CPU per ping. No Python runs for a ping, so this is what
+any server on grpcio pays for this liveness on this machine, before a single message. Each
+arm runs twice, interleaved (none, pings, none, pings), and both runs are printed.
+
+    python -m bench.ping_cost [--quick] [--connections N] [--seconds S] [--json FILE]
+
+--quick: 200 connections over 3 s. Full: 2,000 (bench.control_plane's largest step) over
+20 s, about three minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from broker.server import NODE_KEEPALIVE
+from common.certs import issue, make_ca
+
+METHOD = "/bench.PingCost/Stream"
+CLIENT_PROCESSES = 2
+SETTLE_S = 3.0
+"""After the last stream opened, before the CPU is counted (the handshakes' work done)."""
+
+
+def keepalive_interval_s() -> float:
+    return dict(NODE_KEEPALIVE)["grpc.keepalive_time_ms"] / 1000
+
+
+async def serve(port: int, pings: bool, tls_dir: Path) -> None:
+    options = [*(NODE_KEEPALIVE if pings else ()), ("grpc.http2.bdp_probe", 0)]
+    server = grpc.aio.server(options=options)
+
+    async def stream(requests: AsyncIterator[bytes], _: object) -> AsyncIterator[bytes]:
+        async for _request in requests:
+            yield b"ok"
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.PingCost", {"Stream": grpc.stream_stream_rpc_method_handler(stream)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    key, cert = (tls_dir / "server-key.pem").read_bytes(), (tls_dir / "server.pem").read_bytes()
+    server.add_secure_port(f"127.0.0.1:{port}", grpc.ssl_server_credentials([(key, cert)]))
+    await server.start()
+    print("serving", flush=True)
+    await server.wait_for_termination()
+
+
+async def connect(port: int, count: int, tls_dir: Path) -> None:
+    """`count` connections, one stream each, answered once; then idle until killed."""
+    credentials = grpc.ssl_channel_credentials((tls_dir / "ca.pem").read_bytes())
+    held = []
+    for i in range(count):
+        # A connection of its own each (no shared subchannel), as nodes are.
+        channel = grpc.aio.secure_channel(
+            f"127.0.0.1:{port}",
+            credentials,
+            options=[("grpc.use_local_subchannel_pool", 1), ("bench.connection", i)],
+        )
+        call = channel.stream_stream(METHOD)()
+        await call.write(b"hello")
+        await call.read()
+        held.append((channel, call))
+    print(f"open {len(held)}", flush=True)
+    await asyncio.sleep(86400)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.ping_cost", *args],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def first_line(process: subprocess.Popen[str], what: str) -> str:
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()
+    if not line:
+        raise RuntimeError(f"the {what} exited ({process.wait()}) before it was ready")
+    return line
+
+
+def measure(pings: bool, connections: int, seconds: float, tls_dir: Path) -> dict[str, Any]:
+    """One arm: the server's cores over `seconds` with `connections` idle streams."""
+    port = 20000 + (os.getpid() * 7 + int(pings)) % 30000
+    server = child("--serve", str(port), "on" if pings else "off", str(tls_dir))
+    processes = [server]
+    try:
+        first_line(server, "server")
+        shares = [connections // CLIENT_PROCESSES] * CLIENT_PROCESSES
+        shares[0] += connections - sum(shares)
+        clients = [child("--connect", str(port), str(n), str(tls_dir)) for n in shares if n]
+        processes += clients
+        opened = sum(int(first_line(c, "client").split()[1]) for c in clients)
+        time.sleep(SETTLE_S)
+        before, started = cpu_seconds(server.pid), time.monotonic()
+        time.sleep(seconds)
+        used, took = cpu_seconds(server.pid) - before, time.monotonic() - started
+        return {"pings": pings, "connections": opened, "server_cores": round(used / took, 4)}
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def make_certificates(tls_dir: Path) -> None:
+    ca, ca_key = make_ca("bench.ping_cost CA")
+    cert, key = issue(ca, ca_key, "127.0.0.1", ["localhost"], ["127.0.0.1"])
+    (tls_dir / "ca.pem").write_bytes(ca)
+    (tls_dir / "server.pem").write_bytes(cert)
+    (tls_dir / "server-key.pem").write_bytes(key)
+    (tls_dir / "server-key.pem").chmod(0o600)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.ping_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="200 connections over 3 s")
+    parser.add_argument("--connections", type=int, help="idle connections (2000; 200 quick)")
+    parser.add_argument("--seconds", type=float, help="CPU counted over (20; 3 quick)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument(
+        "--serve", nargs=3, metavar=("PORT", "PINGS", "TLS_DIR"), help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--connect", nargs=3, metavar=("PORT", "N", "TLS_DIR"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.serve:
+        port, pings, tls_dir = args.serve
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(int(port), pings == "on", Path(tls_dir)))
+        return 0
+    if args.connect:
+        port, count, tls_dir = args.connect
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(connect(int(port), int(count), Path(tls_dir)))
+        return 0
+    connections = args.connections or (200 if args.quick else 2000)
+    seconds = args.seconds or (3.0 if args.quick else 20.0)
+    if not (1 <= connections <= 20_000 and 0 < seconds <= 600):
+        parser.error("--connections 1..20000, --seconds 0..600")
+    interval = keepalive_interval_s()
+    with tempfile.TemporaryDirectory(prefix="bench-ping-cost-") as tmp:
+        make_certificates(Path(tmp))
+        runs = [
+            measure(pings, connections, seconds, Path(tmp))
+            for _ in range(2)
+            for pings in (False, True)
+        ]
+    none = [r["server_cores"] for r in runs if not r["pings"]]
+    pinged = [r["server_cores"] for r in runs if r["pings"]]
+    pings_per_s = connections / interval
+    per_ping_us = [
+        round((p - n) / pings_per_s * 1e6, 1) for n, p in zip(none, pinged, strict=True)
+    ]
+    result = {
+        "connections": connections,
+        "seconds": seconds,
+        "ping_interval_s": interval,
+        "pings_per_s": pings_per_s,
+        "runs": runs,
+        "per_ping_us": per_ping_us,
+    }
+    print(
+        f"{connections} idle TLS connections, one open stream each, a grpc.aio server "
+        f"(the node port's settings): its CPU over {seconds:g} s without pings "
+        f"{', '.join(f'{c:.3f}' for c in none)} cores; with a ping every {interval:g} s on "
+        f"each ({pings_per_s:.0f} pings/s) {', '.join(f'{c:.3f}' for c in pinged)} cores: "
+        f"{', '.join(f'{u:g}' for u in per_ping_us)} µs of gRPC core's CPU per ping"
+    )
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    short = [r for r in runs if r["connections"] != connections]
+    return 1 if short else 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
+    sys.exit(130)
