@@ -5,6 +5,7 @@ daemons and process replicas of a real ONNX model; clients through the SDK
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -40,16 +41,23 @@ CLIENTS = ("alice", "bob", "carol")
 """alice owns the service; bob may use it; carol may not."""
 
 
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+@contextlib.asynccontextmanager
+async def started_cluster(tmp_path: Path, *broker_flags: str) -> AsyncIterator[Cluster]:
+    """A broker (with `broker_flags`) and three nodes, the clients' keys; stopped after."""
     cluster = Cluster(tmp_path)
     cluster.api_keys = {c: f"{c}.secret-key-of-{c}-0123456789" for c in CLIENTS}
     try:
-        await cluster.start_broker()
+        await cluster.start_broker(*broker_flags)
         await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES))
         yield cluster
     finally:
         await cluster.stop()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async with started_cluster(tmp_path) as cluster:
+        yield cluster
 
 
 def _reference(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -433,62 +441,56 @@ async def test_a_move_starts_a_replica_where_none_is_in_reach_and_the_idle_one_s
     """A 5 ms SLO and sites 10 ms apart: bob's move to site-b starts a replica there
     (make-before-break: he keeps site-a's meanwhile, no call fails), and site-a's, with no
     client left, stops after --service-idle-grace."""
-    cluster = Cluster(tmp_path)
-    cluster.api_keys = {c: f"{c}.secret-key-of-{c}-0123456789" for c in CLIENTS}
     inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
-    try:
-        await cluster.start_broker("--service-idle-grace", "1")
-        await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES))
-        async with (
-            OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
-            OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
-        ):
-            sha = await alice.upload_model(modelzoo.model_path("mlp"))
-            await alice.create_service("near", sha, "mlp", clients=["bob"], latency_slo_ms=5)
-            first = await bob.use_service("near", site="site-a")
-            assert first.node_id == "node-a"
-            answered, stop = 0, asyncio.Event()
+    async with (
+        started_cluster(tmp_path, "--service-idle-grace", "1") as cluster,
+        OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
+    ):
+        sha = await alice.upload_model(modelzoo.model_path("mlp"))
+        await alice.create_service("near", sha, "mlp", clients=["bob"], latency_slo_ms=5)
+        first = await bob.use_service("near", site="site-a")
+        assert first.node_id == "node-a"
+        answered, stop = 0, asyncio.Event()
 
-            async def closed_loop() -> None:
-                nonlocal answered
-                while not stop.is_set():
-                    await bob.infer(inputs)  # a failure raises, failing the test
-                    answered += 1
+        async def closed_loop() -> None:
+            nonlocal answered
+            while not stop.is_set():
+                await bob.infer(inputs)  # a failure raises, failing the test
+                answered += 1
 
-            loop = asyncio.create_task(closed_loop())
-            try:
-                await until_answered(lambda: answered, 10)
-                await bob.report_location("site-b")
-                service = await alice.get_service("near")
-                started = next(r.deployment_id for r in service.replicas if r.site == "site-b")
-                await until_on(bob, started)
-                before = answered
-                await until_answered(lambda: answered, before + 10)
-            finally:
-                stop.set()
-                await loop
-            deadline = asyncio.get_running_loop().time() + 60
-            while len((service := await alice.get_service("near")).replicas) > 1:
-                assert asyncio.get_running_loop().time() < deadline, service
-                await asyncio.sleep(0.2)
-            assert [r.deployment_id for r in service.replicas] == [started]
-            # Every scale decision explained, in order: the first replica (bob's attach),
-            # site-b's (his move, beyond the SLO), site-a's stopped once idle.
-            decisions = [(e.action, e.deployment_id, e.site) for e in service.events]
-            assert decisions == [
-                ("start", first.deployment_id, "site-a"),
-                ("start", started, "site-b"),
-                ("stop", first.deployment_id, "site-a"),
-            ], service.events
-            reasons = [e.reason for e in service.events]
-            assert "a client at site-a needs a replica: none runs yet" in reasons[0]
-            assert "none within 5 ms of site-b" in reasons[1]
-            assert "no client on it for" in reasons[2] and "--service-idle-grace" in reasons[2]
-            current = bob.deployment
-            assert current is not None and current.node_id == "node-b"
-            await bob.infer(inputs)
-    finally:
-        await cluster.stop()
+        loop = asyncio.create_task(closed_loop())
+        try:
+            await until_answered(lambda: answered, 10)
+            await bob.report_location("site-b")
+            service = await alice.get_service("near")
+            started = next(r.deployment_id for r in service.replicas if r.site == "site-b")
+            await until_on(bob, started)
+            before = answered
+            await until_answered(lambda: answered, before + 10)
+        finally:
+            stop.set()
+            await loop
+        deadline = asyncio.get_running_loop().time() + 60
+        while len((service := await alice.get_service("near")).replicas) > 1:
+            assert asyncio.get_running_loop().time() < deadline, service
+            await asyncio.sleep(0.2)
+        assert [r.deployment_id for r in service.replicas] == [started]
+        # Every scale decision explained, in order: the first replica (bob's attach),
+        # site-b's (his move, beyond the SLO), site-a's stopped once idle.
+        decisions = [(e.action, e.deployment_id, e.site) for e in service.events]
+        assert decisions == [
+            ("start", first.deployment_id, "site-a"),
+            ("start", started, "site-b"),
+            ("stop", first.deployment_id, "site-a"),
+        ], service.events
+        reasons = [e.reason for e in service.events]
+        assert "a client at site-a needs a replica: none runs yet" in reasons[0]
+        assert "none within 5 ms of site-b" in reasons[1]
+        assert "no client on it for" in reasons[2] and "--service-idle-grace" in reasons[2]
+        current = bob.deployment
+        assert current is not None and current.node_id == "node-b"
+        await bob.infer(inputs)
 
 
 async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients(
@@ -498,65 +500,57 @@ async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients
     is 0.1 ms), so the replica two clients call in loops is over it in every sample: after
     the 5 s it must be sustained, a second replica starts at its site, one of the two
     clients is switched to it with no failed call, and the decision is explained."""
-    cluster = Cluster(tmp_path)
-    cluster.api_keys = {c: f"{c}.secret-key-of-{c}-0123456789" for c in CLIENTS}
     inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
-    try:
-        await cluster.start_broker("--service-queue-target-ms", "0.01")
-        await asyncio.gather(*(cluster.start_node(plan) for plan in THREE_NODES))
-        async with (
-            OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
-            OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
-        ):
-            sha = await alice.upload_model(modelzoo.model_path("mlp"))
-            await alice.create_service("busy", sha, "mlp", clients=["bob"], max_replicas=2)
-            first = await alice.use_service("busy", site="site-a")
-            assert (await bob.use_service("busy", site="site-a")).deployment_id == (
-                first.deployment_id
+    async with (
+        started_cluster(tmp_path, "--service-queue-target-ms", "0.01") as cluster,
+        OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
+    ):
+        sha = await alice.upload_model(modelzoo.model_path("mlp"))
+        await alice.create_service("busy", sha, "mlp", clients=["bob"], max_replicas=2)
+        first = await alice.use_service("busy", site="site-a")
+        assert (await bob.use_service("busy", site="site-a")).deployment_id == (
+            first.deployment_id
+        )
+        answered = {"alice": 0, "bob": 0}
+        stop = asyncio.Event()
+
+        async def closed_loop(name: str, client: OffloadClient) -> None:
+            while not stop.is_set():
+                await client.infer(inputs)  # a failure raises, failing the test
+                answered[name] += 1
+
+        loops = [
+            asyncio.create_task(closed_loop("alice", alice)),
+            asyncio.create_task(closed_loop("bob", bob)),
+        ]
+        try:
+            deadline = asyncio.get_running_loop().time() + 90
+            while len((service := await alice.get_service("busy")).replicas) < 2:
+                assert asyncio.get_running_loop().time() < deadline, service
+                await asyncio.sleep(0.2)
+            second = next(
+                r.deployment_id for r in service.replicas if r.deployment_id != first.deployment_id
             )
-            answered = {"alice": 0, "bob": 0}
-            stop = asyncio.Event()
-
-            async def closed_loop(name: str, client: OffloadClient) -> None:
-                while not stop.is_set():
-                    await client.infer(inputs)  # a failure raises, failing the test
-                    answered[name] += 1
-
-            loops = [
-                asyncio.create_task(closed_loop("alice", alice)),
-                asyncio.create_task(closed_loop("bob", bob)),
-            ]
-            try:
-                deadline = asyncio.get_running_loop().time() + 90
-                while len((service := await alice.get_service("busy")).replicas) < 2:
-                    assert asyncio.get_running_loop().time() < deadline, service
-                    await asyncio.sleep(0.2)
-                second = next(
-                    r.deployment_id
-                    for r in service.replicas
-                    if r.deployment_id != first.deployment_id
-                )
-                # bob attached last: he is the half that moves.
-                await until_on(bob, second)
-                before = dict(answered)
-                await until_answered(lambda: answered["bob"], before["bob"] + 10)
-                await until_answered(lambda: answered["alice"], before["alice"] + 10)
-            finally:
-                stop.set()
-                await asyncio.gather(*loops)
-            current = alice.deployment
-            assert current is not None and current.deployment_id == first.deployment_id
-            service = await alice.get_service("busy")
-            assert sorted(r.clients for r in service.replicas) == [1, 1]
-            assert all(r.site == "site-a" for r in service.replicas)
-            scale = service.events[-1]
-            assert (scale.action, scale.deployment_id, scale.site) == ("start", second, "site-a")
-            assert f"replica {first.deployment_id}" in scale.reason, scale.reason
-            assert "past the 0.01 ms target" in scale.reason and "2 clients" in scale.reason
-            # At max_replicas 2 no third one starts, however busy they stay.
-            assert len(service.replicas) == 2
-    finally:
-        await cluster.stop()
+            # bob attached last: he is the half that moves.
+            await until_on(bob, second)
+            before = dict(answered)
+            await until_answered(lambda: answered["bob"], before["bob"] + 10)
+            await until_answered(lambda: answered["alice"], before["alice"] + 10)
+        finally:
+            stop.set()
+            await asyncio.gather(*loops)
+        current = alice.deployment
+        assert current is not None and current.deployment_id == first.deployment_id
+        service = await alice.get_service("busy")
+        assert sorted(r.clients for r in service.replicas) == [1, 1]
+        assert all(r.site == "site-a" for r in service.replicas)
+        scale = service.events[-1]
+        assert (scale.action, scale.deployment_id, scale.site) == ("start", second, "site-a")
+        assert f"replica {first.deployment_id}" in scale.reason, scale.reason
+        assert "past the 0.01 ms target" in scale.reason and "2 clients" in scale.reason
+        # At max_replicas 2 no third one starts, however busy they stay.
+        assert len(service.replicas) == 2
 
 
 async def test_a_flooding_client_is_paced_then_refused_and_the_quiet_one_is_not(
