@@ -205,8 +205,14 @@ class Services:
             if time.monotonic() < self._cooldown_until.get(record.name, 0.0):
                 continue
             spec = ServiceSpec.from_json(record.spec_json)
-            async with self._lock(record.name):
-                new = await self._scale_service(record, spec)
+            try:
+                async with self._lock(record.name):
+                    new = await self._scale_service(record, spec)
+            except BrokerError as err:  # judged again after the cooldown; others go on
+                logger.warning(
+                    "service=%s: no replica started beside a busy one: %s", record.name, err
+                )
+                continue
             if new is not None:
                 started.append(new)
         return started

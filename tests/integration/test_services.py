@@ -553,6 +553,46 @@ async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients
         assert len(service.replicas) == 2
 
 
+async def test_a_scale_up_the_owner_has_no_room_for_is_logged_and_serving_goes_on(
+    tmp_path: Path,
+) -> None:
+    """As the queue-target test, but the owner may hold one deployment: the replica beside
+    the busy one is refused (its quota), the broker says so for that service alone (the
+    round goes on), and both clients keep being served by the one replica."""
+    inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
+    flags = ("--service-queue-target-ms", "0.01", "--max-deployments-per-client", "1")
+    async with (
+        started_cluster(tmp_path, *flags) as cluster,
+        OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
+        OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
+    ):
+        sha = await alice.upload_model(modelzoo.model_path("mlp"))
+        await alice.create_service("tight", sha, "mlp", clients=["bob"], max_replicas=2)
+        first = await alice.use_service("tight", site="site-a")
+        await bob.use_service("tight", site="site-a")
+        stop = asyncio.Event()
+
+        async def closed_loop(client: OffloadClient) -> None:
+            while not stop.is_set():
+                await client.infer(inputs)  # a failure raises, failing the test
+
+        loops = [asyncio.create_task(closed_loop(c)) for c in (alice, bob)]
+        try:
+            await wait_for_log(
+                cluster.broker_log,
+                re.escape("service=tight: no replica started beside a busy one:"),
+                timeout_s=90,
+            )
+        finally:
+            stop.set()
+            await asyncio.gather(*loops)
+        service = await alice.get_service("tight")
+        assert [r.deployment_id for r in service.replicas] == [first.deployment_id]
+        assert [r.clients for r in service.replicas] == [2]
+        for client in (alice, bob):
+            await client.infer(inputs)
+
+
 async def test_a_flooding_client_is_paced_then_refused_and_the_quiet_one_is_not(
     cluster: Cluster,
 ) -> None:
