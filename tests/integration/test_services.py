@@ -102,7 +102,7 @@ async def test_clients_of_a_service_share_one_replica_each_with_a_token_of_its_o
 
         mine = await alice.use_service("detector", site="site-a")
         theirs = await bob.use_service("detector", site="site-a", priority="critical")
-        # One replica for both: started for the first, shared by the second.
+        # One replica for both: started for the first, taken by the second too.
         assert mine.deployment_id == theirs.deployment_id
         assert (mine.endpoint, mine.node_id) == (theirs.endpoint, theirs.node_id)
         assert mine.node_id == "node-a"  # site-a's node: the nearest
@@ -249,7 +249,7 @@ async def test_a_client_key_cannot_read_another_clients_service_replica(
             await wrong.use_service("private", site="site-b")
 
 
-async def test_a_revoked_key_s_token_is_refused_by_the_shared_replica(cluster: Cluster) -> None:
+async def test_a_revoked_key_s_token_is_refused_by_the_replica(cluster: Cluster) -> None:
     """bob's API key removed (SIGHUP): the broker takes bob off the service's replica, which
     refuses his token from then on; alice, on the same replica, goes on."""
     keys = cluster.api_keys
