@@ -299,29 +299,39 @@ async def test_a_move_to_a_site_whose_replica_runs_is_a_switch_with_no_failed_re
         first = await bob.use_service("everywhere", site="site-a")
         assert (first.deployment_id, first.node_id) == (replicas["site-a"], "node-a")
 
-        answered, stop = 0, asyncio.Event()
-
-        async def closed_loop() -> None:
-            nonlocal answered
-            while not stop.is_set():
-                await bob.infer(inputs)  # a failure raises, failing the test
-                answered += 1
-
-        loop = asyncio.create_task(closed_loop())
-        try:
-            await until_answered(lambda: answered, 20)
+        async with calling(inputs, bob) as answered:
+            await until_answered(lambda: answered[0], 20)
             assert await bob.report_location("site-b") is None  # no migration: a switch
             await until_on(bob, replicas["site-b"])
-            before = answered
-            await until_answered(lambda: answered, before + 20)
-        finally:
-            stop.set()
-            await loop  # raises what a failed call raised
+            before = answered[0]
+            await until_answered(lambda: answered[0], before + 20)
         current = bob.deployment
         assert current is not None and current.node_id == "node-b"
         service = await alice.get_service("everywhere")
         assert len(service.replicas) == 3  # none started for the move
         assert {r.deployment_id: r.clients for r in service.replicas}[replicas["site-b"]] == 1
+
+
+@contextlib.asynccontextmanager
+async def calling(
+    inputs: dict[str, np.ndarray], *clients: OffloadClient
+) -> AsyncIterator[list[int]]:
+    """Each client calls in a closed loop until the block ends; yields the calls each has
+    had answered so far. A failed call raises at the block's end, failing the test."""
+    answered = [0] * len(clients)
+    stop = asyncio.Event()
+
+    async def closed_loop(index: int, client: OffloadClient) -> None:
+        while not stop.is_set():
+            await client.infer(inputs)
+            answered[index] += 1
+
+    loops = [asyncio.create_task(closed_loop(i, c)) for i, c in enumerate(clients)]
+    try:
+        yield answered
+    finally:
+        stop.set()
+        await asyncio.gather(*loops)
 
 
 async def until_answered(count: Callable[[], int], at_least: int) -> None:
@@ -451,26 +461,14 @@ async def test_a_move_starts_a_replica_where_none_is_in_reach_and_the_idle_one_s
         await alice.create_service("near", sha, "mlp", clients=["bob"], latency_slo_ms=5)
         first = await bob.use_service("near", site="site-a")
         assert first.node_id == "node-a"
-        answered, stop = 0, asyncio.Event()
-
-        async def closed_loop() -> None:
-            nonlocal answered
-            while not stop.is_set():
-                await bob.infer(inputs)  # a failure raises, failing the test
-                answered += 1
-
-        loop = asyncio.create_task(closed_loop())
-        try:
-            await until_answered(lambda: answered, 10)
+        async with calling(inputs, bob) as answered:
+            await until_answered(lambda: answered[0], 10)
             await bob.report_location("site-b")
             service = await alice.get_service("near")
             started = next(r.deployment_id for r in service.replicas if r.site == "site-b")
             await until_on(bob, started)
-            before = answered
-            await until_answered(lambda: answered, before + 10)
-        finally:
-            stop.set()
-            await loop
+            before = answered[0]
+            await until_answered(lambda: answered[0], before + 10)
         deadline = asyncio.get_running_loop().time() + 60
         while len((service := await alice.get_service("near")).replicas) > 1:
             assert asyncio.get_running_loop().time() < deadline, service
@@ -512,19 +510,7 @@ async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients
         assert (await bob.use_service("busy", site="site-a")).deployment_id == (
             first.deployment_id
         )
-        answered = {"alice": 0, "bob": 0}
-        stop = asyncio.Event()
-
-        async def closed_loop(name: str, client: OffloadClient) -> None:
-            while not stop.is_set():
-                await client.infer(inputs)  # a failure raises, failing the test
-                answered[name] += 1
-
-        loops = [
-            asyncio.create_task(closed_loop("alice", alice)),
-            asyncio.create_task(closed_loop("bob", bob)),
-        ]
-        try:
+        async with calling(inputs, alice, bob) as answered:
             deadline = asyncio.get_running_loop().time() + 90
             while len((service := await alice.get_service("busy")).replicas) < 2:
                 assert asyncio.get_running_loop().time() < deadline, service
@@ -534,12 +520,9 @@ async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients
             )
             # bob attached last: he is the half that moves.
             await until_on(bob, second)
-            before = dict(answered)
-            await until_answered(lambda: answered["bob"], before["bob"] + 10)
-            await until_answered(lambda: answered["alice"], before["alice"] + 10)
-        finally:
-            stop.set()
-            await asyncio.gather(*loops)
+            before = list(answered)
+            await until_answered(lambda: answered[1], before[1] + 10)  # bob's
+            await until_answered(lambda: answered[0], before[0] + 10)  # alice's
         current = alice.deployment
         assert current is not None and current.deployment_id == first.deployment_id
         service = await alice.get_service("busy")
@@ -570,22 +553,12 @@ async def test_a_scale_up_the_owner_has_no_room_for_is_logged_and_serving_goes_o
         await alice.create_service("tight", sha, "mlp", clients=["bob"], max_replicas=2)
         first = await alice.use_service("tight", site="site-a")
         await bob.use_service("tight", site="site-a")
-        stop = asyncio.Event()
-
-        async def closed_loop(client: OffloadClient) -> None:
-            while not stop.is_set():
-                await client.infer(inputs)  # a failure raises, failing the test
-
-        loops = [asyncio.create_task(closed_loop(c)) for c in (alice, bob)]
-        try:
+        async with calling(inputs, alice, bob):
             await wait_for_log(
                 cluster.broker_log,
                 re.escape("service=tight: no replica started beside a busy one:"),
                 timeout_s=90,
             )
-        finally:
-            stop.set()
-            await asyncio.gather(*loops)
         service = await alice.get_service("tight")
         assert [r.deployment_id for r in service.replicas] == [first.deployment_id]
         assert [r.clients for r in service.replicas] == [2]
