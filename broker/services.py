@@ -18,11 +18,15 @@ SHA-256 only. When a replica is placed again (its node lost) or moved, its new c
 given the same clients as soon as it runs.
 
 Replicas follow demand: one is started where a client needs one (above), and, every
-`SCALE_INTERVAL_S`, a running replica whose requests have waited past the queue target
-(`--service-queue-target-ms`, the queue-delay p99 its node reports) in every sample of the
-last `SCALE_SUSTAIN_S` gets another at its site, while the service runs fewer than
+`SCALE_INTERVAL_S`, a running replica over a load target in every sample of the last
+`SCALE_SUSTAIN_S` gets another at its site, while the service runs fewer than
 `max_replicas` and none is starting, with the most recently attached half of its clients
-switched to it (as a move's switch); then the service waits `SCALE_COOLDOWN_S`. A replica
+switched to it (as a move's switch); then the service waits `SCALE_COOLDOWN_S`. The targets
+(`over_targets`): the queue target (`--service-queue-target-ms`, against the queue-delay
+p99 its node reports) and, for a service with a latency SLO, the SLO, against the
+replica's own request-latency p99 (from a call's arrival at the replica to its answer: a
+client sees that plus its network latency, so past the SLO there is past it for every
+client of the replica); `--service-queue-target-ms 0` turns both off. A replica
 with no client for `--service-idle-grace` is stopped (beyond `min_replicas_per_site`). Each
 start and stop is recorded with its reason (`service_events`: `offload service show`).
 """
@@ -38,7 +42,7 @@ import secrets
 import statistics
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from broker.core import Core
@@ -66,6 +70,7 @@ from broker.state import (
     ServiceReplicaRecord,
     StateError,
 )
+from broker.telemetry import DeploymentPoint, RequestFigures
 from broker.uploads import Uploads
 from broker.values import SERVICE_NAME, PlacementUpdate, ServiceSpec
 from runtime.batching import PriorityClass as ClientClass
@@ -101,8 +106,8 @@ SCALE_INTERVAL_S = 2.0
 """How often replicas' load is judged and idle replicas looked for (at most; a quarter of
 the idle grace when that is shorter)."""
 SCALE_SUSTAIN_S = 5.0
-"""How long a replica must stay over its queue target, every sample of it, before another
-is started beside it: one slow batch is not demand."""
+"""How long a replica must stay over a load target, every sample of it, before another is
+started beside it: one slow batch is not demand."""
 SCALE_COOLDOWN_S = 30.0
 """After a scale-up, how long its service waits before judging its replicas' load again:
 the clients switched to the new replica, and the figures, settle first."""
@@ -111,6 +116,64 @@ EVENTS_SHOWN = 20
 SWITCH_DRAIN_S = 5.0
 """How long the replica a client was switched away from keeps taking its token: the calls
 it sent before it heard of the switch finish there."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTarget:
+    """A figure of a replica's requests that it should keep under a limit (`over_targets`)."""
+
+    figure: str
+    """The figure's name in a scale decision's reason ("queue delay", "latency")."""
+    limit_ms: float
+    name: str
+    """The target's name in the reason ("target", "latency SLO")."""
+    p99_ms: Callable[[RequestFigures], float | None]
+    """Reads the figure's p99 (ms) from a sample; None when the sample has none."""
+
+
+def queue_target(limit_ms: float) -> LoadTarget:
+    """The requests' wait for their batch (`--service-queue-target-ms`)."""
+    return LoadTarget("queue delay", limit_ms, "target", lambda f: f.queue_delay_p99_ms)
+
+
+def latency_target(slo_ms: float) -> LoadTarget:
+    """The replica's own request latency, arrival to answer (a service's latency SLO)."""
+    return LoadTarget("latency", slo_ms, "latency SLO", lambda f: f.latency_p99_ms)
+
+
+def over_targets(
+    points: Sequence[DeploymentPoint], targets: Sequence[LoadTarget], now: float
+) -> str | None:
+    """What a replica's samples (`points`, oldest first; `now` in Unix seconds) show it
+    over, for a scale decision's reason: each target that every sample of the last
+    `SCALE_SUSTAIN_S` was past, with the figure's range and by how much, then the samples
+    and their mean request rate; None when none was, or when the samples are fewer than two
+    or span less than half of that. A sample without the figure (no request finished, no
+    batch ran, the node could not read the replica's metrics) is not past its target."""
+    window = [p for p in points if p.at >= now - SCALE_SUSTAIN_S]
+    if len(window) < 2 or window[-1].at - window[0].at < SCALE_SUSTAIN_S / 2:
+        return None
+    sampled = [p.replica.requests for p in window if p.replica.requests is not None]
+    if len(sampled) < len(window):
+        return None
+    passed: list[str] = []
+    for target in targets:
+        values = [target.p99_ms(f) for f in sampled]
+        past = [v for v in values if v is not None and v > target.limit_ms]
+        if len(past) < len(values):
+            continue
+        passed.append(
+            f"its requests' {target.figure} p99 {min(past):g}-{max(past):g} ms, past the "
+            f"{target.limit_ms:g} ms {target.name} by at least "
+            f"{min(past) - target.limit_ms:g} ms"
+        )
+    if not passed:
+        return None
+    return (
+        f"{'; and '.join(passed)}; in all {len(window)} samples over "
+        f"{window[-1].at - window[0].at:.1f} s, at "
+        f"{statistics.fmean(f.rate_per_s for f in sampled):.0f} req/s"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +259,8 @@ class Services:
                 logger.warning("services: judging the replicas' load failed: %s", err)
 
     async def scale(self) -> list[str]:
-        """Start a replica beside each one over its queue target (see the module
-        docstring), one per service at a time; the deployment ids started."""
+        """Start a replica beside each one over a load target (see the module docstring),
+        one per service at a time; the deployment ids started."""
         if not self._queue_target_ms:
             return []
         started: list[str] = []
@@ -218,7 +281,7 @@ class Services:
         return started
 
     async def _scale_service(self, record: ServiceRecord, spec: ServiceSpec) -> str | None:
-        """One scale-up for the service if a replica of it is over its queue target; the
+        """One scale-up for the service if a replica of it is over a load target; the
         deployment id started. Under the service's lock."""
         store = self._core.store
         if await self._core.db(store.get_service, record.name) is None:
@@ -235,7 +298,7 @@ class Services:
             on = [c for c in clients if c.deployment_id == row.deployment_id]
             if busy is None or busy.state is not DeploymentState.RUNNING or len(on) < 2:
                 continue  # a single client cannot be split between replicas
-            why = self._over_target(busy, len(on))
+            why = self._over_target(busy, len(on), spec)
             if why is None:
                 continue
             self._cooldown_until[record.name] = time.monotonic() + SCALE_COOLDOWN_S
@@ -261,34 +324,26 @@ class Services:
             return new.deployment_id
         return None
 
-    def _over_target(self, replica: DeploymentRecord, clients: int) -> str | None:
-        """Why `replica` needs another beside it (every sample of the last
-        `SCALE_SUSTAIN_S` on its node over the queue target, the samples spanning at least
-        half of that), or None."""
-        now = time.time()
+    def _over_target(
+        self, replica: DeploymentRecord, clients: int, spec: ServiceSpec
+    ) -> str | None:
+        """Why `replica` needs another beside it (`over_targets` on its samples from its
+        node now: the queue target, and the service's latency SLO when it has one), or
+        None."""
+        targets = [queue_target(self._queue_target_ms)]
+        if spec.latency_slo_ms:
+            targets.append(latency_target(spec.latency_slo_ms))
         points = [
             p
             for p in self._registry.load_history.deployment_points(replica.deployment_id)
-            if p.node_id == replica.node_id and p.at >= now - SCALE_SUSTAIN_S
+            if p.node_id == replica.node_id
         ]
-        if len(points) < 2 or points[-1].at - points[0].at < SCALE_SUSTAIN_S / 2:
+        over = over_targets(points, targets, time.time())
+        if over is None:
             return None
-        delays: list[float] = []
-        rates: list[float] = []
-        for point in points:
-            figures = point.replica.requests
-            if figures is None or figures.queue_delay_p99_ms is None:
-                return None
-            if figures.queue_delay_p99_ms <= self._queue_target_ms:
-                return None
-            delays.append(figures.queue_delay_p99_ms)
-            rates.append(figures.rate_per_s)
         return (
-            f"replica {replica.deployment_id} on node {replica.node_id} over its load: its "
-            f"requests' queue delay p99 {min(delays):g}-{max(delays):g} ms, past the "
-            f"{self._queue_target_ms:g} ms target in all {len(points)} samples over "
-            f"{points[-1].at - points[0].at:.1f} s ({statistics.fmean(rates):.0f} req/s from "
-            f"{clients} clients); half of them move to the new one"
+            f"replica {replica.deployment_id} on node {replica.node_id} over its load: "
+            f"{over} from {clients} clients; half of them move to the new one"
         )
 
     async def sweep(self) -> list[str]:

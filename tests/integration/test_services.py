@@ -35,16 +35,19 @@ from edge_client.rpc.tensors import infer_request
 from protos.inference import grpc_service_pb2_grpc as infer_grpc
 from protos.offload.v1 import broker_pb2 as pb
 from runtime.tls import open_channel
-from tests.cluster_support import THREE_NODES, Cluster, EdgeClient, wait_for_log
+from tests.cluster_support import CLUSTER_YAML, THREE_NODES, Cluster, EdgeClient, wait_for_log
 
 CLIENTS = ("alice", "bob", "carol")
 """alice owns the service; bob may use it; carol may not."""
 
 
 @contextlib.asynccontextmanager
-async def started_cluster(tmp_path: Path, *broker_flags: str) -> AsyncIterator[Cluster]:
-    """A broker (with `broker_flags`) and three nodes, the clients' keys; stopped after."""
-    cluster = Cluster(tmp_path)
+async def started_cluster(
+    tmp_path: Path, *broker_flags: str, cluster_yaml: str = CLUSTER_YAML
+) -> AsyncIterator[Cluster]:
+    """A broker (with `broker_flags` and the cluster file `cluster_yaml`) and three nodes,
+    the clients' keys; stopped after."""
+    cluster = Cluster(tmp_path, cluster_yaml=cluster_yaml)
     cluster.api_keys = {c: f"{c}.secret-key-of-{c}-0123456789" for c in CLIENTS}
     try:
         await cluster.start_broker(*broker_flags)
@@ -491,28 +494,28 @@ async def test_a_move_starts_a_replica_where_none_is_in_reach_and_the_idle_one_s
         await bob.infer(inputs)
 
 
-async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients(
-    tmp_path: Path,
-) -> None:
-    """A queue target below any queue delay (0.01 ms: the runtime's smallest histogram bucket
-    is 0.1 ms), so the replica two clients call in loops is over it in every sample: after
-    the 5 s it must be sustained, a second replica starts at its site, one of the two
-    clients is switched to it with no failed call, and the decision is explained."""
+async def scaled_beside_a_busy_replica(
+    cluster: Cluster, name: str, latency_slo_ms: float = 0.0
+) -> pb.ServiceEvent:
+    """alice creates service `name` (max_replicas 2), she and bob attach at site-a and call
+    its replica in closed loops until the broker starts a second beside it. Checks that the
+    second runs at site-a, bob (attached last: the half that moves) is switched to it and
+    alice stays, both keep being answered (no call fails), and no third starts, and that
+    the scale-up's event names the busy replica and its clients. That event."""
     inputs = modelzoo.sample_inputs(modelzoo.model_path("mlp"))
     async with (
-        started_cluster(tmp_path, "--service-queue-target-ms", "0.01") as cluster,
         OffloadClient(cluster.broker_address, cluster.api_keys["alice"]) as alice,
         OffloadClient(cluster.broker_address, cluster.api_keys["bob"]) as bob,
     ):
         sha = await alice.upload_model(modelzoo.model_path("mlp"))
-        await alice.create_service("busy", sha, "mlp", clients=["bob"], max_replicas=2)
-        first = await alice.use_service("busy", site="site-a")
-        assert (await bob.use_service("busy", site="site-a")).deployment_id == (
-            first.deployment_id
+        await alice.create_service(
+            name, sha, "mlp", clients=["bob"], max_replicas=2, latency_slo_ms=latency_slo_ms
         )
+        first = await alice.use_service(name, site="site-a")
+        assert (await bob.use_service(name, site="site-a")).deployment_id == first.deployment_id
         async with calling(inputs, alice, bob) as answered:
             deadline = asyncio.get_running_loop().time() + 90
-            while len((service := await alice.get_service("busy")).replicas) < 2:
+            while len((service := await alice.get_service(name)).replicas) < 2:
                 assert asyncio.get_running_loop().time() < deadline, service
                 await asyncio.sleep(0.2)
             second = next(
@@ -525,15 +528,52 @@ async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients
             await until_answered(lambda: answered[0], before[0] + 10)  # alice's
         current = alice.deployment
         assert current is not None and current.deployment_id == first.deployment_id
-        service = await alice.get_service("busy")
+        service = await alice.get_service(name)
         assert sorted(r.clients for r in service.replicas) == [1, 1]
         assert all(r.site == "site-a" for r in service.replicas)
         scale = service.events[-1]
         assert (scale.action, scale.deployment_id, scale.site) == ("start", second, "site-a")
         assert f"replica {first.deployment_id}" in scale.reason, scale.reason
-        assert "past the 0.01 ms target" in scale.reason and "2 clients" in scale.reason
+        assert "2 clients" in scale.reason, scale.reason
         # At max_replicas 2 no third one starts, however busy they stay.
         assert len(service.replicas) == 2
+        return scale
+
+
+async def test_a_replica_over_its_queue_target_gets_another_and_half_its_clients(
+    tmp_path: Path,
+) -> None:
+    """A queue target below any queue delay (0.01 ms: the runtime's smallest histogram bucket
+    is 0.1 ms), so the replica two clients call in loops is over it in every sample: after
+    the 5 s it must be sustained, a second replica starts at its site, one of the two
+    clients is switched to it with no failed call, and the decision is explained."""
+    async with started_cluster(tmp_path, "--service-queue-target-ms", "0.01") as cluster:
+        scale = await scaled_beside_a_busy_replica(cluster, "busy")
+    assert "queue delay p99" in scale.reason, scale.reason
+    assert "past the 0.01 ms target by at least" in scale.reason, scale.reason
+    assert "latency" not in scale.reason, scale.reason  # the service has no SLO
+
+
+ZERO_ACCESS_CLUSTER = CLUSTER_YAML + "nodes:\n  node-a: {site: site-a, latency_ms: 0}\n"
+"""The demo's cluster with node-a 0 ms from its site: a replica there is within any latency
+SLO of site-a's clients."""
+
+
+async def test_a_replica_past_its_services_latency_slo_gets_another_and_half_its_clients(
+    tmp_path: Path,
+) -> None:
+    """A latency SLO below any request's latency (0.01 ms: the runtime's smallest latency
+    bucket is 0.1 ms) and the queue target out of reach (60 s: past the largest bucket), so
+    only the SLO can make the replica two clients call in loops over its load: a second
+    replica starts beside it, as for the queue target, and the decision names the SLO and
+    by how much its latency passed it. node-a is 0 ms from site-a (its replica within the
+    SLO's reach: otherwise bob's attach would start the second)."""
+    flags = ("--service-queue-target-ms", "60000")
+    async with started_cluster(tmp_path, *flags, cluster_yaml=ZERO_ACCESS_CLUSTER) as cluster:
+        scale = await scaled_beside_a_busy_replica(cluster, "slow", latency_slo_ms=0.01)
+    assert "latency p99" in scale.reason, scale.reason
+    assert "past the 0.01 ms latency SLO by at least" in scale.reason, scale.reason
+    assert "queue delay" not in scale.reason, scale.reason
 
 
 async def test_a_scale_up_the_owner_has_no_room_for_is_logged_and_serving_goes_on(
