@@ -16,7 +16,9 @@ ResNet-18 replicas empty this machine's page cache for whatever runs next):
   puts itself on it at site-a (`use_service`: the first starts the replica, the others are
   put on that one replica for many) and calls it once;
   for both: replicas started, the replicas' memory (the RSS of their processes, summed: what
-  the nodes hold for them; the libraries' pages count once in each process), each client's
+  the nodes hold for them; the libraries' pages count once in each process; and the GPU
+  memory NVML says those processes use, summed over the GPUs, "n/a (no NVML)" on a machine
+  without NVML), each client's
   time from its Deploy or UseService to its first answer (and, for the service, the
   UseService call alone: the attach), then --loop-clients of them in closed loops for
   --seconds: requests/s, p50/p99, failed;
@@ -77,11 +79,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pynvml
 
 import modelzoo
 from bench.node_failure import replica_pids
@@ -121,11 +124,46 @@ def available_mib() -> float:
     return float("inf")
 
 
-def replicas_memory(cluster: LocalCluster) -> tuple[int, float]:
-    """The replica processes the nodes run, and their RSS summed (MiB)."""
+def gpu_processes() -> list[tuple[int, int | None]] | None:
+    """Every compute process on every GPU, as NVML lists it now: (pid, the GPU memory it
+    uses in bytes, None where NVML cannot tell); None without NVML (no NVIDIA driver here,
+    or it failed). Initializes NVML and shuts it down again: call it between measurements.
+    NVML gives pids as the host sees them: in a container without the host's pid namespace
+    they are not the replicas' pids."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        processes: list[tuple[int, int | None]] = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            processes += [
+                (p.pid, p.usedGpuMemory)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            ]
+        return processes
+    except pynvml.NVMLError:
+        return None
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def gpu_mib(processes: Iterable[tuple[int, int | None]], pids: Collection[int]) -> float:
+    """The GPU memory (MiB) that `processes` (`gpu_processes`) say the processes `pids` use,
+    summed over the GPUs; one without a figure counts 0."""
+    return round(sum(used or 0 for pid, used in processes if pid in pids) / 2**20, 1)
+
+
+def replicas_memory(cluster: LocalCluster) -> tuple[int, float, float | None]:
+    """The replica processes the nodes run, their RSS summed (MiB), and the GPU memory they
+    use (MiB; None without NVML)."""
     pids = [pid for node in NODES for pid in replica_pids(cluster, node)]
     alive = [pid for pid in pids if rss_mib(pid) > 0]
-    return len(alive), round(sum(rss_mib(pid) for pid in alive), 1)
+    processes = gpu_processes()
+    gpu = None if processes is None else gpu_mib(processes, set(alive))
+    return len(alive), round(sum(rss_mib(pid) for pid in alive), 1), gpu
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -197,7 +235,7 @@ async def arm(
                 await client.deploy(sha, model_name, site="site-a")
             await client.infer(inputs)
             first_answer.append((time.perf_counter() - started) * 1000)
-        replicas, memory = replicas_memory(cluster)
+        replicas, memory, gpu_memory = replicas_memory(cluster)
         loop = await closed_loops(clients[:loop_clients], inputs, seconds)
         nodes = {c.deployment.node_id for c in clients if c.deployment is not None}
         return {
@@ -208,6 +246,7 @@ async def arm(
             "replicas": replicas,
             "nodes_serving": sorted(nodes),
             "replicas_rss_mib": memory,
+            "replicas_gpu_mib": gpu_memory,
             "first_answer_ms_p50": percentile(first_answer, 50),
             "first_answer_ms_p99": percentile(first_answer, 99),
             "first_answer_ms_max": round(max(first_answer, default=0.0), 1),
@@ -571,11 +610,18 @@ async def priority(
         await cluster.stop()
 
 
+def shown(value: object) -> str:
+    """A figure in the report's table; None is a figure this machine cannot read (only the
+    GPU memory, without NVML)."""
+    return "n/a (no NVML)" if value is None else str(value)
+
+
 def report(results: list[dict[str, Any]]) -> None:
     rows = (
         ("clients", "clients"),
         ("replicas started", "replicas"),
         ("replicas' RSS (MiB)", "replicas_rss_mib"),
+        ("replicas' GPU memory (MiB)", "replicas_gpu_mib"),
         ("first answer p50 (ms)", "first_answer_ms_p50"),
         ("first answer p99 (ms)", "first_answer_ms_p99"),
         ("clients in loops", "loop_clients"),
@@ -588,11 +634,11 @@ def report(results: list[dict[str, Any]]) -> None:
         private = next(r for r in results if r["arm"] == "private" and r["model"] == model)
         service = next(r for r in results if r["arm"] == "service" and r["model"] == model)
         print(f"{model}: {service['clients']} clients of one model, on the demo's cluster:")
-        print(f"{'':<28}{'private':>12}{'service':>12}{'service / private':>20}")
+        print(f"{'':<28}{'private':>15}{'service':>15}{'service / private':>20}")
         for label, key in rows:
             a, b = private[key], service[key]
-            ratio = f"{b / a:.3f}" if isinstance(a, int | float) and a else "-"
-            print(f"{label:<28}{a!s:>12}{b!s:>12}{ratio:>20}")
+            ratio = f"{b / a:.3f}" if isinstance(a, int | float) and a and b is not None else "-"
+            print(f"{label:<28}{shown(a):>15}{shown(b):>15}{ratio:>20}")
         if private["clients"] < private["clients_asked"]:
             print(
                 f"the private {model} arm reached {private['clients']} clients, not "
