@@ -10,13 +10,16 @@ but stops renewing), or when its heartbeat stream broke (`stream_closed`) and it
 another, or renew, within `stream_grace_s` (a daemon killed, its host gone: noticed at the
 next check, not a whole lease later).
 
-With nodes on a port of their own (`--node-listen`), the broker's gRPC core pings each node's
-connection (HTTP/2 keepalive, `broker.server.NODE_KEEPALIVE`): a paused daemon, a dead host or
-a cut link no longer answers, and its stream breaks within seconds without a message of ours.
-There a node with its stream open has the long lease `node_lease_s` (`--node-lease`), which
-only a daemon whose process answers pings while its event loop hangs runs out, and renews it
-that much more rarely: liveness costs the broker a message per node every few seconds
-instead of every two (issue 51).
+With nodes on a port of their own (`--node-listen`), a node that can sends liveness beacons
+(`broker.beacons`, UDP datagrams under a key its heartbeat stream was given, one each
+heartbeat interval from its event loop): while they come, they are its liveness (the lease
+`lost_after_s`, renewed by each), and its stream carries only a rare lease renewal and its
+usage samples, the long lease `node_lease_s` (`--node-lease`) apart. A daemon paused or hung
+stops beaconing and is lost after `lost_after_s`, one killed breaks its stream (the grace).
+A node whose beacons never arrive (UDP filtered) keeps the long lease, which the node port's
+rare HTTP/2 keepalive pings (`broker.server.NODE_KEEPALIVE`) back, and is logged. A node
+that cannot beacon (an older daemon) renews every `lost_after_s / LEASE_RENEWALS` as on the
+clients' port. Liveness costs the broker about 8 µs per node per second (issue 51).
 
 A change placement must see (a node registered, lost, back, drained, its load) is told to
 `on_change(node_id, load_only)`: the placement applier (`broker.applier`) marks the node's
@@ -34,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from broker.beacons import BeaconReceiver
 from broker.core import Core
 from broker.errors import (
     AlreadyExists,
@@ -67,6 +71,9 @@ RESIZES_LISTED = 500
 LEASE_RENEWALS = 2.5
 """Lease renewals a lease lasts (`NodeRegistry.renew_s`): one late renewal, or a node's event
 loop stalled a second or two, is not a lost node."""
+BEACONS_EXPECTED_S = 10.0
+"""How long after its stream was given a beacon key a node whose beacons have not come is
+logged (UDP to the node port filtered, most likely)."""
 STREAM_GRACE_S = 2.0
 """How long a node whose heartbeat stream broke has to open another or renew (at most
 `lost_after_s`): a node reopens a broken stream at once, and the lost-node check runs every
@@ -114,6 +121,13 @@ class NodeEntry:
     stream_broken_at: float | None = None
     """time.monotonic() when its heartbeat stream broke, while it has opened no other since;
     None otherwise (and for a node on unary heartbeats, whose lease alone counts)."""
+    beacon_id: bytes | None = None
+    """The beacon key its open stream was given (`broker.beacons`); None without one."""
+    beacon_issued_at: float = 0.0
+    """time.monotonic() when `beacon_id` was issued; 0 once its missing beacons were logged
+    (`BEACONS_EXPECTED_S`)."""
+    beaconing: bool = False
+    """Whether a beacon under `beacon_id` came: its beacons are its liveness."""
 
 
 def inventory_to_json(inventory: Inventory) -> str:
@@ -194,6 +208,10 @@ class NodeRegistry:
         self.loop_lag = LoopLag(window_s=lost_after_s)
         """How late this event loop has run lately (its monitor, `LoopLag.run`, is started
         with the lost-node check): a node gets that much more silence before it is lost."""
+        self.beacons: BeaconReceiver | None = None
+        """The beacons' socket (`use_beacons`); None: nodes renew on their streams."""
+        self.beacon_interval_s = 1.0
+        """How often nodes send a beacon (`use_beacons`)."""
 
     @property
     def nodes(self) -> Mapping[str, NodeEntry]:
@@ -292,6 +310,8 @@ class NodeRegistry:
         entry = NodeEntry(record, inventory, topology, client, time.monotonic())
         if previous is not None:  # its stream, if any, goes on (a stream outlives a record)
             entry.stream, entry.stream_broken_at = previous.stream, previous.stream_broken_at
+            entry.beacon_id, entry.beacon_issued_at = previous.beacon_id, previous.beacon_issued_at
+            entry.beaconing = previous.beaconing
         self._nodes[node_id] = entry
         self._on_change(node_id, False)
         return entry
@@ -344,11 +364,14 @@ class NodeRegistry:
             )
 
     def lease_s(self, entry: NodeEntry) -> float:
-        """How long the node may be silent: `node_lease_s` on a pinged port once it
-        heartbeats on a stream (a stream that broke since has `stream_grace_s` from its
-        break, however long ago the last rare renewal came), else `lost_after_s`."""
-        if self.node_lease_s is not None and (
-            entry.stream is not None or entry.stream_broken_at is not None
+        """How long the node may be silent: `node_lease_s` on the node port once its stream
+        was given a beacon key none of whose beacons came yet (or broke since: it has
+        `stream_grace_s` from the break, however long ago the last rare renewal came), else
+        `lost_after_s` (a beaconing node, and one that renews often)."""
+        if (
+            self.node_lease_s is not None
+            and not entry.beaconing
+            and (entry.beacon_id is not None or entry.stream_broken_at is not None)
         ):
             return self.node_lease_s
         return self.lost_after_s
@@ -389,10 +412,47 @@ class NodeRegistry:
         self._secrets.pop(node_id, None)
         logger.warning("node=%s retired: the next daemon to register this id binds it", node_id)
 
-    @property
-    def renew_s(self) -> float:
-        """How often nodes renew their lease (RegisterResponse's `lease_renew_ms`)."""
-        return (self.node_lease_s or self.lost_after_s) / LEASE_RENEWALS
+    def use_beacons(self, receiver: BeaconReceiver, interval_s: float) -> None:
+        """Take nodes' beacons from `receiver`, one each `interval_s` (only on the node port:
+        with `node_lease_s`)."""
+        if self.node_lease_s is None:
+            raise ValueError("beacons are for nodes on a port of their own (--node-listen)")
+        self.beacons, self.beacon_interval_s = receiver, interval_s
+
+    def renew_s(self, beacons: bool) -> float:
+        """How often a node renews its lease on its stream (RegisterResponse's
+        `lease_renew_ms`): rarely when it beacons to a broker that takes them, else often
+        enough for `lost_after_s`."""
+        if beacons and self.beacons is not None and self.node_lease_s is not None:
+            return self.node_lease_s / LEASE_RENEWALS
+        return self.lost_after_s / LEASE_RENEWALS
+
+    def issue_beacon(self, node_id: str, stream: object) -> tuple[bytes, bytes] | None:
+        """A beacon key (id, key) for `stream`, the node's open stream (withdrawing its
+        previous one); None without beacons or when `stream` is not the node's."""
+        entry = self._nodes.get(node_id)
+        if self.beacons is None or entry is None or entry.stream is not stream:
+            return None
+        self._withdraw(entry)
+        beacon_id, key = self.beacons.issue(node_id)
+        entry.beacon_id, entry.beacon_issued_at = beacon_id, time.monotonic()
+        return beacon_id, key
+
+    def _withdraw(self, entry: NodeEntry) -> None:
+        if entry.beacon_id is not None and self.beacons is not None:
+            self.beacons.withdraw(entry.beacon_id)
+        entry.beacon_id, entry.beaconing = None, False
+
+    def beaconed(self, node_id: str, beacon_id: bytes) -> None:
+        """A beacon under `beacon_id` came from `node_id` (`BeaconReceiver`): its lease is
+        renewed, and from now on its beacons are its liveness."""
+        entry = self._nodes.get(node_id)
+        if entry is None or entry.beacon_id != beacon_id:
+            return
+        if not entry.beaconing:
+            entry.beaconing = True
+            logger.debug("node=%s beacons", node_id)
+        self.renew(node_id)
 
     def renew(self, node_id: str) -> NodeEntry:
         """Renew the node's lease, at once (the liveness path never waits); a lost node is
@@ -415,6 +475,7 @@ class NodeRegistry:
         """The node heartbeats on `stream` now (any token the caller keeps for it)."""
         entry = self._nodes.get(node_id)
         if entry is not None:
+            self._withdraw(entry)
             entry.stream, entry.stream_broken_at = stream, None
 
     def stream_closed(self, node_id: str, stream: object) -> None:
@@ -423,6 +484,7 @@ class NodeRegistry:
         another or renew its lease. A stream the node has replaced already changes nothing."""
         entry = self._nodes.get(node_id)
         if entry is not None and entry.stream is stream:
+            self._withdraw(entry)
             entry.stream, entry.stream_broken_at = None, time.monotonic()
 
     async def stop_replica(
@@ -528,8 +590,10 @@ class NodeRegistry:
             silent = now - entry.last_heartbeat
             broken = None if entry.stream_broken_at is None else now - entry.stream_broken_at
             lease = self.lease_s(entry)
+            self._expect_beacons(node_id, entry, now)
             if silent > lease:
-                why, past = f"no heartbeat for {silent:.1f}s", silent - lease
+                heard = "beacon or heartbeat" if entry.beaconing else "heartbeat"
+                why, past = f"no {heard} for {silent:.1f}s", silent - lease
             elif broken is not None and broken > self.stream_grace_s:
                 why = (
                     f"no heartbeat for {silent:.1f}s, its heartbeat stream broke {broken:.1f}s ago"
@@ -557,3 +621,24 @@ class NodeRegistry:
         for node_id in lost:
             await self._core.db(self._core.store.set_node_state, node_id, NodeState.LOST)
         return lost
+
+    def _expect_beacons(self, node_id: str, entry: NodeEntry, now: float) -> None:
+        """Log, once per key, a node whose beacons have not come `BEACONS_EXPECTED_S` after its
+        stream was given a key: it keeps the long lease (`lease_s`)."""
+        issued = entry.beacon_issued_at
+        if (
+            self.beacons is None
+            or entry.beaconing
+            or not issued
+            or now - issued < BEACONS_EXPECTED_S
+        ):
+            return
+        entry.beacon_issued_at = 0.0
+        logger.warning(
+            "node=%s: no beacon came %gs after its stream was given a key (UDP to port %d "
+            "filtered?): its liveness is its lease, --node-lease %gs",
+            node_id,
+            BEACONS_EXPECTED_S,
+            self.beacons.port,
+            self.node_lease_s,
+        )

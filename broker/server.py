@@ -39,6 +39,7 @@ from pathlib import Path
 
 import grpc
 
+from broker.beacons import BeaconReceiver
 from broker.leadership import (
     DEFAULT_LEASE_TTL_S,
     LEASE_NAME,
@@ -91,24 +92,31 @@ is 1,000, which a cluster of more nodes than that reaches whenever the loop stal
 MIN_LEASE_TTL_S = 0.5
 MAX_LIVENESS_S = 3600.0
 DEFAULT_NODE_LEASE_S = 25.0
-NODE_KEEPALIVE = (
-    # The node port's liveness, in gRPC's core (no Python runs for it): a ping on a node's
-    # connection after 2 s without a frame from it, and the connection closed when one goes
-    # unanswered for 1 s (a paused daemon, a dead host, a cut link); the node's heartbeat
-    # stream ends with it. `grpc.http2.ping_timeout_ms` is the timer grpcio 1.85 applies
-    # (`grpc.keepalive_timeout_ms` alone left a paused node's stream open); pings go on
-    # however long the node sends no data (its lease renewals are rare). Every 2 s, not 1:
-    # each ping costs the broker about 100 µs of gRPC core's CPU here (2,000 nodes: 0.28
-    # cores at 1 s, 0.22 at 2 s; docs/BENCHMARKS.md), and the grace after a broken stream
-    # keeps a paused node's "lost" within the 5 s lease it replaces.
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 1000),
-    ("grpc.http2.ping_timeout_ms", 1000),
-    ("grpc.http2.max_pings_without_data", 0),
-)
-"""Server options of the broker's node port (`--node-listen`): why a node there needs only a
-rare lease renewal (`--node-lease`, `broker.nodes`). Not on the clients' port: a client
-uploading over a slow link could not answer a ping within a second behind its own data."""
+
+
+def keepalive(interval_ms: int, timeout_ms: int) -> tuple[tuple[str, int], ...]:
+    """Server options for HTTP/2 keepalive, in gRPC's core (no Python runs for it): a ping on
+    a connection after `interval_ms` without a frame from its peer, and the connection closed
+    when one goes unanswered for `timeout_ms`; the calls on it end with it.
+    `grpc.http2.ping_timeout_ms` is the timer grpcio 1.85 applies (`grpc.keepalive_timeout_ms`
+    alone left a paused peer's stream open); pings go on however long the peer sends no
+    data."""
+    return (
+        ("grpc.keepalive_time_ms", interval_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.http2.max_pings_without_data", 0),
+    )
+
+
+NODE_KEEPALIVE = keepalive(20_000, 5_000)
+"""Server options of the broker's node port (`--node-listen`). A node's liveness there is its
+beacons (`broker.beacons`), or its frequent renewals: these pings only close, within 25 s,
+the connection of a node that went without a word (a host gone, a link cut) and back the
+lease of one whose beacons never arrive (`NodeRegistry.lease_s`). Every 20 s, not 2: each
+ping costs gRPC's core about 130 µs of CPU here (2,000 nodes pinged every 2 s: 0.13 cores,
+`bench.ping_cost`). Not on the clients' port: a client uploading over a slow link could not
+answer a ping behind its own data."""
 STANDBY_GRACE_S = 0.5
 """How long refusals in flight may take to finish when a standby stops to lead."""
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -188,10 +196,14 @@ class RunningBroker:
     """NodeRegistry's own server (`--node-listen`); None when it is on `server`."""
     node_port: int = 0
     """The port nodes register on: `port` when NodeRegistry is on `server`."""
+    beacons: BeaconReceiver | None = None
+    """The nodes' beacons, on the node port's number (UDP); None without a node port."""
 
     async def stop(self) -> None:
         if self.node_server is not None:
             await self.node_server.stop(2.0)
+        if self.beacons is not None:
+            await self.beacons.close()
         await self.server.stop(2.0)
         await self.ops_runner.cleanup()  # type: ignore[attr-defined]
         await self.broker.close()
@@ -205,6 +217,7 @@ async def start_broker(
     write of the state is fenced by its lease (`StateStore.fence`)."""
     network = EdgeNetwork.from_yaml(config.cluster.read_text(), str(config.cluster))
     store = await asyncio.to_thread(open_store, config.state, config.state_dir)
+    beacons = None
     try:
         if leadership is not None:
             store.fence(LEASE_NAME, leadership.lease.term, leadership.on_fence_lost)
@@ -247,6 +260,7 @@ async def start_broker(
                 config.node_listen,
                 server_credentials(tls, require_client_cert=True) if tls else None,
             )
+            beacons = _beacons(broker, config.node_listen.rpartition(":")[0], node_port)
             await node_server.start()
         await server.start()
         ops_token = config.ops_token
@@ -262,6 +276,8 @@ async def start_broker(
             ssl_context,
         )
     except BaseException:
+        if beacons is not None:
+            await beacons.close()
         store.close()
         raise
     logger.info(
@@ -288,7 +304,29 @@ async def start_broker(
         store,
         node_server,
         node_port,
+        beacons,
     )
+
+
+def _beacons(broker: Broker, host: str, port: int) -> BeaconReceiver | None:
+    """The nodes' beacons on UDP `host`:`port`, the node port's number, reading; None (nodes
+    renew their leases on their streams, often) when that port is taken."""
+    registry = broker.registry
+    try:
+        receiver = BeaconReceiver.bind(host, port, registry.beaconed, broker.metrics)
+    except OSError as err:
+        logger.warning(
+            "no node beacons: UDP %s:%d cannot be bound (%s); nodes renew their leases every "
+            "%gs on their streams instead",
+            host,
+            port,
+            err,
+            registry.renew_s(beacons=False),
+        )
+        return None
+    registry.use_beacons(receiver, broker.settings.heartbeat_interval_s)
+    receiver.start()
+    return receiver
 
 
 def _grpc_server(keepalive: tuple[tuple[str, int], ...] = ()) -> grpc.aio.Server:
@@ -597,7 +635,7 @@ def _check_upload_caps(args: argparse.Namespace) -> None:
 
 def _check_liveness(args: argparse.Namespace) -> None:
     """The heartbeat interval, the lease and the node port's lease: finite, in bounds, each
-    longer than the one before; `--node-lease` only where a node port pings the nodes."""
+    longer than the one before; `--node-lease` only on a node port (where nodes beacon)."""
     bounds = [
         ("--heartbeat-interval", args.heartbeat_interval, 0.05),
         ("--lost-after", args.lost_after, args.heartbeat_interval),
@@ -622,8 +660,9 @@ def _check_liveness(args: argparse.Namespace) -> None:
         )
     if args.node_lease is not None and not args.node_listen:
         raise ValueError(
-            "--node-lease needs --node-listen HOST:PORT: only the nodes' own port pings them, "
-            "so that a rare lease renewal is enough; on --listen, --lost-after is the lease"
+            "--node-lease needs --node-listen HOST:PORT: only on the nodes' own port do they "
+            "beacon, so that a rare lease renewal is enough; on --listen, --lost-after is the "
+            "lease"
         )
 
 
@@ -733,7 +772,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "--node-listen",
         default="",
         help="host:port for NodeRegistry on a port of its own, where nodes register (needed "
-        "with --tls-cert: mutual TLS; default: on --listen)",
+        "with --tls-cert: mutual TLS; default: on --listen); the same port number on UDP "
+        "takes the nodes' liveness beacons (open it in firewalls too)",
     )
     add_tls_arguments(
         p, "that nodes' certificates must chain to (and the one nodes verify the broker by)"
@@ -867,18 +907,19 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         default=5.0,
         metavar="SECONDS",
         help="mark a node lost after this long without a heartbeat or lease renewal (it "
-        "renews every 0.4 of this; on --node-listen, --node-lease is the lease while its "
-        "stream is open), or min(2 s, this) after its heartbeat stream broke (default 5)",
+        "renews every 0.4 of this) or, on --node-listen, without a beacon (a UDP datagram "
+        "each --heartbeat-interval), or min(2 s, this) after its heartbeat stream broke "
+        "(default 5)",
     )
     p.add_argument(
         "--node-lease",
         type=float,
         default=None,
         metavar="SECONDS",
-        help="with --node-listen, whose port pings a node's connection after 2 s of "
-        "silence and breaks the stream of one that leaves a ping unanswered for 1 s: the "
-        "lease of a node whose stream stays open, which it renews every 0.4 of this; it "
-        "catches a daemon that answers pings while hung "
+        help="with --node-listen, where nodes send beacons (UDP, to the node port's number) "
+        "that are their liveness: how often a beaconing node renews its lease on its stream "
+        "(every 0.4 of this), and the lease of one whose beacons never arrive (UDP "
+        "filtered; the node port's HTTP/2 pings, every 20 s, back it) "
         f"(default {DEFAULT_NODE_LEASE_S:g}, or --lost-after when that is longer)",
     )
     p.add_argument(

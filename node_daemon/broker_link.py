@@ -15,6 +15,13 @@ seconds, and in between a lease renewal (node id alone) every `lease_renew_ms`; 
 itself is the node's liveness, so a stream that broke is replaced at once. To an older
 broker, a full heartbeat every interval it asked for, as before leases.
 
+Liveness beacons (`common.beacons`): the node asks for them at registration and on each
+stream's first message; a broker that takes them answers that message with a key
+(`HeartbeatResponse.beacon`), and from then on, while the stream lasts, the node's event loop
+sends a 33-byte UDP datagram each interval to the broker's host (`BeaconSender`). Those are
+its liveness there: its stream then carries a lease renewal only every `lease_renew_ms`
+(10 s by default), beside its samples.
+
 Every call has a deadline; only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED are retried,
 except a failed TLS handshake (the broker's certificate does not chain to the
 node's CA), which no retry mends: it stops the daemon. Over TLS the node presents its
@@ -45,6 +52,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.beacons import ID_BYTES, KEY_BYTES, beacon
 from common.brokers import BrokerAddresses, leader_hint, parse_broker_addresses
 from common.certs import TlsIdentity
 from common.node_identity import NODE_SECRET_HEADER
@@ -176,6 +184,7 @@ class BrokerLink:
                 inventory=convert.inventory(self._agent.inventory),
                 runtimes=[self._agent.runtime.name],
                 replicas=[convert.replica(v) for v in replicas],
+                beacons=True,
             )
             try:
                 reply = await self._stub.Register(
@@ -267,7 +276,9 @@ class BrokerLink:
                     if streaming:
                         if stream is None:
                             call = self._stub.Heartbeats(metadata=self._metadata)
-                            stream = HeartbeatStream(call, self._on_heartbeat)
+                            host = self.broker.rpartition(":")[0].strip("[]")
+                            stream = HeartbeatStream(call, self._on_heartbeat, host)
+                            request.beacons = True
                         worked = stream.answered > 0
                         await stream.beat(request, self._answer_deadline(cadence.interval_s))
                     else:
@@ -444,21 +455,33 @@ class HeartbeatStream:
         self,
         call: grpc.aio.StreamStreamCall,
         on_answer: Callable[[float | None], None] | None,
+        beacon_host: str = "",
     ) -> None:
+        """`beacon_host`: where beacons go, when the broker gives this stream a key (the host
+        the node dialled)."""
         self._call = call
         self._on_answer = on_answer
+        self._beacon_host = beacon_host
+        self.beacons: BeaconSender | None = None
+        """This stream's beacons, once the broker gave it a key."""
         self._sent: deque[float] = deque()
         self.answered = 0
         """Heartbeats the broker answered on this stream."""
         self._reader = asyncio.create_task(self._read(), name="heartbeat-answers")
 
     async def _read(self) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):  # the call's status says why
-            while await self._call.read() is not grpc.aio.EOF:
-                self.answered += 1
-                started = self._sent.popleft() if self._sent else None
-                if self._on_answer is not None and started is not None:
-                    self._on_answer((time.perf_counter() - started) * 1000)
+        try:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the call's status says why
+                while (answer := await self._call.read()) is not grpc.aio.EOF:
+                    self.answered += 1
+                    started = self._sent.popleft() if self._sent else None
+                    if self._on_answer is not None and started is not None:
+                        self._on_answer((time.perf_counter() - started) * 1000)
+                    if answer.HasField("beacon") and self.beacons is None:
+                        self.beacons = BeaconSender.start(self._beacon_host, answer.beacon)
+        finally:
+            if self.beacons is not None:  # the key was this stream's
+                self.beacons.stop()
 
     @property
     def ended(self) -> bool:
@@ -511,6 +534,64 @@ class HeartbeatStream:
     def cancel(self) -> None:
         self._call.cancel()
         self._reader.cancel()
+        if self.beacons is not None:
+            self.beacons.stop()
+
+
+class BeaconSender:
+    """A stream's beacons (`common.beacons`): one each interval to the broker's UDP port,
+    from this event loop (so that a loop that hangs goes silent), until `stop`."""
+
+    def __init__(self, host: str, key: bpb.Beacon) -> None:
+        self._address = (host, key.port)
+        self._id, self._key = key.id, key.key
+        self._interval_s = key.interval_ms / 1000
+        self.sent = 0
+        """Beacons sent."""
+        self._task = asyncio.create_task(self._run(), name="beacons")
+
+    @classmethod
+    def start(cls, host: str, key: bpb.Beacon) -> BeaconSender | None:
+        """Beacons under `key` to `host`; None (logged: the lease alone counts) for a key
+        that is not one (a broker's bug)."""
+        if (
+            len(key.id) != ID_BYTES
+            or len(key.key) != KEY_BYTES
+            or not 0 < key.port < 65536
+            or not 0 < key.interval_ms <= 60_000
+        ):
+            logger.warning(
+                "the broker's beacon key is malformed (id %d bytes, key %d, port %d, every "
+                "%d ms): no beacons, the lease alone counts",
+                len(key.id),
+                len(key.key),
+                key.port,
+                key.interval_ms,
+            )
+            return None
+        return cls(host, key)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await loop.create_datagram_endpoint(
+                asyncio.DatagramProtocol, remote_addr=self._address
+            )
+        except OSError as err:
+            logger.warning(
+                "beacons to %s:%d impossible (%s): the lease alone counts", *self._address, err
+            )
+            return
+        try:
+            while True:
+                self.sent += 1
+                transport.sendto(beacon(self._id, self._key, self.sent))
+                await asyncio.sleep(self._interval_s)
+        finally:
+            transport.close()
+
+    def stop(self) -> None:
+        self._task.cancel()
 
 
 def _broken(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:

@@ -436,6 +436,13 @@ class BrokerMetrics:
             ["outcome", "trigger"],
             registry=self.registry,
         )
+        self._beacons = Counter(
+            "offload_node_beacons",
+            "Liveness beacons (UDP) from nodes: taken, or dropped by why (malformed; unknown: "
+            "a key not issued or withdrawn; forged: a MAC that does not match; replayed).",
+            ["result"],
+            registry=self.registry,
+        )
         self._resizes = Counter(
             "offload_resizes",
             "CPU changes nodes' resource managers made to replicas, by policy and direction.",
@@ -515,6 +522,14 @@ class BrokerMetrics:
         missing now has no series)."""
         self._load.nodes = dict(nodes)
         self._load.deployments = dict(deployments)
+
+    def count_beacons(self, taken: int, refused: Mapping[str, int]) -> None:
+        """Count one read of the beacon socket: the beacons taken, the datagrams dropped by
+        why."""
+        if taken:
+            self._beacons.labels(result="taken").inc(taken)
+        for why, count in refused.items():
+            self._beacons.labels(result=why).inc(count)
 
     def count_resize(self, policy: str, up: bool) -> None:
         """Count one CPU change a node's resource manager made."""

@@ -18,7 +18,7 @@ import grpc
 
 from broker.errors import InvalidRequest, PermissionDenied, Unauthenticated, client_text, quote
 from broker.migrations import Migrations
-from broker.nodes import ReplicaState
+from broker.nodes import NodeRegistry, ReplicaState
 from broker.quotas import within_idle_timeout
 from broker.rpc import validate
 from broker.rpc.convert import inventory_from_proto, node_sample_from_proto, offload_from_proto
@@ -139,7 +139,7 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         return pb.RegisterResponse(
             heartbeat_interval_ms=round(settings.heartbeat_interval_s * 1000),
             lost_after_ms=round(settings.lost_after_s * 1000),
-            lease_renew_ms=round(self._broker.registry.renew_s * 1000),
+            lease_renew_ms=round(self._broker.registry.renew_s(request.beacons) * 1000),
         )
 
     @mapped_errors
@@ -157,7 +157,8 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         """Heartbeat, one message each, on one call: the token is checked once, when the
         stream opens; each message's node must be the certificate's, and bound to the
         stream's node secret. The stream is the node's liveness: the registry is told when
-        it ends, however it ends (`NodeRegistry.stream_closed`)."""
+        it ends, however it ends (`NodeRegistry.stream_closed`). A first message that asks
+        for beacons is answered with a key for this stream, where the broker takes them."""
         # The connection's certificate cannot change within the call: read once (gRPC
         # copies the whole auth context, PEM and all, at each read).
         certificate = self._check(context)
@@ -169,12 +170,15 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
             async for request in requests:
                 self._check_name(certificate, request.node_id)
                 node_id = self._beat(request, secret)
-                if node_id != streaming:
-                    if streaming is not None:
-                        registry.stream_closed(streaming, stream)
-                    registry.stream_opened(node_id, stream)
-                    streaming = node_id
-                yield pb.HeartbeatResponse()
+                if node_id == streaming:
+                    yield pb.HeartbeatResponse()
+                    continue
+                if streaming is not None:
+                    registry.stream_closed(streaming, stream)
+                registry.stream_opened(node_id, stream)
+                streaming = node_id
+                issued = registry.issue_beacon(node_id, stream) if request.beacons else None
+                yield pb.HeartbeatResponse(beacon=_beacon(registry, issued))
         finally:
             if streaming is not None:
                 registry.stream_closed(streaming, stream)
@@ -201,6 +205,19 @@ class NodeRegistryServicer(pb_grpc.NodeRegistryServicer):
         while (data := await asyncio.to_thread(next, chunks, None)) is not None:
             yield npb.ModelChunk(sha256=sha256 if first else "", data=data)
             first = False
+
+
+def _beacon(registry: NodeRegistry, issued: tuple[bytes, bytes] | None) -> pb.Beacon | None:
+    """The beacon key `issued` for a stream, as the node is told it; None without one."""
+    if issued is None or registry.beacons is None:
+        return None
+    beacon_id, key = issued
+    return pb.Beacon(
+        port=registry.beacons.port,
+        id=beacon_id,
+        key=key,
+        interval_ms=round(registry.beacon_interval_s * 1000),
+    )
 
 
 def deployment_message(record: DeploymentRecord, endpoint_ca: str = "") -> pb.Deployment:

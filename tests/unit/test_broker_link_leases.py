@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from broker.beacons import BeaconReceiver
 from node_daemon.broker_link import BrokerLink
 from node_daemon.model_cache import ModelCache
 from protos.offload.v1 import broker_pb2 as bpb
@@ -140,3 +141,75 @@ async def test_a_broker_back_from_a_restart_hears_from_the_node_long_before_its_
         await link.close()
         if again is not None:
             await again.stop(None)
+
+
+class BeaconRegistry(LeaseRegistry):
+    """Takes beacons on a real UDP socket (`BeaconReceiver`, read each time the test looks):
+    each stream whose first message asks for them is answered with a key of its own; the
+    first stream ends after `end_first_after` messages (renewals every 100 ms)."""
+
+    def __init__(self, end_first_after: int) -> None:
+        super().__init__(renew_ms=100, end_first_after=end_first_after)
+        self.beacons = BeaconReceiver.bind("127.0.0.1", 0, self.on_beacon)
+        self.asked: list[bool] = []
+        """Per stream: whether its first message asked for beacons."""
+        self.keys: list[bytes] = []
+        """The beacon id given to each stream."""
+        self.heard: list[bytes] = []
+        """The beacon id of each beacon taken, in order."""
+
+    def on_beacon(self, node_id: str, beacon_id: bytes) -> None:
+        self.heard.append(beacon_id)
+
+    def second_key_heard(self) -> bool:
+        """Whether the last three beacons (read now) were under the second stream's key."""
+        self.beacons.drain()
+        return len(self.keys) >= 2 and self.heard[-3:] == [self.keys[1]] * 3
+
+    async def Register(self, request: bpb.RegisterRequest, context: object) -> object:
+        assert request.beacons
+        return await super().Register(request, context)
+
+    async def Heartbeats(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.opened += 1
+        first = self.opened == 1
+        taken = 0
+        async for request in requests:
+            answer = bpb.HeartbeatResponse()
+            if taken == 0:
+                self.asked.append(request.beacons)
+                # Earlier keys stay good: the node alone stops using a stream's key.
+                beacon_id, key = self.beacons.issue(request.node_id)
+                self.keys.append(beacon_id)
+                answer.beacon.CopyFrom(
+                    bpb.Beacon(port=self.beacons.port, id=beacon_id, key=key, interval_ms=50)
+                )
+            taken += 1
+            yield answer
+            if first and taken == self.end_first_after:
+                return
+
+
+async def test_a_node_beacons_under_its_stream_s_key_and_a_new_stream_gets_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """The node asks for beacons at registration and on each stream's first message; once
+    given a key it sends authentic beacons, numbered on, under it (the receiver takes them:
+    MAC and counter checked), until the stream ends; the next stream's key takes over."""
+    registry = BeaconRegistry(end_first_after=3)
+    try:
+        await run(
+            tmp_path,
+            registry,
+            registry.second_key_heard,
+            sample_s=3600,
+        )
+    finally:
+        await registry.beacons.close()
+    first, second = registry.keys[:2]
+    heard = registry.heard
+    assert registry.asked[:2] == [True, True]
+    assert heard.count(first) >= 1
+    # Once the second key's beacons start, the first's have stopped.
+    assert first not in heard[heard.index(second) :]
+    assert registry.beacons.refused["forged"] == registry.beacons.refused["replayed"] == 0

@@ -1,23 +1,27 @@
 """A node's liveness as the registry keeps it (`broker.nodes`, issue 51 item 4): a lease that
-renewals and heartbeats extend, and a heartbeat stream whose break counts once the node has
-not replaced it within the grace. Real registry, real SQLite store; the times are the
-registry's own (`lost_after_s`, `stream_grace_s`), waited for, never asserted."""
+renewals, heartbeats and beacons extend, and a heartbeat stream whose break counts once the
+node has not replaced it within the grace. Real registry, real SQLite store, real UDP
+datagrams on a real socket (`broker.beacons`); the times are the registry's own
+(`lost_after_s`, `stream_grace_s`), waited for, never asserted."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from broker.beacons import BeaconReceiver
 from broker.errors import NotFound
 from broker.server import DEFAULT_NODE_LEASE_S, config_from_args
 from broker.service import Broker
 from broker.state import NodeState
 from broker.values import BrokerSettings
+from common.beacons import beacon
 from common.inventory import Inventory
 from common.node_identity import new_secret
 from edge_client.cli import build_parser
@@ -37,14 +41,37 @@ async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
 
 @pytest.fixture
 async def pinged(tmp_path: Path) -> AsyncIterator[Broker]:
-    """A broker whose nodes are on a port that pings them (`--node-listen`): a node's lease
-    is `--node-lease` while its stream is open."""
+    """A broker whose nodes are on a port of their own (`--node-listen`) that takes beacons on
+    a real UDP socket (read by the test: `BeaconReceiver.drain`): a node's lease is
+    `--node-lease` while its stream awaits its first beacon."""
     settings = BrokerSettings(lost_after_s=1.0, node_lease_s=600.0)
     async with local_broker(tmp_path, settings) as running:
+        receiver = BeaconReceiver.bind("127.0.0.1", 0, running.registry.beaconed, running.metrics)
+        running.registry.use_beacons(receiver, 0.1)
         await running.register_node(
             "n1", "127.0.0.1:1000", "site-a", NO_GPUS, ["process"], [], secret=new_secret()
         )
-        yield running
+        try:
+            yield running
+        finally:
+            await receiver.close()
+
+
+async def taken(receiver: BeaconReceiver, datagrams: list[bytes]) -> int:
+    """Send `datagrams` to `receiver`'s port over loopback UDP and read them all: the beacons
+    it took."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+        for data in datagrams:
+            sender.sendto(data, ("127.0.0.1", receiver.port))
+    seen, took = 0, 0
+    deadline = time.monotonic() + 5.0
+    while seen < len(datagrams) and time.monotonic() < deadline:
+        before = receiver.taken + sum(receiver.refused.values())
+        took += receiver.drain()
+        seen += receiver.taken + sum(receiver.refused.values()) - before
+        await asyncio.sleep(0.01)
+    assert seen == len(datagrams), f"{seen} of {len(datagrams)} datagrams arrived"
+    return took
 
 
 async def lost_within(broker: Broker, seconds: float) -> list[str]:
@@ -106,20 +133,24 @@ async def test_a_node_without_a_stream_is_lost_on_its_lease_alone(broker: Broker
 
 
 async def test_the_broker_asks_for_renewals_several_times_a_lease(broker: Broker) -> None:
+    """Without a node port nothing takes beacons: a node that offers them renews as often."""
     registry = broker.registry
-    assert 0 < registry.renew_s < registry.lost_after_s / 2
+    assert registry.beacons is None
+    assert 0 < registry.renew_s(beacons=True) == registry.renew_s(beacons=False)
+    assert registry.renew_s(beacons=False) < registry.lost_after_s / 2
 
 
-async def test_on_a_pinged_port_an_open_stream_holds_the_long_lease_and_a_broken_one_the_grace(
+async def test_a_stream_awaiting_beacons_holds_the_long_lease_and_a_broken_one_the_grace(
     pinged: Broker,
 ) -> None:
-    """Silent past `--lost-after`, a node whose stream the pings keep open is live (its
-    renewals are rare there); past `--node-lease` it is lost (a daemon hung while its process
-    answers pings). Its stream broken, the grace counts as on a shared port."""
+    """Silent past `--lost-after`, a node whose stream was given a beacon key none of whose
+    beacons came (UDP filtered) is live (its renewals are rare there); past `--node-lease`
+    it is lost. Its stream broken, the grace counts as on a shared port."""
     registry = pinged.registry
     assert registry.node_lease_s == 600.0
     stream = object()
     registry.stream_opened("n1", stream)
+    assert registry.issue_beacon("n1", stream) is not None
     entry = pinged.nodes["n1"]
     entry.last_heartbeat = time.monotonic() - 10 * registry.lost_after_s
     assert registry.is_live(entry)
@@ -132,7 +163,7 @@ async def test_on_a_pinged_port_an_open_stream_holds_the_long_lease_and_a_broken
     assert await lost_within(pinged, registry.lost_after_s + 1.0) == ["n1"]
 
 
-async def test_on_a_pinged_port_a_stream_broken_long_after_a_renewal_still_has_its_grace(
+async def test_on_the_node_port_a_stream_broken_long_after_a_renewal_still_has_its_grace(
     pinged: Broker,
 ) -> None:
     """Renewals are rare there: a node last heard 10 leases of `--lost-after` ago whose stream
@@ -141,18 +172,91 @@ async def test_on_a_pinged_port_a_stream_broken_long_after_a_renewal_still_has_i
     registry = pinged.registry
     old, new = object(), object()
     registry.stream_opened("n1", old)
+    assert registry.issue_beacon("n1", old) is not None
     pinged.nodes["n1"].last_heartbeat = time.monotonic() - 10 * registry.lost_after_s
     registry.stream_closed("n1", old)
     assert await lost_within(pinged, registry.stream_grace_s / 2) == []
     registry.stream_opened("n1", new)
     registry.renew("n1")
+    assert registry.issue_beacon("n1", new) is not None
     assert await lost_within(pinged, registry.stream_grace_s + 0.5) == []
 
 
-async def test_on_a_pinged_port_renewals_are_asked_for_by_the_long_lease(pinged: Broker) -> None:
+async def test_on_the_node_port_a_node_that_cannot_beacon_renews_often_on_the_short_lease(
+    pinged: Broker,
+) -> None:
+    """An older daemon (no beacons asked): its open stream alone keeps it no longer than
+    `--lost-after`, and it is asked to renew often enough for that."""
     registry = pinged.registry
-    assert registry.node_lease_s is not None
-    assert registry.lost_after_s < registry.renew_s < registry.node_lease_s / 2
+    registry.stream_opened("n1", object())
+    assert registry.renew_s(beacons=False) < registry.lost_after_s / 2
+    assert registry.renew_s(beacons=True) > registry.lost_after_s
+    assert await lost_within(pinged, registry.lost_after_s + 1.0) == ["n1"]
+
+
+async def test_a_node_s_beacons_are_its_liveness_and_their_silence_loses_it(
+    pinged: Broker,
+) -> None:
+    """Beacons under its stream's key renew the node's lease; once they came, the lease is
+    `--lost-after` again (a daemon paused stops beaconing): silent that long, it is lost,
+    its stream still open; its next beacon brings it back."""
+    registry = pinged.registry
+    receiver = registry.beacons
+    assert receiver is not None
+    stream = object()
+    registry.stream_opened("n1", stream)
+    issued = registry.issue_beacon("n1", stream)
+    assert issued is not None
+    beacon_id, key = issued
+    entry = pinged.nodes["n1"]
+    entry.last_heartbeat = time.monotonic() - 10 * registry.lost_after_s
+    assert await taken(receiver, [beacon(beacon_id, key, 1), beacon(beacon_id, key, 2)]) == 2
+    assert entry.beaconing
+    assert registry.is_live(entry)
+    assert await lost_within(pinged, registry.lost_after_s + 1.0) == ["n1"]
+    assert entry.stream is stream
+    assert await taken(receiver, [beacon(beacon_id, key, 3)]) == 1
+    assert entry.record.state is NodeState.READY
+
+
+async def test_forged_replayed_unknown_and_malformed_datagrams_renew_nothing(
+    pinged: Broker,
+) -> None:
+    """Only the next beacon of a key the broker issued, under its MAC, counts: a forged MAC,
+    a counter not above the last taken, a key withdrawn with its stream, and a datagram of
+    another shape are each dropped and counted, and the node's lease is not renewed."""
+    registry = pinged.registry
+    receiver = registry.beacons
+    assert receiver is not None
+    old, new = object(), object()
+    registry.stream_opened("n1", old)
+    old_key = registry.issue_beacon("n1", old)
+    assert old_key is not None
+    registry.stream_opened("n1", new)  # the old stream's key is withdrawn
+    issued = registry.issue_beacon("n1", new)
+    assert issued is not None
+    beacon_id, key = issued
+    assert await taken(receiver, [beacon(beacon_id, key, 5)]) == 1
+    entry = pinged.nodes["n1"]
+    heard = entry.last_heartbeat = time.monotonic() - 10 * registry.lost_after_s
+    forged = bytearray(beacon(beacon_id, key, 6))
+    forged[-1] ^= 1
+    bad = [
+        bytes(forged),
+        beacon(beacon_id, bytes(32), 7),  # the right id, another key
+        beacon(beacon_id, key, 5),  # replayed
+        beacon(beacon_id, key, 4),  # older
+        beacon(*old_key, 1),  # its stream's key was withdrawn
+        b"not a beacon",
+        b"\x02" + beacon(beacon_id, key, 8)[1:],  # another version
+    ]
+    assert await taken(receiver, bad) == 0
+    assert receiver.refused == {"forged": 2, "replayed": 2, "unknown": 1, "malformed": 2}
+    exposed = pinged.metrics.render()[0].decode()
+    for result, count in [("taken", 1), ("forged", 2), ("replayed", 2), ("unknown", 1)]:
+        assert f'offload_node_beacons_total{{result="{result}"}} {count}.0' in exposed
+    assert entry.last_heartbeat == heard
+    assert await lost_within(pinged, registry.lost_after_s + 1.0) == ["n1"]
 
 
 def _broker_args(tmp_path: Path, *extra: str) -> argparse.Namespace:

@@ -20,20 +20,34 @@ PRIORITY_CLASS_STANDARD: PriorityClass
 PRIORITY_CLASS_CRITICAL: PriorityClass
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "address", "site", "inventory", "runtimes", "replicas")
+    __slots__ = ("node_id", "address", "site", "inventory", "runtimes", "replicas", "beacons")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     RUNTIMES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    BEACONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     site: str
     inventory: _node_pb2.Inventory
     runtimes: _containers.RepeatedScalarFieldContainer[str]
     replicas: _containers.RepeatedCompositeFieldContainer[_node_pb2.Replica]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., site: _Optional[str] = ..., inventory: _Optional[_Union[_node_pb2.Inventory, _Mapping]] = ..., runtimes: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ...) -> None: ...
+    beacons: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., site: _Optional[str] = ..., inventory: _Optional[_Union[_node_pb2.Inventory, _Mapping]] = ..., runtimes: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ..., beacons: bool = ...) -> None: ...
+
+class Beacon(_message.Message):
+    __slots__ = ("port", "id", "key", "interval_ms")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    id: bytes
+    key: bytes
+    interval_ms: int
+    def __init__(self, port: _Optional[int] = ..., id: _Optional[bytes] = ..., key: _Optional[bytes] = ..., interval_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "lost_after_ms", "lease_renew_ms")
@@ -46,20 +60,24 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lost_after_ms: _Optional[int] = ..., lease_renew_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "usage", "replicas", "lease_only")
+    __slots__ = ("node_id", "usage", "replicas", "lease_only", "beacons")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    BEACONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     usage: _node_pb2.UsageResponse
     replicas: _containers.RepeatedCompositeFieldContainer[_node_pb2.Replica]
     lease_only: bool
-    def __init__(self, node_id: _Optional[str] = ..., usage: _Optional[_Union[_node_pb2.UsageResponse, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ..., lease_only: bool = ...) -> None: ...
+    beacons: bool
+    def __init__(self, node_id: _Optional[str] = ..., usage: _Optional[_Union[_node_pb2.UsageResponse, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[_node_pb2.Replica, _Mapping]]] = ..., lease_only: bool = ..., beacons: bool = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("beacon",)
+    BEACON_FIELD_NUMBER: _ClassVar[int]
+    beacon: Beacon
+    def __init__(self, beacon: _Optional[_Union[Beacon, _Mapping]] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
     __slots__ = ("sha256",)
