@@ -1,18 +1,22 @@
-"""What the node port's HTTP/2 keepalive pings cost a gRPC server in Python (issue 51's
-liveness floor), apart from everything else the broker does.
+"""What HTTP/2 keepalive pings cost a gRPC server in Python (issue 51's liveness floor),
+apart from everything else the broker does: why the node port's liveness is UDP beacons
+(`broker.beacons`), and its pings only every 20 s.
 
-A `grpc.aio` server process with the broker's node-port settings (`broker.server.
-NODE_KEEPALIVE`: a ping after 2 s without a frame from the peer, answered within 1 s) over
-TLS, as production's node port, and --connections idle connections to it, each with one
-open bidirectional stream that sent one message and got its answer (as a node's Heartbeats
+A `grpc.aio` server process with keepalive settings as the broker's node port has them
+(`broker.server.keepalive`: a ping after --interval seconds without a frame from the peer,
+answered within 1 s; 2 s by default, what the node port pinged at before beacons) over TLS,
+as production's node port, and --connections idle connections to it, each with one open
+bidirectional stream that sent one message and got its answer (as a node's Heartbeats
 stream between lease renewals), opened from two client processes. Then the server's CPU
 (/proc/<pid>/stat) over --seconds, once with the pings and once without (the same server
 with no keepalive settings): the difference, over the pings the interval implies
-(connections / 2 s), is gRPC core's CPU per ping. No Python runs for a ping, so this is what
-any server on grpcio pays for this liveness on this machine, before a single message. Each
-arm runs twice, interleaved (none, pings, none, pings), and both runs are printed.
+(connections / interval), is gRPC core's CPU per ping. No Python runs for a ping, so this
+is what any server on grpcio pays for this liveness on this machine, before a single
+message. Each arm runs twice, interleaved (none, pings, none, pings), and both runs are
+printed.
 
-    python -m bench.ping_cost [--quick] [--connections N] [--seconds S] [--json FILE]
+    python -m bench.ping_cost [--quick] [--connections N] [--seconds S] [--interval S]
+                              [--json FILE]
 
 --quick: 200 connections over 3 s. Full: 2,000 (bench.control_plane's largest step) over
 20 s, about three minutes on a 2-core machine.
@@ -35,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from broker.server import NODE_KEEPALIVE
+from broker.server import keepalive
 from common.certs import issue, make_ca
 
 METHOD = "/bench.PingCost/Stream"
@@ -44,12 +48,14 @@ SETTLE_S = 3.0
 """After the last stream opened, before the CPU is counted (the handshakes' work done)."""
 
 
-def keepalive_interval_s() -> float:
-    return dict(NODE_KEEPALIVE)["grpc.keepalive_time_ms"] / 1000
+PING_TIMEOUT_MS = 1000
+DEFAULT_INTERVAL_S = 2.0
 
 
-async def serve(port: int, pings: bool, tls_dir: Path) -> None:
-    options = [*(NODE_KEEPALIVE if pings else ()), ("grpc.http2.bdp_probe", 0)]
+async def serve(port: int, interval_ms: int, tls_dir: Path) -> None:
+    """Serve idle streams; with a ping every `interval_ms` on each connection (0: none)."""
+    pings = keepalive(interval_ms, PING_TIMEOUT_MS) if interval_ms else ()
+    options = [*pings, ("grpc.http2.bdp_probe", 0)]
     server = grpc.aio.server(options=options)
 
     async def stream(requests: AsyncIterator[bytes], _: object) -> AsyncIterator[bytes]:
@@ -108,10 +114,14 @@ def first_line(process: subprocess.Popen[str], what: str) -> str:
     return line
 
 
-def measure(pings: bool, connections: int, seconds: float, tls_dir: Path) -> dict[str, Any]:
-    """One arm: the server's cores over `seconds` with `connections` idle streams."""
+def measure(
+    pings: bool, interval_s: float, connections: int, seconds: float, tls_dir: Path
+) -> dict[str, Any]:
+    """One arm: the server's cores over `seconds` with `connections` idle streams, pinged
+    every `interval_s` or not at all."""
     port = 20000 + (os.getpid() * 7 + int(pings)) % 30000
-    server = child("--serve", str(port), "on" if pings else "off", str(tls_dir))
+    interval_ms = round(interval_s * 1000) if pings else 0
+    server = child("--serve", str(port), str(interval_ms), str(tls_dir))
     processes = [server]
     try:
         first_line(server, "server")
@@ -149,18 +159,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="200 connections over 3 s")
     parser.add_argument("--connections", type=int, help="idle connections (2000; 200 quick)")
     parser.add_argument("--seconds", type=float, help="CPU counted over (20; 3 quick)")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between pings on a connection (2: the node port's before beacons; "
+        "it pings every 20 s now)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument(
-        "--serve", nargs=3, metavar=("PORT", "PINGS", "TLS_DIR"), help=argparse.SUPPRESS
+        "--serve", nargs=3, metavar=("PORT", "INTERVAL_MS", "TLS_DIR"), help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--connect", nargs=3, metavar=("PORT", "N", "TLS_DIR"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
     if args.serve:
-        port, pings, tls_dir = args.serve
+        port, interval_ms, tls_dir = args.serve
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve(int(port), pings == "on", Path(tls_dir)))
+            asyncio.run(serve(int(port), int(interval_ms), Path(tls_dir)))
         return 0
     if args.connect:
         port, count, tls_dir = args.connect
@@ -169,13 +186,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     connections = args.connections or (200 if args.quick else 2000)
     seconds = args.seconds or (3.0 if args.quick else 20.0)
-    if not (1 <= connections <= 20_000 and 0 < seconds <= 600):
-        parser.error("--connections 1..20000, --seconds 0..600")
-    interval = keepalive_interval_s()
+    interval = args.interval
+    if not (1 <= connections <= 20_000 and 0 < seconds <= 600 and 0.1 <= interval <= 600):
+        parser.error(
+            f"--connections 1..20000, --seconds 0..600, --interval 0.1..600: got "
+            f"{connections}, {seconds:g}, {interval:g}"
+        )
     with tempfile.TemporaryDirectory(prefix="bench-ping-cost-") as tmp:
         make_certificates(Path(tmp))
         runs = [
-            measure(pings, connections, seconds, Path(tmp))
+            measure(pings, interval, connections, seconds, Path(tmp))
             for _ in range(2)
             for pings in (False, True)
         ]
@@ -195,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(
         f"{connections} idle TLS connections, one open stream each, a grpc.aio server "
-        f"(the node port's settings): its CPU over {seconds:g} s without pings "
+        f"(keepalive as the node port has it): its CPU over {seconds:g} s without pings "
         f"{', '.join(f'{c:.3f}' for c in none)} cores; with a ping every {interval:g} s on "
         f"each ({pings_per_s:.0f} pings/s) {', '.join(f'{c:.3f}' for c in pinged)} cores: "
         f"{', '.join(f'{u:g}' for u in per_ping_us)} µs of gRPC core's CPU per ping"
