@@ -2,12 +2,13 @@
 nodes (`node_daemon.hollow`: the real node daemon, agent, broker link and NodeAgent server,
 over a runtime that runs nothing) registering and heartbeating into one real broker process
 (`offload broker`, its real state), while clients deploy, migrate and delete. The hollow
-nodes register on the broker's node port (`--node-listen`, which pings their connections in
-gRPC's core), as production's do, and heartbeat as `offload node` does: a lease renewal as
-often as the broker asks (every 10 s there at its defaults), its usage sample and replicas
-when they change or every --sample-interval seconds; against a broker from before leases, a
-full heartbeat every second. "Heartbeats" below count every message of the Heartbeats
-streams, renewals and samples alike.
+nodes register on the broker's node port (`--node-listen`), as production's do, and are live
+as `offload node` is: a liveness beacon (a UDP datagram, `common.beacons`) every second, a
+lease renewal as often as the broker asks (every 24 s there at its defaults), its usage
+sample and replicas when they change or every --sample-interval seconds; against a broker
+from before leases, a full heartbeat every second. "Heartbeats" below count every message of
+the Heartbeats streams, renewals and samples alike (not the beacons, whose cost is in the
+broker's CPU beside them).
 
 The cluster grows in steps (250, 500, 1,000, 2,000 hollow nodes; 100 and 250 with --quick)
 against the same broker, each node one of five real 8-GPU servers (the `nvidia-smi topo -m`

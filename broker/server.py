@@ -91,7 +91,7 @@ MAX_PENDING_CALLS = 50_000
 is 1,000, which a cluster of more nodes than that reaches whenever the loop stalls)."""
 MIN_LEASE_TTL_S = 0.5
 MAX_LIVENESS_S = 3600.0
-DEFAULT_NODE_LEASE_S = 25.0
+DEFAULT_NODE_LEASE_S = 60.0
 
 
 def keepalive(interval_ms: int, timeout_ms: int) -> tuple[tuple[str, int], ...]:

@@ -20,7 +20,7 @@ stream's first message; a broker that takes them answers that message with a key
 (`HeartbeatResponse.beacon`), and from then on, while the stream lasts, the node's event loop
 sends a 33-byte UDP datagram each interval to the broker's host (`BeaconSender`). Those are
 its liveness there: its stream then carries a lease renewal only every `lease_renew_ms`
-(10 s by default), beside its samples.
+(24 s by default), when no sample went since.
 
 Every call has a deadline; only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED are retried,
 except a failed TLS handshake (the broker's certificate does not chain to the
@@ -82,9 +82,10 @@ HEARTBEAT_TIMEOUT_MIN_S = 2.0
 STALL_HEARTBEATS = 10
 """With one broker, heartbeat intervals a heartbeat may go unanswered before the stream is
 given up (`_answer_deadline`)."""
-SAMPLE_INTERVAL_S = 10.0
+SAMPLE_INTERVAL_S = 20.0
 """`--sample-interval`'s default: a usage sample that did not change goes to a broker with
-leases this often (docs/OPERATIONS.md, "Liveness and usage samples", says why 10 s)."""
+leases this often (docs/OPERATIONS.md, "Liveness", says why 20 s: under the node port's
+renewal interval, 24 s, so that a quiet node sends one message every 20 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +266,7 @@ class BrokerLink:
                 else:
                     await asyncio.sleep(cadence.interval_s)
                     # A broker that was down (restarted, moved) hears from the node within
-                    # an interval of its return, not at the next renewal (10 s apart on a
+                    # an interval of its return, not at the next renewal (24 s apart on a
                     # node port): it counts the node lost after --lost-after without it.
                     force = failing
                 request = await self._next_heartbeat(cadence, report, streaming, force)
