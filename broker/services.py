@@ -18,8 +18,10 @@ SHA-256 only. When a replica is placed again (its node lost) or moved, its new c
 given the same clients as soon as it runs.
 
 Replicas follow demand: one is started where a client needs one (above), and, every
-`SCALE_INTERVAL_S`, a running replica over a load target in every sample of the last
-`SCALE_SUSTAIN_S` gets another at its site, while the service runs fewer than
+`SCALE_INTERVAL_S`, a running replica over a load target in every sample in force over the
+last `SCALE_SUSTAIN_S` (those of that span and the one before it, which stood until the
+next: a node sends its sample when it changes, else every `--sample-interval`, 20 s) gets
+another at its site, while the service runs fewer than
 `max_replicas` and none is starting, with the most recently attached half of its clients
 switched to it (as a move's switch); then the service waits `SCALE_COOLDOWN_S`. The targets
 (`over_targets`): the queue target (`--service-queue-target-ms`, against the queue-delay
@@ -145,14 +147,19 @@ def over_targets(
     points: Sequence[DeploymentPoint], targets: Sequence[LoadTarget], now: float
 ) -> str | None:
     """What a replica's samples (`points`, oldest first; `now` in Unix seconds) show it
-    over, for a scale decision's reason: each target that every sample of the last
-    `SCALE_SUSTAIN_S` was past, with the figure's range and by how much, then the samples
-    and their mean request rate; None when none was, or when the samples are fewer than two
-    or span less than half of that. A sample without the figure (no request finished, no
-    batch ran, the node could not read the replica's metrics) is not past its target."""
-    window = [p for p in points if p.at >= now - SCALE_SUSTAIN_S]
-    if len(window) < 2 or window[-1].at - window[0].at < SCALE_SUSTAIN_S / 2:
+    over, for a scale decision's reason: each target that every sample in force over the
+    last `SCALE_SUSTAIN_S` was past, with the figure's range and by how much, then the
+    samples and their mean request rate. In force: the samples of that span, and the last
+    one before it, which stood until the next (a node sends a sample when its load changes,
+    otherwise only every `--sample-interval`, so a load that holds steady sends none for
+    seconds at a time). None when no sample stood at the span's start (the load is not
+    known for all of it). A sample without the figure (no request finished, no batch ran,
+    the node could not read the replica's metrics) is not past its target."""
+    start = now - SCALE_SUSTAIN_S
+    standing = [p for p in points if p.at <= start][-1:]
+    if not standing:
         return None
+    window = standing + [p for p in points if p.at > start]
     sampled = [p.replica.requests for p in window if p.replica.requests is not None]
     if len(sampled) < len(window):
         return None
@@ -169,9 +176,10 @@ def over_targets(
         )
     if not passed:
         return None
+    samples = "the one sample" if len(window) == 1 else f"all {len(window)} samples"
     return (
-        f"{'; and '.join(passed)}; in all {len(window)} samples over "
-        f"{window[-1].at - window[0].at:.1f} s, at "
+        f"{'; and '.join(passed)}; in {samples} in force over the last "
+        f"{now - window[0].at:.1f} s, at "
         f"{statistics.fmean(f.rate_per_s for f in sampled):.0f} req/s"
     )
 

@@ -1,5 +1,6 @@
 """When a service's replica counts as over its load (`broker.services.over_targets`): every
-sample of the last SCALE_SUSTAIN_S past a target, judged on synthetic samples."""
+sample in force over the last SCALE_SUSTAIN_S (those of the span and the one standing at its
+start) past a target, judged on synthetic samples."""
 
 from __future__ import annotations
 
@@ -31,26 +32,26 @@ def point(
 
 
 def test_latency_past_the_slo_in_every_sample_is_over_and_says_by_how_much() -> None:
-    points = [point(4, 25.0), point(2, 50.0), point(0, 25.0)]
+    points = [point(6, 25.0), point(2, 50.0), point(0, 25.0)]
     why = over_targets(points, [queue_target(50.0), latency_target(20.0)], NOW)
     assert why is not None
     assert "latency p99 25-50 ms, past the 20 ms latency SLO by at least 5 ms" in why, why
     assert "queue delay" not in why  # 1 ms waits: under the queue target
-    assert "in all 3 samples over 4.0 s, at 100 req/s" in why, why
+    assert "in all 3 samples in force over the last 6.0 s, at 100 req/s" in why, why
 
 
 def test_one_sample_within_the_slo_is_not_over() -> None:
-    points = [point(4, 25.0), point(2, 10.0), point(0, 25.0)]
+    points = [point(6, 25.0), point(2, 10.0), point(0, 25.0)]
     assert over_targets(points, [queue_target(50.0), latency_target(20.0)], NOW) is None
 
 
 def test_without_a_latency_target_a_slow_replica_is_judged_by_its_queue_alone() -> None:
-    points = [point(4, 250.0), point(0, 250.0)]
+    points = [point(6, 250.0), point(0, 250.0)]
     assert over_targets(points, [queue_target(50.0)], NOW) is None
 
 
 def test_both_targets_passed_are_both_named() -> None:
-    points = [point(3, 100.0, 60.0), point(0, 250.0, 80.0)]
+    points = [point(5, 100.0, 60.0), point(0, 250.0, 80.0)]
     why = over_targets(points, [queue_target(50.0), latency_target(20.0)], NOW)
     assert why is not None
     assert "queue delay p99 60-80 ms, past the 50 ms target by at least 10 ms" in why, why
@@ -58,14 +59,26 @@ def test_both_targets_passed_are_both_named() -> None:
 
 
 def test_a_sample_without_a_finished_request_is_not_past() -> None:
-    points = [point(4, 25.0), point(2, None), point(0, 25.0)]
+    points = [point(6, 25.0), point(2, None), point(0, 25.0)]
     assert over_targets(points, [latency_target(20.0)], NOW) is None
 
 
-def test_too_few_or_too_short_samples_are_not_demand() -> None:
+def test_a_span_whose_start_no_sample_covers_is_not_demand() -> None:
+    """Samples only from within the span (a replica that just started reporting) leave its
+    start unknown: not demand, however far past."""
     slo = [latency_target(20.0)]
     assert over_targets([point(0, 500.0)], slo, NOW) is None
-    assert over_targets([point(1, 500.0), point(0, 500.0)], slo, NOW) is None  # 1 s of 5
-    # A sample older than the window does not count, under its target or past it.
-    old = point(SCALE_SUSTAIN_S + 1, 5.0)
-    assert over_targets([old, point(3, 500.0), point(0, 500.0)], slo, NOW) is not None
+    assert over_targets([point(4, 500.0), point(2, 500.0), point(0, 500.0)], slo, NOW) is None
+
+
+def test_a_sample_standing_since_before_the_span_counts_and_older_ones_do_not() -> None:
+    """A steady load sends no sample until it changes or `--sample-interval` passes: the last
+    sample before the span stood through it (past the target: demand, alone or with those
+    in the span); the ones before that were replaced, under their target or past it."""
+    slo = [latency_target(20.0)]
+    why = over_targets([point(15, 500.0)], slo, NOW)
+    assert why is not None and "in the one sample in force over the last 15.0 s" in why, why
+    replaced = point(SCALE_SUSTAIN_S + 10, 5.0)
+    assert over_targets([replaced, point(6, 500.0), point(0, 500.0)], slo, NOW) is not None
+    # Under the target at the span's start (its standing sample): not demand yet.
+    assert over_targets([point(6, 5.0), point(3, 500.0), point(0, 500.0)], slo, NOW) is None
