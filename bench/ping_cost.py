@@ -1,6 +1,6 @@
-"""What HTTP/2 keepalive pings cost a gRPC server in Python (issue 51's liveness floor),
-apart from everything else the broker does: why the node port's liveness is UDP beacons
-(`broker.beacons`), and its pings only every 20 s.
+"""What liveness costs a Python server per node, apart from everything else the broker does
+(issue 51's floor): an HTTP/2 keepalive ping, and the UDP beacon that replaced it on the node
+port (`broker.beacons`; its pings go every 20 s now).
 
 A `grpc.aio` server process with keepalive settings as the broker's node port has them
 (`broker.server.keepalive`: a ping after --interval seconds without a frame from the peer,
@@ -15,11 +15,19 @@ is what any server on grpcio pays for this liveness on this machine, before a si
 message. Each arm runs twice, interleaved (none, pings, none, pings), and both runs are
 printed.
 
+Then the beacons, the same way: the broker's beacon reader (`broker.beacons.BeaconReceiver`,
+reading every 100 ms) in a process of its own, holding a key for each of --connections
+nodes, and the nodes' senders (`node_daemon.broker_link.BeaconSender`, one per node, a
+beacon a second, their starts spread over the first second) in two client processes; the
+reader's CPU with them and with none (its keys issued, nothing sent), twice each,
+interleaved: the difference over the beacons taken per second is its CPU per beacon. The
+reader counts what it took and what it dropped; every beacon sent must be taken.
+
     python -m bench.ping_cost [--quick] [--connections N] [--seconds S] [--interval S]
                               [--json FILE]
 
---quick: 200 connections over 3 s. Full: 2,000 (bench.control_plane's largest step) over
-20 s, about three minutes on a 2-core machine.
+--quick: 200 connections (and nodes beaconing) over 3 s. Full: 2,000 (bench.control_plane's
+largest step) over 20 s, about five minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -39,8 +47,11 @@ from typing import Any
 
 import grpc
 
+from broker.beacons import BeaconReceiver
 from broker.server import keepalive
 from common.certs import issue, make_ca
+from node_daemon.broker_link import BeaconSender
+from protos.offload.v1 import broker_pb2 as bpb
 
 METHOD = "/bench.PingCost/Stream"
 CLIENT_PROCESSES = 2
@@ -92,16 +103,64 @@ async def connect(port: int, count: int, tls_dir: Path) -> None:
     await asyncio.sleep(86400)
 
 
+BEACON_INTERVAL_MS = 1000
+"""How often each node beacons (the broker's default heartbeat interval)."""
+
+
+async def receive(count: int, keys_file: Path) -> None:
+    """Issue `count` beacon keys, write them to `keys_file` (port, id and key in hex, a node a
+    line), read beacons until stdin closes, then print what was taken and dropped."""
+    heard: dict[str, int] = {}
+
+    def on_beacon(node_id: str, _beacon_id: bytes) -> None:
+        heard[node_id] = heard.get(node_id, 0) + 1
+
+    receiver = BeaconReceiver.bind("127.0.0.1", 0, on_beacon)
+    lines = []
+    for n in range(count):
+        beacon_id, key = receiver.issue(f"node-{n}")
+        lines.append(f"{receiver.port} {beacon_id.hex()} {key.hex()}\n")
+    await asyncio.to_thread(keys_file.write_text, "".join(lines))
+    receiver.start()
+    print("ready", flush=True)
+    await asyncio.to_thread(sys.stdin.read)  # until the parent closes it
+    await receiver.close()
+    print(f"taken {receiver.taken} dropped {sum(receiver.refused.values())}", flush=True)
+
+
+async def send(keys_file: Path, first: int, count: int) -> None:
+    """Beacons of the nodes of lines `first`..`first + count` of `keys_file`, as node daemons
+    send them, their starts spread over an interval; then idle until killed."""
+    keys = (await asyncio.to_thread(keys_file.read_text)).splitlines()[first : first + count]
+    senders = []
+    for line in keys:
+        port, beacon_id, key = line.split()
+        senders.append(
+            BeaconSender.start(
+                "127.0.0.1",
+                bpb.Beacon(
+                    port=int(port),
+                    id=bytes.fromhex(beacon_id),
+                    key=bytes.fromhex(key),
+                    interval_ms=BEACON_INTERVAL_MS,
+                ),
+            )
+        )
+        await asyncio.sleep(BEACON_INTERVAL_MS / 1000 / max(len(keys), 1))
+    print(f"sending {sum(s is not None for s in senders)}", flush=True)
+    await asyncio.sleep(86400)
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def child(*args: str) -> subprocess.Popen[str]:
+def child(*args: str, stdin: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "bench.ping_cost", *args],
         stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
+        stdin=stdin,
         text=True,
     )
 
@@ -141,6 +200,49 @@ def measure(
             process.wait()
 
 
+def measure_beacons(beacons: bool, connections: int, seconds: float, tmp: Path) -> dict[str, Any]:
+    """One beacon arm: the reader's cores over `seconds` holding keys for `connections`
+    nodes, which beacon (`beacons`) or not; with what it took and dropped in all."""
+    keys_file = tmp / "beacon-keys"
+    reader = child("--receive", str(connections), str(keys_file), stdin=subprocess.PIPE)
+    processes = [reader]
+    try:
+        first_line(reader, "beacon reader")
+        senders = []
+        if beacons:
+            shares = [connections // CLIENT_PROCESSES] * CLIENT_PROCESSES
+            shares[0] += connections - sum(shares)
+            starts = [sum(shares[:k]) for k in range(len(shares))]
+            senders = [
+                child("--send", str(keys_file), str(start), str(n))
+                for start, n in zip(starts, shares, strict=True)
+                if n
+            ]
+            processes += senders
+        sending = sum(int(first_line(c, "beacon sender").split()[1]) for c in senders)
+        time.sleep(SETTLE_S)
+        before, started = cpu_seconds(reader.pid), time.monotonic()
+        time.sleep(seconds)
+        used, took = cpu_seconds(reader.pid) - before, time.monotonic() - started
+        for sender in senders:  # no more beacons, then the reader's count
+            sender.kill()
+            sender.wait()
+        assert reader.stdin is not None and reader.stdout is not None
+        reader.stdin.close()
+        counts = reader.stdout.readline().split()
+        return {
+            "beacons": beacons,
+            "senders": sending,
+            "reader_cores": round(used / took, 4),
+            "taken": int(counts[1]) if counts else 0,
+            "dropped": int(counts[3]) if counts else -1,
+        }
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
 def make_certificates(tls_dir: Path) -> None:
     ca, ca_key = make_ca("bench.ping_cost CA")
     cert, key = issue(ca, ca_key, "127.0.0.1", ["localhost"], ["127.0.0.1"])
@@ -156,8 +258,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="200 connections over 3 s")
-    parser.add_argument("--connections", type=int, help="idle connections (2000; 200 quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help="200 connections (and beaconing nodes) over 3 s"
+    )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        help="idle connections, and beaconing nodes (2000; 200 quick)",
+    )
     parser.add_argument("--seconds", type=float, help="CPU counted over (20; 3 quick)")
     parser.add_argument(
         "--interval",
@@ -173,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--connect", nargs=3, metavar=("PORT", "N", "TLS_DIR"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--receive", nargs=2, metavar=("N", "KEYS"), help=argparse.SUPPRESS)
+    parser.add_argument("--send", nargs=3, metavar=("KEYS", "FIRST", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         port, interval_ms, tls_dir = args.serve
@@ -183,6 +293,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         port, count, tls_dir = args.connect
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(connect(int(port), int(count), Path(tls_dir)))
+        return 0
+    if args.receive:
+        count, keys_file = args.receive
+        asyncio.run(receive(int(count), Path(keys_file)))
+        return 0
+    if args.send:
+        keys_file, first, count = args.send
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(send(Path(keys_file), int(first), int(count)))
         return 0
     connections = args.connections or (200 if args.quick else 2000)
     seconds = args.seconds or (3.0 if args.quick else 20.0)
@@ -199,11 +318,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(2)
             for pings in (False, True)
         ]
+        beacon_runs = [
+            measure_beacons(beacons, connections, seconds, Path(tmp))
+            for _ in range(2)
+            for beacons in (False, True)
+        ]
     none = [r["server_cores"] for r in runs if not r["pings"]]
     pinged = [r["server_cores"] for r in runs if r["pings"]]
     pings_per_s = connections / interval
     per_ping_us = [
         round((p - n) / pings_per_s * 1e6, 1) for n, p in zip(none, pinged, strict=True)
+    ]
+    silent = [r["reader_cores"] for r in beacon_runs if not r["beacons"]]
+    beaconed = [r["reader_cores"] for r in beacon_runs if r["beacons"]]
+    beacons_per_s = connections / (BEACON_INTERVAL_MS / 1000)
+    per_beacon_us = [
+        round((b - n) / beacons_per_s * 1e6, 1) for n, b in zip(silent, beaconed, strict=True)
     ]
     result = {
         "connections": connections,
@@ -212,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pings_per_s": pings_per_s,
         "runs": runs,
         "per_ping_us": per_ping_us,
+        "beacons_per_s": beacons_per_s,
+        "beacon_runs": beacon_runs,
+        "per_beacon_us": per_beacon_us,
     }
     print(
         f"{connections} idle TLS connections, one open stream each, a grpc.aio server "
@@ -220,11 +353,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"each ({pings_per_s:.0f} pings/s) {', '.join(f'{c:.3f}' for c in pinged)} cores: "
         f"{', '.join(f'{u:g}' for u in per_ping_us)} µs of gRPC core's CPU per ping"
     )
+    print(
+        f"the broker's beacon reader holding {connections} nodes' keys: its CPU over "
+        f"{seconds:g} s with no beacons {', '.join(f'{c:.3f}' for c in silent)} cores; with "
+        f"a beacon a second from each ({beacons_per_s:.0f}/s) "
+        f"{', '.join(f'{c:.3f}' for c in beaconed)} cores: "
+        f"{', '.join(f'{u:g}' for u in per_beacon_us)} µs per beacon; taken "
+        f"{', '.join(str(r['taken']) for r in beacon_runs if r['beacons'])}, dropped "
+        f"{sum(r['dropped'] for r in beacon_runs)}"
+    )
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     short = [r for r in runs if r["connections"] != connections]
-    return 1 if short else 0
+    # Every node beaconed through the window (settle included), and nothing was dropped.
+    lost = [
+        r
+        for r in beacon_runs
+        if r["beacons"] and (r["senders"] != connections or r["taken"] < connections * seconds)
+    ]
+    dropped = [r for r in beacon_runs if r["dropped"] != 0]
+    return 1 if short or lost or dropped else 0
 
 
 if __name__ == "__main__":

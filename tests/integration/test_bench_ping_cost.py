@@ -1,6 +1,7 @@
-"""`python -m bench.ping_cost`, what the node port's keepalive pings cost a gRPC server, on a
-few connections: every connection opens its stream and is held through both arms, and the
-figures come out per run and per ping."""
+"""`python -m bench.ping_cost`, what liveness costs a Python server per node, on a few nodes:
+every connection opens its stream and is held through both ping arms; every node's beacons
+reach the broker's real beacon reader through both beacon arms, none dropped; the figures
+come out per run, per ping and per beacon."""
 
 from __future__ import annotations
 
@@ -24,3 +25,15 @@ def test_every_connection_is_held_through_both_arms_twice(tmp_path: Path) -> Non
     assert result["pings_per_s"] == 40 / result["ping_interval_s"]
     assert len(result["per_ping_us"]) == 2
     assert "µs of gRPC core's CPU per ping" in done.stdout
+    beacons = result["beacon_runs"]
+    assert [r["beacons"] for r in beacons] == [False, True, False, True]
+    for run in beacons:
+        assert run["dropped"] == 0, run
+        if run["beacons"]:
+            # 40 nodes, a beacon a second each, through the settle and the window.
+            assert run["senders"] == 40 and run["taken"] >= 40 * 1, run
+        else:
+            assert run["senders"] == 0 and run["taken"] == 0, run
+    assert result["beacons_per_s"] == 40
+    assert len(result["per_beacon_us"]) == 2
+    assert "µs per beacon" in done.stdout
