@@ -4,10 +4,17 @@ A deployment whose replica is gone or exited is placed again; a standby whose re
 is retired; a replica nobody claims (no deployment, move, hold or standby) is stopped once it
 has been unclaimed past the orphan grace. A report that needs nothing (the usual heartbeat)
 costs no task; one reconciliation per node at a time, a report arriving meanwhile replacing
-the one waiting."""
+the one waiting.
+
+A node reports its replicas when they change, and otherwise only with its usage sample (every
+`--sample-interval`, 20 s by default): so an orphan's grace is not left to the next report,
+which may be that far off. When one is first seen, its node's latest report is reconciled
+again as the grace ends (`_orphan_due`); if a newer report came meanwhile, that one is.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -25,6 +32,11 @@ from broker.state import DeploymentRecord, DeploymentState
 from broker.values import BrokerSettings, Standby
 
 logger = logging.getLogger(__name__)
+
+ORPHAN_DUE_MARGIN_S = 0.1
+"""How long after an orphan's grace its node's report is judged again: asyncio may run a
+timer up to its clock's resolution early, and a replica judged a hair before its grace
+would wait for the next report."""
 
 
 @dataclass(slots=True)
@@ -63,6 +75,8 @@ class Reconciler:
         self._settings = settings
         self._orphans: dict[tuple[str, str], float] = {}
         """(node id, replica id) -> when first seen unclaimed (monotonic)."""
+        self._reports: dict[str, Reported] = {}
+        """node id -> the replicas of its latest report (for `_orphan_due`)."""
         self._reconciling: dict[str, Reported | None] = {}
         """node id -> the replicas of its latest heartbeat not yet reconciled (None: none
         waiting) while a reconciliation of the node runs."""
@@ -71,6 +85,7 @@ class Reconciler:
         """Reconcile the node with `replicas`: at once when that needs no action (the usual
         heartbeat: no task made), else in the background. One reconciliation per node at a
         time; a report arriving meanwhile replaces the one waiting."""
+        self._reports[node_id] = replicas
         if node_id in self._reconciling:
             self._reconciling[node_id] = replicas
             return
@@ -145,9 +160,22 @@ class Reconciler:
                 self._orphans.pop((node_id, replica), None)
                 continue
             first = self._orphans.setdefault((node_id, replica), now)
+            if first == now:  # first seen: judged again as its grace ends
+                asyncio.get_running_loop().call_later(
+                    self._settings.orphan_grace_s + ORPHAN_DUE_MARGIN_S, self._orphan_due, node_id
+                )
             if now - first >= self._settings.orphan_grace_s:
                 plan.stop.append(replica)
         return plan
+
+    def _orphan_due(self, node_id: str) -> None:
+        """An orphan of `node_id` has reached its grace: reconcile the node's latest report
+        again, without waiting for its next one; not for a node that is no longer live (its
+        report is stale: what it runs is told by its next registration)."""
+        replicas = self._reports.get(node_id)
+        entry = self._registry.nodes.get(node_id)
+        if replicas is not None and entry is not None and self._registry.is_live(entry):
+            self.schedule(node_id, replicas)
 
     async def _reconcile(self, entry: NodeEntry, plan: _Reconciliation) -> None:
         """Do what `_plan` found: place again, retire, stop."""
