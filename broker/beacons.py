@@ -3,9 +3,10 @@ node port's number, the keys issued to heartbeat streams, and a reader that take
 
 Why UDP: a live node must say so every second, and the cheapest way a Python broker hears
 2,000 nodes say it is a datagram each, read in batches: every `DRAIN_S` the reader takes all
-the datagrams waiting in the socket's buffer (about 8 µs each here, MAC included; one event
-loop wake-up per datagram would cost five times that), where an HTTP/2 ping costs gRPC's
-core about 130 µs and a message on a stream a few hundred (docs/BENCHMARKS.md). A beacon is
+the datagrams waiting in the socket's buffer (11-12 µs each here, MAC and the registry's
+renewal included, `python -m bench.ping_cost`; read as each arrives, every datagram would be
+an event loop wake-up of its own), where an HTTP/2 ping costs gRPC's core 110-140 µs and a
+message on a stream a few hundred (docs/BENCHMARKS.md). A beacon is
 sent by the node daemon's event loop, so it proves more than a ping, which gRPC's core
 answers even while that loop hangs.
 

@@ -19,7 +19,7 @@ stops beaconing and is lost after `lost_after_s`, one killed breaks its stream (
 A node whose beacons never arrive (UDP filtered) keeps the long lease, which the node port's
 rare HTTP/2 keepalive pings (`broker.server.NODE_KEEPALIVE`) back, and is logged. A node
 that cannot beacon (an older daemon) renews every `lost_after_s / LEASE_RENEWALS` as on the
-clients' port. Liveness costs the broker about 8 µs per node per second (issue 51).
+clients' port. A beacon costs the broker about 12 µs (`bench.ping_cost`; issue 51).
 
 A change placement must see (a node registered, lost, back, drained, its load) is told to
 `on_change(node_id, load_only)`: the placement applier (`broker.applier`) marks the node's
