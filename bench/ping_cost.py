@@ -165,6 +165,21 @@ def child(*args: str, stdin: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
     )
 
 
+def shares(count: int) -> list[int]:
+    """`count` split over the client processes, the first taking the remainder."""
+    split = [count // CLIENT_PROCESSES] * CLIENT_PROCESSES
+    split[0] += count - sum(split)
+    return split
+
+
+def settled_cores(pid: int, seconds: float) -> float:
+    """After `SETTLE_S`, the cores process `pid` used over `seconds`."""
+    time.sleep(SETTLE_S)
+    before, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return round((cpu_seconds(pid) - before) / (time.monotonic() - started), 4)
+
+
 def first_line(process: subprocess.Popen[str], what: str) -> str:
     assert process.stdout is not None
     line = process.stdout.readline().strip()
@@ -184,16 +199,13 @@ def measure(
     processes = [server]
     try:
         first_line(server, "server")
-        shares = [connections // CLIENT_PROCESSES] * CLIENT_PROCESSES
-        shares[0] += connections - sum(shares)
-        clients = [child("--connect", str(port), str(n), str(tls_dir)) for n in shares if n]
+        clients = [
+            child("--connect", str(port), str(n), str(tls_dir)) for n in shares(connections) if n
+        ]
         processes += clients
         opened = sum(int(first_line(c, "client").split()[1]) for c in clients)
-        time.sleep(SETTLE_S)
-        before, started = cpu_seconds(server.pid), time.monotonic()
-        time.sleep(seconds)
-        used, took = cpu_seconds(server.pid) - before, time.monotonic() - started
-        return {"pings": pings, "connections": opened, "server_cores": round(used / took, 4)}
+        cores = settled_cores(server.pid, seconds)
+        return {"pings": pings, "connections": opened, "server_cores": cores}
     finally:
         for process in processes:
             process.kill()
@@ -210,32 +222,28 @@ def measure_beacons(beacons: bool, connections: int, seconds: float, tmp: Path) 
         first_line(reader, "beacon reader")
         senders = []
         if beacons:
-            shares = [connections // CLIENT_PROCESSES] * CLIENT_PROCESSES
-            shares[0] += connections - sum(shares)
-            starts = [sum(shares[:k]) for k in range(len(shares))]
+            counts = shares(connections)
+            starts = [sum(counts[:k]) for k in range(len(counts))]
             senders = [
                 child("--send", str(keys_file), str(start), str(n))
-                for start, n in zip(starts, shares, strict=True)
+                for start, n in zip(starts, counts, strict=True)
                 if n
             ]
             processes += senders
         sending = sum(int(first_line(c, "beacon sender").split()[1]) for c in senders)
-        time.sleep(SETTLE_S)
-        before, started = cpu_seconds(reader.pid), time.monotonic()
-        time.sleep(seconds)
-        used, took = cpu_seconds(reader.pid) - before, time.monotonic() - started
+        cores = settled_cores(reader.pid, seconds)
         for sender in senders:  # no more beacons, then the reader's count
             sender.kill()
             sender.wait()
         assert reader.stdin is not None and reader.stdout is not None
         reader.stdin.close()
-        counts = reader.stdout.readline().split()
+        said = reader.stdout.readline().split()
         return {
             "beacons": beacons,
             "senders": sending,
-            "reader_cores": round(used / took, 4),
-            "taken": int(counts[1]) if counts else 0,
-            "dropped": int(counts[3]) if counts else -1,
+            "reader_cores": cores,
+            "taken": int(said[1]) if said else 0,
+            "dropped": int(said[3]) if said else -1,
         }
     finally:
         for process in processes:
