@@ -60,6 +60,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -87,6 +88,8 @@ from bench.chaos_fuzz import Known, call_raw, random_requests
 from bench.relay import SourceRelay
 from broker.errors import MESSAGE_CHARS
 from broker.state.api_keys import new_api_key
+from common.beacons import BEACON_BYTES
+from common.beacons import VERSION as BEACON_VERSION
 from edge_client.client import OffloadClient
 from edge_client.demo.cluster import ClusterError, LocalCluster
 from edge_client.demo.run import install_stop_signals, keep_logs
@@ -130,6 +133,12 @@ FAULTED = frozenset(
 )
 """What a call may answer while the broker or a node is killed under it."""
 CALL_TIMEOUT_S = 10.0
+BEACON_FUZZ_PER_FIELD_CALL = 10
+"""Random datagrams of each kind the fuzz sends the beacon port per random-field call."""
+BEACON_SETTLE_S = 1.0
+"""How long after the fuzz's datagrams `/metrics` is read again (the broker reads its beacon
+socket every 100 ms)."""
+BEACON_SERIES = re.compile(r'^offload_node_beacons_total\{result="([a-z]+)"\} (\S+)$', re.M)
 DEPLOY_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 30.0
 BOGUS_PAUSE_S = 0.1
@@ -966,8 +975,58 @@ class Chaos:
                     " the fuzz reached none of its handlers (the credential the suite shows it "
                     "no longer opens it)"
                 )
+        await self.fuzz_beacons(http)
         if await self.ops(http, "migrations") is None:
             self.current.errors.append("/api/migrations does not answer 200 after the fuzz")
+
+    async def fuzz_beacons(self, http: aiohttp.ClientSession) -> None:
+        """Random datagrams at the node port's number on UDP, where the broker takes the
+        nodes' beacons (`broker.beacons`): random bytes of random lengths, and beacon-shaped
+        ones (the version byte, then a random id, counter and MAC). None may be taken; each
+        must be counted dropped in `/metrics` (`offload_node_beacons_total`), while the
+        nodes' own beacons go on being taken."""
+        rng = random.Random(f"{self.rng.random()}beacons")
+        count = BEACON_FUZZ_PER_FIELD_CALL * self.mode.fuzz_field_calls
+        datagrams = [rng.randbytes(rng.randrange(0, 80)) for _ in range(count)]
+        datagrams += [
+            bytes([BEACON_VERSION]) + rng.randbytes(BEACON_BYTES - 1) for _ in range(count)
+        ]
+        before = await self.beacon_counts(http)
+        host, _, port = self.cluster.registry_address.rpartition(":")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            for datagram in datagrams:
+                sender.sendto(datagram, (host, int(port)))
+        await asyncio.sleep(BEACON_SETTLE_S)
+        after = await self.beacon_counts(http)
+        if before is None or after is None:
+            self.current.errors.append("/metrics does not answer 200 around the beacon fuzz")
+            return
+        moved = {result: after.get(result, 0) - before.get(result, 0) for result in after}
+        counts = self.current.calls.setdefault("NodeBeacons (UDP)", Counter())
+        for result, delta in sorted(moved.items()):
+            if delta and result != "taken":
+                counts[result] += int(delta)
+        dropped = sum(d for r, d in moved.items() if r != "taken")
+        if dropped != len(datagrams):
+            self.current.errors.append(
+                f"{len(datagrams)} random datagrams sent to the beacon port, {dropped:g} "
+                "counted dropped"
+            )
+        if moved.get("taken", 0) <= 0:
+            self.current.errors.append("no node beacon was taken while the beacon port was fuzzed")
+
+    async def beacon_counts(self, http: aiohttp.ClientSession) -> dict[str, float] | None:
+        """`offload_node_beacons_total` by result, from `/metrics`; None when it does not
+        answer 200."""
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with http.get(
+                f"{self.cluster.ops_url}metrics", headers=self.ops_headers
+            ) as response:
+                if response.status == 200:
+                    return {
+                        m[1]: float(m[2]) for m in BEACON_SERIES.finditer(await response.text())
+                    }
+        return None
 
     def runs(self) -> dict[str, Callable[[aiohttp.ClientSession], Awaitable[None]]]:
         return {

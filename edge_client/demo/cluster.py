@@ -199,7 +199,7 @@ class LocalCluster:
     @property
     def registry_address(self) -> str:
         """The broker's NodeRegistry port (`--node-listen`), where the nodes register: a
-        port of their own, as in production, which pings them (`--node-lease`)."""
+        port of their own, as in production, whose number on UDP takes their beacons."""
         return f"127.0.0.1:{self.node_port}"
 
     @property
