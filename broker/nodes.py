@@ -452,16 +452,28 @@ class NodeRegistry:
         if not entry.beaconing:
             entry.beaconing = True
             logger.debug("node=%s beacons", node_id)
-        self.renew(node_id)
+        self.renew(node_id, beacon=True)
 
-    def renew(self, node_id: str) -> NodeEntry:
+    def renew(self, node_id: str, beacon: bool = False) -> NodeEntry:
         """Renew the node's lease, at once (the liveness path never waits); a lost node is
-        back. NotFound when the node is unknown (it registers again)."""
+        back. A beaconing node lost for its beacons' silence and heard again on its stream
+        (not by a `beacon`) has lost its UDP path, not its life: its lease is its stream's
+        again (`lease_s`) until a beacon comes, instead of being lost again at once. NotFound
+        when the node is unknown (it registers again)."""
         entry = self._nodes.get(node_id)
         if entry is None:
             raise NotFound(f"node {node_id} is not registered; register again")
         entry.last_heartbeat = time.monotonic()
         if entry.record.state is NodeState.LOST:
+            if entry.beaconing and not beacon:
+                entry.beaconing = False
+                logger.warning(
+                    "node=%s: heard on its stream while its beacons are silent (UDP to port "
+                    "%d lost?): its liveness is its lease, --node-lease %ss, until they come",
+                    node_id,
+                    self.beacons.port if self.beacons is not None else 0,
+                    self.node_lease_s,
+                )
             entry.record = replace(entry.record, state=NodeState.READY)
             self._on_change(node_id, False)
             set_state = self._core.store.set_node_state

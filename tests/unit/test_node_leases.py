@@ -219,6 +219,28 @@ async def test_a_node_s_beacons_are_its_liveness_and_their_silence_loses_it(
     assert entry.record.state is NodeState.READY
 
 
+async def test_a_node_lost_for_silent_beacons_and_heard_on_its_stream_holds_the_long_lease(
+    pinged: Broker,
+) -> None:
+    """Its UDP path lost, not its life: back on its stream's next message, it keeps the long
+    lease (not lost again `--lost-after` later) until a beacon comes again."""
+    registry = pinged.registry
+    receiver = registry.beacons
+    assert receiver is not None
+    stream = object()
+    registry.stream_opened("n1", stream)
+    issued = registry.issue_beacon("n1", stream)
+    assert issued is not None
+    assert await taken(receiver, [beacon(*issued, 1)]) == 1
+    assert await lost_within(pinged, registry.lost_after_s + 1.0) == ["n1"]
+    entry = registry.renew("n1")  # a message on its stream
+    assert entry.record.state is NodeState.READY and not entry.beaconing
+    assert await lost_within(pinged, registry.lost_after_s + 1.0) == []
+    assert await taken(receiver, [beacon(*issued, 2)]) == 1
+    assert entry.beaconing
+    assert await lost_within(pinged, registry.lost_after_s + 1.0) == ["n1"]
+
+
 async def test_forged_replayed_unknown_and_malformed_datagrams_renew_nothing(
     pinged: Broker,
 ) -> None:
