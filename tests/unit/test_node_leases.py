@@ -17,6 +17,7 @@ import pytest
 
 from broker.beacons import BeaconReceiver
 from broker.errors import NotFound
+from broker.nodes import NodeRegistry
 from broker.server import DEFAULT_NODE_LEASE_S, config_from_args
 from broker.service import Broker
 from broker.state import NodeState
@@ -55,6 +56,17 @@ async def pinged(tmp_path: Path) -> AsyncIterator[Broker]:
             yield running
         finally:
             await receiver.close()
+
+
+def keyed_stream(registry: NodeRegistry) -> tuple[BeaconReceiver, object, tuple[bytes, bytes]]:
+    """n1's stream opened and given a beacon key: the receiver, the stream, (id, key)."""
+    receiver = registry.beacons
+    assert receiver is not None
+    stream = object()
+    registry.stream_opened("n1", stream)
+    issued = registry.issue_beacon("n1", stream)
+    assert issued is not None
+    return receiver, stream, issued
 
 
 async def taken(receiver: BeaconReceiver, datagrams: list[bytes]) -> int:
@@ -201,13 +213,7 @@ async def test_a_node_s_beacons_are_its_liveness_and_their_silence_loses_it(
     `--lost-after` again (a daemon paused stops beaconing): silent that long, it is lost,
     its stream still open; its next beacon brings it back."""
     registry = pinged.registry
-    receiver = registry.beacons
-    assert receiver is not None
-    stream = object()
-    registry.stream_opened("n1", stream)
-    issued = registry.issue_beacon("n1", stream)
-    assert issued is not None
-    beacon_id, key = issued
+    receiver, stream, (beacon_id, key) = keyed_stream(registry)
     entry = pinged.nodes["n1"]
     entry.last_heartbeat = time.monotonic() - 10 * registry.lost_after_s
     assert await taken(receiver, [beacon(beacon_id, key, 1), beacon(beacon_id, key, 2)]) == 2
@@ -225,12 +231,7 @@ async def test_a_node_lost_for_silent_beacons_and_heard_on_its_stream_holds_the_
     """Its UDP path lost, not its life: back on its stream's next message, it keeps the long
     lease (not lost again `--lost-after` later) until a beacon comes again."""
     registry = pinged.registry
-    receiver = registry.beacons
-    assert receiver is not None
-    stream = object()
-    registry.stream_opened("n1", stream)
-    issued = registry.issue_beacon("n1", stream)
-    assert issued is not None
+    receiver, _, issued = keyed_stream(registry)
     assert await taken(receiver, [beacon(*issued, 1)]) == 1
     assert await lost_within(pinged, registry.lost_after_s + 1.0) == ["n1"]
     entry = registry.renew("n1")  # a message on its stream
@@ -248,16 +249,9 @@ async def test_forged_replayed_unknown_and_malformed_datagrams_renew_nothing(
     a counter not above the last taken, a key withdrawn with its stream, and a datagram of
     another shape are each dropped and counted, and the node's lease is not renewed."""
     registry = pinged.registry
-    receiver = registry.beacons
-    assert receiver is not None
-    old, new = object(), object()
-    registry.stream_opened("n1", old)
-    old_key = registry.issue_beacon("n1", old)
-    assert old_key is not None
-    registry.stream_opened("n1", new)  # the old stream's key is withdrawn
-    issued = registry.issue_beacon("n1", new)
-    assert issued is not None
-    beacon_id, key = issued
+    _, _, old_key = keyed_stream(registry)
+    # A new stream: the old stream's key is withdrawn.
+    receiver, _, (beacon_id, key) = keyed_stream(registry)
     assert await taken(receiver, [beacon(beacon_id, key, 5)]) == 1
     entry = pinged.nodes["n1"]
     heard = entry.last_heartbeat = time.monotonic() - 10 * registry.lost_after_s
