@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -46,7 +47,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -81,6 +82,8 @@ class Servers:
     metrics: list[str]
     logs: list[Path]
     batching: bool
+    client_cpus: frozenset[int] | None = None
+    """The CPUs its clients run on, apart from the replica's (`--pin-priority`); None: any."""
 
 
 @dataclass
@@ -135,14 +138,38 @@ def ort_ceiling(
 # ---- the replicas ----------------------------------------------------------------------
 
 
+def _pinned(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """A child's `preexec_fn` keeping it (and the threads it starts) on `cpus`."""
+    if cpus is None:
+        return None
+    return functools.partial(os.sched_setaffinity, 0, cpus)
+
+
+def split_cpus() -> tuple[frozenset[int], frozenset[int]] | None:
+    """This process's CPUs in two halves, the replica's and its clients', as a device and
+    its server are two machines; None with fewer than 2."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return frozenset(cpus[:half]), frozenset(cpus[half:])
+
+
 async def start_servers(
-    name: str, model: Path, workdir: Path, workers: int, flags: Sequence[str]
+    name: str,
+    model: Path,
+    workdir: Path,
+    workers: int,
+    flags: Sequence[str],
+    cpus: tuple[frozenset[int], frozenset[int]] | None = None,
 ) -> Servers:
     """`workers` runtime processes on one port, each ready; SystemExit with its log's tail
     when one does not become ready."""
     classes = _write_tokens(workdir)
     port = 0
-    servers = Servers(name, model.stem, "", [], [], [], batching=False)
+    servers = Servers(
+        name, model.stem, "", [], [], [], batching=False, client_cpus=cpus and cpus[1]
+    )
     for index in range(workers):
         log = workdir / f"runtime-{index}.log"
         with log.open("wb") as out:
@@ -151,7 +178,7 @@ async def start_servers(
                 "--name", model.stem, "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", "0", "--token-file", str(workdir / "token"),
                 "--class-tokens", str(classes), *flags,
-                stdout=out, stderr=out, cwd=REPO_ROOT,
+                stdout=out, stderr=out, cwd=REPO_ROOT, preexec_fn=_pinned(cpus and cpus[0]),
             )  # fmt: skip
         servers.processes.append(process)
         servers.logs.append(log)
@@ -206,9 +233,14 @@ async def stop_servers(servers: Servers) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(
-    name: str, model: Path, workdir: Path, workers: int, flags: Sequence[str]
+    name: str,
+    model: Path,
+    workdir: Path,
+    workers: int,
+    flags: Sequence[str],
+    cpus: tuple[frozenset[int], frozenset[int]] | None = None,
 ) -> AsyncIterator[Servers]:
-    servers = await start_servers(name, model, workdir, workers, flags)
+    servers = await start_servers(name, model, workdir, workers, flags, cpus)
     try:
         yield servers
     finally:
@@ -297,15 +329,13 @@ class GpuSampler:
 async def run_block(
     servers: Servers,
     kind: str,
-    tokens: Sequence[str],
+    shares: Sequence[Sequence[str]],
     seconds: float,
-    processes: int,
     inputs: Path,
     workdir: Path,
 ) -> Block:
-    """Closed-loop clients, one per token, from `processes` client processes at once."""
-    shares = [list(tokens[i::processes]) for i in range(processes)]
-    shares = [s for s in shares if s]
+    """Closed-loop clients, one per token, from one client process per share at once."""
+    tokens = [t for share in shares for t in share]
     start_at = time.time() + START_MARGIN_S + 0.02 * len(tokens)
     children = []
     outs = []
@@ -327,6 +357,7 @@ async def run_block(
                 str(spec_file),
                 str(out),
                 cwd=REPO_ROOT,
+                preexec_fn=_pinned(servers.client_cpus),
             )
         )
     await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -380,12 +411,15 @@ async def run_block(
     )
 
 
-def client_processes(clients: int, asked: int | None) -> int:
-    """Load processes for `clients`: as asked, else one per four CPUs of this machine (at
-    least one, at most one per client)."""
+def client_shares(tokens: Sequence[str], asked: int | None) -> list[list[str]]:
+    """`tokens` split over the load processes: as many as asked, else one per four CPUs of
+    this machine (at least one, at most one per client)."""
+    clients = len(tokens)
     if asked:
-        return max(1, min(asked, clients))
-    return max(1, min(clients, (os.cpu_count() or 2) // 4))
+        processes = max(1, min(asked, clients))
+    else:
+        processes = max(1, min(clients, (os.cpu_count() or 2) // 4))
+    return [list(tokens[i::processes]) for i in range(processes)]
 
 
 # ---- what the figures say --------------------------------------------------------------
@@ -472,7 +506,9 @@ def verdicts(blocks: list[Block], priority: dict[str, Any] | None, delay_us: flo
             f"{PRIORITY_RATIO_TARGET}x); best-effort clients answered: "
             f"{priority['best_effort_min_answers']} at least each "
             f"({'none starved' if priority['best_effort_min_answers'] > 0 else 'STARVED'}); "
-            f"compute shares {priority['shares']}"
+            f"compute shares {priority['shares']}; {priority['critical_answers']} critical "
+            f"answers; replica and clients "
+            f"{'on separate CPUs' if priority['pinned'] else 'sharing the CPUs'}"
         )
     return lines
 
@@ -544,8 +580,8 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
             for clients in args.clients:
                 for kind in args.kinds:
                     block = await run_block(
-                        servers, kind, [TOKEN] * clients, args.seconds,
-                        client_processes(clients, args.client_processes), inputs, workdir,
+                        servers, kind, client_shares([TOKEN] * clients, args.client_processes),
+                        args.seconds, inputs, workdir,
                     )  # fmt: skip
                     blocks.append(block)
                     print(
@@ -553,8 +589,11 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
                         f"p99 {block.latency.get('p99', 0):.2f} ms, batch {block.mean_batch:.1f}",
                         flush=True,
                     )
-            if config == "on" and args.priority_clients:
-                priority = await priority_arm(servers, args, inputs, workdir)
+    if args.priority_clients:
+        on_flags = configs[1][2]
+        cpus = split_cpus() if args.pin_priority else None
+        async with serving("priority", model, workdir / "priority", 1, on_flags, cpus) as servers:
+            priority = await priority_arm(servers, args, inputs, workdir)
     print_table(name, ceiling, blocks)
     lines = verdicts(blocks, priority, args.max_queue_delay_us)
     for line in lines:
@@ -574,24 +613,17 @@ async def priority_arm(
     servers: Servers, args: argparse.Namespace, inputs: Path, workdir: Path
 ) -> dict[str, Any]:
     """4 critical clients alone, then among `args.priority_clients` best-effort ones."""
-    tokens = [CRITICAL_TOKEN] * CRITICAL_CLIENTS
-    processes = client_processes(CRITICAL_CLIENTS, args.client_processes)
-    alone = await run_block(servers, "ours", tokens, args.seconds, processes, inputs, workdir)
-    mixed_tokens = tokens + [BEST_EFFORT_TOKEN] * args.priority_clients
-    # Critical clients first in every process's share (tokens[i::processes]).
-    processes = client_processes(len(mixed_tokens), args.client_processes)
+    critical_tokens = [CRITICAL_TOKEN] * CRITICAL_CLIENTS
+    seconds = args.priority_seconds
+    alone = await run_block(servers, "ours", [critical_tokens], seconds, inputs, workdir)
+    # The critical clients keep their own process, as alone: devices are apart, and a
+    # critical call must not wait in a load process's loop behind best-effort ones.
+    best_effort = client_shares([BEST_EFFORT_TOKEN] * args.priority_clients, args.client_processes)
     mixed = await run_block(
-        servers, "ours", mixed_tokens, args.seconds, processes, inputs, workdir
+        servers, "ours", [critical_tokens, *best_effort], seconds, inputs, workdir
     )
-    shares = [mixed_tokens[i::processes] for i in range(processes)]
-    critical: list[float] = []
-    best_effort_answers: list[int] = []
-    order = [t for share in shares for t in share]
-    for token, samples in zip(order, mixed.per_client, strict=True):
-        if token == CRITICAL_TOKEN:
-            critical += samples
-        else:
-            best_effort_answers.append(len(samples))
+    critical = [v for samples in mixed.per_client[:CRITICAL_CLIENTS] for v in samples]
+    best_effort_answers = [len(samples) for samples in mixed.per_client[CRITICAL_CLIENTS:]]
     alone_p99 = tail_percentiles([v for c in alone.per_client for v in c])["p99"]
     critical_p99 = tail_percentiles(critical)["p99"]
     return {
@@ -600,7 +632,9 @@ async def priority_arm(
         "critical_p99": critical_p99,
         "ratio": critical_p99 / alone_p99,
         "best_effort_min_answers": min(best_effort_answers),
-        "best_effort_rate": sum(best_effort_answers) / args.seconds,
+        "best_effort_rate": sum(best_effort_answers) / seconds,
+        "critical_answers": len(critical),
+        "pinned": servers.client_cpus is not None,
         "shares": {k: round(v, 3) for k, v in class_shares(mixed.scrape).items()},
         "failures": mixed.failures,
     }
@@ -632,6 +666,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--priority-clients", type=int, default=None,
         help="best-effort clients of the priority arm (default 60; quick 12; 0: no arm)",
     )  # fmt: skip
+    parser.add_argument(
+        "--priority-seconds", type=float, default=None,
+        help="per block of the priority arm (10; quick 1.5): ResNet-18 on a CPU answers a few "
+        "dozen calls a second, and a p99 wants hundreds",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pin-priority", action=argparse.BooleanOptionalAction, default=True,
+        help="run the priority arm's replica on half of this machine's CPUs and its clients "
+        "on the other half, as devices are other machines (default on, with 2 CPUs or more)",
+    )  # fmt: skip
     parser.add_argument("--client-processes", type=int, default=None)
     parser.add_argument(
         "--runtime-flags", type=str.split, default=[],
@@ -658,6 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.clients = args.clients or ([1, 16] if quick else [1, 4, 16, 64])
     args.kinds = args.kinds or (["ours"] if quick else ["ours", "triton"])
     args.seconds = args.seconds or (1.5 if quick else 4.0)
+    args.priority_seconds = args.priority_seconds or (1.5 if quick else 10.0)
     if args.priority_clients is None:
         args.priority_clients = 12 if quick else 60
     args.ceiling_batches = [1, 8] if quick else [1, 8, 32]

@@ -11,11 +11,21 @@ When a batch starts (the event loop, no thread):
 
 - an instance must be free: `--instances K` sessions, each running one batch at a time (on a
   GPU each session has its own CUDA stream, so K batches can overlap);
-- the *lead* class is chosen: critical first while its recent share of compute time is within
-  its weight's share (4 of 4+2+1 when all three are busy), else the class whose oldest request
-  has waited `max_class_wait_s` (a bounded wait: no class starves), else the class that used
-  the least compute for its weight (weighted fair sharing, 4/2/1: the resize policy's
+- the *lead* class is chosen: critical first while its recent share of the replica's time is
+  within its weight's share (4 of 4+2+1 when all three are busy), else the class whose oldest
+  request has waited `max_class_wait_s` (a bounded wait: no class starves), else the class
+  that used the least time for its weight (weighted fair sharing, 4/2/1: the resize policy's
   weights). So a critical request waits behind at most one running batch per instance;
+- a class's time is its batches' compute and, per request, its measured cost on the event
+  loop (receiving, parsing, answering: `Batcher.overhead_s`, the loop thread's CPU time per
+  request outside compute). On a CPU a small model's replica is bound by its loop, not its
+  compute, and the loop serves calls in the order they come;
+- while the critical class is active (requests queued, or more than `ACTIVE_FRACTION` of the
+  recent time used), the other classes are *paced*: together they start batches only while
+  their credit lasts, refilled at their weights' share of the wall clock (1/5 beside critical
+  alone) and spent by each batch's estimated time, a batch taking as many requests as its
+  credit pays for (one at least). Unpaced, they would fill the loop with their calls and a
+  critical call would queue behind them before it ever reached its queue here;
 - the batch takes that class's requests with one key, up to `max_batch_size` rows (one
   request of more rows runs alone), round-robin across the class's callers (the clients of
   a shared replica, `runtime.clients`; the deployment's own calls are one more caller): the
@@ -30,7 +40,9 @@ When a batch starts (the event loop, no thread):
 With `max_queue_delay_s` 0 (the default) a free instance takes what has queued at once:
 batches form from the requests that arrive while the instances are busy, so one client never
 waits for company; with D > 0 a batch that is not full waits until its oldest request has
-waited D. A batch of one request of a model that computes within `inline_below_s` runs on the
+waited D. A request that finds every session free and nothing of its class or a higher one
+queued runs at once. A batch of one request of a model that computes within
+`inline_below_s`, or of a few whose rows compute within `INLINE_BATCH_BELOW_S`, runs on the
 event loop (no thread hand-off, the latency of an unbatched call) on a CPU; any larger batch,
 and every batch on CUDA, runs in its session's own thread, so the loop keeps parsing the next
 requests while it computes. A session is run from that one thread only: ONNX Runtime's CUDA
@@ -82,14 +94,24 @@ WEIGHTS: Mapping[PriorityClass, int] = {
 policy weighs deployments the same way)."""
 
 SHARE_HALF_LIFE_S = 1.0
-"""How fast the compute used by each class is forgotten: its share is of the last few
-seconds, not of the replica's life."""
+"""How fast the time used by each class is forgotten: its share is of the last few seconds,
+not of the replica's life."""
+ACTIVE_FRACTION = 0.01
+"""A class is active while it has requests queued or has used more than this part of the
+replica's recent time (`Batcher._fraction`)."""
+OVERHEAD_WINDOW_S = 0.1
+OVERHEAD_SMOOTHING = 0.2
+"""Each request's cost on the event loop (receiving, parsing, answering) is measured over
+windows of `OVERHEAD_WINDOW_S` and smoothed by this weight per window."""
 
 MAX_BATCH_SIZE_LIMIT = 4096
 MAX_QUEUE_DELAY_LIMIT_S = 1.0
 MAX_QUEUED_LIMIT = 100_000
 MAX_INSTANCES_LIMIT = 64
 MAX_CLASS_WAIT_LIMIT_S = 60.0
+INLINE_BATCH_BELOW_S = 0.0005
+"""A batch of several requests runs on the event loop when its rows compute within this by
+the model's one-request time (a tiny model: the thread hand-off costs more than the run)."""
 CLIENT_QUEUE_SHARE = 0.5
 """The part of its class's queue bound one client may fill (rounded up): one flooding
 client leaves the other half to the others of its class."""
@@ -205,7 +227,8 @@ class _Pending:
 class _ClassState:
     queue: deque[_Pending] = field(default_factory=deque)
     used_s: float = 0.0
-    """Compute time used, decayed by `SHARE_HALF_LIFE_S`."""
+    """Time used, decayed by `SHARE_HALF_LIFE_S`: its batches' compute and its requests'
+    cost on the event loop (`Batcher.overhead_s` each)."""
     total_s: float = 0.0
     """Compute time used since the start (for the metrics)."""
     served: dict[str, int] = field(default_factory=dict)
@@ -262,7 +285,24 @@ class Batcher:
         self._turn = 0
         self._classes = {c: _ClassState() for c in CLASSES}
         self._queued = 0
+        self._next_expiry = math.inf
+        """The earliest `time.monotonic()` at which a queued request's deadline leaves less
+        than the compute time (`_drop_unwanted` looks at the queues only from then on, or
+        after a caller cancelled)."""
+        self._cancelled = False
         self._decayed_at = time.monotonic()
+        self._credit = 0.0
+        """Seconds of the replica's time the non-critical classes may still use while
+        paced; below zero they wait (`_lower_rate`)."""
+        self._credited_at = self._decayed_at
+        self._pacing = False
+        self._paced_wait_s: float | None = None
+        self._overhead_s = 0.0
+        self._window: tuple[float, float] | None = None
+        """When the overhead window began (`time.monotonic()`) and the loop thread's CPU
+        time then (`time.thread_time()`); None before the first batch."""
+        self._window_requests = 0
+        self._window_inline_s = 0.0
         # Each session has a thread of its own and is run from no other: ONNX Runtime's CUDA
         # provider keeps per-thread state, and one session run from alternating threads took
         # 10-60x its time on an H200. The threads start later, from the loop's thread, which
@@ -288,6 +328,12 @@ class Batcher:
 
     def queued_in(self, cls: PriorityClass) -> int:
         return len(self._classes[cls].queue)
+
+    @property
+    def overhead_s(self) -> float:
+        """Each request's measured cost on the event loop (its thread's CPU time outside the
+        compute it runs, per request), charged to its class beside its batch's compute."""
+        return self._overhead_s
 
     def compute_seconds(self, cls: PriorityClass) -> float:
         """Compute time the class's batches used since the start (each batch's time, whole:
@@ -322,7 +368,8 @@ class Batcher:
         if client != DEPLOYMENT and held >= self._client_bound:
             raise client_queue_full(client, held, cls, self._policy.max_queued_per_class)
         key, rows = batch_key(feeds, names)
-        if self._idle_inline(rows):
+        if self._idle_inline(rows, cls) and self._may_start(cls, time.monotonic()):
+            self._spend(cls, 1, rows)
             return self._run_now(feeds, names, cls, deadline, rows, client)
         loop = asyncio.get_running_loop()
         arrived = time.monotonic()
@@ -332,8 +379,14 @@ class Batcher:
         state.queue.append(pending)
         state.per_client[client] = held + 1
         self._queued += 1
+        if deadline is not None:
+            self._next_expiry = min(self._next_expiry, deadline - self._compute_s)
         self._schedule(loop)
-        return await pending.future
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            self._cancelled = True
+            raise
 
     async def on_each_instance(self, work: Callable[[Runner], object]) -> None:
         """Run `work` on each session in the session's own thread, all at once (before the
@@ -382,18 +435,27 @@ class Batcher:
             self._drop_unwanted(now)
             cls = self._lead(now)
             if cls is None:
+                if self._paced_wait_s is not None:
+                    self._timer = loop.call_at(
+                        loop.time() + self._paced_wait_s, self._schedule, loop
+                    )
                 return
-            batch, rows, full = self._take(self._classes[cls], peek=True)
-            wait_until = min(p.arrived for p in batch) + self._policy.max_queue_delay_s
-            if not full and now < wait_until:
-                self._timer = loop.call_at(loop.time() + (wait_until - now), self._schedule, loop)
-                return
-            batch, rows, _ = self._take(self._classes[cls], peek=False)
+            most = self._paced_requests(cls)
+            if self._policy.max_queue_delay_s:
+                batch, rows, full = self._take(self._classes[cls], peek=True, most=most)
+                wait_until = min(p.arrived for p in batch) + self._policy.max_queue_delay_s
+                if not full and now < wait_until:
+                    self._timer = loop.call_at(
+                        loop.time() + (wait_until - now), self._schedule, loop
+                    )
+                    return
+            batch, rows, _ = self._take(self._classes[cls], peek=False, most=most)
             self._queued -= len(batch)
+            self._spend(cls, len(batch), rows)
             runner = self._free.pop()
             waits = [now - p.arrived for p in batch]
-            if len(batch) == 1 and self._inline and self._padded(rows) == rows:
-                self._run_inline(runner, cls, batch[0], waits)
+            if self._runs_inline(len(batch), rows):
+                self._run_inline(runner, cls, batch, rows, waits)
             else:
                 task = loop.run_in_executor(
                     self._threads[id(runner)], _run_batch, runner, batch, rows, self._padded(rows)
@@ -404,12 +466,25 @@ class Batcher:
                     )
                 )
 
+    def _runs_inline(self, requests: int, rows: int) -> bool:
+        """Whether a batch runs on the loop: one request of a model that computes within
+        `inline_below_s`, or a few whose rows compute within `INLINE_BATCH_BELOW_S` by the
+        one-request time (the hand-off to a thread and back costs more), and no padding."""
+        if not self._inline or self._padded(rows) != rows:
+            return False
+        return requests == 1 or rows * self._compute_s <= INLINE_BATCH_BELOW_S
+
     def _padded(self, rows: int) -> int:
         return next((size for size in self._pad_to if size >= rows), rows)
 
     def _drop_unwanted(self, now: float) -> None:
         """Answer TooLate to each queued request whose deadline leaves less than the
-        compute time, and forget cancelled ones."""
+        compute time, and forget cancelled ones (a look at the queues only when one may be
+        due, or a caller cancelled: `_next_expiry`)."""
+        if now < self._next_expiry and not self._cancelled:
+            return
+        self._cancelled = False
+        self._next_expiry = math.inf
         for cls, state in self._classes.items():
             if not state.queue:
                 continue
@@ -431,22 +506,31 @@ class Batcher:
                     _forget(state, pending)
                     continue
                 kept.append(pending)
+                if pending.deadline is not None:
+                    self._next_expiry = min(self._next_expiry, pending.deadline - self._compute_s)
             self._queued -= len(state.queue) - len(kept)
             state.queue = kept
 
     def _lead(self, now: float) -> PriorityClass | None:
-        """The class whose requests form the next batch (see the module docstring)."""
+        """The class whose requests form the next batch (see the module docstring); None
+        when none may start now (`_paced_wait_s`: how long until one may, if paced)."""
         self._decay(now)
+        self._paced_wait_s = None
         busy = [c for c in CLASSES if self._classes[c].queue]
         if not busy:
             return None
         critical = PriorityClass.CRITICAL
+        lower = [c for c in busy if c is not critical]
+        lower_may = bool(lower) and self._may_start(lower[0], now)
         if critical in busy:
             weight_sum = sum(WEIGHTS[c] for c in CLASSES if self._recently_active(c))
             used_sum = sum(s.used_s for s in self._classes.values())
             share = self._classes[critical].used_s / used_sum if used_sum > 0 else 0.0
-            if share <= WEIGHTS[critical] / max(weight_sum, WEIGHTS[critical]):
+            if not lower_may or share <= WEIGHTS[critical] / max(weight_sum, WEIGHTS[critical]):
                 return critical
+        if not lower_may:
+            self._paced_wait_s = -self._credit / self._lower_rate()
+            return None
         waited = [
             (now - self._classes[c].queue[0].arrived, c)
             for c in busy
@@ -456,9 +540,58 @@ class Batcher:
             return max(waited)[1]
         return min(busy, key=lambda c: (self._classes[c].used_s / WEIGHTS[c], CLASSES.index(c)))
 
+    def _may_start(self, cls: PriorityClass, now: float) -> bool:
+        """Whether a batch of `cls` may start now: always for the critical class; for the
+        others, while the critical class is active, only with credit left (refilled at
+        `_lower_rate`, up to one request's cost)."""
+        if cls is PriorityClass.CRITICAL:
+            return True
+        self._decay(now)
+        elapsed = now - self._credited_at
+        self._credited_at = now
+        self._pacing = self._recently_active(PriorityClass.CRITICAL)
+        if not self._pacing:
+            self._credit = 0.0
+            return True
+        self._credit = min(self._credit + elapsed * self._lower_rate(), self._request_cost())
+        return self._credit >= 0
+
+    def _lower_rate(self) -> float:
+        """The part of the replica's time the non-critical classes may use together while
+        the critical class is active: their weights' share beside it (1 of 4+1 for the
+        best-effort class alone, 3 of 4+2+1 for both). Paced to it, not given what the
+        critical class leaves: a saturated event loop is a FIFO queue, and a critical call
+        arriving behind the others' calls waits for each of them."""
+        critical = WEIGHTS[PriorityClass.CRITICAL]
+        lower = sum(WEIGHTS[c] for c in CLASSES[1:] if self._recently_active(c))
+        lower = lower or WEIGHTS[PriorityClass.BEST_EFFORT]
+        return lower / (critical + lower)
+
+    @staticmethod
+    def _fraction(state: _ClassState) -> float:
+        """The part of the replica's recent time a class used (its decayed time over the
+        decayed length of time, `SHARE_HALF_LIFE_S` / ln 2)."""
+        return state.used_s * math.log(2) / SHARE_HALF_LIFE_S
+
+    def _request_cost(self) -> float:
+        return self._overhead_s + self._compute_s
+
+    def _paced_requests(self, cls: PriorityClass) -> int | None:
+        """The most requests a batch of `cls` may take: while paced, as many as the credit
+        pays for (at least one); else no bound beyond `max_batch_size`."""
+        if cls is PriorityClass.CRITICAL or not self._pacing:
+            return None
+        cost = self._request_cost()
+        return max(1, int((self._credit + cost) // cost)) if cost > 0 else None
+
+    def _spend(self, cls: PriorityClass, requests: int, rows: int) -> None:
+        """Take a starting batch's estimated cost off the credit when paced."""
+        if cls is not PriorityClass.CRITICAL and self._pacing:
+            self._credit -= requests * self._overhead_s + rows * self._compute_s
+
     def _recently_active(self, cls: PriorityClass) -> bool:
         state = self._classes[cls]
-        return bool(state.queue) or state.used_s > 1e-9
+        return bool(state.queue) or self._fraction(state) > ACTIVE_FRACTION
 
     def _decay(self, now: float) -> None:
         elapsed = now - self._decayed_at
@@ -469,10 +602,13 @@ class Batcher:
             state.used_s *= factor
         self._decayed_at = now
 
-    def _take(self, state: _ClassState, peek: bool) -> tuple[list[_Pending], int, bool]:
+    def _take(
+        self, state: _ClassState, peek: bool, most: int | None = None
+    ) -> tuple[list[_Pending], int, bool]:
         """The class's next batch, round-robin across its callers (see the module
-        docstring): (its requests, their rows, whether it is full). Removed from the queue,
-        and the callers' turns recorded, unless `peek`."""
+        docstring), of at most `most` requests if given: (its requests, their rows, whether
+        it is full). Removed from the queue, and the callers' turns recorded, unless
+        `peek`."""
         by_caller: dict[str, list[_Pending]] = {}
         for pending in state.queue:  # oldest first, so each caller's list is too
             if not pending.future.done():
@@ -483,9 +619,9 @@ class Batcher:
         limit = self._policy.max_batch_size
         batch = [head]
         rows = head.rows
-        if rows < limit:
+        if rows < limit and most != 1:
             same_key = [[p for p in by_caller[c] if p.key == head.key] for c in order]
-            batch, rows = _round_robin(same_key, limit)
+            batch, rows = _round_robin(same_key, limit, most)
         if not peek:
             taken = set(map(id, batch))
             remaining = deque(p for p in state.queue if id(p) not in taken)
@@ -495,18 +631,18 @@ class Batcher:
                 state.served[pending.client] = self._turn
                 self._turn += 1
                 _forget(state, pending)
-        return batch, rows, rows >= limit
+        return batch, rows, rows >= limit or len(batch) == most
 
-    def _idle_inline(self, rows: int) -> bool:
-        """Whether a request of `rows` runs at once, on the loop, as if unbatched: the model
-        runs inline, no queue delay is asked for, nothing waits, nothing is about to be cut,
-        and every session is free."""
+    def _idle_inline(self, rows: int, cls: PriorityClass) -> bool:
+        """Whether a request of `rows` and `cls` runs at once, on the loop, as if unbatched:
+        the model runs inline, no queue delay is asked for, nothing of its class or a higher
+        one waits, and every session is free. (Lower classes' requests may wait: they come
+        after it anyway.)"""
         return (
             self._inline
             and not self._policy.max_queue_delay_s
-            and not self._queued
-            and not self._scheduled
             and len(self._free) == self._policy.instances
+            and not any(self._classes[c].queue for c in CLASSES[: CLASSES.index(cls) + 1])
             and self._padded(rows) == rows
         )
 
@@ -535,22 +671,29 @@ class Batcher:
             return runner.run(feeds, names)
         finally:
             seconds = time.perf_counter() - started
-            self._account(runner, cls, seconds, [(client, rows)], [0.0])
+            self._account(runner, cls, seconds, [(client, rows)], [0.0], on_loop=True)
 
     def _run_inline(
-        self, runner: Runner, cls: PriorityClass, pending: _Pending, waits: list[float]
+        self,
+        runner: Runner,
+        cls: PriorityClass,
+        batch: list[_Pending],
+        rows: int,
+        waits: list[float],
     ) -> None:
-        started = time.perf_counter()
+        """`_run_batch` on the loop's thread, answering each request."""
         try:
-            result = runner.run(pending.feeds, pending.names)
+            answers, seconds = _run_batch(runner, batch, rows, rows)
         except Exception as err:  # not ours: the caller's error mapper logs it as a bug
-            pending.future.set_exception(err)
-        else:
-            if not pending.future.done():
-                pending.future.set_result(result)
-        finally:
-            seconds = time.perf_counter() - started
-            self._account(runner, cls, seconds, [(pending.client, pending.rows)], waits)
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(err)
+            self._free.append(runner)
+            return
+        _answer(batch, answers)
+        self._account(
+            runner, cls, seconds, [(p.client, p.rows) for p in batch], waits, on_loop=True
+        )
 
     def _finished(
         self,
@@ -571,14 +714,10 @@ class Batcher:
             self._free.append(runner)
             return
         answers, seconds = done.result()
-        for pending, answer in zip(batch, answers, strict=True):
-            if pending.future.done():
-                continue
-            if isinstance(answer, RuntimeServerError):
-                pending.future.set_exception(answer)
-            else:
-                pending.future.set_result(answer)
-        self._account(runner, cls, seconds, [(p.client, p.rows) for p in batch], waits)
+        _answer(batch, answers)
+        self._account(
+            runner, cls, seconds, [(p.client, p.rows) for p in batch], waits, on_loop=False
+        )
 
     def _account(
         self,
@@ -587,13 +726,17 @@ class Batcher:
         seconds: float,
         callers: Sequence[tuple[str, int]],
         waits: list[float],
+        on_loop: bool,
     ) -> None:
         """Record a batch's compute time (each caller's part by its rows) and free the
-        instance. `callers`: each request's caller and rows."""
+        instance. `callers`: each request's caller and rows; `on_loop`: whether it computed
+        on the event loop's thread."""
         rows = sum(r for _, r in callers)
-        self._decay(time.monotonic())
+        now = time.monotonic()
+        self._decay(now)
+        self._measure_overhead(now, len(callers), seconds if on_loop else 0.0)
         state = self._classes[cls]
-        state.used_s += seconds
+        state.used_s += seconds + self._overhead_s * len(callers)
         state.total_s += seconds
         self._free.append(runner)
         if self._observe is not None:
@@ -605,10 +748,45 @@ class Batcher:
         if self._queued and not self._closed:
             self._schedule(asyncio.get_running_loop())
 
+    def _measure_overhead(self, now: float, requests: int, inline_s: float) -> None:
+        """Count `requests` answered, of which `inline_s` computing on the loop, and close
+        the window when it has lasted `OVERHEAD_WINDOW_S`: the loop thread's CPU time in it,
+        less that compute, per request (a request's cost to the loop whatever its class).
+        On the loop's thread."""
+        if self._window is None:
+            self._window = (now, time.thread_time())
+            return
+        self._window_requests += requests
+        self._window_inline_s += inline_s
+        began, cpu = self._window
+        if now - began < OVERHEAD_WINDOW_S:
+            return
+        thread_cpu = time.thread_time()
+        per_request = max(0.0, thread_cpu - cpu - self._window_inline_s) / self._window_requests
+        self._overhead_s += OVERHEAD_SMOOTHING * (per_request - self._overhead_s)
+        self._window = (now, thread_cpu)
+        self._window_requests = 0
+        self._window_inline_s = 0.0
 
-def _round_robin(lists: Sequence[Sequence[_Pending]], limit: int) -> tuple[list[_Pending], int]:
-    """The first of each list in turn, then the second of each ... until `limit` rows, or
-    one that does not fit: (them, their rows)."""
+
+def _answer(
+    batch: Sequence[_Pending], answers: Sequence[list[np.ndarray] | RuntimeServerError]
+) -> None:
+    """Each request's outputs, or its error, to its caller (unless it has gone)."""
+    for pending, answer in zip(batch, answers, strict=True):
+        if pending.future.done():
+            continue
+        if isinstance(answer, RuntimeServerError):
+            pending.future.set_exception(answer)
+        else:
+            pending.future.set_result(answer)
+
+
+def _round_robin(
+    lists: Sequence[Sequence[_Pending]], limit: int, most: int | None
+) -> tuple[list[_Pending], int]:
+    """The first of each list in turn, then the second of each ... until `limit` rows,
+    `most` requests, or one that does not fit: (them, their rows)."""
     batch: list[_Pending] = []
     rows = 0
     for depth in range(max(map(len, lists))):
@@ -620,7 +798,7 @@ def _round_robin(lists: Sequence[Sequence[_Pending]], limit: int) -> tuple[list[
                 return batch, rows
             batch.append(pending)
             rows += pending.rows
-            if rows == limit:
+            if rows == limit or len(batch) == most:
                 return batch, rows
     return batch, rows
 
