@@ -329,3 +329,51 @@ async def test_one_client_holds_at_most_half_of_its_class_queue(mixer: OnnxModel
         await queue.infer(feeds(6), ("y",), STANDARD, None, "a")
     finally:
         queue.close()
+
+
+async def test_best_effort_is_paced_to_its_weight_share_while_critical_is_busy(
+    mixer: OnnxModel,
+) -> None:
+    """A critical client calling back to back and 40 best-effort requests queued at once:
+    while the critical class is busy, best-effort batches take one or two requests and about
+    a fifth of the batches (its weight, 1 of 4+1), not all 40 rows in one batch between two
+    critical calls; every best-effort request is answered."""
+
+    class Slow:
+        def run(self, f: Mapping[str, np.ndarray], o: Sequence[str]) -> list[np.ndarray]:
+            time.sleep(0.01)  # a batch takes the same time whatever its rows
+            return mixer.run(f, o)
+
+    batches: list[tuple[PriorityClass, int]] = []
+    queue = Batcher(
+        [Slow()],
+        BatchPolicy(max_batch_size=64),
+        compute_s=0.01,
+        inline_below_s=-1.0,
+        observe=lambda cls, rows, _s, _w: batches.append((cls, rows)),
+    )
+    calls = 0
+
+    async def critical_client() -> None:
+        nonlocal calls
+        while calls < 100:
+            await queue.infer(feeds(1), ("y",), CRITICAL, None)
+            calls += 1
+
+    try:
+        critical = asyncio.ensure_future(critical_client())
+        await wait_for(lambda: calls >= 10, "the critical client never got going")
+        lowest = [
+            asyncio.ensure_future(queue.infer(feeds(7), ("y",), BEST_EFFORT, None))
+            for _ in range(40)
+        ]
+        await critical
+        during = list(batches)
+        await asyncio.gather(*lowest)
+    finally:
+        queue.close()
+    best_effort = [rows for cls, rows in during if cls is BEST_EFFORT]
+    assert best_effort, "best-effort waited for the whole critical run"
+    assert max(best_effort) <= 2, f"best-effort batches of {best_effort} while critical ran"
+    assert len(best_effort) <= 0.35 * len(during), f"{len(best_effort)} of {len(during)}"
+    assert queue.overhead_s > 0  # the loop's cost per request was measured
