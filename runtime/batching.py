@@ -23,8 +23,8 @@ When a batch starts (the event loop, no thread):
 - while the critical class is active (requests queued, or more than `ACTIVE_FRACTION` of the
   recent time used), the other classes are *paced*: together they start batches only while
   their credit lasts, refilled at their weights' share of the wall clock (1/5 beside critical
-  alone) and spent by each batch's estimated time, a batch taking as many requests as its
-  credit pays for (one at least). Unpaced, they would fill the loop with their calls and a
+  alone) and spent by each batch's estimated time, one request a batch (a critical call
+  waits behind one of theirs at most). Unpaced, they would fill the loop with their calls and a
   critical call would queue behind them before it ever reached its queue here;
 - the batch takes that class's requests with one key, up to `max_batch_size` rows (one
   request of more rows runs alone), round-robin across the class's callers (the clients of
@@ -440,16 +440,16 @@ class Batcher:
                         loop.time() + self._paced_wait_s, self._schedule, loop
                     )
                 return
-            most = self._paced_requests(cls)
+            paced = cls is not PriorityClass.CRITICAL and self._pacing
             if self._policy.max_queue_delay_s:
-                batch, rows, full = self._take(self._classes[cls], peek=True, most=most)
+                batch, rows, full = self._take(self._classes[cls], peek=True, one=paced)
                 wait_until = min(p.arrived for p in batch) + self._policy.max_queue_delay_s
                 if not full and now < wait_until:
                     self._timer = loop.call_at(
                         loop.time() + (wait_until - now), self._schedule, loop
                     )
                     return
-            batch, rows, _ = self._take(self._classes[cls], peek=False, most=most)
+            batch, rows, _ = self._take(self._classes[cls], peek=False, one=paced)
             self._queued -= len(batch)
             self._spend(cls, len(batch), rows)
             runner = self._free.pop()
@@ -576,14 +576,6 @@ class Batcher:
     def _request_cost(self) -> float:
         return self._overhead_s + self._compute_s
 
-    def _paced_requests(self, cls: PriorityClass) -> int | None:
-        """The most requests a batch of `cls` may take: while paced, as many as the credit
-        pays for (at least one); else no bound beyond `max_batch_size`."""
-        if cls is PriorityClass.CRITICAL or not self._pacing:
-            return None
-        cost = self._request_cost()
-        return max(1, int((self._credit + cost) // cost)) if cost > 0 else None
-
     def _spend(self, cls: PriorityClass, requests: int, rows: int) -> None:
         """Take a starting batch's estimated cost off the credit when paced."""
         if cls is not PriorityClass.CRITICAL and self._pacing:
@@ -603,11 +595,11 @@ class Batcher:
         self._decayed_at = now
 
     def _take(
-        self, state: _ClassState, peek: bool, most: int | None = None
+        self, state: _ClassState, peek: bool, one: bool = False
     ) -> tuple[list[_Pending], int, bool]:
         """The class's next batch, round-robin across its callers (see the module
-        docstring), of at most `most` requests if given: (its requests, their rows, whether
-        it is full). Removed from the queue, and the callers' turns recorded, unless
+        docstring), or its next request alone if `one` (paced): (its requests, their rows,
+        whether it is full). Removed from the queue, and the callers' turns recorded, unless
         `peek`."""
         by_caller: dict[str, list[_Pending]] = {}
         for pending in state.queue:  # oldest first, so each caller's list is too
@@ -619,9 +611,9 @@ class Batcher:
         limit = self._policy.max_batch_size
         batch = [head]
         rows = head.rows
-        if rows < limit and most != 1:
+        if rows < limit and not one:
             same_key = [[p for p in by_caller[c] if p.key == head.key] for c in order]
-            batch, rows = _round_robin(same_key, limit, most)
+            batch, rows = _round_robin(same_key, limit)
         if not peek:
             taken = set(map(id, batch))
             remaining = deque(p for p in state.queue if id(p) not in taken)
@@ -631,7 +623,7 @@ class Batcher:
                 state.served[pending.client] = self._turn
                 self._turn += 1
                 _forget(state, pending)
-        return batch, rows, rows >= limit or len(batch) == most
+        return batch, rows, rows >= limit or one
 
     def _idle_inline(self, rows: int, cls: PriorityClass) -> bool:
         """Whether a request of `rows` and `cls` runs at once, on the loop, as if unbatched:
@@ -782,11 +774,9 @@ def _answer(
             pending.future.set_result(answer)
 
 
-def _round_robin(
-    lists: Sequence[Sequence[_Pending]], limit: int, most: int | None
-) -> tuple[list[_Pending], int]:
-    """The first of each list in turn, then the second of each ... until `limit` rows,
-    `most` requests, or one that does not fit: (them, their rows)."""
+def _round_robin(lists: Sequence[Sequence[_Pending]], limit: int) -> tuple[list[_Pending], int]:
+    """The first of each list in turn, then the second of each ... until `limit` rows, or
+    one that does not fit: (them, their rows)."""
     batch: list[_Pending] = []
     rows = 0
     for depth in range(max(map(len, lists))):
@@ -798,7 +788,7 @@ def _round_robin(
                 return batch, rows
             batch.append(pending)
             rows += pending.rows
-            if rows == limit or len(batch) == most:
+            if rows == limit:
                 return batch, rows
     return batch, rows
 
