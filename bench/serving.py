@@ -65,6 +65,8 @@ CRITICAL_TOKEN = "bench-serving-critical"
 BEST_EFFORT_TOKEN = "bench-serving-best-effort"
 CRITICAL_CLIENTS = 4
 PRIORITY_RATIO_TARGET = 1.5
+OUTLAST_S = 1.0
+"""Seconds the priority arm's best-effort clients run past the critical ones."""
 START_MARGIN_S = 2.0
 """Seconds between writing a block's specs and its start: every client process connected
 and warm by then."""
@@ -333,8 +335,12 @@ async def run_block(
     seconds: float,
     inputs: Path,
     workdir: Path,
+    outlast_s: float = 0.0,
 ) -> Block:
-    """Closed-loop clients, one per token, from one client process per share at once."""
+    """Closed-loop clients, one per token, from one client process per share at once. With
+    `outlast_s`, the processes after the first run that much longer, and the replica's
+    figures (`Block.scrape`) are of the first's `seconds` alone: the load around the first
+    share's clients holds until they stop, and its queue's drain after is not counted."""
     tokens = [t for share in shares for t in share]
     start_at = time.time() + START_MARGIN_S + 0.02 * len(tokens)
     children = []
@@ -342,7 +348,8 @@ async def run_block(
     for index, share in enumerate(shares):
         spec = {
             "endpoint": servers.endpoint, "model": servers.model,
-            "inputs": str(inputs), "kind": kind, "tokens": share, "seconds": seconds,
+            "inputs": str(inputs), "kind": kind, "tokens": share,
+            "seconds": seconds + (outlast_s if index else 0.0),
             "start_at": start_at, "timeout_s": 60,
         }  # fmt: skip
         spec_file = workdir / f"client-{index}.json"
@@ -369,11 +376,15 @@ async def run_block(
         time.perf_counter(),
     )
     with GpuSampler() as gpu:
+        if outlast_s:
+            await asyncio.sleep(seconds)
+            scrape_after = await asyncio.to_thread(scrape, servers.metrics)
         codes = [await child.wait() for child in children]
     wall = time.perf_counter() - wall_before
     server_cores = (_cpu_seconds(pids) - cpu_before) / wall
     machine_cores = (_machine_busy_seconds() - machine_before) / wall
-    scrape_after = await asyncio.to_thread(scrape, servers.metrics)
+    if not outlast_s:
+        scrape_after = await asyncio.to_thread(scrape, servers.metrics)
     if any(codes):
         raise SystemExit(f"a client process of {servers.name}/{kind} exited with {codes}")
     per_client: list[list[float]] = []
@@ -406,7 +417,10 @@ async def run_block(
         scrape={
             key: value - scrape_before.get(key, 0.0)
             for key, value in scrape_after.items()
-            if "class_compute" in key or "queue_delay" in key or "compute_duration" in key
+            if any(
+                name in key
+                for name in ("class_compute", "class_requests", "queue_delay", "compute_duration")
+            )
         },
     )
 
@@ -619,20 +633,32 @@ async def priority_arm(
     # The critical clients keep their own process, as alone: devices are apart, and a
     # critical call must not wait in a load process's loop behind best-effort ones.
     best_effort = client_shares([BEST_EFFORT_TOKEN] * args.priority_clients, args.client_processes)
+    # The best-effort clients outlast the critical ones: the replica's figures are of the
+    # time both ran, not of the best-effort queue draining after.
     mixed = await run_block(
-        servers, "ours", [critical_tokens, *best_effort], seconds, inputs, workdir
+        servers, "ours", [critical_tokens, *best_effort], seconds, inputs, workdir, OUTLAST_S
     )
     critical = [v for samples in mixed.per_client[:CRITICAL_CLIENTS] for v in samples]
     best_effort_answers = [len(samples) for samples in mixed.per_client[CRITICAL_CLIENTS:]]
-    alone_p99 = tail_percentiles([v for c in alone.per_client for v in c])["p99"]
-    critical_p99 = tail_percentiles(critical)["p99"]
+    alone_tail = tail_percentiles([v for c in alone.per_client for v in c])
+    among_tail = tail_percentiles(critical)
     return {
         "best_effort_clients": args.priority_clients,
-        "alone_p99": alone_p99,
-        "critical_p99": critical_p99,
-        "ratio": critical_p99 / alone_p99,
+        "alone_p50": alone_tail["p50"],
+        "alone_p99": alone_tail["p99"],
+        "alone_rate": alone.rate,
+        "critical_p50": among_tail["p50"],
+        "critical_p99": among_tail["p99"],
+        "critical_rate": len(critical) / seconds,
+        "ratio": among_tail["p99"] / alone_tail["p99"],
         "best_effort_min_answers": min(best_effort_answers),
-        "best_effort_rate": sum(best_effort_answers) / seconds,
+        "best_effort_rate": sum(
+            value
+            for key, value in mixed.scrape.items()
+            if key.startswith("offload_runtime_class_requests_total{")
+            and 'class="best-effort"' in key
+        )
+        / seconds,
         "critical_answers": len(critical),
         "pinned": servers.client_cpus is not None,
         "shares": {k: round(v, 3) for k, v in class_shares(mixed.scrape).items()},

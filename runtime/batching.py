@@ -23,9 +23,13 @@ When a batch starts (the event loop, no thread):
 - while the critical class is active (requests queued, or more than `ACTIVE_FRACTION` of the
   recent time used), the other classes are *paced*: together they start batches only while
   their credit lasts, refilled at their weights' share of the wall clock (1/5 beside critical
-  alone) and spent by each batch's estimated time, one request a batch (a critical call
+  alone) and spent by each batch's time (estimated at its start, measured at its end), one
+  request a batch (a critical call
   waits behind one of theirs at most). Unpaced, they would fill the loop with their calls and a
-  critical call would queue behind them before it ever reached its queue here;
+  critical call would queue behind them before it ever reached its queue here. Their share is
+  also cut while the loop itself queues (a callback made ready every `LAG_PROBE_S` waits past
+  `LAG_TARGET_S`), to a quarter of it at least, and grows back when it does not: a loop kept
+  busy is where a critical call waits, whatever the weights say;
 - the batch takes that class's requests with one key, up to `max_batch_size` rows (one
   request of more rows runs alone), round-robin across the class's callers (the clients of
   a shared replica, `runtime.clients`; the deployment's own calls are one more caller): the
@@ -99,6 +103,15 @@ not of the replica's life."""
 ACTIVE_FRACTION = 0.01
 """A class is active while it has requests queued or has used more than this part of the
 replica's recent time (`Batcher._fraction`)."""
+LAG_PROBE_S = 0.005
+LAG_TARGET_S = 0.0001
+MIN_ROOM = 0.25
+ROOM_CUT = 0.95
+ROOM_STEP = 0.01
+"""Every `LAG_PROBE_S` a callback is made ready on the event loop and its wait timed: over
+`LAG_TARGET_S` (the loop is queueing calls), the paced classes' rate is cut by `ROOM_CUT`,
+to `MIN_ROOM` of their weights' share at least (no class starves); under it, it grows back
+by `ROOM_STEP` a probe, to their whole share."""
 OVERHEAD_WINDOW_S = 0.1
 OVERHEAD_SMOOTHING = 0.2
 """Each request's cost on the event loop (receiving, parsing, answering) is measured over
@@ -303,6 +316,9 @@ class Batcher:
         time then (`time.thread_time()`); None before the first batch."""
         self._window_requests = 0
         self._window_inline_s = 0.0
+        self._room = 1.0
+        """How much of their weights' share the paced classes get now (`_probed`)."""
+        self._probing = False
         # Each session has a thread of its own and is run from no other: ONNX Runtime's CUDA
         # provider keeps per-thread state, and one session run from alternating threads took
         # 10-60x its time on an H200. The threads start later, from the loop's thread, which
@@ -334,6 +350,12 @@ class Batcher:
         """Each request's measured cost on the event loop (its thread's CPU time outside the
         compute it runs, per request), charged to its class beside its batch's compute."""
         return self._overhead_s
+
+    @property
+    def paced_share(self) -> float:
+        """The part of the wall clock the non-critical classes may use together while the
+        critical class is active, now (`_lower_rate`)."""
+        return self._lower_rate()
 
     def compute_seconds(self, cls: PriorityClass) -> float:
         """Compute time the class's batches used since the start (each batch's time, whole:
@@ -369,8 +391,8 @@ class Batcher:
             raise client_queue_full(client, held, cls, self._policy.max_queued_per_class)
         key, rows = batch_key(feeds, names)
         if self._idle_inline(rows, cls) and self._may_start(cls, time.monotonic()):
-            self._spend(cls, 1, rows)
-            return self._run_now(feeds, names, cls, deadline, rows, client)
+            charged = self._spend(cls, 1, rows)
+            return self._run_now(feeds, names, cls, deadline, rows, client, charged)
         loop = asyncio.get_running_loop()
         arrived = time.monotonic()
         pending = _Pending(
@@ -382,6 +404,9 @@ class Batcher:
         if deadline is not None:
             self._next_expiry = min(self._next_expiry, deadline - self._compute_s)
         self._schedule(loop)
+        if not self._probing:
+            self._probing = True
+            loop.call_later(LAG_PROBE_S, self._probe, loop)
         try:
             return await pending.future
         except asyncio.CancelledError:
@@ -451,18 +476,23 @@ class Batcher:
                     return
             batch, rows, _ = self._take(self._classes[cls], peek=False, one=paced)
             self._queued -= len(batch)
-            self._spend(cls, len(batch), rows)
+            charged = self._spend(cls, len(batch), rows)
             runner = self._free.pop()
             waits = [now - p.arrived for p in batch]
             if self._runs_inline(len(batch), rows):
-                self._run_inline(runner, cls, batch, rows, waits)
+                self._run_inline(runner, cls, batch, rows, waits, charged)
             else:
                 task = loop.run_in_executor(
                     self._threads[id(runner)], _run_batch, runner, batch, rows, self._padded(rows)
                 )
                 task.add_done_callback(
                     functools.partial(
-                        self._finished, runner=runner, cls=cls, batch=batch, waits=waits
+                        self._finished,
+                        runner=runner,
+                        cls=cls,
+                        batch=batch,
+                        waits=waits,
+                        charged=charged,
                     )
                 )
 
@@ -565,7 +595,7 @@ class Batcher:
         critical = WEIGHTS[PriorityClass.CRITICAL]
         lower = sum(WEIGHTS[c] for c in CLASSES[1:] if self._recently_active(c))
         lower = lower or WEIGHTS[PriorityClass.BEST_EFFORT]
-        return lower / (critical + lower)
+        return lower / (critical + lower) * self._room
 
     @staticmethod
     def _fraction(state: _ClassState) -> float:
@@ -576,10 +606,15 @@ class Batcher:
     def _request_cost(self) -> float:
         return self._overhead_s + self._compute_s
 
-    def _spend(self, cls: PriorityClass, requests: int, rows: int) -> None:
-        """Take a starting batch's estimated cost off the credit when paced."""
-        if cls is not PriorityClass.CRITICAL and self._pacing:
-            self._credit -= requests * self._overhead_s + rows * self._compute_s
+    def _spend(self, cls: PriorityClass, requests: int, rows: int) -> float | None:
+        """Take a starting batch's estimated time off the credit when paced, and return
+        the compute part of it (for `_account` to put its measured time in its place); None
+        when not paced."""
+        if cls is PriorityClass.CRITICAL or not self._pacing:
+            return None
+        compute = rows * self._compute_s
+        self._credit -= requests * self._overhead_s + compute
+        return compute
 
     def _recently_active(self, cls: PriorityClass) -> bool:
         state = self._classes[cls]
@@ -646,6 +681,7 @@ class Batcher:
         deadline: float | None,
         rows: int,
         client: str,
+        charged: float | None,
     ) -> list[np.ndarray]:
         """A lone request of an inline model, with nothing else to do: run it here, with no
         queue, future or hop through the loop (on a CPU a tiny model's requests never queue,
@@ -663,7 +699,7 @@ class Batcher:
             return runner.run(feeds, names)
         finally:
             seconds = time.perf_counter() - started
-            self._account(runner, cls, seconds, [(client, rows)], [0.0], on_loop=True)
+            self._account(runner, cls, seconds, [(client, rows)], [0.0], True, charged)
 
     def _run_inline(
         self,
@@ -672,6 +708,7 @@ class Batcher:
         batch: list[_Pending],
         rows: int,
         waits: list[float],
+        charged: float | None,
     ) -> None:
         """`_run_batch` on the loop's thread, answering each request."""
         try:
@@ -684,7 +721,7 @@ class Batcher:
             return
         _answer(batch, answers)
         self._account(
-            runner, cls, seconds, [(p.client, p.rows) for p in batch], waits, on_loop=True
+            runner, cls, seconds, [(p.client, p.rows) for p in batch], waits, True, charged
         )
 
     def _finished(
@@ -694,6 +731,7 @@ class Batcher:
         cls: PriorityClass,
         batch: list[_Pending],
         waits: list[float],
+        charged: float | None,
     ) -> None:
         """On the loop, after a batch's thread: answer each request, free the instance."""
         if done.cancelled() or done.exception() is not None:
@@ -708,7 +746,7 @@ class Batcher:
         answers, seconds = done.result()
         _answer(batch, answers)
         self._account(
-            runner, cls, seconds, [(p.client, p.rows) for p in batch], waits, on_loop=False
+            runner, cls, seconds, [(p.client, p.rows) for p in batch], waits, False, charged
         )
 
     def _account(
@@ -719,10 +757,12 @@ class Batcher:
         callers: Sequence[tuple[str, int]],
         waits: list[float],
         on_loop: bool,
+        charged: float | None = None,
     ) -> None:
         """Record a batch's compute time (each caller's part by its rows) and free the
         instance. `callers`: each request's caller and rows; `on_loop`: whether it computed
-        on the event loop's thread."""
+        on the event loop's thread; `charged`: the compute its paced class's credit paid
+        for it by estimate, replaced now by what it took (None: not paced)."""
         rows = sum(r for _, r in callers)
         now = time.monotonic()
         self._decay(now)
@@ -730,6 +770,8 @@ class Batcher:
         state = self._classes[cls]
         state.used_s += seconds + self._overhead_s * len(callers)
         state.total_s += seconds
+        if charged is not None:
+            self._credit += charged - seconds
         self._free.append(runner)
         if self._observe is not None:
             self._observe(cls, rows, seconds, waits)
@@ -739,6 +781,20 @@ class Batcher:
                     self._on_client_compute(client, seconds * client_rows / rows)
         if self._queued and not self._closed:
             self._schedule(asyncio.get_running_loop())
+
+    def _probe(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._closed:
+            loop.call_soon(self._probed, loop, time.perf_counter())
+
+    def _probed(self, loop: asyncio.AbstractEventLoop, made_ready: float) -> None:
+        """How long a callback made ready waited for the loop: past `LAG_TARGET_S`, the
+        paced classes' room shrinks (to `MIN_ROOM` at least), else it grows back to their
+        whole share. What a critical call waits for, at each of its steps on the loop."""
+        if time.perf_counter() - made_ready > LAG_TARGET_S:
+            self._room = max(MIN_ROOM, self._room * ROOM_CUT)
+        else:
+            self._room = min(1.0, self._room + ROOM_STEP)
+        loop.call_later(LAG_PROBE_S, self._probe, loop)
 
     def _measure_overhead(self, now: float, requests: int, inline_s: float) -> None:
         """Count `requests` answered, of which `inline_s` computing on the loop, and close

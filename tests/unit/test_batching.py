@@ -377,3 +377,33 @@ async def test_best_effort_is_paced_to_its_weight_share_while_critical_is_busy(
     assert max(best_effort) == 1, f"best-effort batches of {best_effort} while critical ran"
     assert len(best_effort) <= 0.35 * len(during), f"{len(best_effort)} of {len(during)}"
     assert queue.overhead_s > 0  # the loop's cost per request was measured
+
+
+async def test_the_paced_share_shrinks_while_the_loop_queues_and_grows_back(
+    mixer: OnnxModel,
+) -> None:
+    """Callbacks that hold the event loop 1 ms each, back to back: the probe's callback
+    waits past the target, and the share the paced classes get falls from their weights'
+    (1 of 4+1) towards a quarter of it; once the loop is free it grows back."""
+    queue = Batcher([mixer], BatchPolicy(max_batch_size=8), 0.0, -1.0)
+    loop = asyncio.get_running_loop()
+    try:
+        await queue.infer(feeds(1), ("y",), CRITICAL, None)  # the probing starts
+        assert queue.paced_share == pytest.approx(1 / 5)
+        stop = time.monotonic() + 0.3
+
+        def hog() -> None:
+            end = time.perf_counter() + 0.001
+            while time.perf_counter() < end:
+                pass
+            if time.monotonic() < stop:
+                loop.call_soon(hog)
+
+        for _ in range(3):
+            loop.call_soon(hog)
+        await asyncio.sleep(0.35)
+        assert queue.paced_share < 0.5 / 5, queue.paced_share
+        assert queue.paced_share >= 0.25 / 5  # never below a quarter: no class starves
+        await wait_for(lambda: queue.paced_share > 0.99 / 5, "the share never grew back")
+    finally:
+        queue.close()
