@@ -38,7 +38,9 @@ ResNet-18 replicas empty this machine's page cache for whatever runs next):
   and call it in closed loops for --seconds alone, then again beside --best-effort-clients
   clients attached as best-effort, in closed loops from `BEST_EFFORT_PROCESSES` processes
   of their own (one process driving them all beside the critical ones would time its own
-  event loop, not the replica): the critical p99 alone and among them, and its ratio (the
+  event loop, not the replica), with 2 CPUs or more the replica and its node daemon on half
+  of them and everything else on the other half (`offload node --cpuset`), as a server and
+  its devices are apart: the critical p99 alone and among them, and its ratio (the
   runtime issue's bound: at most 1.5x); the fewest and most answers of any best-effort
   client (none starved: at least one each) and their calls a second; over the mixed window,
   from the replica's /metrics, each class's share of its compute
@@ -93,6 +95,7 @@ from broker.state.api_keys import new_api_key
 from edge_client.client import OffloadClient
 from edge_client.demo.cluster import LocalCluster
 from edge_client.errors import OffloadError, ResourceExhausted
+from node_daemon.server import format_cpuset, split_cpus
 
 MODEL = "mlp"
 """The model of the mobility and flood arms."""
@@ -517,8 +520,21 @@ async def priority(
     best-effort clients' answers, and the classes' compute shares over the mixed window."""
     critical_keys = [new_api_key(f"crit{i:02d}") for i in range(critical_n)]
     best_effort_keys = [new_api_key(f"be{i:03d}") for i in range(best_effort_n)]
+    cpus = os.sched_getaffinity(0)
+    node_flags: tuple[str, ...] = ()
+    if len(cpus) >= 2:
+        # The replica (and its node daemon) on half of the CPUs, the clients, the broker and
+        # the other daemons on the other half, as a server and its devices are apart
+        # (bench.serving's --pin-priority): this process's children take its CPUs.
+        replica_cpus, client_cpus = split_cpus(cpus, 2)
+        node_flags = ("--cpuset", format_cpuset(replica_cpus))
+        os.sched_setaffinity(0, client_cpus)
     cluster = LocalCluster(
-        root, runtime="process", client_id="owner", more_api_keys=critical_keys + best_effort_keys
+        root,
+        runtime="process",
+        client_id="owner",
+        more_api_keys=critical_keys + best_effort_keys,
+        node_flags=node_flags,
     )
     model = modelzoo.model_path(model_name)
     inputs = modelzoo.sample_inputs(model)
@@ -599,6 +615,7 @@ async def priority(
             if batches
             else None,
             "failed": alone["failed"] + among["failed"] + failed,
+            "pinned": bool(node_flags),
         }
     finally:
         for child, _, _ in children:
@@ -608,6 +625,7 @@ async def priority(
             with contextlib.suppress(Exception):
                 await client.close()
         await cluster.stop()
+        os.sched_setaffinity(0, cpus)
 
 
 def shown(value: object) -> str:

@@ -57,6 +57,7 @@ import onnxruntime as ort
 
 import modelzoo
 from bench.timing import tail_percentiles
+from node_daemon.server import split_cpus
 from node_daemon.telemetry import histogram_quantile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -147,14 +148,14 @@ def _pinned(cpus: frozenset[int] | None) -> Callable[[], None] | None:
     return functools.partial(os.sched_setaffinity, 0, cpus)
 
 
-def split_cpus() -> tuple[frozenset[int], frozenset[int]] | None:
-    """This process's CPUs in two halves, the replica's and its clients', as a device and
-    its server are two machines; None with fewer than 2."""
-    cpus = sorted(os.sched_getaffinity(0))
+def replica_and_client_cpus() -> tuple[frozenset[int], frozenset[int]] | None:
+    """This process's CPUs in two halves, the replica's and its clients', as a server and
+    its devices are apart; None with fewer than 2."""
+    cpus = os.sched_getaffinity(0)
     if len(cpus) < 2:
         return None
-    half = len(cpus) // 2
-    return frozenset(cpus[:half]), frozenset(cpus[half:])
+    replica, clients = split_cpus(cpus, 2)
+    return replica, clients
 
 
 async def start_servers(
@@ -605,7 +606,7 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
                     )
     if args.priority_clients:
         on_flags = configs[1][2]
-        cpus = split_cpus() if args.pin_priority else None
+        cpus = replica_and_client_cpus() if args.pin_priority else None
         async with serving("priority", model, workdir / "priority", 1, on_flags, cpus) as servers:
             priority = await priority_arm(servers, args, inputs, workdir)
     print_table(name, ceiling, blocks)
