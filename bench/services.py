@@ -520,15 +520,12 @@ async def priority(
     best-effort clients' answers, and the classes' compute shares over the mixed window."""
     critical_keys = [new_api_key(f"crit{i:02d}") for i in range(critical_n)]
     best_effort_keys = [new_api_key(f"be{i:03d}") for i in range(best_effort_n)]
+    # The replica (and its node daemon) on half of the CPUs, the clients on the other half
+    # once the cluster runs, as a server and its devices are apart (bench.serving's
+    # --pin-priority); the broker and the other daemons, idle meanwhile, keep every CPU.
     cpus = os.sched_getaffinity(0)
-    node_flags: tuple[str, ...] = ()
-    if len(cpus) >= 2:
-        # The replica (and its node daemon) on half of the CPUs, the clients, the broker and
-        # the other daemons on the other half, as a server and its devices are apart
-        # (bench.serving's --pin-priority): this process's children take its CPUs.
-        replica_cpus, client_cpus = split_cpus(cpus, 2)
-        node_flags = ("--cpuset", format_cpuset(replica_cpus))
-        os.sched_setaffinity(0, client_cpus)
+    pinned = split_cpus(cpus, 2) if len(cpus) >= 2 else None
+    node_flags = ("--cpuset", format_cpuset(pinned[0])) if pinned else ()
     cluster = LocalCluster(
         root,
         runtime="process",
@@ -544,6 +541,8 @@ async def priority(
     children: list[tuple[Any, Any, Any]] = []  # (process, ready, results)
     try:
         await cluster.start(lambda _: None)
+        if pinned:
+            os.sched_setaffinity(0, pinned[1])  # the best-effort processes take it too
         async with OffloadClient(cluster.broker_address, cluster.api_key) as owner:
             sha = await owner.upload_model(model)
             await owner.create_service("prio", sha, model_name, any_client=True, max_replicas=1)
@@ -615,7 +614,7 @@ async def priority(
             if batches
             else None,
             "failed": alone["failed"] + among["failed"] + failed,
-            "pinned": bool(node_flags),
+            "pinned": pinned is not None,
         }
     finally:
         for child, _, _ in children:
