@@ -20,9 +20,14 @@ kind of `--kinds` ("ours": the SDK's request building on grpc.aio; "triton":
 tritonclient.grpc.aio), run from `bench.serving_client` processes, a connection per client.
 Reported per block: requests/s, p50/p99/p99.9, the mean batch (from the replica's
 `/metrics`), the replicas' CPU (cores), the machine's, and with NVML the GPU's utilisation and
-memory. Then the priority arm: 4 critical clients alone, then among best-effort clients that
-saturate the replica (60, 12 with --quick); the critical p99 beside its p99 alone, every
-best-effort client's answers (none starved) and each class's share of compute.
+memory. Then the priority arm, on a replica of its own ("on"'s flags): 4 critical clients
+alone, then among best-effort clients that saturate the replica (60, 12 with --quick), each
+block `--priority-seconds` long, the critical clients in a load process of their own, the
+best-effort ones running `OUTLAST_S` past them; with `--pin-priority` (the default, with 2
+CPUs or more) the replica on half of this machine's CPUs and the clients on the other half.
+Reported: the critical p99 beside its p99 alone (p50s and rates too), every best-effort
+client's answers (none starved), and, from the replica's /metrics over the critical
+clients' block, each class's share of compute and the best-effort calls a second.
 
 The verdict lines compare what issue 48 asks: 1-client p50 on/off, throughput at 16 and 64
 clients on/off, the p99 batching adds (on minus off at the same load: a saturated replica
