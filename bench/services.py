@@ -45,11 +45,11 @@ ResNet-18 replicas empty this machine's page cache for whatever runs next):
   client (none starved: at least one each) and their calls a second; over the mixed window,
   from the replica's /metrics, each class's share of its compute
   (`offload_runtime_class_compute_seconds_total`), its calls computed, and the mean batch.
-  A class orders calls only in the replica's batcher (`runtime.batching`), which the
-  replica's `--max-batch-size auto` turns on where a batch gained at load (the MLP's does;
-  ResNet-18's on a CPU may not: "no batches" then, and the classes wait alike); and the
-  MLP computes in well under a millisecond, so its calls wait in the replica's event loop,
-  before the batcher, more than for compute.
+  A class orders calls in the replica's batcher (`runtime.batching`), on for both models
+  (ResNet-18's `--max-batch-size auto` picks 1 on a CPU: a call a batch, still in class
+  order); while critical calls run it paces the others to their weights' share, cut further
+  while the replica's event loop queues, which is where the MLP's calls wait (it computes in
+  well under a millisecond).
 
 The baseline is the private arm of the same run; the figures are printed, not asserted (the
 issue's targets, for the MLP and ResNet-18 alike: one replica for 64 clients, at most a
