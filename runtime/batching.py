@@ -24,12 +24,12 @@ When a batch starts (the event loop, no thread):
   recent time used), the other classes are *paced*: together they start batches only while
   their credit lasts, refilled at their weights' share of the wall clock (1/5 beside critical
   alone) and spent by each batch's time (estimated at its start, measured at its end), one
-  request a batch (a critical call
-  waits behind one of theirs at most). Unpaced, they would fill the loop with their calls and a
-  critical call would queue behind them before it ever reached its queue here. Their share is
-  also cut while the loop itself queues (a callback made ready every `LAG_PROBE_S` waits past
-  `LAG_TARGET_S`), to a quarter of it at least, and grows back when it does not: a loop kept
-  busy is where a critical call waits, whatever the weights say;
+  request a batch (a critical call waits behind one of theirs at most). Unpaced, they would
+  fill the loop with their calls and a critical call would queue behind them before it ever
+  reached its queue here. Their share is also cut while the loop itself queues (a callback
+  made ready every `LAG_PROBE_S` waits past `LAG_TARGET_S`), to a quarter of it at least, and
+  grows back when it does not: a loop kept busy is where a critical call waits, whatever the
+  weights say. The probe runs only while the critical class is active;
 - the batch takes that class's requests with one key, up to `max_batch_size` rows (one
   request of more rows runs alone), round-robin across the class's callers (the clients of
   a shared replica, `runtime.clients`; the deployment's own calls are one more caller): the
@@ -390,6 +390,9 @@ class Batcher:
         if client != DEPLOYMENT and held >= self._client_bound:
             raise client_queue_full(client, held, cls, self._policy.max_queued_per_class)
         key, rows = batch_key(feeds, names)
+        if cls is PriorityClass.CRITICAL and not self._probing:
+            self._probing = True  # while the critical class is active (`_probed`)
+            asyncio.get_running_loop().call_later(LAG_PROBE_S, self._probe)
         if self._idle_inline(rows, cls) and self._may_start(cls, time.monotonic()):
             charged = self._spend(cls, 1, rows)
             return self._run_now(feeds, names, cls, deadline, rows, client, charged)
@@ -404,9 +407,6 @@ class Batcher:
         if deadline is not None:
             self._next_expiry = min(self._next_expiry, deadline - self._compute_s)
         self._schedule(loop)
-        if not self._probing:
-            self._probing = True
-            loop.call_later(LAG_PROBE_S, self._probe, loop)
         try:
             return await pending.future
         except asyncio.CancelledError:
@@ -782,19 +782,26 @@ class Batcher:
         if self._queued and not self._closed:
             self._schedule(asyncio.get_running_loop())
 
-    def _probe(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _probe(self) -> None:
         if not self._closed:
-            loop.call_soon(self._probed, loop, time.perf_counter())
+            asyncio.get_running_loop().call_soon(self._probed, time.perf_counter())
 
-    def _probed(self, loop: asyncio.AbstractEventLoop, made_ready: float) -> None:
+    def _probed(self, made_ready: float) -> None:
         """How long a callback made ready waited for the loop: past `LAG_TARGET_S`, the
         paced classes' room shrinks (to `MIN_ROOM` at least), else it grows back to their
-        whole share. What a critical call waits for, at each of its steps on the loop."""
+        whole share. What a critical call waits for, at each of its steps on the loop. The
+        probing stops (and the room is whole again) once the critical class is not active:
+        an idle replica is not woken 200 times a second."""
         if time.perf_counter() - made_ready > LAG_TARGET_S:
             self._room = max(MIN_ROOM, self._room * ROOM_CUT)
         else:
             self._room = min(1.0, self._room + ROOM_STEP)
-        loop.call_later(LAG_PROBE_S, self._probe, loop)
+        self._decay(time.monotonic())
+        if self._recently_active(PriorityClass.CRITICAL):
+            asyncio.get_running_loop().call_later(LAG_PROBE_S, self._probe)
+        else:
+            self._probing = False
+            self._room = 1.0
 
     def _measure_overhead(self, now: float, requests: int, inline_s: float) -> None:
         """Count `requests` answered, of which `inline_s` computing on the loop, and close

@@ -382,13 +382,27 @@ async def test_best_effort_is_paced_to_its_weight_share_while_critical_is_busy(
 async def test_the_paced_share_shrinks_while_the_loop_queues_and_grows_back(
     mixer: OnnxModel,
 ) -> None:
-    """Callbacks that hold the event loop 1 ms each, back to back: the probe's callback
-    waits past the target, and the share the paced classes get falls from their weights'
-    (1 of 4+1) towards a quarter of it; once the loop is free it grows back."""
-    queue = Batcher([mixer], BatchPolicy(max_batch_size=8), 0.0, -1.0)
+    """A critical client calling back to back, and callbacks that hold the event loop 1 ms
+    each: the probe's callback waits past the target, and the share the paced classes get
+    falls from their weights' (1 of 4+1) towards a quarter of it; once the loop is free it
+    grows back."""
+
+    class Slow:
+        def run(self, f: Mapping[str, np.ndarray], o: Sequence[str]) -> list[np.ndarray]:
+            time.sleep(0.005)
+            return mixer.run(f, o)
+
+    queue = Batcher([Slow()], BatchPolicy(max_batch_size=8), 0.005, -1.0)
     loop = asyncio.get_running_loop()
+    calling = True
+
+    async def critical_client() -> None:
+        while calling:
+            await queue.infer(feeds(1), ("y",), CRITICAL, None)
+
+    critical = asyncio.ensure_future(critical_client())
     try:
-        await queue.infer(feeds(1), ("y",), CRITICAL, None)  # the probing starts
+        await asyncio.sleep(0.1)  # the probing starts with the first critical call
         assert queue.paced_share == pytest.approx(1 / 5)
         stop = time.monotonic() + 0.3
 
@@ -406,4 +420,6 @@ async def test_the_paced_share_shrinks_while_the_loop_queues_and_grows_back(
         assert queue.paced_share >= 0.25 / 5  # never below a quarter: no class starves
         await wait_for(lambda: queue.paced_share > 0.99 / 5, "the share never grew back")
     finally:
+        calling = False
+        await critical
         queue.close()
