@@ -163,43 +163,6 @@ def replica_and_client_cpus() -> tuple[frozenset[int], frozenset[int]] | None:
     return replica, clients
 
 
-async def start_servers(
-    name: str,
-    model: Path,
-    workdir: Path,
-    workers: int,
-    flags: Sequence[str],
-    cpus: tuple[frozenset[int], frozenset[int]] | None = None,
-) -> Servers:
-    """`workers` runtime processes on one port, each ready; SystemExit with its log's tail
-    when one does not become ready."""
-    classes = _write_tokens(workdir)
-    port = 0
-    servers = Servers(
-        name, model.stem, "", [], [], [], batching=False, client_cpus=cpus and cpus[1]
-    )
-    for index in range(workers):
-        log = workdir / f"runtime-{index}.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "runtime.server", "--model", str(model),
-                "--name", model.stem, "--host", "127.0.0.1", "--port", str(port),
-                "--metrics-port", "0", "--token-file", str(workdir / "token"),
-                "--class-tokens", str(classes), *flags,
-                stdout=out, stderr=out, cwd=REPO_ROOT, preexec_fn=_pinned(cpus and cpus[0]),
-            )  # fmt: skip
-        servers.processes.append(process)
-        servers.logs.append(log)
-        text = await _wait_for(log, process, r"listening on \S+:(\d+)")
-        port = int(re.search(r"listening on \S+:(\d+)", text).group(1))  # type: ignore[union-attr]
-        servers.metrics.append(re.search(r"metrics served at (\S+)", text).group(1))  # type: ignore[union-attr]
-    servers.endpoint = f"127.0.0.1:{port}"
-    for log, process in zip(servers.logs, servers.processes, strict=True):
-        text = await _wait_for(log, process, r" ready provider=")
-        servers.batching = "batches: up to" in text
-    return servers
-
-
 def _write_tokens(workdir: Path) -> Path:
     """The deployment's token file and the class tokens' (returned) in `workdir`."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -248,8 +211,35 @@ async def serving(
     flags: Sequence[str],
     cpus: tuple[frozenset[int], frozenset[int]] | None = None,
 ) -> AsyncIterator[Servers]:
-    servers = await start_servers(name, model, workdir, workers, flags, cpus)
+    """`workers` runtime processes on one port, each ready (SystemExit with its log's tail
+    when one does not become ready), stopped on exit, those started before a failure too.
+    `cpus`: the replicas' CPUs and their clients' (`--pin-priority`); None: any."""
+    classes = _write_tokens(workdir)
+    port = 0
+    servers = Servers(
+        name, model.stem, "", [], [], [], batching=False, client_cpus=cpus and cpus[1]
+    )
     try:
+        for index in range(workers):
+            log = workdir / f"runtime-{index}.log"
+            with log.open("wb") as out:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "runtime.server", "--model", str(model),
+                    "--name", model.stem, "--host", "127.0.0.1", "--port", str(port),
+                    "--metrics-port", "0", "--token-file", str(workdir / "token"),
+                    "--class-tokens", str(classes), *flags,
+                    stdout=out, stderr=out, cwd=REPO_ROOT,
+                    preexec_fn=_pinned(cpus and cpus[0]),
+                )  # fmt: skip
+            servers.processes.append(process)
+            servers.logs.append(log)
+            text = await _wait_for(log, process, r"listening on \S+:(\d+)")
+            port = int(re.search(r"listening on \S+:(\d+)", text).group(1))  # type: ignore[union-attr]
+            servers.metrics.append(re.search(r"metrics served at (\S+)", text).group(1))  # type: ignore[union-attr]
+        servers.endpoint = f"127.0.0.1:{port}"
+        for log, process in zip(servers.logs, servers.processes, strict=True):
+            text = await _wait_for(log, process, r" ready provider=")
+            servers.batching = "batches: up to" in text
         yield servers
     finally:
         await stop_servers(servers)

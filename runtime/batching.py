@@ -309,7 +309,6 @@ class Batcher:
         paced; below zero they wait (`_lower_rate`)."""
         self._credited_at = self._decayed_at
         self._pacing = False
-        self._paced_wait_s: float | None = None
         self._overhead_s = 0.0
         self._window: tuple[float, float] | None = None
         """When the overhead window began (`time.monotonic()`) and the loop thread's CPU
@@ -460,10 +459,9 @@ class Batcher:
             self._drop_unwanted(now)
             cls = self._lead(now)
             if cls is None:
-                if self._paced_wait_s is not None:
-                    self._timer = loop.call_at(
-                        loop.time() + self._paced_wait_s, self._schedule, loop
-                    )
+                if self._queued:  # waiting only for the paced classes' credit to come back
+                    wait = -self._credit / self._lower_rate()
+                    self._timer = loop.call_at(loop.time() + wait, self._schedule, loop)
                 return
             paced = cls is not PriorityClass.CRITICAL and self._pacing
             if self._policy.max_queue_delay_s:
@@ -543,9 +541,8 @@ class Batcher:
 
     def _lead(self, now: float) -> PriorityClass | None:
         """The class whose requests form the next batch (see the module docstring); None
-        when none may start now (`_paced_wait_s`: how long until one may, if paced)."""
+        when nothing is queued or none may start now (the paced classes' credit is out)."""
         self._decay(now)
-        self._paced_wait_s = None
         busy = [c for c in CLASSES if self._classes[c].queue]
         if not busy:
             return None
@@ -559,7 +556,6 @@ class Batcher:
             if not lower_may or share <= WEIGHTS[critical] / max(weight_sum, WEIGHTS[critical]):
                 return critical
         if not lower_may:
-            self._paced_wait_s = -self._credit / self._lower_rate()
             return None
         waited = [
             (now - self._classes[c].queue[0].arrived, c)
