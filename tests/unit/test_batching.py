@@ -62,6 +62,18 @@ class Gate:
         return self._model.run(feeds, outputs)
 
 
+class Slow:
+    """A session whose every run takes `seconds` more, whatever its rows."""
+
+    def __init__(self, model: OnnxModel, seconds: float) -> None:
+        self._model = model
+        self._seconds = seconds
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
+        time.sleep(self._seconds)
+        return self._model.run(feeds, outputs)
+
+
 def feeds(value: float, rows: int = 1) -> dict[str, np.ndarray]:
     x = np.full((rows, 2), value, dtype=np.float32)
     x[:, 1] = np.arange(rows)
@@ -339,14 +351,9 @@ async def test_best_effort_is_paced_to_its_weight_share_while_critical_is_busy(
     a fifth of the batches (its weight, 1 of 4+1), not all 40 rows in one batch between two
     critical calls; every best-effort request is answered."""
 
-    class Slow:
-        def run(self, f: Mapping[str, np.ndarray], o: Sequence[str]) -> list[np.ndarray]:
-            time.sleep(0.01)  # a batch takes the same time whatever its rows
-            return mixer.run(f, o)
-
     batches: list[tuple[PriorityClass, int]] = []
     queue = Batcher(
-        [Slow()],
+        [Slow(mixer, 0.01)],
         BatchPolicy(max_batch_size=64),
         compute_s=0.01,
         inline_below_s=-1.0,
@@ -387,12 +394,7 @@ async def test_the_paced_share_shrinks_while_the_loop_queues_and_grows_back(
     falls from their weights' (1 of 4+1) towards a quarter of it; once the loop is free it
     grows back."""
 
-    class Slow:
-        def run(self, f: Mapping[str, np.ndarray], o: Sequence[str]) -> list[np.ndarray]:
-            time.sleep(0.005)
-            return mixer.run(f, o)
-
-    queue = Batcher([Slow()], BatchPolicy(max_batch_size=8), 0.005, -1.0)
+    queue = Batcher([Slow(mixer, 0.005)], BatchPolicy(max_batch_size=8), 0.005, -1.0)
     loop = asyncio.get_running_loop()
     calling = True
 
