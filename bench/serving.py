@@ -1,7 +1,8 @@
 """One replica under many clients: batching off against on, beside ONNX Runtime's ceiling.
 
     python -m bench.serving [--quick] [--device cpu|cuda] [--models mlp resnet18]
-                            [--clients 1,4,16,64] [--kinds ours,triton] [--workers 1,4]
+                            [--clients 1,4,16,64] [--kinds ours,triton] [--rounds 3]
+                            [--workers 1,4]
                             [--instances K] [--json FILE]
 
 For each model: ONNX Runtime in this process (the replica's session options: one intra-op
@@ -18,16 +19,19 @@ each configuration in turn:
 Each configuration meets N closed-loop clients for each N of `--clients` and each client
 kind of `--kinds` ("ours": the SDK's request building on grpc.aio; "triton":
 tritonclient.grpc.aio), run from `bench.serving_client` processes, a connection per client.
-Reported per block: requests/s, p50/p99/p99.9, the mean batch (from the replica's
-`/metrics`), the replicas' CPU (cores), the machine's, and with NVML the GPU's utilisation and
-memory. Then the priority arm, on a replica of its own ("on"'s flags): 4 critical clients
-alone, then among best-effort clients that saturate the replica (60, 12 with --quick), each
-block `--priority-seconds` long, the critical clients in a load process of their own, the
-best-effort ones running `OUTLAST_S` past them; with `--pin-priority` (the default, with 2
-CPUs or more) the replica on half of this machine's CPUs and the clients on the other half.
-Reported: the critical p99 beside its p99 alone (p50s and rates too), every best-effort
-client's answers (none starved), and, from the replica's /metrics over the critical
-clients' block, each class's share of compute and the best-effort calls a second.
+``off`` and ``on`` run side by side, one idle while the other is loaded, in `--rounds`
+interleaved blocks (off on, on off, off on, ...): a machine whose speed drifts over minutes
+moves both alike, and each round's on/off ratio shows how far the figure moves by itself.
+Reported per configuration, pooled over its rounds: requests/s, p50/p99/p99.9, the mean batch
+(from the replica's `/metrics`), the replicas' CPU (cores), the machine's, and with NVML the
+GPU's utilisation and memory. Then the priority arm, on a replica of its own ("on"'s flags): 4
+critical clients alone, then among best-effort clients that saturate the replica (60, 12 with
+--quick), each block `--priority-seconds` long, the critical clients in a load process of their
+own, the best-effort ones running `OUTLAST_S` past them; with `--pin-priority` (the default,
+with 2 CPUs or more) the replica on half of this machine's CPUs and the clients on the other
+half. Reported: the critical p99 beside its p99 alone (p50s and rates too), every best-effort
+client's answers (none starved), and, from the replica's /metrics over the critical clients'
+block, each class's share of compute and the best-effort calls a second.
 
 The verdict lines compare what issue 48 asks: 1-client p50 on/off, throughput at 16 and 64
 clients on/off, the p99 batching adds (on minus off at the same load: a saturated replica
@@ -109,6 +113,53 @@ class Block:
     gpu_mem_mib: float | None = None
     per_client: list[list[float]] = field(default_factory=list, repr=False)
     scrape: dict[str, float] = field(default_factory=dict, repr=False)
+    seconds: float = 0.0
+    """How long the clients ran."""
+    rounds: list[tuple[float, float]] = field(default_factory=list)
+    """(requests/s, p50 ms) of each round pooled here (`merge_rounds`)."""
+
+
+def merge_rounds(rounds: Sequence[Block]) -> Block:
+    """One configuration's blocks at one load, one per round, as one: latencies pooled,
+    requests/s and cores over the rounds' whole time, the replica's counters summed."""
+    first = rounds[0]
+    seconds = sum(b.seconds for b in rounds)
+    scraped: dict[str, float] = {}
+    for block in rounds:
+        for key, value in block.scrape.items():
+            scraped[key] = scraped.get(key, 0.0) + value
+    per_client = [samples for b in rounds for samples in b.per_client]
+    pooled = [v for samples in per_client for v in samples]
+    failures: dict[str, int] = {}
+    for block in rounds:
+        for name, count in block.failures.items():
+            failures[name] = failures.get(name, 0) + count
+    utils = [b.gpu_util for b in rounds if b.gpu_util is not None]
+    mems = [b.gpu_mem_mib for b in rounds if b.gpu_mem_mib is not None]
+
+    def over_time(value: Callable[[Block], float]) -> float:
+        return sum(value(b) * b.seconds for b in rounds) / seconds if seconds else 0.0
+
+    batches = _delta({}, scraped, "offload_runtime_batch_size_count")
+    return Block(
+        config=first.config,
+        kind=first.kind,
+        clients=first.clients,
+        rate=len(pooled) / seconds if seconds else 0.0,
+        latency=tail_percentiles(pooled) if pooled else {},
+        failures=failures,
+        mean_batch=_delta({}, scraped, "offload_runtime_batch_size_sum") / batches
+        if batches
+        else 1.0,
+        server_cores=over_time(lambda b: b.server_cores),
+        machine_cores=over_time(lambda b: b.machine_cores),
+        gpu_util=statistics.mean(utils) if utils else None,
+        gpu_mem_mib=max(mems) if mems else None,
+        per_client=per_client,
+        scrape=scraped,
+        seconds=seconds,
+        rounds=[(b.rate, b.latency.get("p50", 0.0)) for b in rounds],
+    )
 
 
 # ---- the ceiling -----------------------------------------------------------------------
@@ -415,9 +466,16 @@ async def run_block(
             for key, value in scrape_after.items()
             if any(
                 name in key
-                for name in ("class_compute", "class_requests", "queue_delay", "compute_duration")
+                for name in (
+                    "class_compute",
+                    "class_requests",
+                    "queue_delay",
+                    "compute_duration",
+                    "batch_size",
+                )
             )
         },
+        seconds=took,
     )
 
 
@@ -485,13 +543,14 @@ def verdicts(blocks: list[Block], priority: dict[str, Any] | None, delay_us: flo
         if clients == 1:
             ratio = block.latency["p50"] / off.latency["p50"]
             lines.append(
-                f"{kind}, 1 client: p50 on/off {ratio:.2f} "
+                f"{kind}, 1 client: p50 on/off {ratio:.2f}{_by_round(block, off, 1)} "
                 f"({'no worse' if ratio <= 1.0 else 'WORSE'} than batching off)"
             )
         if clients >= 16:
             ratio = block.rate / off.rate if off.rate else math.inf
             lines.append(
-                f"{kind}, {clients} clients: throughput on/off {ratio:.2f} "
+                f"{kind}, {clients} clients: throughput on/off {ratio:.2f}"
+                f"{_by_round(block, off, 0)} "
                 f"({'at least' if ratio >= 1.0 else 'BELOW'} batching off's)"
             )
         compute = batch_compute_s(block.scrape)
@@ -521,6 +580,16 @@ def verdicts(blocks: list[Block], priority: dict[str, Any] | None, delay_us: flo
             f"{'on separate CPUs' if priority['pinned'] else 'sharing the CPUs'}"
         )
     return lines
+
+
+def _by_round(on: Block, off: Block, figure: int) -> str:
+    """Each round's on/off ratio of `figure` (0: requests/s, 1: p50), when there are two
+    rounds or more."""
+    pairs = list(zip(on.rounds, off.rounds, strict=True))
+    if len(pairs) < 2:
+        return ""
+    ratios = ", ".join(f"{a[figure] / b[figure]:.2f}" if b[figure] else "-" for a, b in pairs)
+    return f" (pooled; by round {ratios})"
 
 
 def print_table(model: str, ceiling: dict[int, float], blocks: list[Block]) -> None:
@@ -576,29 +645,37 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
     ]
     blocks: list[Block] = []
     priority = None
-    for config, workers, flags in configs:
-        async with serving(
-            config, model, workdir / config.replace(" ", ""), workers, flags
-        ) as servers:
-            if config != "off" and not servers.batching:
-                why = re.search(r"batching off: (.*)", _read(servers.logs[0]))
-                print(f"{name}: the replica does not batch ({why and why.group(1)}): 'on' = 'off'")
-            elif config != "off":
-                chosen = re.search(r"--max-batch-size auto: (.*)", _read(servers.logs[0]))
-                if chosen:
-                    print(f"  {name} {config}: --max-batch-size auto chose {chosen.group(1)}")
+    # off and on side by side, their blocks interleaved; each more configuration alone.
+    for group in (configs[:2], *([c] for c in configs[2:])):
+        async with contextlib.AsyncExitStack() as stack:
+            running = [
+                await stack.enter_async_context(
+                    serving(config, model, workdir / config.replace(" ", ""), workers, flags)
+                )
+                for config, workers, flags in group
+            ]
+            for servers in running:
+                _say_how_it_batches(name, servers)
             for clients in args.clients:
                 for kind in args.kinds:
-                    block = await run_block(
-                        servers, kind, client_shares([TOKEN] * clients, args.client_processes),
-                        args.seconds, inputs, workdir,
-                    )  # fmt: skip
-                    blocks.append(block)
-                    print(
-                        f"  {name} {config} {kind} x{clients}: {block.rate:,.0f} req/s, "
-                        f"p99 {block.latency.get('p99', 0):.2f} ms, batch {block.mean_batch:.1f}",
-                        flush=True,
-                    )
+                    shares = client_shares([TOKEN] * clients, args.client_processes)
+                    rounds: dict[str, list[Block]] = {s.name: [] for s in running}
+                    for index in range(args.rounds):
+                        for servers in running if index % 2 == 0 else running[::-1]:
+                            rounds[servers.name].append(
+                                await run_block(
+                                    servers, kind, shares, args.seconds, inputs, workdir
+                                )
+                            )
+                    for servers in running:
+                        block = merge_rounds(rounds[servers.name])
+                        blocks.append(block)
+                        print(
+                            f"  {name} {servers.name} {kind} x{clients}: {block.rate:,.0f} "
+                            f"req/s, p99 {block.latency.get('p99', 0):.2f} ms, batch "
+                            f"{block.mean_batch:.1f}",
+                            flush=True,
+                        )
     if args.priority_clients:
         on_flags = configs[1][2]
         cpus = replica_and_client_cpus() if args.pin_priority else None
@@ -617,6 +694,18 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
         "priority": priority,
         "verdicts": lines,
     }
+
+
+def _say_how_it_batches(model: str, servers: Servers) -> None:
+    """Print what `--max-batch-size auto` chose for `servers`, or why it does not batch."""
+    if servers.name == "off":
+        return
+    log = _read(servers.logs[0])
+    if not servers.batching:
+        why = re.search(r"batching off: (.*)", log)
+        print(f"{model}: the replica does not batch ({why and why.group(1)}): 'on' = 'off'")
+    elif chosen := re.search(r"--max-batch-size auto: (.*)", log):
+        print(f"  {model} {servers.name}: --max-batch-size auto chose {chosen.group(1)}")
 
 
 async def priority_arm(
@@ -678,6 +767,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=None, help="per block (4; quick 1.5)")
     parser.add_argument(
+        "--rounds", type=int, default=None, help="interleaved blocks of off and on at each "
+        "load, pooled (3; quick 1): the rounds' ratios show the machine's own drift",
+    )  # fmt: skip
+    parser.add_argument(
         "--workers", type=_ints, default=[1], help="runtime processes on one port, each a "
         "configuration after 'on' (e.g. 1,4)",
     )  # fmt: skip
@@ -724,6 +817,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.clients = args.clients or ([1, 16] if quick else [1, 4, 16, 64])
     args.kinds = args.kinds or (["ours"] if quick else ["ours", "triton"])
     args.seconds = args.seconds or (1.5 if quick else 4.0)
+    args.rounds = args.rounds or (1 if quick else 3)
+    if not 1 <= args.rounds <= 100:
+        raise SystemExit(f"--rounds must be from 1 to 100, not {args.rounds}")
     args.priority_seconds = args.priority_seconds or (1.5 if quick else 10.0)
     if args.priority_clients is None:
         args.priority_clients = 12 if quick else 60

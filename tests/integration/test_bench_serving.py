@@ -1,5 +1,5 @@
-"""`python -m bench.serving`: one replica under closed-loop clients, batching off and on,
-both client kinds and the priority arm, every answer counted; and how it reads the
+"""`python -m bench.serving`: one replica under closed-loop clients, batching off and on in
+interleaved rounds, both client kinds and the priority arm, every answer counted; and how it reads the
 replicas' metrics."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_the_short_run_measures_every_block_and_the_priority_arm(tmp_path: Path)
     out = tmp_path / "serving.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench.serving", "--quick", "--models", "mlp",
-         "--clients", "1,4", "--kinds", "ours,triton", "--seconds", "0.5",
+         "--clients", "1,4", "--kinds", "ours,triton", "--seconds", "0.5", "--rounds", "2",
          "--priority-clients", "4", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -32,12 +32,16 @@ def test_the_short_run_measures_every_block_and_the_priority_arm(tmp_path: Path)
     for block in blocks.values():
         assert block["rate"] > 0 and block["latency"]["n"] > 0
         assert block["failures"] == {}
+        # Two interleaved rounds pooled: every answer of both, over both rounds' time.
+        assert len(block["rounds"]) == 2 and block["seconds"] >= 2 * 0.5
+        assert block["latency"]["n"] == round(block["rate"] * block["seconds"])
     assert blocks[("off", "ours", 4)]["mean_batch"] == 1.0
     assert set(result["ceiling"]) == {"1", "8"}
     priority = result["priority"]
     assert priority["best_effort_min_answers"] > 0 and priority["failures"] == {}
     assert set(priority["shares"]) >= {"critical", "best-effort"}
-    assert any(line.startswith("ours, 1 client: p50 on/off") for line in result["verdicts"])
+    (p50,) = [v for v in result["verdicts"] if v.startswith("ours, 1 client: p50 on/off")]
+    assert "(pooled; by round " in p50
     assert "--max-batch-size auto chose" in done.stdout
 
 
