@@ -26,6 +26,7 @@ from typing import Any
 import onnxruntime
 
 from bench import (
+    batcher_cost,
     control_plane,
     gpu_allocation,
     key_reload,
@@ -61,6 +62,7 @@ BENCHMARKS: dict[str, Callable[[Sequence[str] | None], int]] = {
     "offload": offload.main,
     "peers": peers.main,
     "serving": serving.main,
+    "batcher_cost": batcher_cost.main,
     "control_plane": control_plane.main,
     "key_reload": key_reload.main,
     "upload_memory": upload_memory.main,

@@ -89,6 +89,8 @@ class PriorityClass(enum.StrEnum):
 
 
 CLASSES = tuple(PriorityClass)
+_UP_TO = {c: CLASSES[: CLASSES.index(c) + 1] for c in CLASSES}
+"""Each class and those above it."""
 WEIGHTS: Mapping[PriorityClass, int] = {
     PriorityClass.CRITICAL: 4,
     PriorityClass.STANDARD: 2,
@@ -251,11 +253,15 @@ class _ClassState:
     """Requests queued per caller (those with some)."""
 
 
-def batch_key(feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> tuple[Key, int]:
-    """What must be equal for two requests to share a batch, and the request's rows."""
+def batch_key(feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> Key:
+    """What must be equal for two requests to share a batch."""
     shape_key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
-    rows = next(iter(feeds.values())).shape[0] if feeds else 1
-    return (tuple(names), tuple(sorted(shape_key))), rows
+    return tuple(names), tuple(sorted(shape_key))
+
+
+def request_rows(feeds: Mapping[str, np.ndarray]) -> int:
+    """A request's rows: its inputs' first dimension (checked equal across them before)."""
+    return next(iter(feeds.values())).shape[0] if feeds else 1
 
 
 class Batcher:
@@ -388,7 +394,7 @@ class Batcher:
         held = state.per_client.get(client, 0)
         if client != DEPLOYMENT and held >= self._client_bound:
             raise client_queue_full(client, held, cls, self._policy.max_queued_per_class)
-        key, rows = batch_key(feeds, names)
+        rows = request_rows(feeds)
         if cls is PriorityClass.CRITICAL and not self._probing:
             self._probing = True  # while the critical class is active (`_probed`)
             asyncio.get_running_loop().call_later(LAG_PROBE_S, self._probe)
@@ -398,8 +404,9 @@ class Batcher:
         loop = asyncio.get_running_loop()
         arrived = time.monotonic()
         pending = _Pending(
-            feeds, tuple(names), key, rows, deadline, arrived, loop.create_future(), client
-        )
+            feeds, tuple(names), batch_key(feeds, names), rows, deadline, arrived,
+            loop.create_future(), client,
+        )  # fmt: skip
         state.queue.append(pending)
         state.per_client[client] = held + 1
         self._queued += 1
@@ -665,8 +672,8 @@ class Batcher:
             self._inline
             and not self._policy.max_queue_delay_s
             and len(self._free) == self._policy.instances
-            and not any(self._classes[c].queue for c in CLASSES[: CLASSES.index(cls) + 1])
-            and self._padded(rows) == rows
+            and (not self._queued or not any(self._classes[c].queue for c in _UP_TO[cls]))
+            and (not self._pad_to or self._padded(rows) == rows)
         )
 
     def _run_now(

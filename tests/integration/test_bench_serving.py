@@ -1,6 +1,6 @@
 """`python -m bench.serving`: one replica under closed-loop clients, batching off and on in
-interleaved rounds, both client kinds and the priority arm, every answer counted; and how it reads the
-replicas' metrics."""
+interleaved rounds, both client kinds and the priority arm, every answer counted; and how it
+reads the replicas' metrics."""
 
 from __future__ import annotations
 
