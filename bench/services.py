@@ -36,8 +36,8 @@ ResNet-18 replicas empty this machine's page cache for whatever runs next):
   with --quick): --critical-clients clients attach to one service replica as critical
   (each with its own API key and token: the class is the client's, not the deployment's)
   and call it in closed loops for --seconds alone, then again beside --best-effort-clients
-  clients attached as best-effort, in closed loops from `BEST_EFFORT_PROCESSES` processes
-  of their own (one process driving them all beside the critical ones would time its own
+  clients attached as best-effort, in closed loops from processes of their own (one per
+  CPU the clients run on) (one process driving them all beside the critical ones would time its own
   event loop, not the replica), with 2 CPUs or more the replica and its node daemon on half
   of them and everything else on the other half (`offload node --cpuset`), as a server and
   its devices are apart: the critical p99 alone and among them, and its ratio (the
@@ -61,7 +61,7 @@ starved, zero failed requests). The exit status is 1 when a call failed.
     python -m bench.services [--quick] [--models mlp,resnet18] [--clients N]
         [--resnet-clients N] [--loop-clients T] [--seconds S] [--moves K]
         [--priority-models mlp,resnet18] [--critical-clients C] [--best-effort-clients B]
-        [--json FILE]
+        [--arms services,mobility,flood,priority] [--json FILE]
 
 `--quick` (CI): 8 MLP clients and 2 ResNet-18, 4 in loops for 2 s, 4 moves, 2 critical
 among 6 best-effort. Full: 64 of each model, 16 in loops for 5 s, 20 moves, 4 critical among
@@ -105,8 +105,8 @@ FLOOD_MAX_RPS = 200.0
 """Each client's calls per second at the flood arm's replica (`max_rps_per_client`)."""
 MEMORY_FLOOR_MIB = 4096
 """A private arm deploys no more while the machine has less memory available than this."""
-BEST_EFFORT_PROCESSES = 2
-"""The processes the priority arm's best-effort clients call from (one per core here)."""
+ARMS = ("services", "mobility", "flood", "priority")
+"""`--arms`: the service and private arms ("services"), mobility, flood, priority."""
 
 
 def rss_mib(pid: int) -> float:
@@ -519,7 +519,7 @@ async def priority(
     root: Path, model_name: str, critical_n: int, best_effort_n: int, seconds: float
 ) -> dict[str, Any]:
     """Critical clients of one service replica alone, then among best-effort clients (in
-    `BEST_EFFORT_PROCESSES` processes) saturating it: the critical p99 both times, the
+    processes of their own, one per client CPU) saturating it: the critical p99 both times, the
     best-effort clients' answers, and the classes' compute shares over the mixed window."""
     critical_keys = [new_api_key(f"crit{i:02d}") for i in range(critical_n)]
     best_effort_keys = [new_api_key(f"be{i:03d}") for i in range(best_effort_n)]
@@ -556,7 +556,10 @@ async def priority(
             critical.append(client)
         await closed_loops(critical, inputs, 0.5)  # warm: the channels open
         alone = await closed_loops(critical, inputs, seconds)
-        processes = min(BEST_EFFORT_PROCESSES, best_effort_n)
+        # One load process per CPU the clients have (with a second on the one client CPU
+        # of a 2-core machine, the critical clients' process waited behind both).
+        client_cpus = pinned[1] if pinned else cpus
+        processes = min(len(client_cpus), best_effort_n)
         for share in (best_effort_keys[i::processes] for i in range(processes)):
             ready = spawn.Event()
             results, out = spawn.Pipe(duplex=False)
@@ -670,22 +673,23 @@ def report(results: list[dict[str, Any]]) -> None:
             f"ms, p99 {service['attach_ms_p99']} ms (the first, which started the replica: "
             f"{service['attach_ms_first']} ms)"
         )
-    move = next(r for r in results if r["arm"] == "mobility")
-    print(
-        f"moves between sites whose replicas run ({move['moves']}, {move['loop_clients']} "
-        f"clients in loops): report to first answer median "
-        f"{move['move_to_first_answer_ms_median']} ms, max {move['move_to_first_answer_ms_max']}"
-        f" ms; replicas after {move['replicas_after']}; failed {move['failed']}"
-    )
-    flooded = next(r for r in results if r["arm"] == "flood")
-    print(
-        f"a quiet client's p99 beside a client flooding the replica ({flooded['flood_loops']} "
-        f"loops, each client at most {flooded['max_rps_per_client']:g} calls/s): alone "
-        f"{flooded['quiet_p99_ms_alone']} ms, beside the flood "
-        f"{flooded['quiet_p99_ms_beside_flood']} ms ({flooded['quiet_p99_ratio']}x; the "
-        f"issue's bound 2x); the flood answered {flooded['flood_calls_per_s']} calls/s, "
-        f"{flooded['flood_refused']} refused"
-    )
+    for move in (r for r in results if r["arm"] == "mobility"):
+        print(
+            f"moves between sites whose replicas run ({move['moves']}, {move['loop_clients']} "
+            f"clients in loops): report to first answer median "
+            f"{move['move_to_first_answer_ms_median']} ms, max "
+            f"{move['move_to_first_answer_ms_max']} ms; replicas after "
+            f"{move['replicas_after']}; failed {move['failed']}"
+        )
+    for flooded in (r for r in results if r["arm"] == "flood"):
+        print(
+            f"a quiet client's p99 beside a client flooding the replica ({flooded['flood_loops']} "
+            f"loops, each client at most {flooded['max_rps_per_client']:g} calls/s): alone "
+            f"{flooded['quiet_p99_ms_alone']} ms, beside the flood "
+            f"{flooded['quiet_p99_ms_beside_flood']} ms ({flooded['quiet_p99_ratio']}x; the "
+            f"issue's bound 2x); the flood answered {flooded['flood_calls_per_s']} calls/s, "
+            f"{flooded['flood_refused']} refused"
+        )
     for prio in (r for r in results if r["arm"] == "priority"):
         shares = ", ".join(f"{c} {v:.1%}" for c, v in sorted(prio["class_compute_shares"].items()))
         calls = ", ".join(f"{c} {v}" for c, v in prio["class_calls_computed"].items())
@@ -711,6 +715,14 @@ def report(results: list[dict[str, Any]]) -> None:
             f"{batch}; failed {prio['failed']}"
         )
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def _arms(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r}: give a comma list of {', '.join(ARMS)}")
+    return arms
 
 
 def _models(text: str) -> list[str]:
@@ -761,6 +773,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--best-effort-clients", type=int, help="best-effort clients beside them (60; 6)"
     )
+    parser.add_argument(
+        "--arms",
+        type=_arms,
+        default=list(ARMS),
+        help=f"the arms to run, a comma list ({','.join(ARMS)}; 'services' is the service "
+        "and private arms together, one the other's baseline)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
     n = args.clients or (8 if args.quick else 64)
@@ -799,16 +818,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.append(asyncio.run(result))
                 print(json.dumps(results[-1]), flush=True)
 
-        compare("service")
-        root = Path(tmp) / "mobility"
-        root.mkdir()
-        results.append(asyncio.run(mobility(root, min(loop_clients, 4), moves)))
-        print(json.dumps(results[-1]), flush=True)
-        root = Path(tmp) / "flood"
-        root.mkdir()
-        results.append(asyncio.run(flood(root, seconds, 16, FLOOD_MAX_RPS)))
-        print(json.dumps(results[-1]), flush=True)
-        for model in priority_models:
+        if "services" in args.arms:
+            compare("service")
+        if "mobility" in args.arms:
+            root = Path(tmp) / "mobility"
+            root.mkdir()
+            results.append(asyncio.run(mobility(root, min(loop_clients, 4), moves)))
+            print(json.dumps(results[-1]), flush=True)
+        if "flood" in args.arms:
+            root = Path(tmp) / "flood"
+            root.mkdir()
+            results.append(asyncio.run(flood(root, seconds, 16, FLOOD_MAX_RPS)))
+            print(json.dumps(results[-1]), flush=True)
+        for model in priority_models if "priority" in args.arms else ():
             root = Path(tmp) / f"priority-{model}"
             root.mkdir()
             result = priority(root, model, critical_n, best_effort_n, seconds)
@@ -817,7 +839,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The private arms last: 64 private ResNet-18 replicas hold about 21 GB here, and an
         # arm run right after them found the page cache emptied (its first answers up to
         # 1.8 s, attaches 0.6 s, against 52 ms and 0.1 s on a machine at rest).
-        compare("private")
+        if "services" in args.arms:
+            compare("private")
     report(results)
     if args.json:
         args.json.write_text(json.dumps({"arms": results}, indent=2))
