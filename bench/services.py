@@ -36,9 +36,9 @@ ResNet-18 replicas empty this machine's page cache for whatever runs next):
   with --quick): --critical-clients clients attach to one service replica as critical
   (each with its own API key and token: the class is the client's, not the deployment's)
   and call it in closed loops for --seconds alone, then again beside --best-effort-clients
-  clients attached as best-effort, in closed loops from processes of their own (one per
-  CPU the clients run on) (one process driving them all beside the critical ones would time its own
-  event loop, not the replica), with 2 CPUs or more the replica and its node daemon on half
+  clients attached as best-effort, in closed loops from processes of their own, one per
+  CPU the clients run on (one process driving them all beside the critical ones would time
+  its own event loop, not the replica), with 2 CPUs or more the replica and its node daemon on half
   of them and everything else on the other half (`offload node --cpuset`), as a server and
   its devices are apart: the critical p99 alone and among them, and its ratio (the
   runtime issue's bound: at most 1.5x); the fewest and most answers of any best-effort
@@ -519,8 +519,9 @@ async def priority(
     root: Path, model_name: str, critical_n: int, best_effort_n: int, seconds: float
 ) -> dict[str, Any]:
     """Critical clients of one service replica alone, then among best-effort clients (in
-    processes of their own, one per client CPU) saturating it: the critical p99 both times, the
-    best-effort clients' answers, and the classes' compute shares over the mixed window."""
+    processes of their own, one per client CPU) saturating it: the critical p99 both times,
+    the best-effort clients' answers, and the classes' compute shares over the mixed
+    window."""
     critical_keys = [new_api_key(f"crit{i:02d}") for i in range(critical_n)]
     best_effort_keys = [new_api_key(f"be{i:03d}") for i in range(best_effort_n)]
     # The replica (and its node daemon) on half of the CPUs, the clients on the other half
