@@ -229,11 +229,11 @@ def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of each sample line of a Prometheus text page whose name is
     one of `_PARSED`; ValueError for such a line that does not parse.
 
-    By hand, for its speed: prometheus_client's parser took 28-48 ms of a shared replica's
-    page with 64 clients (1,600 lines, most of them the clients' latency buckets), at every
-    sample (each heartbeat), on the CPU the node shares with its replicas; the calls in
-    flight at the replica waited for it (`bench.services`' priority arm: critical p99 2.3-3x
-    its p99 alone, 1.4x with samples 30 s apart)."""
+    By hand, for its speed: prometheus_client's parser took tens of milliseconds for a
+    shared replica's page with 64 clients (about 1,600 lines, most of them the clients'
+    latency buckets), at every sample (each heartbeat), on the CPU the node shares with its
+    replicas, and the calls in flight at the replica waited for it (`bench.services`'
+    priority arm, docs/BENCHMARKS.md)."""
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -255,7 +255,10 @@ def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
                 label = _LABEL.match(label_text, at)
                 if label is None or label.end() == at:
                     raise ValueError(f"metrics labels that do not parse: {line[:80]!r}")
-                labels[label[1]] = _ESCAPES.sub(lambda m: "\n" if m[1] == "n" else m[1], label[2])
+                unescaped = label[2]
+                if "\\" in unescaped:
+                    unescaped = _ESCAPES.sub(lambda m: "\n" if m[1] == "n" else m[1], unescaped)
+                labels[label[1]] = unescaped
                 at = label.end()
         yield name, labels, float(value)
 
