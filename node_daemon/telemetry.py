@@ -208,14 +208,29 @@ class RuntimeCounters:
     """Client id -> its figures, for each client of the replica's clients file."""
 
 
-_PARSED = frozenset(
-    f"offload_runtime_{name}"
-    for name in (
-        "requests_total", "request_failures_total", "in_flight", "queued",
+_RUNTIME = "offload_runtime_"
+_SUMMED = tuple(
+    _RUNTIME + n
+    for n in (
+        "requests_total", "request_failures_total", "in_flight", "queued", "batch_size_count",
+        "batch_size_sum",
+    )
+)  # fmt: skip
+"""Series summed over the page's models."""
+_BUCKETED = tuple(
+    _RUNTIME + n
+    for n in (
         "request_duration_seconds_bucket", "compute_duration_seconds_bucket",
-        "batch_size_count", "batch_size_sum", "queue_delay_seconds_bucket",
-        "class_compute_seconds_total", "class_requests_total", "client_requests_total",
-        "client_request_duration_seconds_bucket",
+        "queue_delay_seconds_bucket",
+    )
+)  # fmt: skip
+"""Histograms summed bucket by bucket over the page's models."""
+_BY_CLASS = (f"{_RUNTIME}class_compute_seconds_total", f"{_RUNTIME}class_requests_total")
+"""Series summed per priority class."""
+_PARSED = frozenset(
+    (
+        *_SUMMED, *_BUCKETED, *_BY_CLASS, f"{_RUNTIME}client_requests_total",
+        f"{_RUNTIME}client_request_duration_seconds_bucket",
     )
 )  # fmt: skip
 """The series `parse_runtime_metrics` reads: the only ones the node asks a replica for
@@ -266,53 +281,32 @@ def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
 def parse_runtime_metrics(text: str) -> RuntimeCounters:
     """The runtime's metrics page (Prometheus text format) summed over its models; ValueError
     for a page whose series of these figures do not parse (`_samples`)."""
-    requests = failures = in_flight = queued = batches = batch_rows = 0.0
-    latency: dict[float, float] = {}
-    compute: dict[float, float] = {}
-    delay: dict[float, float] = {}
-    class_compute: dict[str, float] = {}
-    class_requests: dict[str, float] = {}
+    sums = dict.fromkeys(_SUMMED, 0.0)
+    buckets: dict[str, dict[float, float]] = {name: {} for name in _BUCKETED}
+    by_class: dict[str, dict[str, float]] = {name: {} for name in _BY_CLASS}
     client_calls: dict[str, list[float]] = {}
     """Client -> [calls answered, refused]."""
     client_latency: dict[str, dict[float, float]] = {}
     try:
         for name, labels, value in _samples(text):
-            if name == "offload_runtime_requests_total":
-                requests += value
-            elif name == "offload_runtime_request_failures_total":
-                failures += value
-            elif name == "offload_runtime_in_flight":
-                in_flight += value
-            elif name == "offload_runtime_queued":
-                queued += value
-            elif name == "offload_runtime_request_duration_seconds_bucket":
+            if name in sums:
+                sums[name] += value
+            elif name in buckets:
+                summed = buckets[name]
                 bound = float(labels["le"])
-                latency[bound] = latency.get(bound, 0.0) + value
-            elif name == "offload_runtime_compute_duration_seconds_bucket":
-                bound = float(labels["le"])
-                compute[bound] = compute.get(bound, 0.0) + value
-            elif name == "offload_runtime_batch_size_count":
-                batches += value
-            elif name == "offload_runtime_batch_size_sum":
-                batch_rows += value
-            elif name == "offload_runtime_queue_delay_seconds_bucket":
-                bound = float(labels["le"])
-                delay[bound] = delay.get(bound, 0.0) + value
-            elif name == "offload_runtime_class_compute_seconds_total":
-                cls = labels["class"]
-                class_compute[cls] = class_compute.get(cls, 0.0) + value
-            elif name == "offload_runtime_class_requests_total":
-                cls = labels["class"]
-                class_requests[cls] = class_requests.get(cls, 0.0) + value
-            elif name == "offload_runtime_client_requests_total":
+                summed[bound] = summed.get(bound, 0.0) + value
+            elif name in by_class:
+                per_class = by_class[name]
+                per_class[labels["class"]] = per_class.get(labels["class"], 0.0) + value
+            elif name == f"{_RUNTIME}client_requests_total":
                 calls = client_calls.setdefault(labels["client"], [0.0, 0.0])
                 calls[0] += value
                 if labels["code"] == REFUSED_CODE:
                     calls[1] += value
-            elif name == "offload_runtime_client_request_duration_seconds_bucket":
-                buckets = client_latency.setdefault(labels["client"], {})
+            else:  # offload_runtime_client_request_duration_seconds_bucket
+                summed = client_latency.setdefault(labels["client"], {})
                 bound = float(labels["le"])
-                buckets[bound] = buckets.get(bound, 0.0) + value
+                summed[bound] = summed.get(bound, 0.0) + value
     except KeyError as err:
         raise ValueError(f"a metrics series without its label {err}") from None
     clients = {}
@@ -321,17 +315,17 @@ def parse_runtime_metrics(text: str) -> RuntimeCounters:
         latency_buckets = tuple(sorted(client_latency.get(client, {}).items()))
         clients[client] = ClientCounters(answered, refused, latency_buckets)
     return RuntimeCounters(
-        requests,
-        failures,
-        tuple(sorted(latency.items())),
-        tuple(sorted(compute.items())),
-        in_flight,
-        queued,
-        batches,
-        batch_rows,
-        tuple(sorted(delay.items())),
-        tuple(sorted(class_compute.items())),
-        tuple(sorted(class_requests.items())),
+        sums[f"{_RUNTIME}requests_total"],
+        sums[f"{_RUNTIME}request_failures_total"],
+        tuple(sorted(buckets[f"{_RUNTIME}request_duration_seconds_bucket"].items())),
+        tuple(sorted(buckets[f"{_RUNTIME}compute_duration_seconds_bucket"].items())),
+        sums[f"{_RUNTIME}in_flight"],
+        sums[f"{_RUNTIME}queued"],
+        sums[f"{_RUNTIME}batch_size_count"],
+        sums[f"{_RUNTIME}batch_size_sum"],
+        tuple(sorted(buckets[f"{_RUNTIME}queue_delay_seconds_bucket"].items())),
+        tuple(sorted(by_class[f"{_RUNTIME}class_compute_seconds_total"].items())),
+        tuple(sorted(by_class[f"{_RUNTIME}class_requests_total"].items())),
         clients,
     )
 
