@@ -38,6 +38,9 @@ none for a client no longer in it (so at most the file's `MAX_CLIENTS` per name)
 - ``offload_runtime_client_compute_seconds_total{model, client}`` (counter): the compute
   time of its requests (a batch's time split by rows among its requests).
 
+These are kept in plain numbers (`runtime.client_series`, which says why), without the
+``_created`` samples of prometheus_client's own counters and histograms.
+
 And for the replica as a whole:
 
 - ``offload_runtime_clients_generation`` (gauge, no label): the generation of the clients
@@ -69,11 +72,25 @@ import socket
 import socketserver
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+from prometheus_client.exposition import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    ThreadingWSGIServer,
+    choose_encoder,
+    generate_latest,
+    make_wsgi_app,
+)
+
+from runtime import client_series
+from runtime.client_series import ClientSeries
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIApplication
 
 DURATION_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -105,9 +122,6 @@ class ModelMetrics:
         "_class_queued",
         "_class_refused",
         "_class_requests",
-        "_client_compute",
-        "_client_duration",
-        "_client_requests",
         "_clients",
         "_failures",
         "_failures_by_code",
@@ -139,49 +153,24 @@ class ModelMetrics:
         """Each class's compute and request counters, resolved at its first batch."""
         self._class_refused = family.class_refused
         self._refused_by_class: dict[str, Counter] = {}
-        self._client_requests = family.client_requests
-        self._client_duration = family.client_duration
-        self._client_compute = family.client_compute
-        self._clients: dict[str, ClientMetrics] = {}
-        """Each client's children, for the clients of the clients file's last reading."""
+        self._clients = family.clients.for_model(model)
+        """The clients of the clients file's last reading (`runtime.client_series`)."""
 
     def use_clients(self, ids: Iterable[str]) -> None:
         """Keep series for exactly the clients `ids`: a new one's appear at zero, those of
         a client no longer listed are removed. Event loop only."""
-        kept = {}
-        for client in ids:
-            kept[client] = self._clients.get(client) or ClientMetrics(
-                self._client_duration.labels(self._model, client),
-                self._client_compute.labels(self._model, client),
-            )
-        for client, gone in self._clients.items():
-            if client not in kept:
-                self._client_duration.remove(self._model, client)
-                self._client_compute.remove(self._model, client)
-                for code in gone.requests_by_code:
-                    self._client_requests.remove(self._model, client, code)
-        self._clients = kept  # one assignment: a worker thread reads one table or the other
+        self._clients.use(ids)
 
     def client_answered(self, client: str, code: str, seconds: float) -> None:
         """A call of `client` answered with the gRPC status `code` (its name) after
         `seconds`; nothing for a client not listed (removed while its call ran). Event loop
         only."""
-        children = self._clients.get(client)
-        if children is None:
-            return
-        counter = children.requests_by_code.get(code)
-        if counter is None:
-            counter = self._client_requests.labels(self._model, client, code)
-            children.requests_by_code[code] = counter
-        counter.inc()
-        children.duration.observe(seconds)
+        self._clients.answered(client, code, seconds)
 
     def client_computed(self, client: str, seconds: float) -> None:
         """`client`'s requests computed for `seconds` (`runtime.batching.
         ClientComputeObserver`); nothing for a client not listed. Any thread."""
-        children = self._clients.get(client)
-        if children is not None:
-            children.compute.inc(seconds)
+        self._clients.computed(client, seconds)
 
     def count_queued(
         self, total: Callable[[], float], per_class: Sequence[tuple[str, Callable[[], float]]]
@@ -226,15 +215,6 @@ class ModelMetrics:
         if counter is None:
             counter = self._failures_by_code[code] = self._failures.labels(self._model, code)
         counter.inc()
-
-
-@dataclass(slots=True)
-class ClientMetrics:
-    """One client's children of one model's per-client metrics."""
-
-    duration: Histogram
-    compute: Counter
-    requests_by_code: dict[str, Counter] = field(default_factory=dict)
 
 
 class RuntimeMetrics:
@@ -323,26 +303,8 @@ class RuntimeMetrics:
             registry=r,
         )
 
-        self.client_requests = Counter(
-            "offload_runtime_client_requests",
-            "Inference calls answered per client of the clients file, by gRPC status code name "
-            "(OK for a success).",
-            ["model", "client", "code"],
-            registry=r,
-        )
-        self.client_duration = Histogram(
-            "offload_runtime_client_request_duration_seconds",
-            "From a client's inference call's arrival in the handler to its answer.",
-            ["model", "client"],
-            buckets=DURATION_BUCKETS_S,
-            registry=r,
-        )
-        self.client_compute = Counter(
-            "offload_runtime_client_compute_seconds",
-            "Compute time of each client's requests (a batch's split by rows).",
-            ["model", "client"],
-            registry=r,
-        )
+        self.clients = ClientSeries(DURATION_BUCKETS_S)
+        r.register(self.clients)
         self.clients_generation = Gauge(
             CLIENTS_GENERATION,
             "The generation of the clients file whose table is in effect (0: none read).",
@@ -379,7 +341,8 @@ class MetricsEndpoint:
     scrape): a scrape never waits for the event loop, which an inline inference may hold,
     and never runs on it. Formatting the page holds the GIL line by line: a shared
     replica's 64 clients make it about 1,600 lines, milliseconds that the loop's calls
-    wait for (the node asks only for the series it reads: `node_daemon.telemetry`)."""
+    wait for. So the node asks only for the series it reads (`node_daemon.telemetry`), and
+    the clients' among them are written by hand (`page_app`, `runtime.client_series`)."""
 
     host: str
     port: int
@@ -388,14 +351,14 @@ class MetricsEndpoint:
     _thread: threading.Thread
 
     @classmethod
-    def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
-        """Bind `host:port` (0: a free port) and serve `registry` on every path (Prometheus
+    def start(cls, metrics: RuntimeMetrics, host: str, port: int) -> MetricsEndpoint:
+        """Bind `host:port` (0: a free port) and serve `metrics` on every path (Prometheus
         asks for /metrics). OSError when the address cannot be bound."""
         family, *_, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         httpd = _Server((str(address[0]), port), family)
-        httpd.set_app(make_wsgi_app(registry))
+        httpd.set_app(page_app(metrics))
         thread = threading.Thread(
             target=httpd.serve_forever,
             kwargs={"poll_interval": SHUTDOWN_POLL_S},
@@ -416,3 +379,24 @@ class MetricsEndpoint:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()
+
+
+def page_app(metrics: RuntimeMetrics) -> WSGIApplication:
+    """prometheus_client's WSGI app for `metrics.registry`, but for a GET in the plain text
+    format that names its series (``?name[]=...``, as the node daemon's): the per-client
+    series among them written by `ClientSeries.text` (milliseconds faster with many
+    clients), the others by `generate_latest`, and nothing compressed (the node is near)."""
+    full = make_wsgi_app(metrics.registry)
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
+        encoder, _ = choose_encoder(environ.get("HTTP_ACCEPT", ""))
+        if not names or environ["REQUEST_METHOD"] != "GET" or encoder is not generate_latest:
+            return full(environ, start_response)
+        wanted = frozenset(names)
+        others = metrics.registry.restricted_registry(wanted - client_series.NAMES)
+        body = generate_latest(others) + metrics.clients.text(wanted).encode()
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)])
+        return [body]
+
+    return app

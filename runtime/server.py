@@ -275,9 +275,7 @@ async def start_server(settings: RuntimeSettings) -> RunningServer:
     endpoint = None
     if settings.metrics_port is not None:
         try:
-            endpoint = MetricsEndpoint.start(
-                metrics.registry, settings.host, settings.metrics_port
-            )
+            endpoint = MetricsEndpoint.start(metrics, settings.host, settings.metrics_port)
         except OSError as err:
             await server.stop(None)
             executor.shutdown()
