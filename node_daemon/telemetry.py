@@ -227,7 +227,7 @@ _BUCKETED = tuple(
 """Histograms summed bucket by bucket over the page's models."""
 _BY_CLASS = (f"{_RUNTIME}class_compute_seconds_total", f"{_RUNTIME}class_requests_total")
 """Series summed per priority class."""
-_PARSED = frozenset(
+PARSED = frozenset(
     (
         *_SUMMED, *_BUCKETED, *_BY_CLASS, f"{_RUNTIME}client_requests_total",
         f"{_RUNTIME}client_request_duration_seconds_bucket",
@@ -235,34 +235,51 @@ _PARSED = frozenset(
 )  # fmt: skip
 """The series `parse_runtime_metrics` reads: the only ones the node asks a replica for
 (`Telemetry.read_page`), and of a page with more, the only lines parsed."""
-_SAMPLE_LINE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+-?\d+)?")
+_SAMPLE_LINE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+(-?\d+))?")
 _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*(?:,|$)')
 _ESCAPES = re.compile(r"\\(.)")
+KNOWN_LINES = 16_384
+"""The most lines `_samples` keeps the name and labels of (`_known`)."""
+_known: dict[str, tuple[str, dict[str, str]]] = {}
+"""A sample line up to its value's space -> its name and labels, for lines parsed before:
+a replica's page is the same from one heartbeat to the next but for the values, so most
+lines are a dictionary lookup and a float (for 64 clients' 1,100 lines, a fraction of
+their parse: `python -m bench.metrics_page`). Emptied when full; read-only labels."""
 
 
 def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of each sample line of a Prometheus text page whose name is
-    one of `_PARSED`; ValueError for such a line that does not parse.
+    one of `PARSED`; ValueError for such a line that does not parse.
 
     By hand, for its speed: prometheus_client's parser took tens of milliseconds for a
     shared replica's page with 64 clients (about 1,600 lines, most of them the clients'
     latency buckets), at every sample (each heartbeat), on the CPU the node shares with its
     replicas, and the calls in flight at the replica waited for it (`bench.services`'
-    priority arm, docs/BENCHMARKS.md)."""
+    priority arm, docs/BENCHMARKS.md). A line read before costs a lookup (`_known`)."""
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
+        head, _, value = line.rpartition(" ")
+        seen = _known.get(head)
+        if seen is not None:
+            try:
+                number = float(value)
+            except ValueError:
+                pass  # read below as a new line, which says what is wrong with it
+            else:
+                yield seen[0], seen[1], number
+                continue
         end = len(line)
         for stop in ("{", " ", "\t"):
             at = line.find(stop)
             if 0 <= at < end:
                 end = at
-        if line[:end] not in _PARSED:
+        if line[:end] not in PARSED:
             continue
         match = _SAMPLE_LINE.fullmatch(line.rstrip())
         if match is None:
             raise ValueError(f"a metrics line that does not parse: {line[:80]!r}")
-        name, label_text, value = match.groups()
+        name, label_text, value_text, timestamp = match.groups()
         labels: dict[str, str] = {}
         if label_text:
             at = 0
@@ -275,7 +292,12 @@ def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
                     unescaped = _ESCAPES.sub(lambda m: "\n" if m[1] == "n" else m[1], unescaped)
                 labels[label[1]] = unescaped
                 at = label.end()
-        yield name, labels, float(value)
+        number = float(value_text)
+        if timestamp is None and value_text == value:
+            if len(_known) >= KNOWN_LINES:
+                _known.clear()
+            _known[head] = (name, labels)
+        yield name, labels, number
 
 
 def parse_runtime_metrics(text: str) -> RuntimeCounters:
@@ -509,7 +531,7 @@ class Telemetry:
         return self.latest
 
     async def _scrape(self, info: ReplicaInfo) -> RuntimeCounters | None:
-        text = await self.read_page(info.replica_id, info.metrics_endpoint, sorted(_PARSED))
+        text = await self.read_page(info.replica_id, info.metrics_endpoint, sorted(PARSED))
         if text is None:
             return None
         try:

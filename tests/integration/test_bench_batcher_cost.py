@@ -4,21 +4,14 @@ inline one, on the MLP, with the figures written out; nonsense counts refused by
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "bench.batcher_cost", *args],
-        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+from tests.bench_support import run_bench
 
 
 def test_both_paths_are_timed_and_written(tmp_path: Path) -> None:
     out = tmp_path / "cost.json"
-    done = _run("--calls", "200", "--repeats", "2", "--json", str(out))
+    done = run_bench("bench.batcher_cost", "--calls", "200", "--repeats", "2", "--json", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     figures = json.loads(out.read_text())
     assert figures["model"] == "mlp"
@@ -28,7 +21,7 @@ def test_both_paths_are_timed_and_written(tmp_path: Path) -> None:
 
 
 def test_nonsense_counts_and_models_are_refused_by_name() -> None:
-    done = _run("--calls", "0")
+    done = run_bench("bench.batcher_cost", "--calls", "0")
     assert done.returncode == 2 and "--calls" in done.stderr
-    done = _run("--model", "no-such-model")
+    done = run_bench("bench.batcher_cost", "--model", "no-such-model")
     assert done.returncode == 2 and "'no-such-model'" in done.stderr

@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.rpc.convert import node_sample_from_proto
+from node_daemon import telemetry
 from node_daemon.agent import NodeAgent
 from node_daemon.inventory import (
     Gpu,
@@ -140,6 +141,40 @@ def test_the_parser_takes_escapes_and_timestamps_and_skips_series_it_does_not_re
 def test_a_series_the_node_reads_that_does_not_parse_is_a_value_error(line: str) -> None:
     with pytest.raises(ValueError):
         parse_runtime_metrics(line + "\n")
+
+
+def test_a_line_read_before_is_read_again_with_its_new_value_and_a_bad_one_still_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(telemetry, "_known", {})
+    head = 'offload_runtime_class_requests_total{class="critical",model="m"}'
+    assert parse_runtime_metrics(f"{head} 2\n").class_requests == (("critical", 2.0),)
+    assert head in telemetry._known
+    assert parse_runtime_metrics(f"{head} 7.5\n").class_requests == (("critical", 7.5),)
+    # With a timestamp after it, the value is still the one before the timestamp.
+    assert parse_runtime_metrics(f"{head} 3 1700000000000\n").class_requests == (
+        ("critical", 3.0),
+    )
+    with pytest.raises(ValueError, match="many"):
+        parse_runtime_metrics(f"{head} many\n")
+
+
+def test_the_lines_kept_are_bounded_and_the_figures_the_same_past_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    metrics = RuntimeMetrics()
+    model = metrics.for_model("mlp")
+    model.use_clients([f"client-{i:02d}" for i in range(8)])
+    for i in range(8):
+        model.client_answered(f"client-{i:02d}", "OK", 0.001 * i)
+    page = runtime_page(metrics)
+    monkeypatch.setattr(telemetry, "_known", {})
+    unbounded = parse_runtime_metrics(page)
+    monkeypatch.setattr(telemetry, "KNOWN_LINES", 10)
+    monkeypatch.setattr(telemetry, "_known", {})
+    for _ in range(3):
+        assert parse_runtime_metrics(page) == unbounded
+        assert 0 < len(telemetry._known) <= 10
 
 
 def test_quantiles_are_bucket_upper_bounds() -> None:
