@@ -38,8 +38,9 @@ none for a client no longer in it (so at most the file's `MAX_CLIENTS` per name)
 - ``offload_runtime_client_compute_seconds_total{model, client}`` (counter): the compute
   time of its requests (a batch's time split by rows among its requests).
 
-These are kept in plain numbers (`runtime.client_series`, which says why), without the
-``_created`` samples of prometheus_client's own counters and histograms.
+These, and the batching series above, are kept in plain numbers (`runtime.client_series`,
+`runtime.batch_series`, which say why), without the ``_created`` samples of
+prometheus_client's own counters and histograms.
 
 And for the replica as a whole:
 
@@ -87,6 +88,7 @@ from prometheus_client.exposition import (
 )
 
 from runtime import client_series
+from runtime.batch_series import BatchSeries
 from runtime.client_series import ClientSeries
 
 if TYPE_CHECKING:
@@ -116,17 +118,13 @@ class ModelMetrics:
     threads may observe `compute` and lower `queued`."""
 
     __slots__ = (
-        "_batch_size",
-        "_by_class",
-        "_class_compute",
+        "_batches",
         "_class_queued",
         "_class_refused",
-        "_class_requests",
         "_clients",
         "_failures",
         "_failures_by_code",
         "_model",
-        "_queue_delay",
         "_refused_by_class",
         "compute",
         "duration",
@@ -144,13 +142,8 @@ class ModelMetrics:
         self.queued = family.queued.labels(model)
         self._failures = family.failures
         self._failures_by_code: dict[str, Counter] = {}
-        self._batch_size = family.batch_size.labels(model)
-        self._queue_delay = family.queue_delay.labels(model)
-        self._class_compute = family.class_compute
-        self._class_requests = family.class_requests
+        self._batches = family.batches.for_model(model)
         self._class_queued = family.class_queued
-        self._by_class: dict[str, tuple[Counter, Counter]] = {}
-        """Each class's compute and request counters, resolved at its first batch."""
         self._class_refused = family.class_refused
         self._refused_by_class: dict[str, Counter] = {}
         self._clients = family.clients.for_model(model)
@@ -185,18 +178,8 @@ class ModelMetrics:
     ) -> None:
         """One batch of priority class `cls` ran (`runtime.batching.BatchObserver`). Event
         loop only."""
-        self._batch_size.observe(rows)
-        for wait in waits_s:
-            self._queue_delay.observe(wait)
+        self._batches.observe(cls, rows, compute_s, waits_s)
         self.compute.observe(compute_s)
-        counters = self._by_class.get(cls)
-        if counters is None:
-            counters = self._by_class[cls] = (
-                self._class_compute.labels(self._model, cls),
-                self._class_requests.labels(self._model, cls),
-            )
-        counters[0].inc(compute_s)
-        counters[1].inc(len(waits_s))
 
     def refused_full(self, cls: str) -> None:
         """One request of priority class `cls` refused: its class's queue (for a batch or a
@@ -262,32 +245,8 @@ class RuntimeMetrics:
             ["model"],
             registry=r,
         )
-        self.batch_size = Histogram(
-            "offload_runtime_batch_size",
-            "Rows of each batch run (batching).",
-            ["model"],
-            buckets=BATCH_SIZE_BUCKETS,
-            registry=r,
-        )
-        self.queue_delay = Histogram(
-            "offload_runtime_queue_delay_seconds",
-            "Each request's wait from its queueing to its batch's start (batching).",
-            ["model"],
-            buckets=DURATION_BUCKETS_S,
-            registry=r,
-        )
-        self.class_compute = Counter(
-            "offload_runtime_class_compute_seconds",
-            "Compute time of the batches of each priority class (batching).",
-            ["model", "class"],
-            registry=r,
-        )
-        self.class_requests = Counter(
-            "offload_runtime_class_requests",
-            "Requests computed per priority class (batching).",
-            ["model", "class"],
-            registry=r,
-        )
+        self.batches = BatchSeries(BATCH_SIZE_BUCKETS, DURATION_BUCKETS_S)
+        r.register(self.batches)
         self.class_queued = Gauge(
             "offload_runtime_class_queued",
             "Requests waiting for a batch per priority class (batching).",
