@@ -654,6 +654,7 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
                 )
                 for config, workers, flags in group
             ]
+            _pin_loops_together(running)
             for servers in running:
                 _say_how_it_batches(name, servers)
             for clients in args.clients:
@@ -696,8 +697,26 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
     }
 
 
+def _pin_loops_together(running: Sequence[Servers]) -> None:
+    """Pin the event loop of each of `running` (off and on, loaded one at a time) to the
+    CPU the first one's runtime pinned its loop to, where each runtime pinned its own
+    (`--pin-event-loop small`, the default, for an inline model): a runtime picks the CPU
+    by its pid (`runtime.server.pin_this_thread`), and two identical unbatched replicas on
+    the two CPUs of this VM differed by up to a fifth, the same way in every round
+    (docs/BENCHMARKS.md). The loop is the process's main thread: its thread id is the pid."""
+    pinned = [re.search(r"event loop pinned to CPU (\d+)", _read(s.logs[0])) for s in running]
+    if len(running) < 2 or not all(pinned):
+        return
+    cpu = int(pinned[0].group(1))  # type: ignore[union-attr]
+    for servers in running[1:]:
+        os.sched_setaffinity(servers.processes[0].pid, {cpu})
+
+
 def _say_how_it_batches(model: str, servers: Servers) -> None:
-    """Print what `--max-batch-size auto` chose for `servers`, or why it does not batch."""
+    """Print what `--max-batch-size auto` chose for `servers`, or why it does not batch,
+    and the CPUs its first process's event loop may run on."""
+    cpus = sorted(os.sched_getaffinity(servers.processes[0].pid))
+    print(f"  {model} {servers.name}: event loop on CPU {','.join(map(str, cpus))}")
     if servers.name == "off":
         return
     log = _read(servers.logs[0])

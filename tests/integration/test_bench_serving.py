@@ -5,6 +5,8 @@ reads the replicas' metrics."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +45,11 @@ def test_the_short_run_measures_every_block_and_the_priority_arm(tmp_path: Path)
     (p50,) = [v for v in result["verdicts"] if v.startswith("ours, 1 client: p50 on/off")]
     assert "(pooled; by round " in p50
     assert "--max-batch-size auto chose" in done.stdout
+    # off and on, loaded in turn, have their event loops on one CPU (`_pin_loops_together`).
+    loops = dict(re.findall(r"mlp (off|on): event loop on CPU (\S+)", done.stdout))
+    assert set(loops) == {"off", "on"}
+    if len(os.sched_getaffinity(0)) > 1:
+        assert loops["off"] == loops["on"] and "," not in loops["on"]
 
 
 def test_queue_delay_p99_is_the_bucket_holding_the_99th_request() -> None:
