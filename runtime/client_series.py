@@ -4,10 +4,11 @@ formatted by hand for the node daemon's scrape: `ClientSeries`.
 Why not prometheus_client's own children, as the replica's other series: a shared replica
 with 64 clients has about 1,100 lines of them (each client's latency buckets, mostly), the
 node daemon reads them at every heartbeat (`node_daemon.telemetry`), and
-prometheus_client's `generate_latest` formats about 20 µs a line: 12-23 ms a heartbeat on
-this project's 2-core development VM, holding the GIL while the replica's event loop waits
-with its calls. Here a line is one string join of pieces made when the client arrived, and
-a call's observation is a list index and two additions, with no lock (event loop only).
+prometheus_client's `generate_latest` took 17-19 ms for them on this project's 2-core
+development VM (`python -m bench.metrics_page`), holding the GIL while the replica's event
+loop waited with its calls. Here a line is one string made of pieces escaped when the
+client arrived, and a call's observation is a list index and two additions, with no lock
+(event loop only).
 
 The series are the same, under the same names (`runtime.metrics`' docstring lists them),
 but for the `_created` samples, which nothing reads. The full page gets them through
@@ -119,7 +120,13 @@ class ModelClients:
         a client's buckets never decrease from one to the next and its +Inf bucket is its
         count."""
         return [
-            (c, list(itertools.accumulate(c.counts)), dict(c.by_code), c.duration_s, c.compute_s)
+            (
+                c,
+                list(itertools.accumulate(list(c.counts))),
+                dict(c.by_code),
+                c.duration_s,
+                c.compute_s,
+            )
             for c in list(self._clients.values())
         ]
 
