@@ -14,13 +14,13 @@ the ``_created`` samples, which nothing reads.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Iterable, Sequence
 
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from runtime.client_series import PlainHistogram
 
 BATCH_SIZE = ("offload_runtime_batch_size", "Rows of each batch run (batching).")
 QUEUE_DELAY = (
@@ -37,28 +37,6 @@ CLASS_REQUESTS = (
 )
 
 
-class _Histogram:
-    """Observations counted per bucket (not cumulative; the last past the largest bound)."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def add_to(self, family: HistogramMetricFamily, labels: Sequence[str]) -> None:
-        """Its samples, cumulative, into `family` (the counts copied in one step, so that
-        the buckets never decrease and +Inf is the count)."""
-        cumulative = itertools.accumulate(list(self.counts))
-        edges = [*map(floatToGoString, self.bounds), "+Inf"]
-        family.add_metric(labels, list(zip(edges, cumulative, strict=True)), self.total)
-
-
 class ModelBatches:
     """One model's batching figures (`BatchSeries.for_model`). Event loop only."""
 
@@ -68,8 +46,8 @@ class ModelBatches:
         self, model: str, size_bounds: Sequence[float], delay_bounds: Sequence[float]
     ) -> None:
         self.model = model
-        self.batch_size = _Histogram(size_bounds)
-        self.queue_delay = _Histogram(delay_bounds)
+        self.batch_size = PlainHistogram(size_bounds)
+        self.queue_delay = PlainHistogram(delay_bounds)
         self.class_compute: dict[str, float] = {}
         """Each class's series from its first batch on."""
         self.class_requests: dict[str, int] = {}
@@ -105,8 +83,10 @@ class BatchSeries(Collector):
         families = self._families()
         size, delay, compute, requests = families
         for model in self._models:
-            model.batch_size.add_to(size, (model.model,))
-            model.queue_delay.add_to(delay, (model.model,))
+            for family, histogram in ((size, model.batch_size), (delay, model.queue_delay)):
+                edges = [*map(floatToGoString, histogram.bounds), "+Inf"]
+                buckets = list(zip(edges, histogram.cumulative(), strict=True))
+                family.add_metric((model.model,), buckets, histogram.total)
             for cls, seconds in list(model.class_compute.items()):
                 compute.add_metric((model.model, cls), seconds)
             for cls, count in list(model.class_requests.items()):

@@ -58,6 +58,28 @@ def _count(value: int) -> str:
     return f"{value}.0" if 0 <= value < 1_000_000 else floatToGoString(value)
 
 
+class PlainHistogram:
+    """Observations counted per bucket of `bounds` (not cumulative; the last past the
+    largest bound, +Inf), and their sum: prometheus_client's histogram without its locks,
+    for one thread's updates (`runtime.batch_series` keeps its histograms in these too)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[int]:
+        """The buckets' counts, cumulative, copied in one step first (under the GIL): they
+        never decrease, and the last (+Inf) is the count."""
+        return list(itertools.accumulate(list(self.counts)))
+
+
 @dataclass(slots=True)
 class _Client:
     """One client's figures at one model, and the label text of its lines."""
@@ -66,9 +88,7 @@ class _Client:
     client: str
     """Its id's label text (`_label`), as `model` is its model's."""
     model: str
-    counts: list[int]
-    """Calls per latency bucket, not cumulative; the last past the largest bound (+Inf)."""
-    duration_s: float = 0.0
+    latency: PlainHistogram
     compute_s: float = 0.0
     by_code: dict[str, int] = field(default_factory=dict)
 
@@ -92,7 +112,7 @@ class ModelClients:
         kept = {}
         for client in ids:
             kept[client] = self._clients.get(client) or _Client(
-                client, _label(client), self._label, [0] * (len(self._bounds) + 1)
+                client, _label(client), self._label, PlainHistogram(self._bounds)
             )
         self._clients = kept  # one assignment: a reader takes one table or the other
 
@@ -103,8 +123,7 @@ class ModelClients:
         if figures is None:
             return
         figures.by_code[code] = figures.by_code.get(code, 0) + 1
-        figures.counts[bisect.bisect_left(self._bounds, seconds)] += 1
-        figures.duration_s += seconds
+        figures.latency.observe(seconds)
 
     def computed(self, client: str, seconds: float) -> None:
         """`client`'s requests computed for `seconds`; nothing for a client not listed. Any
@@ -115,18 +134,10 @@ class ModelClients:
                 figures.compute_s += seconds
 
     def snapshot(self) -> list[tuple[_Client, list[int], dict[str, int], float, float]]:
-        """Each client's figures now: (client, cumulative bucket counts, calls by code,
-        latency sum, compute seconds). Copied under the GIL, each list in one step, so that
-        a client's buckets never decrease from one to the next and its +Inf bucket is its
-        count."""
+        """Each client's figures now: (client, cumulative latency buckets, calls by code,
+        latency sum, compute seconds)."""
         return [
-            (
-                c,
-                list(itertools.accumulate(list(c.counts))),
-                dict(c.by_code),
-                c.duration_s,
-                c.compute_s,
-            )
+            (c, c.latency.cumulative(), dict(c.by_code), c.latency.total, c.compute_s)
             for c in list(self._clients.values())
         ]
 
