@@ -174,6 +174,7 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
         iterations = spec["iterations"] or sample_calls(call_s, **spec["sample"])
         samples: dict[str, list[float]] = {kind: [] for kind in calls}
         block_p50s: dict[str, list[float]] = {kind: [] for kind in calls}
+        block_samples: dict[str, list[list[float]]] = {kind: [] for kind in calls}
         per_block = block_calls(iterations, spec["min_rounds"], spec["block_s"], call_s)
         figures["rounds"] = rounds = iterations // per_block
         for _ in range(rounds):
@@ -181,8 +182,10 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 block = await timed(call, warmup=WARMUP, n=per_block)
                 samples[kind] += block
                 block_p50s[kind].append(statistics.median(block))
+                block_samples[kind].append(block)
         figures["latency"] = {kind: tail_percentiles(v) for kind, v in samples.items()}
         figures["block_p50s"] = block_p50s
+        figures["block_samples"] = block_samples
 
         loop = asyncio.get_running_loop()
 

@@ -6,9 +6,11 @@ with ours in one process; it imports these from here, as `bench.runtime_latency`
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -19,7 +21,7 @@ def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
     ordered = sorted(samples_ms)
     return {
         "p50": statistics.median(ordered),
-        "p99": ordered[_p99_index(len(ordered))],
+        "p99": ordered[p99_index(len(ordered))],
         "n": len(ordered),
     }
 
@@ -32,14 +34,44 @@ def tail_percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
     return {**percentiles(ordered), "p99.9": tail}
 
 
-def _p99_index(n: int) -> int:
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_LEVEL = 0.95
+
+T = TypeVar("T")
+
+
+def paired_bootstrap(
+    pairs: Sequence[T],
+    statistic: Callable[[Sequence[T]], float],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """The `BOOTSTRAP_LEVEL` (95 %) interval of `statistic` over `pairs` drawn again with
+    replacement `resamples` times: a paired block bootstrap. Each pair holds two contenders'
+    blocks timed side by side, so a stretch of this machine's noise stays with both, and the
+    interval is how far the statistic (a ratio of the two) moves with which stretches a run
+    happened to get. A ratio whose interval holds 1 is one this run cannot tell from a tie.
+    Seeded: the same figures give the same interval."""
+    if not pairs:
+        raise ValueError("no pairs to resample")
+    rng = random.Random(seed)
+    n = len(pairs)
+    values = sorted(
+        statistic([pairs[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples)
+    )
+    tail = (1 - BOOTSTRAP_LEVEL) / 2
+    return values[round(tail * (resamples - 1))], values[round((1 - tail) * (resamples - 1))]
+
+
+def p99_index(n: int) -> int:
+    """Where `percentiles`' p99 of `n` sorted samples is (nearest rank)."""
     return min(n - 1, round(0.99 * (n - 1)))
 
 
 def p99_is_the_maximum(n: int) -> bool:
     """Whether `percentiles`' p99 of `n` samples is their largest: up to 51 it is, so a
     single sample sets it."""
-    return _p99_index(n) == n - 1
+    return p99_index(n) == n - 1
 
 
 async def timed(call: Callable[[], Awaitable[object]], warmup: int, n: int) -> list[float]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.peers import CONTENDERS, STAMP, verdicts
@@ -105,3 +106,21 @@ def test_verdicts_follow_the_issue_targets() -> None:
     blocks = {"echo": [0.4, 0.4], "kserve": [1.0, 0.6], "ours-process": [0.6, 0.6]}
     (a, _) = verdicts("mlp", latency, blocks)["ours-process"]
     assert a["blocks_met"] == [1, 2]
+
+
+def test_the_p99_verdict_carries_its_interval_from_the_blocks() -> None:
+    latency = {"echo": {"p50": 0.4, "p99": 0.7}, "kserve": {"p50": 1.0, "p99": 2.0}}
+    rng = np.random.default_rng(7)
+    theirs = [list(rng.exponential(1.0, 50)) for _ in range(40)]
+    same = [list(rng.exponential(1.0, 50)) for _ in range(40)]
+    slower = [[v * 2 for v in block] for block in theirs]
+    latency["ours-process"] = latency["ours-docker"] = {"p50": 0.9, "p99": 2.1}
+    blocks = {"kserve": theirs, "ours-process": same, "ours-docker": slower}
+    checks = verdicts("silero_vad", latency, None, blocks)
+    (tie,) = checks["ours-process"]
+    low, high = tie["p99_ratio_ci"]
+    assert low <= 1 <= high
+    assert not tie["met"]  # the strict figure is judged as before
+    (worse,) = checks["ours-docker"]
+    assert worse["p99_ratio_ci"] == pytest.approx([2.0, 2.0])
+    assert verdicts("silero_vad", latency)["ours-process"][0].get("p99_ratio_ci") is None

@@ -1,12 +1,20 @@
 """`bench.timing`: how many calls one contender's alternating block holds (`block_calls`),
-how many it is timed for when no count is asked for (`sample_calls`), and when a p99 is the
-largest sample (`p99_is_the_maximum`)."""
+how many it is timed for when no count is asked for (`sample_calls`), when a p99 is the
+largest sample (`p99_is_the_maximum`), and the paired block bootstrap (`paired_bootstrap`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from bench.timing import block_calls, p99_is_the_maximum, percentiles, sample_calls
+from bench.timing import (
+    block_calls,
+    p99_is_the_maximum,
+    paired_bootstrap,
+    percentiles,
+    sample_calls,
+)
 
 
 def test_a_slow_model_gets_short_blocks_of_about_the_asked_duration() -> None:
@@ -56,3 +64,25 @@ def test_a_p99_of_more_than_51_leaves_the_largest_out(n: int) -> None:
     samples = [float(i) for i in range(n)]
     assert not p99_is_the_maximum(n)
     assert percentiles(samples)["p99"] == n - 2  # the second largest
+
+
+def _rate_ratio(drawn: Sequence[tuple[float, float]]) -> float:
+    return sum(a for a, _ in drawn) / sum(b for _, b in drawn)
+
+
+def test_the_bootstrap_interval_brackets_the_ratio_and_is_the_same_for_the_same_figures() -> None:
+    # Ten rounds of two contenders whose rounds disagree: A is 10 % ahead in half of them.
+    pairs = [(110.0, 100.0), (100.0, 100.0)] * 5
+    low, high = paired_bootstrap(pairs, _rate_ratio)
+    assert 1.0 <= low < _rate_ratio(pairs) < high <= 1.1
+    assert paired_bootstrap(pairs, _rate_ratio) == (low, high)
+
+
+def test_rounds_that_all_agree_give_no_spread() -> None:
+    pairs = [(90.0, 100.0), (45.0, 50.0), (9.0, 10.0)]
+    assert paired_bootstrap(pairs, _rate_ratio) == pytest.approx((0.9, 0.9))
+
+
+def test_nothing_to_resample_is_refused() -> None:
+    with pytest.raises(ValueError, match="no pairs"):
+        paired_bootstrap([], _rate_ratio)
