@@ -65,7 +65,7 @@ import numpy as np
 import onnxruntime as ort
 
 import modelzoo
-from bench.timing import tail_percentiles
+from bench.timing import paired_bootstrap, tail_percentiles
 from node_daemon.server import split_cpus
 from node_daemon.telemetry import histogram_quantile
 
@@ -117,6 +117,8 @@ class Block:
     """How long the clients ran."""
     rounds: list[tuple[float, float]] = field(default_factory=list)
     """(requests/s, p50 ms) of each round pooled here (`merge_rounds`)."""
+    parts: list[Block] = field(default_factory=list, repr=False)
+    """The rounds' blocks pooled here (`merge_rounds`), for the verdicts' intervals."""
 
 
 def merge_rounds(rounds: Sequence[Block]) -> Block:
@@ -159,6 +161,7 @@ def merge_rounds(rounds: Sequence[Block]) -> Block:
         scrape=scraped,
         seconds=seconds,
         rounds=[(b.rate, b.latency.get("p50", 0.0)) for b in rounds],
+        parts=list(rounds),
     )
 
 
@@ -584,12 +587,44 @@ def verdicts(blocks: list[Block], priority: dict[str, Any] | None, delay_us: flo
 
 def _by_round(on: Block, off: Block, figure: int) -> str:
     """Each round's on/off ratio of `figure` (0: requests/s, 1: p50), when there are two
-    rounds or more."""
+    rounds or more, and the pooled ratio's 95 % interval over the rounds (`on_off_interval`)."""
     pairs = list(zip(on.rounds, off.rounds, strict=True))
     if len(pairs) < 2:
         return ""
     ratios = ", ".join(f"{a[figure] / b[figure]:.2f}" if b[figure] else "-" for a, b in pairs)
-    return f" (pooled; by round {ratios})"
+    low, high = on_off_interval(on, off, figure)
+    return f" (pooled; by round {ratios}; 95 % interval {low:.2f}-{high:.2f})"
+
+
+_Figures = tuple[int, float, np.ndarray]
+"""A round's block as the verdicts' intervals pool it: answers, seconds, latencies (ms)."""
+
+
+def on_off_interval(on: Block, off: Block, figure: int) -> tuple[float, float]:
+    """The 95 % interval of the pooled on/off ratio of `figure` (0: requests/s, 1: p50) with
+    the rounds resampled, each round's on and off blocks together
+    (`bench.timing.paired_bootstrap`). Each round has fresh replicas, so the interval
+    holds how far one pair of processes differs from another beside the machine's drift;
+    where it holds 1, the run cannot tell on from off."""
+
+    def figures(block: Block) -> _Figures:
+        latencies = np.concatenate([np.asarray(c, dtype=float) for c in block.per_client])
+        return len(latencies), block.seconds, latencies
+
+    def pooled(drawn: Sequence[tuple[_Figures, _Figures]]) -> float:
+        if figure == 0:
+            on_rate, off_rate = (
+                sum(pair[side][0] for pair in drawn) / sum(pair[side][1] for pair in drawn)
+                for side in (0, 1)
+            )
+            return on_rate / off_rate if off_rate else math.inf
+        on_p50, off_p50 = (
+            float(np.median(np.concatenate([pair[side][2] for pair in drawn]))) for side in (0, 1)
+        )
+        return on_p50 / off_p50
+
+    pairs = [(figures(a), figures(b)) for a, b in zip(on.parts, off.parts, strict=True)]
+    return paired_bootstrap(pairs, pooled)
 
 
 def print_table(model: str, ceiling: dict[int, float], blocks: list[Block]) -> None:
@@ -645,38 +680,48 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
     ]
     blocks: list[Block] = []
     priority = None
+    loads = [(clients, kind) for clients in args.clients for kind in args.kinds]
     # off and on side by side, their blocks interleaved; each more configuration alone.
     for group in (configs[:2], *([c] for c in configs[2:])):
-        async with contextlib.AsyncExitStack() as stack:
-            running = [
-                await stack.enter_async_context(
-                    serving(config, model, workdir / config.replace(" ", ""), workers, flags)
-                )
-                for config, workers, flags in group
-            ]
-            _pin_loops_together(running)
-            for servers in running:
-                _say_how_it_batches(name, servers)
-            for clients in args.clients:
-                for kind in args.kinds:
-                    shares = client_shares([TOKEN] * clients, args.client_processes)
-                    rounds: dict[str, list[Block]] = {s.name: [] for s in running}
-                    for index in range(args.rounds):
-                        for servers in running if index % 2 == 0 else running[::-1]:
-                            rounds[servers.name].append(
-                                await run_block(
-                                    servers, kind, shares, args.seconds, inputs, workdir
-                                )
-                            )
-                    for servers in running:
-                        block = merge_rounds(rounds[servers.name])
-                        blocks.append(block)
-                        print(
-                            f"  {name} {servers.name} {kind} x{clients}: {block.rate:,.0f} "
-                            f"req/s, p99 {block.latency.get('p99', 0):.2f} ms, batch "
-                            f"{block.mean_batch:.1f}",
-                            flush=True,
+        rounds: dict[tuple[str, int, str], list[Block]] = {
+            (config, clients, kind): [] for config, _, _ in group for clients, kind in loads
+        }
+        for index in range(args.rounds):
+            # Fresh processes each round: a replica's own speed (where the kernel put its
+            # threads, its memory) stays with it for its life, and two identical ones
+            # differed by up to a fifth in every round they shared (docs/BENCHMARKS.md).
+            async with contextlib.AsyncExitStack() as stack:
+                running = [
+                    await stack.enter_async_context(
+                        serving(
+                            config,
+                            model,
+                            workdir / f"{config.replace(' ', '')}-{index}",
+                            workers,
+                            flags,
                         )
+                    )
+                    for config, workers, flags in group
+                ]
+                _pin_loops_together(running)
+                for servers in running if index == 0 else ():
+                    _say_how_it_batches(name, servers)
+                pids = ", ".join(f"{s.name} pid {s.processes[0].pid}" for s in running)
+                print(f"  {name} round {index + 1} of {args.rounds}: {pids}", flush=True)
+                for clients, kind in loads:
+                    shares = client_shares([TOKEN] * clients, args.client_processes)
+                    for servers in running if index % 2 == 0 else running[::-1]:
+                        rounds[(servers.name, clients, kind)].append(
+                            await run_block(servers, kind, shares, args.seconds, inputs, workdir)
+                        )
+        for (config, clients, kind), parts in rounds.items():
+            block = merge_rounds(parts)
+            blocks.append(block)
+            print(
+                f"  {name} {config} {kind} x{clients}: {block.rate:,.0f} req/s, p99 "
+                f"{block.latency.get('p99', 0):.2f} ms, batch {block.mean_batch:.1f}",
+                flush=True,
+            )
     if args.priority_clients:
         on_flags = configs[1][2]
         cpus = replica_and_client_cpus() if args.pin_priority else None
@@ -690,7 +735,8 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
         "model": name,
         "ceiling": {str(k): v for k, v in ceiling.items()},
         "blocks": [
-            {k: v for k, v in b.__dict__.items() if k not in ("per_client",)} for b in blocks
+            {k: v for k, v in b.__dict__.items() if k not in ("per_client", "parts")}
+            for b in blocks
         ],
         "priority": priority,
         "verdicts": lines,

@@ -11,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.serving import class_shares, queue_delay_p99_s
+import pytest
+
+from bench.serving import Block, class_shares, merge_rounds, on_off_interval, queue_delay_p99_s
 
 
 def test_the_short_run_measures_every_block_and_the_priority_arm(tmp_path: Path) -> None:
@@ -43,7 +45,11 @@ def test_the_short_run_measures_every_block_and_the_priority_arm(tmp_path: Path)
     assert priority["best_effort_min_answers"] > 0 and priority["failures"] == {}
     assert set(priority["shares"]) >= {"critical", "best-effort"}
     (p50,) = [v for v in result["verdicts"] if v.startswith("ours, 1 client: p50 on/off")]
-    assert "(pooled; by round " in p50
+    assert "(pooled; by round " in p50 and "95 % interval " in p50
+    # Each round has fresh replicas (`bench_model`): no process serves two rounds.
+    rounds = re.findall(r"mlp round (\d) of 2: off pid (\d+), on pid (\d+)", done.stdout)
+    assert [r[0] for r in rounds] == ["1", "2"]
+    assert len({pid for r in rounds for pid in r[1:]}) == 4
     assert "--max-batch-size auto chose" in done.stdout
     # off and on, loaded in turn, have their event loops on one CPU (`_pin_loops_together`).
     loops = dict(re.findall(r"mlp (off|on): event loop on CPU (\S+)", done.stdout))
@@ -69,3 +75,25 @@ def test_class_shares_are_of_the_compute_time() -> None:
         'offload_runtime_class_compute_seconds_total{class="best-effort",model="m"}': 3.0,
     }
     assert class_shares(scraped) == {"critical": 0.25, "best-effort": 0.75}
+
+
+def _round(config: str, answers: int, seconds: float, latency_ms: float) -> Block:
+    return Block(
+        config=config, kind="ours", clients=1, rate=answers / seconds, latency={},
+        failures={}, mean_batch=1.0, server_cores=0.0, machine_cores=0.0,
+        per_client=[[latency_ms] * answers], seconds=seconds,
+    )  # fmt: skip
+
+
+def test_the_on_off_interval_resamples_whole_rounds() -> None:
+    # Round 1: on 10 % faster; round 2: level. The interval spans both, pooled between.
+    on = merge_rounds([_round("on", 110, 1.0, 1.0), _round("on", 100, 1.0, 1.0)])
+    off = merge_rounds([_round("off", 100, 1.0, 1.0), _round("off", 100, 1.0, 1.0)])
+    low, high = on_off_interval(on, off, 0)
+    assert low == 1.0 and high == 1.1
+    assert on_off_interval(on, off, 1) == (1.0, 1.0)
+    # Rounds that agree leave no spread, however many answers each holds.
+    on = merge_rounds([_round("on", 90, 1.0, 2.0), _round("on", 180, 2.0, 2.0)])
+    off = merge_rounds([_round("off", 100, 1.0, 1.0), _round("off", 200, 2.0, 1.0)])
+    assert on_off_interval(on, off, 0) == pytest.approx((0.9, 0.9))
+    assert on_off_interval(on, off, 1) == (2.0, 2.0)
