@@ -32,7 +32,9 @@ of the client process; ort's N loops call session.run from N threads).
 
 Verdicts against the issue's targets, computed from the same run and printed, not asserted:
 (a) MLP: our p50 overhead over echo at most half of KServe's; (b) CNN (resnet18): our p50
-below KServe's; (c) every model: our p99 at most KServe's.
+below KServe's; (c) every model: our p99 at most KServe's, with the 95 % interval of the
+ratio when the rounds are resampled (a paired block bootstrap): where it holds 1, the run
+cannot tell the two p99s apart.
 
 KServe runs from a virtualenv of its own, `$EDGE_OFFLOAD_CACHE/peers/kserve-venv` (default
 ~/.cache/edge-offload), created with this Python on first use (pip from PyPI, about a minute;

@@ -20,8 +20,9 @@ Each configuration meets N closed-loop clients for each N of `--clients` and eac
 kind of `--kinds` ("ours": the SDK's request building on grpc.aio; "triton":
 tritonclient.grpc.aio), run from `bench.serving_client` processes, a connection per client.
 ``off`` and ``on`` run side by side, one idle while the other is loaded, in `--rounds`
-interleaved blocks (off on, on off, off on, ...): a machine whose speed drifts over minutes
-moves both alike, and each round's on/off ratio shows how far the figure moves by itself.
+interleaved blocks (off on, on off, off on, ...), each round with fresh replicas: a machine
+whose speed drifts over minutes moves both alike, a process's own speed is drawn again each
+round, and each round's on/off ratio shows how far the figure moves by itself.
 Reported per configuration, pooled over its rounds: requests/s, p50/p99/p99.9, the mean batch
 (from the replica's `/metrics`), the replicas' CPU (cores), the machine's, and with NVML the
 GPU's utilisation and memory. Then the priority arm, on a replica of its own ("on"'s flags): 4
@@ -34,7 +35,8 @@ client's answers (none starved), and, from the replica's /metrics over the criti
 block, each class's share of compute and the best-effort calls a second.
 
 The verdict lines compare what issue 48 asks: 1-client p50 on/off, throughput at 16 and 64
-clients on/off, the p99 batching adds (on minus off at the same load: a saturated replica
+clients on/off (with two rounds or more, each round's ratio and the pooled ratio's 95 %
+interval over the rounds: where it holds 1, the run cannot tell on from off), the p99 batching adds (on minus off at the same load: a saturated replica
 queues either way) against `--max-queue-delay-us` plus one batch's compute, the priority
 ratio. `--device cuda` runs the same on a machine with an NVIDIA GPU
 and onnxruntime-gpu, unchanged.

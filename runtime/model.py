@@ -372,6 +372,29 @@ class OnnxModel:
         return ", ".join(s.describe() for s in specs)
 
 
+def time_in_turn(
+    models: Sequence[OnnxModel],
+    inputs: Mapping[str, np.ndarray] | None = None,
+    budget_s: float = 0.2,
+    most_rounds: int = 200,
+) -> list[float]:
+    """The median compute time in ms of each of `models` (warmed up) on the same inputs
+    (`OnnxModel.warm_up`'s), timed in turn, one run of each a round, for rounds until
+    `budget_s` or `most_rounds` (at least one): a drift of this machine's speed or a burst of
+    another process's work falls on each alike. Blocking. ValueError without models."""
+    if not models:
+        raise ValueError("no models to time")
+    feeds = [model.warmup_feeds(inputs) for model in models]
+    times: list[list[float]] = [[] for _ in models]
+    deadline = time.monotonic() + budget_s
+    for _ in range(most_rounds):
+        for model, model_feeds, taken in zip(models, feeds, times, strict=True):
+            taken.append(_timed(model._session, model_feeds))
+        if time.monotonic() >= deadline:
+            break
+    return [statistics.median(taken) * 1000 for taken in times]
+
+
 def _close(batched: np.ndarray, alone: np.ndarray) -> bool:
     """Whether a row computed in a batch is the row computed alone, up to what a device's
     arithmetic may change with the batch's shape and far below what another row's values

@@ -70,7 +70,7 @@ from runtime.clients import (
 )
 from runtime.errors import ModelLoadError
 from runtime.metrics import MetricsEndpoint, ModelMetrics, RuntimeMetrics
-from runtime.model import CPU, DEVICES, OnnxModel
+from runtime.model import CPU, DEVICES, OnnxModel, time_in_turn
 from runtime.pem import TlsIdentity, read_pem
 from runtime.precision import FP16_MAX_DEVIATION, Precision, check_fp16
 from runtime.rpc.auth import CallerTokens, require_token
@@ -90,6 +90,12 @@ DEFAULT_METRICS_PORT = 8002
 """Triton's metrics port, beside its (and our) gRPC port 8001."""
 METRICS_OFF = -1
 SINGLE_THREAD_BELOW_MS = 1.0
+POOL_MIN_GAIN = 0.1
+"""A model under `SINGLE_THREAD_BELOW_MS` keeps its pool of intra-op threads only when it
+computes at least this much quicker with it than with one thread, the two timed in turn:
+a tie goes to one thread. Five runs of each, one session after the other, gave the MLP's
+replicas two threads in 2 of 12 starts on a 2-CPU VM, each start its own draw, and
+identical replicas then differed by up to a fifth in bench.serving."""
 DEFAULT_MAX_QUEUED_PER_CLASS = 256
 """At most this many requests wait per priority class: 151 MB of ResNet-18 inputs."""
 DEFAULT_MAX_CLASS_WAIT_MS = 100.0
@@ -306,9 +312,10 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
 
     The choices, each logged: without --intra-op-threads a model gets one intra-op thread
     per CPU this process may run on (`OnnxModel.load`); if that is more than one and it
-    computes in under `SINGLE_THREAD_BELOW_MS`, it is loaded again with one thread and keeps
-    the faster of the two (a tiny model gains nothing from a thread pool and pays for waking
-    it); a model within --inline-below-ms runs inline, and with `pin_event_loop` one under
+    computes in under `SINGLE_THREAD_BELOW_MS`, it is loaded again with one thread, the two
+    sessions are timed in turn (`time_in_turn`), and the pool stays only if it is
+    `POOL_MIN_GAIN` quicker (a tiny model gains nothing from a thread pool and pays for
+    waking it); a model within --inline-below-ms runs inline, and with `pin_event_loop` one under
     `PIN_LOOP_BELOW_MS` has the loop's thread, which then runs its inferences, pinned to one
     CPU.
     """
@@ -321,15 +328,18 @@ async def load_model(running: RunningServer, settings: RuntimeSettings) -> None:
         await asyncio.to_thread(check_fp16, model, settings.model, warmup_inputs)
     threads = model.intra_op_threads
     if settings.intra_op_threads == 0 and threads > 1 and compute_ms < SINGLE_THREAD_BELOW_MS:
-        single, single_ms = await asyncio.to_thread(_load_warm, settings, 1, warmup_inputs)
+        single, _ = await asyncio.to_thread(_load_warm, settings, 1, warmup_inputs)
+        pool_ms, single_ms = await asyncio.to_thread(time_in_turn, (model, single), warmup_inputs)
         logger.info(
-            "model=%s compute %.3f ms with %d threads (one per CPU), %.3f ms with one",
+            "model=%s compute %.3f ms with %d threads (one per CPU), %.3f ms with one, "
+            "timed in turn",
             settings.name,
-            compute_ms,
+            pool_ms,
             threads,
             single_ms,
         )
-        if single_ms <= compute_ms:
+        compute_ms = pool_ms
+        if not keeps_pool(pool_ms, single_ms):
             model, compute_ms, threads = single, single_ms, 1
     running.state.inline = compute_ms <= settings.inline_below_ms
     running.state.compute_s = compute_ms / 1000
@@ -499,6 +509,12 @@ def _pin_inline_loop(name: str, compute_ms: float) -> None:
     else:
         why = f"not pinned: the model computes in {PIN_LOOP_BELOW_MS:g} ms or more"
     logger.info("model=%s event loop %s", name, why)
+
+
+def keeps_pool(pool_ms: float, single_ms: float) -> bool:
+    """Whether a tiny model keeps its pool of intra-op threads: only when it computes
+    `POOL_MIN_GAIN` quicker with it than with one thread."""
+    return pool_ms <= (1 - POOL_MIN_GAIN) * single_ms
 
 
 def _load_warm(

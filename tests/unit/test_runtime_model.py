@@ -11,9 +11,10 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
+import runtime.model
 from runtime.errors import ModelLoadError
-from runtime.model import CPU, CUDA, TENSORRT, OnnxModel, choose_providers
-from runtime.server import settings_from_args
+from runtime.model import CPU, CUDA, TENSORRT, OnnxModel, choose_providers, time_in_turn
+from runtime.server import keeps_pool, settings_from_args
 
 HAS_CUDA_BUILD = CUDA in ort.get_available_providers()
 HAS_TENSORRT_BUILD = TENSORRT in ort.get_available_providers()
@@ -84,6 +85,43 @@ def test_the_thread_count_is_one_per_allowed_cpu_unless_given(probe_model: Path)
     cpus = len(os.sched_getaffinity(0))
     assert OnnxModel.load(probe_model, "probe", device="cpu").intra_op_threads == cpus
     assert OnnxModel.load(probe_model, "probe", "cpu", intra_op_threads=3).intra_op_threads == 3
+
+
+def test_sessions_are_timed_in_turn_one_run_each_a_round(
+    probe_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = OnnxModel.load(probe_model, "probe", device="cpu", intra_op_threads=2)
+    single = OnnxModel.load(probe_model, "probe", device="cpu", intra_op_threads=1)
+    pool.warm_up()
+    single.warm_up()
+    runs: list[object] = []
+    timed = runtime.model._timed
+
+    def recorded(session: ort.InferenceSession, feeds: dict[str, object]) -> float:
+        runs.append(session)
+        return timed(session, feeds)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runtime.model, "_timed", recorded)
+    figures = time_in_turn([pool, single], budget_s=10.0, most_rounds=7)
+    assert len(figures) == 2 and all(ms > 0 for ms in figures)
+    assert runs == [pool._session, single._session] * 7
+    runs.clear()
+    time_in_turn([pool, single], budget_s=0.0)  # past its budget: one round still
+    assert runs == [pool._session, single._session]
+    with pytest.raises(ValueError, match="no models"):
+        time_in_turn([])
+
+
+@pytest.mark.parametrize(
+    ("pool_ms", "single_ms", "kept"),
+    [(0.030, 0.030, False), (0.029, 0.030, False), (0.027, 0.030, True), (0.5, 1.0, True),
+     (0.040, 0.030, False)],
+    ids=["tie", "3-percent-quicker", "10-percent-quicker", "twice-as-fast", "slower"],
+)  # fmt: skip
+def test_a_tiny_model_keeps_its_thread_pool_only_when_clearly_quicker(
+    pool_ms: float, single_ms: float, kept: bool
+) -> None:
+    assert keeps_pool(pool_ms, single_ms) is kept
 
 
 def test_load_logs_the_provider(probe_model: Path, caplog: pytest.LogCaptureFixture) -> None:
