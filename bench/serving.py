@@ -19,10 +19,15 @@ each configuration in turn:
 Each configuration meets N closed-loop clients for each N of `--clients` and each client
 kind of `--kinds` ("ours": the SDK's request building on grpc.aio; "triton":
 tritonclient.grpc.aio), run from `bench.serving_client` processes, a connection per client.
-``off`` and ``on`` run side by side, one idle while the other is loaded, in `--rounds`
-interleaved blocks (off on, on off, off on, ...), each round with fresh replicas: a machine
-whose speed drifts over minutes moves both alike, a process's own speed is drawn again each
-round, and each round's on/off ratio shows how far the figure moves by itself.
+``off`` and ``on`` run side by side in `--rounds` rounds, each with fresh replicas (a
+process's own speed is drawn again each round). In a round, at each load, the clients call
+off and on in turn, all on one for a phase of `--phase-seconds` and then all on the other
+(off first in odd rounds, on first in even ones), until each has had its `--seconds`: the two
+share every stretch of this machine's noise, which came in bursts of seconds and moved a
+4-second block's ratio by up to a third. A load whose calls would take more than a tenth of
+a phase (the model's compute time, from the replica's log, times the clients, times 10) gets
+longer phases, and one whole block each where that is over `--seconds` (ResNet-18 on a CPU
+at 16 and 64 clients). Each round's on/off ratio shows how far the figure moves by itself.
 Reported per configuration, pooled over its rounds: requests/s, p50/p99/p99.9, the mean batch
 (from the replica's `/metrics`), the replicas' CPU (cores), the machine's, and with NVML the
 GPU's utilisation and memory. Then the priority arm, on a replica of its own ("on"'s flags): 4
@@ -36,10 +41,10 @@ block, each class's share of compute and the best-effort calls a second.
 
 The verdict lines compare what issue 48 asks: 1-client p50 on/off, throughput at 16 and 64
 clients on/off (with two rounds or more, each round's ratio and the pooled ratio's 95 %
-interval over the rounds: where it holds 1, the run cannot tell on from off), the p99 batching adds (on minus off at the same load: a saturated replica
-queues either way) against `--max-queue-delay-us` plus one batch's compute, the priority
-ratio. `--device cuda` runs the same on a machine with an NVIDIA GPU
-and onnxruntime-gpu, unchanged.
+interval over the rounds: where it holds 1, the run cannot tell on from off), the p99
+batching adds (on minus off at the same load: a saturated replica queues either way)
+against `--max-queue-delay-us` plus one batch's compute, the priority ratio. `--device cuda`
+runs the same on a machine with an NVIDIA GPU and onnxruntime-gpu, unchanged.
 """
 
 from __future__ import annotations
@@ -79,6 +84,10 @@ CRITICAL_CLIENTS = 4
 PRIORITY_RATIO_TARGET = 1.5
 OUTLAST_S = 1.0
 """Seconds the priority arm's best-effort clients run past the critical ones."""
+PHASE_CALLS = 10
+"""A phase of off/on in turn lasts at least this many of one client's calls at the load,
+estimated as the clients times the model's compute time: a call in flight at a switch is
+answered where it was sent, so a phase much longer than a call keeps the two apart."""
 START_MARGIN_S = 2.0
 """Seconds between writing a block's specs and its start: every client process connected
 and warm by then."""
@@ -389,19 +398,38 @@ async def run_block(
     workdir: Path,
     outlast_s: float = 0.0,
 ) -> Block:
-    """Closed-loop clients, one per token, from one client process per share at once. With
-    `outlast_s`, the processes after the first run that much longer, and the replica's
-    figures (`Block.scrape`) are of the first's `seconds` alone: the load around the first
-    share's clients holds until they stop, and its queue's drain after is not counted."""
+    """`run_blocks` on one configuration."""
+    (block,) = await run_blocks([servers], kind, shares, seconds, 0.0, inputs, workdir, outlast_s)
+    return block
+
+
+async def run_blocks(
+    running: Sequence[Servers],
+    kind: str,
+    shares: Sequence[Sequence[str]],
+    seconds: float,
+    phase_s: float,
+    inputs: Path,
+    workdir: Path,
+    outlast_s: float = 0.0,
+) -> list[Block]:
+    """Closed-loop clients, one per token, from one client process per share at once, on
+    each of `running` for `seconds` in all: in turn, in phases of about `phase_s`
+    (`bench.serving_client`), so that each configuration's block has its share of every
+    stretch of the machine's noise. A block's replica figures (requests, batches, its CPU)
+    are its own; the machine's cores are the pair's. With `outlast_s` (one configuration),
+    the processes after the first run that much longer, and the replica's figures
+    (`Block.scrape`) are of the first's `seconds` alone: the load around the first share's
+    clients holds until they stop, and its queue's drain after is not counted."""
     tokens = [t for share in shares for t in share]
     start_at = time.time() + START_MARGIN_S + 0.02 * len(tokens)
     children = []
     outs = []
     for index, share in enumerate(shares):
         spec = {
-            "endpoint": servers.endpoint, "model": servers.model,
-            "inputs": str(inputs), "kind": kind, "tokens": share,
-            "seconds": seconds + (outlast_s if index else 0.0),
+            "endpoints": [s.endpoint for s in running], "model": running[0].model,
+            "inputs": str(inputs), "kind": kind, "tokens": share, "seconds": seconds,
+            "phase_s": phase_s, "outlast_s": outlast_s if index else 0.0,
             "start_at": start_at, "timeout_s": 60,
         }  # fmt: skip
         spec_file = workdir / f"client-{index}.json"
@@ -416,72 +444,80 @@ async def run_block(
                 str(spec_file),
                 str(out),
                 cwd=REPO_ROOT,
-                preexec_fn=_pinned(servers.client_cpus),
+                preexec_fn=_pinned(running[0].client_cpus),
             )
         )
     await asyncio.sleep(max(0.0, start_at - time.time()))
-    pids = [p.pid for p in servers.processes]
-    scrape_before = await asyncio.to_thread(scrape, servers.metrics)
-    cpu_before, machine_before, wall_before = (
-        _cpu_seconds(pids),
-        _machine_busy_seconds(),
-        time.perf_counter(),
-    )
+    pids = [[p.pid for p in servers.processes] for servers in running]
+    scrape_before = await asyncio.to_thread(_scrape_each, running)
+    cpu_before = [_cpu_seconds(each) for each in pids]
+    machine_before, wall_before = _machine_busy_seconds(), time.perf_counter()
     with GpuSampler() as gpu:
         if outlast_s:
             await asyncio.sleep(seconds)
-            scrape_after = await asyncio.to_thread(scrape, servers.metrics)
+            scrape_after = await asyncio.to_thread(_scrape_each, running)
         codes = [await child.wait() for child in children]
     wall = time.perf_counter() - wall_before
-    server_cores = (_cpu_seconds(pids) - cpu_before) / wall
+    cpu_after = [_cpu_seconds(each) for each in pids]
     machine_cores = (_machine_busy_seconds() - machine_before) / wall
     if not outlast_s:
-        scrape_after = await asyncio.to_thread(scrape, servers.metrics)
+        scrape_after = await asyncio.to_thread(_scrape_each, running)
     if any(codes):
-        raise SystemExit(f"a client process of {servers.name}/{kind} exited with {codes}")
-    per_client: list[list[float]] = []
-    failures: dict[str, int] = {}
-    took = 0.0
-    for out in outs:
-        result = json.loads(out.read_text())
-        per_client += result["latencies_ms"]
-        took = max(took, result["seconds"])
-        for kinds in result["failures"]:
-            for name, count in kinds.items():
-                failures[name] = failures.get(name, 0) + count
-    pooled = [v for client in per_client for v in client]
-    batches = _delta(scrape_before, scrape_after, "offload_runtime_batch_size_count")
-    rows = _delta(scrape_before, scrape_after, "offload_runtime_batch_size_sum")
+        names = "/".join(s.name for s in running)
+        raise SystemExit(f"a client process of {names}/{kind} exited with {codes}")
+    results = [json.loads(out.read_text()) for out in outs]
     util, mem = gpu.figures()
-    return Block(
-        config=servers.name,
-        kind=kind,
-        clients=len(tokens),
-        rate=len(pooled) / took if took else 0.0,
-        latency=tail_percentiles(pooled) if pooled else {},
-        failures=failures,
-        mean_batch=rows / batches if batches else 1.0,
-        server_cores=server_cores,
-        machine_cores=machine_cores,
-        gpu_util=util,
-        gpu_mem_mib=mem,
-        per_client=per_client,
-        scrape={
-            key: value - scrape_before.get(key, 0.0)
-            for key, value in scrape_after.items()
-            if any(
-                name in key
-                for name in (
-                    "class_compute",
-                    "class_requests",
-                    "queue_delay",
-                    "compute_duration",
-                    "batch_size",
-                )
+    blocks = []
+    for at, servers in enumerate(running):
+        per_client: list[list[float]] = []
+        failures: dict[str, int] = {}
+        took = 0.0
+        for result in results:
+            per_client += result["latencies_ms"][at]
+            took = max(took, result["seconds"][at])
+            for kinds in result["failures"][at]:
+                for name, count in kinds.items():
+                    failures[name] = failures.get(name, 0) + count
+        pooled = [v for client in per_client for v in client]
+        own = _kept(scrape_before[at], scrape_after[at])
+        batches = _delta({}, own, "offload_runtime_batch_size_count")
+        blocks.append(
+            Block(
+                config=servers.name,
+                kind=kind,
+                clients=len(tokens),
+                rate=len(pooled) / took if took else 0.0,
+                latency=tail_percentiles(pooled) if pooled else {},
+                failures=failures,
+                mean_batch=_delta({}, own, "offload_runtime_batch_size_sum") / batches
+                if batches
+                else 1.0,
+                server_cores=(cpu_after[at] - cpu_before[at]) / took if took else 0.0,
+                machine_cores=machine_cores,
+                gpu_util=util,
+                gpu_mem_mib=mem,
+                per_client=per_client,
+                scrape=own,
+                seconds=took,
             )
-        },
-        seconds=took,
-    )
+        )
+    return blocks
+
+
+_KEPT = ("class_compute", "class_requests", "queue_delay", "compute_duration", "batch_size")
+"""The replica series a block keeps (their change over the block)."""
+
+
+def _scrape_each(running: Sequence[Servers]) -> list[dict[str, float]]:
+    return [scrape(servers.metrics) for servers in running]
+
+
+def _kept(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        key: value - before.get(key, 0.0)
+        for key, value in after.items()
+        if any(name in key for name in _KEPT)
+    }
 
 
 def client_shares(tokens: Sequence[str], asked: int | None) -> list[list[str]]:
@@ -710,12 +746,16 @@ async def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dic
                     _say_how_it_batches(name, servers)
                 pids = ", ".join(f"{s.name} pid {s.processes[0].pid}" for s in running)
                 print(f"  {name} round {index + 1} of {args.rounds}: {pids}", flush=True)
+                compute_s = max(_compute_ms(servers) for servers in running) / 1000
                 for clients, kind in loads:
                     shares = client_shares([TOKEN] * clients, args.client_processes)
-                    for servers in running if index % 2 == 0 else running[::-1]:
-                        rounds[(servers.name, clients, kind)].append(
-                            await run_block(servers, kind, shares, args.seconds, inputs, workdir)
-                        )
+                    phase_s = max(args.phase_seconds, PHASE_CALLS * clients * compute_s)
+                    order = running if index % 2 == 0 else running[::-1]
+                    parts = await run_blocks(
+                        order, kind, shares, args.seconds, phase_s, inputs, workdir
+                    )
+                    for block in parts:
+                        rounds[(block.config, clients, kind)].append(block)
         for (config, clients, kind), parts in rounds.items():
             block = merge_rounds(parts)
             blocks.append(block)
@@ -758,6 +798,12 @@ def _pin_loops_together(running: Sequence[Servers]) -> None:
     cpu = int(pinned[0].group(1))  # type: ignore[union-attr]
     for servers in running[1:]:
         os.sched_setaffinity(servers.processes[0].pid, {cpu})
+
+
+def _compute_ms(servers: Servers) -> float:
+    """The model's compute time its first replica measured at load (its ready line)."""
+    found = re.search(r"; compute ([\d.]+) ms:", _read(servers.logs[0]))
+    return float(found.group(1)) if found else 0.0
 
 
 def _say_how_it_batches(model: str, servers: Servers) -> None:
@@ -838,6 +884,11 @@ def build_parser() -> argparse.ArgumentParser:
         "load, pooled (3; quick 1): the rounds' ratios show the machine's own drift",
     )  # fmt: skip
     parser.add_argument(
+        "--phase-seconds", type=float, default=1.0, help="off and on in turn within a block, "
+        "this long each (default 1; longer for slow loads, see above; over --seconds: one "
+        "whole block each)",
+    )  # fmt: skip
+    parser.add_argument(
         "--workers", type=_ints, default=[1], help="runtime processes on one port, each a "
         "configuration after 'on' (e.g. 1,4)",
     )  # fmt: skip
@@ -887,6 +938,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if quick else 3)
     if not 1 <= args.rounds <= 100:
         raise SystemExit(f"--rounds must be from 1 to 100, not {args.rounds}")
+    if not 0.05 <= args.phase_seconds <= 3600:  # NaN fails too
+        raise SystemExit(f"--phase-seconds must be from 0.05 to 3600, not {args.phase_seconds}")
     args.priority_seconds = args.priority_seconds or (1.5 if quick else 10.0)
     if args.priority_clients is None:
         args.priority_clients = 12 if quick else 60

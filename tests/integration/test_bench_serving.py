@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.serving import Block, class_shares, merge_rounds, on_off_interval, queue_delay_p99_s
+from bench.serving_client import phases
 
 
 def test_the_short_run_measures_every_block_and_the_priority_arm(tmp_path: Path) -> None:
@@ -21,6 +22,7 @@ def test_the_short_run_measures_every_block_and_the_priority_arm(tmp_path: Path)
     done = subprocess.run(
         [sys.executable, "-m", "bench.serving", "--quick", "--models", "mlp",
          "--clients", "1,4", "--kinds", "ours,triton", "--seconds", "0.5", "--rounds", "2",
+         "--phase-seconds", "0.25",
          "--priority-clients", "4", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -97,3 +99,20 @@ def test_the_on_off_interval_resamples_whole_rounds() -> None:
     off = merge_rounds([_round("off", 100, 1.0, 1.0), _round("off", 200, 2.0, 1.0)])
     assert on_off_interval(on, off, 0) == pytest.approx((0.9, 0.9))
     assert on_off_interval(on, off, 1) == (2.0, 2.0)
+
+
+def test_off_and_on_take_whole_phases_in_turn_and_a_slow_load_whole_blocks() -> None:
+    assert phases(4.0, 1.0, 2) == (1.0, 8)  # off on off on ...: 4 s each
+    assert phases(4.0, 1.5, 2) == (4.0 / 3, 6)  # whole phases of about the asked length
+    assert phases(4.0, 12.8, 2) == (4.0, 2)  # a phase over the block: one block each
+    assert phases(4.0, 1.0, 1) == (4.0, 1)  # one configuration: one phase
+
+
+def test_a_nonsense_phase_is_refused_by_name() -> None:
+    for bad in ("0", "nan", "-1", "1e9"):
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.serving", "--phase-seconds", bad],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode != 0
+        assert f"--phase-seconds must be from 0.05 to 3600, not {float(bad)}" in done.stderr
