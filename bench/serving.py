@@ -938,9 +938,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if quick else 3)
     if not 1 <= args.rounds <= 100:
         raise SystemExit(f"--rounds must be from 1 to 100, not {args.rounds}")
-    if not 0.05 <= args.phase_seconds <= 3600:  # NaN fails too
-        raise SystemExit(f"--phase-seconds must be from 0.05 to 3600, not {args.phase_seconds}")
     args.priority_seconds = args.priority_seconds or (1.5 if quick else 10.0)
+    for flag, value in (
+        ("--phase-seconds", args.phase_seconds),
+        ("--seconds", args.seconds),
+        ("--priority-seconds", args.priority_seconds),
+    ):
+        if not 0.05 <= value <= 3600:  # NaN fails too
+            raise SystemExit(f"{flag} must be from 0.05 to 3600, not {value}")
     if args.priority_clients is None:
         args.priority_clients = 12 if quick else 60
     args.ceiling_batches = [1, 8] if quick else [1, 8, 32]

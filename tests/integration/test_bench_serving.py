@@ -108,11 +108,12 @@ def test_off_and_on_take_whole_phases_in_turn_and_a_slow_load_whole_blocks() -> 
     assert phases(4.0, 1.0, 1) == (4.0, 1)  # one configuration: one phase
 
 
-def test_a_nonsense_phase_is_refused_by_name() -> None:
-    for bad in ("0", "nan", "-1", "1e9"):
+@pytest.mark.parametrize("flag", ["--phase-seconds", "--seconds", "--priority-seconds"])
+def test_a_nonsense_duration_is_refused_by_name(flag: str) -> None:
+    for bad in ("0.01", "nan", "-1", "1e9"):
         done = subprocess.run(
-            [sys.executable, "-m", "bench.serving", "--phase-seconds", bad],
+            [sys.executable, "-m", "bench.serving", flag, bad],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode != 0
-        assert f"--phase-seconds must be from 0.05 to 3600, not {float(bad)}" in done.stderr
+        assert f"{flag} must be from 0.05 to 3600, not {float(bad)}" in done.stderr
