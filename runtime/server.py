@@ -94,8 +94,8 @@ POOL_MIN_GAIN = 0.1
 """A model under `SINGLE_THREAD_BELOW_MS` keeps its pool of intra-op threads only when it
 computes at least this much quicker with it than with one thread, the two timed in turn:
 a tie goes to one thread. Five runs of each, one session after the other, gave the MLP's
-replicas two threads in 2 of 12 starts on a 2-CPU VM, each start its own draw, and
-identical replicas then differed by up to a fifth in bench.serving."""
+replicas two threads in 2 of 12 starts on a 2-CPU VM, each start its own draw (timed in
+turn with this margin: one thread in 12 of 12)."""
 DEFAULT_MAX_QUEUED_PER_CLASS = 256
 """At most this many requests wait per priority class: 151 MB of ResNet-18 inputs."""
 DEFAULT_MAX_CLASS_WAIT_MS = 100.0
