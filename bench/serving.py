@@ -153,7 +153,6 @@ def merge_rounds(rounds: Sequence[Block]) -> Block:
     def over_time(value: Callable[[Block], float]) -> float:
         return sum(value(b) * b.seconds for b in rounds) / seconds if seconds else 0.0
 
-    batches = _delta({}, scraped, "offload_runtime_batch_size_count")
     return Block(
         config=first.config,
         kind=first.kind,
@@ -161,9 +160,7 @@ def merge_rounds(rounds: Sequence[Block]) -> Block:
         rate=len(pooled) / seconds if seconds else 0.0,
         latency=tail_percentiles(pooled) if pooled else {},
         failures=failures,
-        mean_batch=_delta({}, scraped, "offload_runtime_batch_size_sum") / batches
-        if batches
-        else 1.0,
+        mean_batch=_mean_batch(scraped),
         server_cores=over_time(lambda b: b.server_cores),
         machine_cores=over_time(lambda b: b.machine_cores),
         gpu_util=statistics.mean(utils) if utils else None,
@@ -325,6 +322,12 @@ def scrape(urls: Sequence[str]) -> dict[str, float]:
     return totals
 
 
+def _mean_batch(scraped: dict[str, float]) -> float:
+    """Rows per batch from the change of a replica's batch-size histogram (1.0: none)."""
+    batches = _delta({}, scraped, "offload_runtime_batch_size_count")
+    return _delta({}, scraped, "offload_runtime_batch_size_sum") / batches if batches else 1.0
+
+
 def _delta(before: dict[str, float], after: dict[str, float], prefix: str) -> float:
     return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
 
@@ -480,7 +483,6 @@ async def run_blocks(
                     failures[name] = failures.get(name, 0) + count
         pooled = [v for client in per_client for v in client]
         own = _kept(scrape_before[at], scrape_after[at])
-        batches = _delta({}, own, "offload_runtime_batch_size_count")
         blocks.append(
             Block(
                 config=servers.name,
@@ -489,9 +491,7 @@ async def run_blocks(
                 rate=len(pooled) / took if took else 0.0,
                 latency=tail_percentiles(pooled) if pooled else {},
                 failures=failures,
-                mean_batch=_delta({}, own, "offload_runtime_batch_size_sum") / batches
-                if batches
-                else 1.0,
+                mean_batch=_mean_batch(own),
                 server_cores=(cpu_after[at] - cpu_before[at]) / took if took else 0.0,
                 machine_cores=machine_cores,
                 gpu_util=util,
