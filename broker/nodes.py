@@ -308,8 +308,12 @@ class NodeRegistry:
                 await previous.client.close()
             client = self._links(node_id, address, secret)
         entry = NodeEntry(record, inventory, topology, client, time.monotonic())
-        if previous is not None:  # its stream, if any, goes on (a stream outlives a record)
-            entry.stream, entry.stream_broken_at = previous.stream, previous.stream_broken_at
+        if previous is not None:
+            # Its open stream, if any, goes on (a stream outlives a record). A stream that
+            # broke in its previous life does not count against this one: the registration
+            # is news of the node, and a node with no stream is live on its lease, as at its
+            # first registration (or it was lost again before its new stream could open).
+            entry.stream = previous.stream
             entry.beacon_id, entry.beacon_issued_at = previous.beacon_id, previous.beacon_issued_at
             entry.beaconing = previous.beaconing
         self._nodes[node_id] = entry

@@ -125,6 +125,32 @@ async def test_a_stream_replaced_in_time_keeps_the_node_and_an_old_one_ending_is
     assert broker.nodes["n1"].stream_broken_at is None
 
 
+async def test_a_node_lost_for_a_broken_stream_registers_again_without_its_old_break(
+    broker: Broker,
+) -> None:
+    """A daemon restarted (or a new one for a retired id) registers before it opens its
+    stream: the stream its previous life broke does not lose it again in between."""
+    registry = broker.registry
+    secret = new_secret()
+    await broker.register_node(
+        "n2", "127.0.0.1:1001", "site-a", NO_GPUS, ["process"], [], secret=secret
+    )
+    stream = object()
+    registry.stream_opened("n2", stream)
+    registry.stream_closed("n2", stream)
+    assert "n2" in await lost_within(broker, registry.lost_after_s - 0.5)
+    await broker.register_node(
+        "n2", "127.0.0.1:1002", "site-a", NO_GPUS, ["process"], [], secret=secret
+    )
+    assert broker.nodes["n2"].record.state is NodeState.READY
+    deadline = time.monotonic() + registry.stream_grace_s + 0.5
+    while time.monotonic() < deadline:
+        registry.renew("n1")  # n1 stays live: only n2 is watched
+        assert await registry.find_lost() == []
+        await asyncio.sleep(0.05)
+    assert broker.nodes["n2"].record.state is NodeState.READY
+
+
 async def test_renewals_keep_a_node_live_and_bring_a_lost_one_back(broker: Broker) -> None:
     registry = broker.registry
     broker.nodes["n1"].last_heartbeat = time.monotonic() - 3600  # its lease ran out
