@@ -50,6 +50,7 @@ async def measure(model_name: str, calls: int, repeats: int) -> dict[str, float]
         metrics.observe_batch,
         on_refused=metrics.refused_full,
         on_client_compute=metrics.client_computed,
+        observe_alone=metrics.observe_alone,
     )
 
     def unbatched() -> None:

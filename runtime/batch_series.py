@@ -14,6 +14,7 @@ the ``_created`` samples, which nothing reads.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -59,6 +60,15 @@ class ModelBatches:
             self.queue_delay.observe(wait)
         self.class_compute[cls] = self.class_compute.get(cls, 0.0) + compute_s
         self.class_requests[cls] = self.class_requests.get(cls, 0) + len(waits_s)
+
+    def observe_alone(self, cls: str, rows: int, times_s: Sequence[float]) -> None:
+        """Requests of class `cls` of `rows` each ran alone, without waiting, one taking each
+        of `times_s`: as many batches of `rows`, each request's wait 0."""
+        count = len(times_s)
+        self.batch_size.observe_many(rows, count)
+        self.queue_delay.observe_many(0.0, count)
+        self.class_compute[cls] = self.class_compute.get(cls, 0.0) + math.fsum(times_s)
+        self.class_requests[cls] = self.class_requests.get(cls, 0) + count
 
 
 class BatchSeries(Collector):

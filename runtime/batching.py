@@ -114,6 +114,9 @@ ROOM_STEP = 0.01
 `LAG_TARGET_S` (the loop is queueing calls), the paced classes' rate is cut by `ROOM_CUT`,
 to `MIN_ROOM` of their weights' share at least (no class starves); under it, it grows back
 by `ROOM_STEP` a probe, to their whole share."""
+FOLD_AFTER_S = 0.02
+"""How long the bookkeeping of requests that ran alone may wait to be folded in
+(`Batcher._fold`); any figure read before then folds it first."""
 OVERHEAD_WINDOW_S = 0.1
 OVERHEAD_SMOOTHING = 0.2
 """Each request's cost on the event loop (receiving, parsing, answering) is measured over
@@ -214,6 +217,12 @@ BatchObserver = Callable[[PriorityClass, int, float, Sequence[float]], None]
 """Called on the event loop after each batch: its class, its rows, its compute time (s) and
 each request's wait in the queue (s)."""
 
+AloneObserver = Callable[[PriorityClass, int, Sequence[float]], None]
+"""Called on the event loop for the requests that ran alone on the loop without waiting
+(`Batcher`'s lone path), a few milliseconds after them and before any figure is read: their
+class, the rows each had, and each one's compute time (s). Each is a batch of its rows that
+waited 0 s, as a `BatchObserver` would have been told one by one."""
+
 RefusalObserver = Callable[[PriorityClass], None]
 """Called on the event loop for each request refused `QueueFull` because its class's queue
 was full, with its class."""
@@ -278,6 +287,7 @@ class Batcher:
         pad_to: Sequence[int] = (),
         on_refused: RefusalObserver | None = None,
         on_client_compute: ClientComputeObserver | None = None,
+        observe_alone: AloneObserver | None = None,
     ) -> None:
         """`instances`: `policy.instances` sessions of one model with a dynamic batch axis;
         `compute_s`: its compute time for one request (warm-up), the least a request's
@@ -286,7 +296,8 @@ class Batcher:
         its own thread); `pad_to`: the batch sizes to run (a batch is padded to the least of
         them that holds it; one larger than all runs as it is), empty for any size;
         `on_refused`: told of each request refused because its class's queue was full;
-        `on_client_compute`: told of each client's part of each batch's compute.
+        `on_client_compute`: told of each client's part of each batch's compute;
+        `observe_alone`: told of the requests that ran alone (`_run_alone`), folded.
 
         Why pad: CUDA's convolutions are tuned per input shape at their first run (ONNX
         Runtime's exhaustive cuDNN search, tens of milliseconds a shape), so every new batch
@@ -297,7 +308,10 @@ class Batcher:
         self._free = list(instances)
         self._compute_s = compute_s
         self._inline = compute_s <= inline_below_s
+        self._alone_ready = self._inline and not policy.max_queue_delay_s and not pad_to
+        """Whether a request may take the lone path before any other check (`infer`)."""
         self._observe = observe
+        self._observe_alone = observe_alone
         self._on_refused = on_refused
         self._on_client_compute = on_client_compute
         self._client_bound = client_bound(policy.max_queued_per_class)
@@ -324,6 +338,13 @@ class Batcher:
         self._room = 1.0
         """How much of their weights' share the paced classes get now (`_probed`)."""
         self._probing = False
+        self._quiet = True
+        """The critical class was found inactive (`_may_start`) and no critical request has
+        come since: the other classes are not paced, and a lone one may run at once."""
+        self._alone: dict[tuple[PriorityClass, int], list[float]] = {}
+        """The compute times of the requests that ran alone since the last fold, by class
+        and rows (`_run_alone`)."""
+        self._fold_timer: asyncio.TimerHandle | None = None
         # Each session has a thread of its own and is run from no other: ONNX Runtime's CUDA
         # provider keeps per-thread state, and one session run from alternating threads took
         # 10-60x its time on an H200. The threads start later, from the loop's thread, which
@@ -354,17 +375,20 @@ class Batcher:
     def overhead_s(self) -> float:
         """Each request's measured cost on the event loop (its thread's CPU time outside the
         compute it runs, per request), charged to its class beside its batch's compute."""
+        self._decay(time.monotonic())
         return self._overhead_s
 
     @property
     def paced_share(self) -> float:
         """The part of the wall clock the non-critical classes may use together while the
         critical class is active, now (`_lower_rate`)."""
+        self._decay(time.monotonic())
         return self._lower_rate()
 
     def compute_seconds(self, cls: PriorityClass) -> float:
         """Compute time the class's batches used since the start (each batch's time, whole:
         classes are never mixed in one batch)."""
+        self._decay(time.monotonic())
         return self._classes[cls].total_s
 
     async def infer(
@@ -383,6 +407,19 @@ class Batcher:
         through. Cancelling the caller drops the request if its batch has not started."""
         if self._closed:
             raise _shutting_down()
+        if cls is PriorityClass.CRITICAL:
+            self._quiet = False
+            if not self._probing:
+                self._probing = True  # while the critical class is active (`_probed`)
+                asyncio.get_running_loop().call_later(LAG_PROBE_S, self._probe)
+        if (
+            self._alone_ready
+            and not self._queued
+            and len(self._free) == self._policy.instances
+            and (self._quiet or cls is PriorityClass.CRITICAL)
+        ):
+            # The lone path, checked first: nothing waits, nothing is paced.
+            return self._run_alone(feeds, names, cls, deadline, client, None)
         state = self._classes[cls]
         if len(state.queue) >= self._policy.max_queued_per_class:
             if self._on_refused is not None:
@@ -395,12 +432,9 @@ class Batcher:
         if client != DEPLOYMENT and held >= self._client_bound:
             raise client_queue_full(client, held, cls, self._policy.max_queued_per_class)
         rows = request_rows(feeds)
-        if cls is PriorityClass.CRITICAL and not self._probing:
-            self._probing = True  # while the critical class is active (`_probed`)
-            asyncio.get_running_loop().call_later(LAG_PROBE_S, self._probe)
         if self._idle_inline(rows, cls) and self._may_start(cls, time.monotonic()):
             charged = self._spend(cls, 1, rows)
-            return self._run_now(feeds, names, cls, deadline, rows, client, charged)
+            return self._run_alone(feeds, names, cls, deadline, client, charged)
         loop = asyncio.get_running_loop()
         arrived = time.monotonic()
         pending = _Pending(
@@ -437,6 +471,9 @@ class Batcher:
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._fold_timer is not None:
+            self._fold_timer.cancel()
+            self._fold_timer = None
         for state in self._classes.values():
             while state.queue:
                 pending = state.queue.popleft()
@@ -585,6 +622,7 @@ class Batcher:
         self._pacing = self._recently_active(PriorityClass.CRITICAL)
         if not self._pacing:
             self._credit = 0.0
+            self._quiet = True
             return True
         self._credit = min(self._credit + elapsed * self._lower_rate(), self._request_cost())
         return self._credit >= 0
@@ -624,13 +662,42 @@ class Batcher:
         return bool(state.queue) or self._fraction(state) > ACTIVE_FRACTION
 
     def _decay(self, now: float) -> None:
+        """Bring each class's decayed time to `now`, and fold in the requests that ran alone
+        since the last fold (`_fold`): whatever reads a class's time calls this first."""
         elapsed = now - self._decayed_at
-        if elapsed <= 0:
-            return
-        factor = 0.5 ** (elapsed / SHARE_HALF_LIFE_S)
-        for state in self._classes.values():
-            state.used_s *= factor
-        self._decayed_at = now
+        if elapsed > 0:
+            factor = 0.5 ** (elapsed / SHARE_HALF_LIFE_S)
+            for state in self._classes.values():
+                state.used_s *= factor
+            self._decayed_at = now
+        if self._alone:
+            self._fold(now)
+
+    def _fold(self, now: float) -> None:
+        """Account the requests that ran alone since the last fold as `_account` would have
+        one by one (their time counted at `now`, at most `FOLD_AFTER_S` late: a small part
+        of `SHARE_HALF_LIFE_S`), and tell `observe_alone`."""
+        if self._fold_timer is not None:
+            self._fold_timer.cancel()
+            self._fold_timer = None
+        alone, self._alone = self._alone, {}
+        requests, inline_s = 0, 0.0
+        for (cls, rows), times in alone.items():
+            seconds = math.fsum(times)
+            state = self._classes[cls]
+            state.used_s += seconds + self._overhead_s * len(times)
+            state.total_s += seconds
+            requests += len(times)
+            inline_s += seconds
+            if self._observe_alone is not None:
+                self._observe_alone(cls, rows, times)
+        self._measure_overhead(now, requests, inline_s)
+
+    def _folded(self) -> None:
+        """The fold's timer (`FOLD_AFTER_S` after the first request left unfolded)."""
+        self._fold_timer = None
+        if not self._closed:
+            self._decay(time.monotonic())
 
     def _take(
         self, state: _ClassState, peek: bool, one: bool = False
@@ -676,20 +743,23 @@ class Batcher:
             and (not self._pad_to or self._padded(rows) == rows)
         )
 
-    def _run_now(
+    def _run_alone(
         self,
         feeds: Mapping[str, np.ndarray],
         names: Sequence[str],
         cls: PriorityClass,
         deadline: float | None,
-        rows: int,
         client: str,
         charged: float | None,
     ) -> list[np.ndarray]:
         """A lone request of an inline model, with nothing else to do: run it here, with no
         queue, future or hop through the loop (on a CPU a tiny model's requests never queue,
         the loop being theirs while each computes, so the batcher would only add its own
-        cost: 10-20 % of the MLP's throughput at 16 clients in bench.serving)."""
+        cost: 10-20 % of the MLP's throughput at 16 clients in bench.serving). Recorded as
+        the unbatched path records a call (its compute time, its client's part); the rest of
+        the bookkeeping (the class's time, the loop's cost per request, the batching series)
+        is folded in a few milliseconds later, or before any of it is read (`_fold`): a
+        call of a model that computes in tens of microseconds pays for nothing else."""
         if deadline is not None and deadline - time.monotonic() < self._compute_s:
             left = max(deadline - time.monotonic(), 0.0)
             raise TooLate(
@@ -702,7 +772,21 @@ class Batcher:
             return runner.run(feeds, names)
         finally:
             seconds = time.perf_counter() - started
-            self._account(runner, cls, seconds, [(client, rows)], [0.0], True, charged)
+            self._free.append(runner)
+            if charged is not None:
+                self._credit += charged - seconds
+            key = (cls, request_rows(feeds))
+            times = self._alone.get(key)
+            if times is None:
+                times = self._alone[key] = []
+                if self._fold_timer is None:
+                    loop = asyncio.get_running_loop()
+                    self._fold_timer = loop.call_later(FOLD_AFTER_S, self._folded)
+            times.append(seconds)
+            if self._on_client_compute is not None and client != DEPLOYMENT:
+                self._on_client_compute(client, seconds)
+            if self._queued and not self._closed:
+                self._schedule(asyncio.get_running_loop())
 
     def _run_inline(
         self,

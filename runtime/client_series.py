@@ -74,6 +74,11 @@ class PlainHistogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
 
+    def observe_many(self, value: float, count: int) -> None:
+        """`count` observations of `value`."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
+
     def cumulative(self) -> list[int]:
         """The buckets' counts, cumulative, copied in one step first (under the GIL): they
         never decrease, and the last (+Inf) is the count."""

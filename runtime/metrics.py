@@ -181,6 +181,14 @@ class ModelMetrics:
         self._batches.observe(cls, rows, compute_s, waits_s)
         self.compute.observe(compute_s)
 
+    def observe_alone(self, cls: str, rows: int, times_s: Sequence[float]) -> None:
+        """Requests of priority class `cls` of `rows` each ran alone, without waiting, each
+        taking one of `times_s` (`runtime.batching.AloneObserver`). Event loop only."""
+        self._batches.observe_alone(cls, rows, times_s)
+        observe = self.compute.observe
+        for seconds in times_s:
+            observe(seconds)
+
     def refused_full(self, cls: str) -> None:
         """One request of priority class `cls` refused: its class's queue (for a batch or a
         worker thread) was full (`runtime.batching.RefusalObserver`). Event loop only."""

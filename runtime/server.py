@@ -443,6 +443,7 @@ async def _batcher(
         pad_to,
         on_refused=metrics.refused_full,
         on_client_compute=metrics.client_computed,
+        observe_alone=metrics.observe_alone,
     )
     if not on_cpu:
         sizes = pad_to

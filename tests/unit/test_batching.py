@@ -244,22 +244,76 @@ async def test_a_lone_request_of_an_inline_model_runs_at_once_on_the_loop(
             threads.append(threading.get_ident())
             return mixer.run(f, o)
 
-    observed: list[tuple[PriorityClass, int, list[float]]] = []
+    batches: list[PriorityClass] = []
+    alone: list[tuple[PriorityClass, int, list[float]]] = []
     queue = Batcher(
         [Recording()],
         BatchPolicy(max_batch_size=8),
         compute_s=0.0,
         inline_below_s=1.0,
-        observe=lambda cls, rows, _s, waits: observed.append((cls, rows, list(waits))),
+        observe=lambda cls, _r, _s, _w: batches.append(cls),
+        observe_alone=lambda cls, rows, times: alone.append((cls, rows, list(times))),
     )
     try:
         (y,) = await queue.infer(feeds(3.0, 2), ("y",), CRITICAL, None)
+        assert alone == []  # folded later, not on the call's path
+        seconds = queue.compute_seconds(CRITICAL)  # a read folds first
     finally:
         queue.close()
     assert np.array_equal(y, mixer.run(feeds(3.0, 2), ("y",))[0])
     assert threads == [threading.get_ident()]  # the loop's own thread, no hand-off
-    assert observed == [(CRITICAL, 2, [0.0])]
-    assert queue.compute_seconds(CRITICAL) > 0
+    assert batches == []
+    assert [(cls, rows) for cls, rows, _ in alone] == [(CRITICAL, 2)]
+    assert seconds == alone[0][2][0] > 0
+
+
+async def test_requests_that_ran_alone_are_folded_in_soon_unread(mixer: OnnxModel) -> None:
+    """Nobody reads the batcher's figures: the lone calls' bookkeeping still reaches the
+    observer, each call once, by the fold's timer."""
+    alone: list[tuple[PriorityClass, int, int]] = []
+    queue = Batcher(
+        [mixer],
+        BatchPolicy(max_batch_size=8),
+        compute_s=0.0,
+        inline_below_s=1.0,
+        observe_alone=lambda cls, rows, times: alone.append((cls, rows, len(times))),
+    )
+    try:
+        for value, rows, cls in ((1.0, 1, STANDARD), (2.0, 1, STANDARD), (3.0, 3, BEST_EFFORT)):
+            await queue.infer(feeds(value, rows), ("y",), cls, None)
+        await wait_for(lambda: len(alone) == 2, "the fold never came")
+    finally:
+        queue.close()
+    assert sorted(alone) == sorted([(STANDARD, 1, 2), (BEST_EFFORT, 3, 1)])
+
+
+async def test_after_critical_calls_on_the_lone_path_the_others_are_paced(
+    mixer: OnnxModel,
+) -> None:
+    """Critical calls that ran alone (their time not folded in yet) make the critical class
+    active: best-effort calls right after them are paced, and one waits in the queue for its
+    credit, where with no critical call before they all run alone at once."""
+
+    async def best_effort_after(critical_calls: int) -> list[PriorityClass]:
+        queued: list[PriorityClass] = []
+        queue = Batcher(
+            [Slow(mixer, 0.002)],
+            BatchPolicy(max_batch_size=8),
+            compute_s=0.002,
+            inline_below_s=1.0,
+            observe=lambda cls, _r, _s, _w: queued.append(cls),
+        )
+        try:
+            for _ in range(critical_calls):
+                await queue.infer(feeds(1.0), ("y",), CRITICAL, None)
+            for _ in range(5):
+                await queue.infer(feeds(2.0), ("y",), BEST_EFFORT, None)
+        finally:
+            queue.close()
+        return queued
+
+    assert await best_effort_after(0) == []
+    assert BEST_EFFORT in await best_effort_after(20)
 
 
 async def test_a_class_is_served_round_robin_across_its_clients(mixer: OnnxModel) -> None:

@@ -78,3 +78,19 @@ def test_a_models_histograms_start_at_zero_and_a_class_appears_at_its_first_batc
         after[("offload_runtime_compute_duration_seconds_count", frozenset({("model", "mlp")}))]
         == 2
     )
+
+
+def test_requests_that_ran_alone_read_as_the_same_batches_told_one_by_one() -> None:
+    """`observe_alone` (the batcher's folded lone path) puts on the page what telling each
+    request as a batch of its rows that waited 0 s puts there."""
+    times = [0.00003, 0.00004, 0.5]
+    folded, one_by_one = RuntimeMetrics(), RuntimeMetrics()
+    folded.for_model("mlp").observe_alone("standard", 2, times)
+    model = one_by_one.for_model("mlp")
+    for seconds in times:
+        model.observe_batch("standard", 2, seconds, [0.0])
+    ours, reference = samples(folded), samples(one_by_one)
+    assert ours.keys() == reference.keys()
+    for key, value in reference.items():
+        assert ours[key] == pytest.approx(value), key
+    assert reference[("offload_runtime_batch_size_count", frozenset({("model", "mlp")}))] == 3
