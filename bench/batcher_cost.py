@@ -4,11 +4,13 @@ on/off throughput for the MLP on a CPU).
 The MLP computes in tens of microseconds, runs on the replica's event loop, and its calls
 reach the batcher one at a time, as fast as the loop parses them: no batch forms (mean
 batch 1.0 in `bench.serving` at 64 clients), so batching can only add its own cost. That
-cost is the batcher's lone-request path (`runtime.batching.Batcher.infer`: the priority
-classes' accounting, the batch, queue-delay and class metrics) against the unbatched
-inline path of `runtime.rpc.servicer` (the run, its compute histogram, the client's
-compute), both on one warm session with one metrics object, in this process, alternating,
-`--repeats` times `--calls` calls each; the medians are printed.
+cost is the batcher's lone-request path (`runtime.batching.Batcher.infer`: the run, the
+client's compute, and the bookkeeping folded in after the calls: the priority classes'
+accounting, the compute histogram, the batch, queue-delay and class metrics; the fold is
+timed with them) against the unbatched inline path of `runtime.rpc.servicer` (the run, its
+compute histogram, the client's compute), both on one warm session with one metrics
+object, in this process, alternating, `--repeats` times `--calls` calls each; the medians
+are printed.
 
     python -m bench.batcher_cost [--quick] [--model mlp] [--calls N] [--repeats R]
                                  [--json FILE]
@@ -73,6 +75,7 @@ async def measure(model_name: str, calls: int, repeats: int) -> dict[str, float]
         started = time.perf_counter()
         for _ in range(calls):
             await batched()
+        batcher.compute_seconds(PriorityClass.STANDARD)  # folds what the calls left (timed)
         on.append((time.perf_counter() - started) / calls * 1e6)
     batcher.close()
     return {

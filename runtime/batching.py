@@ -45,13 +45,15 @@ With `max_queue_delay_s` 0 (the default) a free instance takes what has queued a
 batches form from the requests that arrive while the instances are busy, so one client never
 waits for company; with D > 0 a batch that is not full waits until its oldest request has
 waited D. A request that finds every session free and nothing of its class or a higher one
-queued runs at once. A batch of one request of a model that computes within
-`inline_below_s`, or of a few whose rows compute within `INLINE_BATCH_BELOW_S`, runs on the
-event loop (no thread hand-off, the latency of an unbatched call) on a CPU; any larger batch,
-and every batch on CUDA, runs in its session's own thread, so the loop keeps parsing the next
-requests while it computes. A session is run from that one thread only: ONNX Runtime's CUDA
-provider keeps state per thread, and a session run from alternating threads was 10-60x
-slower on an H200. On CUDA batches are also padded to sizes warmed at load (`pad_to`).
+queued runs at once, recording what an unbatched call records; the rest of its bookkeeping
+is folded in `FOLD_AFTER_S` later (`Batcher._run_alone`). A batch of one request of a model
+that computes within `inline_below_s`, or of a few whose rows compute within
+`INLINE_BATCH_BELOW_S`, runs on the event loop (no thread hand-off, the latency of an
+unbatched call) on a CPU; any larger batch, and every batch on CUDA, runs in its session's
+own thread, so the loop keeps parsing the next requests while it computes. A session is run
+from that one thread only: ONNX Runtime's CUDA provider keeps state per thread, and a
+session run from alternating threads was 10-60x slower on an H200. On CUDA batches are also
+padded to sizes warmed at load (`pad_to`).
 
 Each class's queue holds at most `max_queued_per_class` requests, and one client (not the
 deployment's own calls) at most `CLIENT_QUEUE_SHARE` of them: past either `QueueFull`

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -121,12 +122,19 @@ async def test_batches_in_the_image_answer_each_request_with_its_own_outputs(
             )
         assert outcome.mismatches == []
         assert outcome.answered == sum(not r.bad for r in requests)
-        page = await asyncio.to_thread(_metrics_page, replica.metrics_endpoint)
-        runs = re.search(r"^offload_runtime_batch_size_count\{.*\} (\S+)$", page, re.M)
-        assert runs, page
         # Every good request went through the batcher (one run each at most: this model
-        # computes in microseconds, so a lone request runs at once on the loop).
-        assert 0 < float(runs.group(1)) <= outcome.answered + len(BAD_KINDS)
+        # computes in microseconds, so a lone request runs at once on the loop, and reaches
+        # the batching series a few milliseconds later).
+        deadline = time.monotonic() + 30
+        while True:
+            page = await asyncio.to_thread(_metrics_page, replica.metrics_endpoint)
+            runs = re.search(r"^offload_runtime_batch_size_count\{.*\} (\S+)$", page, re.M)
+            assert runs, page
+            assert float(runs.group(1)) <= outcome.answered + len(BAD_KINDS)
+            if float(runs.group(1)) > 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert float(runs.group(1)) > 0, page
         client = require_docker()
         try:
             logs = client.containers.get(replica.ref).logs().decode()
