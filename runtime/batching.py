@@ -45,9 +45,9 @@ With `max_queue_delay_s` 0 (the default) a free instance takes what has queued a
 batches form from the requests that arrive while the instances are busy, so one client never
 waits for company; with D > 0 a batch that is not full waits until its oldest request has
 waited D. A request that finds every session free and nothing of its class or a higher one
-queued runs at once, recording what an unbatched call records; the rest of its bookkeeping
-is folded in `FOLD_AFTER_S` later (`Batcher._run_alone`). A batch of one request of a model
-that computes within `inline_below_s`, or of a few whose rows compute within
+queued runs at once, recording only its client's part of the compute; the rest of its
+bookkeeping is folded in `FOLD_AFTER_S` later (`Batcher._run_alone`). A batch of one request
+of a model that computes within `inline_below_s`, or of a few whose rows compute within
 `INLINE_BATCH_BELOW_S`, runs on the event loop (no thread hand-off, the latency of an
 unbatched call) on a CPU; any larger batch, and every batch on CUDA, runs in its session's
 own thread, so the loop keeps parsing the next requests while it computes. A session is run
@@ -757,11 +757,11 @@ class Batcher:
         """A lone request of an inline model, with nothing else to do: run it here, with no
         queue, future or hop through the loop (on a CPU a tiny model's requests never queue,
         the loop being theirs while each computes, so the batcher would only add its own
-        cost: 10-20 % of the MLP's throughput at 16 clients in bench.serving). Recorded as
-        the unbatched path records a call (its compute time, its client's part); the rest of
-        the bookkeeping (the class's time, the loop's cost per request, the batching series)
-        is folded in a few milliseconds later, or before any of it is read (`_fold`): a
-        call of a model that computes in tens of microseconds pays for nothing else."""
+        cost: 10-20 % of the MLP's throughput at 16 clients in bench.serving). Its client's
+        part of the compute is recorded at once; the rest of the bookkeeping (the class's
+        time, the loop's cost per request, the compute histogram, the batching series) is
+        folded in `FOLD_AFTER_S` later, or before any of it is read (`_fold`): a call of a
+        model that computes in tens of microseconds pays for little else."""
         if deadline is not None and deadline - time.monotonic() < self._compute_s:
             left = max(deadline - time.monotonic(), 0.0)
             raise TooLate(
