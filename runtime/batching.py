@@ -686,14 +686,19 @@ class Batcher:
         requests, inline_s = 0, 0.0
         for (cls, rows), times in alone.items():
             seconds = math.fsum(times)
-            state = self._classes[cls]
-            state.used_s += seconds + self._overhead_s * len(times)
-            state.total_s += seconds
+            self._charge(cls, seconds, len(times))
             requests += len(times)
             inline_s += seconds
             if self._observe_alone is not None:
                 self._observe_alone(cls, rows, times)
         self._measure_overhead(now, requests, inline_s)
+
+    def _charge(self, cls: PriorityClass, seconds: float, requests: int) -> None:
+        """Count `seconds` of compute for `requests` of `cls`: its decayed time (with each
+        request's loop cost) and its total."""
+        state = self._classes[cls]
+        state.used_s += seconds + self._overhead_s * requests
+        state.total_s += seconds
 
     def _folded(self) -> None:
         """The fold's timer (`FOLD_AFTER_S` after the first request left unfolded)."""
@@ -856,9 +861,7 @@ class Batcher:
         now = time.monotonic()
         self._decay(now)
         self._measure_overhead(now, len(callers), seconds if on_loop else 0.0)
-        state = self._classes[cls]
-        state.used_s += seconds + self._overhead_s * len(callers)
-        state.total_s += seconds
+        self._charge(cls, seconds, len(callers))
         if charged is not None:
             self._credit += charged - seconds
         self._free.append(runner)
